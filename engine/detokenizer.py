@@ -1,0 +1,62 @@
+"""Incremental detokenization and stop strings.
+
+Each new token is decoded by the `tokenizers` library's DecodeStream, which keeps only a small window of
+state (it handles byte-fallback and UTF-8 sequences split across tokens), so the cost per token does not
+grow with the output. Stop strings are searched only in the tail that the new text could complete.
+"""
+
+from __future__ import annotations
+
+from tokenizers.decoders import DecodeStream
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, skip_special_tokens: bool, stop: list[str]) -> None:
+        self._tokenizer = tokenizer
+        self._backend = tokenizer.backend_tokenizer
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._skip_special_tokens = skip_special_tokens
+        self._stop = stop
+        self._max_stop_len = max((len(s) for s in stop), default=0)
+        self.text = ""
+        self._num_reported_chars = 0
+
+    def append(self, token_id: int) -> str | None:
+        """Decode one more token; return the stop string it completed, if any (text is then cut before it)."""
+        piece = self._stream.step(self._backend, token_id)
+        if not piece:
+            return None
+        search_from = max(0, len(self.text) - self._max_stop_len + 1)
+        self.text += piece
+        return self._cut_at_stop(search_from)
+
+    def _cut_at_stop(self, search_from: int) -> str | None:
+        best = None
+        for stop in self._stop:
+            at = self.text.find(stop, search_from)
+            if at != -1 and (best is None or at < best[0]):
+                best = (at, stop)
+        if best is None:
+            return None
+        self.text = self.text[: best[0]]
+        return best[1]
+
+    def finalize(self, output_token_ids: list[int], stopped_by_string: bool) -> None:
+        """At the end, let a full decode settle anything the stream still buffers (an unfinished UTF-8 byte run)."""
+        if stopped_by_string:
+            return
+        full = self._tokenizer.decode(output_token_ids, skip_special_tokens=self._skip_special_tokens)
+        if full.startswith(self.text):
+            self.text = full
+
+    def take_delta(self, finished: bool) -> str:
+        """Text not yet reported. Until the end, hold back a tail that could still grow into a stop string."""
+        limit = len(self.text) if finished else max(self._num_reported_chars, len(self.text) - self._max_stop_len + 1)
+        if self._max_stop_len == 0:
+            limit = len(self.text)
+        delta = self.text[self._num_reported_chars:limit]
+        self._num_reported_chars = limit
+        return delta
+
+    def reported_text(self) -> str:
+        return self.text[: self._num_reported_chars]

@@ -1,0 +1,119 @@
+"""Batched sampling: penalties, temperature, top-k, top-p, min-p, seeded Gumbel-max, logprobs.
+
+Everything is one tensor op over the batch; no Python loop per request. Randomness comes from a
+counter-based hash of (request seed, output position, token id), so a request's samples do not depend
+on which other requests share its batch, on preemption, or on the device: the same seed gives the
+same output, always. Sampling with Gumbel-max (argmax of logits/T + Gumbel noise) draws exactly from
+softmax(logits/T) restricted to the tokens the filters keep.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings, already on the logits' device."""
+
+    temperature: torch.Tensor  # [B] fp32, 0 = greedy
+    top_k: torch.Tensor  # [B] int64, vocab_size when disabled
+    top_p: torch.Tensor  # [B] fp32
+    min_p: torch.Tensor  # [B] fp32
+    seeds: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64: index of the output token being drawn
+    repetition_penalty: torch.Tensor | None = None  # [B] fp32, None when no row uses penalties
+    presence_penalty: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+    prompt_token_mask: torch.Tensor | None = None  # [B, V] bool: token occurs in the prompt
+    output_token_counts: torch.Tensor | None = None  # [B, V] fp32: occurrences in the output so far
+    banned_token_mask: torch.Tensor | None = None  # [B, V] bool: EOS/stop ids before min_tokens
+    max_num_logprobs: int | None = None  # largest `logprobs` asked for in the batch, None if none
+    needs_filters: bool = True  # False when no row uses top-k, top-p or min-p: skips the sort
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperature == 0).all())
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    sampled_logprobs: torch.Tensor | None  # [B] fp32 log-prob of each sampled token
+    top_logprobs: torch.Tensor | None  # [B, K] fp32
+    top_token_ids: torch.Tensor | None  # [B, K] int64
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """logits [B, V] fp32 (raw model output) -> one token per row."""
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_num_logprobs is not None else None
+    logits = apply_penalties(logits, batch)
+    if batch.banned_token_mask is not None:
+        logits = logits.masked_fill(batch.banned_token_mask, float("-inf"))
+    greedy_ids = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        token_ids = greedy_ids
+    else:
+        scaled = logits / batch.temperature.clamp_min(1e-6)[:, None]
+        filtered = apply_filters(scaled, batch) if batch.needs_filters else scaled
+        noise = gumbel_noise(batch.seeds, batch.positions, logits.shape[-1])
+        sampled_ids = (filtered + noise).argmax(dim=-1)
+        token_ids = torch.where(batch.temperature == 0, greedy_ids, sampled_ids)
+    if raw_logprobs is None:
+        return SamplerOutput(token_ids, None, None, None)
+    sampled_logprobs = raw_logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
+    top_logprobs, top_ids = raw_logprobs.topk(batch.max_num_logprobs, dim=-1) if batch.max_num_logprobs else (
+        raw_logprobs[:, :0], token_ids[:, None][:, :0])
+    return SamplerOutput(token_ids, sampled_logprobs, top_logprobs, top_ids)
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition penalty over prompt+output tokens (as transformers), presence/frequency over outputs (as OpenAI)."""
+    if batch.repetition_penalty is None:
+        return logits
+    counts = batch.output_token_counts
+    seen = batch.prompt_token_mask | (counts > 0)
+    penalty = batch.repetition_penalty[:, None]
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - batch.frequency_penalty[:, None] * counts
+    return logits - batch.presence_penalty[:, None] * (counts > 0).float()
+
+
+def apply_filters(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """top-k, then top-p over what remains, then min-p (transformers' order). Removed tokens get -inf."""
+    vocab_size = logits.shape[-1]
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab_size, device=logits.device)[None, :]
+    remove = ranks >= batch.top_k[:, None]
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
+    remove |= mass_before >= batch.top_p[:, None]
+    remove |= probs < batch.min_p[:, None] * probs[:, :1]
+    remove[:, 0] = False  # the best token always survives
+    keep_sorted = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_ids, keep_sorted)
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] Gumbel(0, 1) noise, a pure function of (seed, position, token id)."""
+    token_ids = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    row_key = _fmix32(_fmix32((seeds >> 32) & _MASK32) ^ (seeds & _MASK32))
+    row_key = _fmix32(row_key ^ _fmix32(positions & _MASK32))
+    bits = _fmix32(_fmix32(row_key[:, None] ^ ((token_ids * 0x9E3779B9) & _MASK32)[None, :]))
+    uniform = ((bits >> 8).float() + 0.5) / float(1 << 24)  # 24 bits: exact in fp32, strictly inside (0, 1)
+    return -torch.log(-torch.log(uniform))
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's finaliser on int64 tensors holding 32-bit values (products wrap; the mask keeps 32 bits)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _MASK32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _MASK32
+    return h ^ (h >> 16)

@@ -1,0 +1,86 @@
+"""Sampling parameters of one request (vLLM's names and defaults), validated on construction."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class RequestOutputKind(enum.Enum):
+    """What `LLMEngine.step()` reports for a request each time it advances."""
+
+    CUMULATIVE = "cumulative"  # all tokens/text so far
+    DELTA = "delta"  # only what is new since the last report
+    FINAL_ONLY = "final_only"  # nothing until the request finishes, then everything
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) disables
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        if self.top_k == 0:
+            self.top_k = -1
+        self._validate()
+
+    def _validate(self) -> None:
+        def check(ok: bool, name: str, message: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
+
+        check(_is_int(self.n) and self.n == 1, "n", "must be 1 (parallel sampling is not supported yet)")
+        check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
+        check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+              "min_tokens", "must be an integer in [0, max_tokens]")
+        check(_is_number(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
+        check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        check(_is_int(self.top_k) and self.top_k >= -1, "top_k", "must be -1 (disabled) or a positive integer")
+        check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
+        check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+              "repetition_penalty", "must be > 0")
+        check(_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+              "presence_penalty", "must be in [-2, 2]")
+        check(_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+              "frequency_penalty", "must be in [-2, 2]")
+        check(self.seed is None or _is_int(self.seed), "seed", "must be an integer or None")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", "must hold non-empty strings")
+        check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative token ids")
+        check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
+              "logprobs", "must be None or an integer >= 0")
+        check(isinstance(self.output_kind, RequestOutputKind), "output_kind", "must be a RequestOutputKind")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -1,0 +1,157 @@
+"""Plain-PyTorch reference implementations of every kernel the engine calls.
+
+These define the contract (shapes, dtypes, semantics) that the Triton kernels must match, and they are
+what runs on CPU. Layout of the paged cache, fixed for the whole project:
+
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    slot = physical_block * block_size + offset_in_block
+
+All attention math accumulates in fp32 and returns the query's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write key/value [T, Hkv, D] into the caches at slot_mapping [T]; slot -1 means skip."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    flat_k = k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    flat_v = v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    flat_k[slots] = key[keep].to(k_cache.dtype)
+    flat_v[slots] = value[keep].to(v_cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    """Contiguous [context_len, Hkv, D] view of one sequence's cached keys or values."""
+    block_size = cache.shape[1]
+    num_blocks = (context_len + block_size - 1) // block_size
+    blocks = cache[block_table[:num_blocks].long()]
+    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:context_len]
+
+
+def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """query [Q, Hq, D], key/value [K, Hkv, D], mask [Q, K] (True = attend) -> [Q, Hq, D] fp32."""
+    num_q_heads, num_kv_heads = query.shape[1], key.shape[1]
+    group = num_q_heads // num_kv_heads
+    q = query.float().view(query.shape[0], num_kv_heads, group, query.shape[2])
+    scores = torch.einsum("qhgd,khd->hgqk", q, key.float()) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("hgqk,khd->qhgd", probs, value.float())
+    return out.reshape(query.shape[0], num_q_heads, query.shape[2])
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query per sequence at position context_len-1, attending to all context_len cached tokens.
+
+    query [S, Hq, D]; block_tables [S, M] int32; context_lens [S] int32 -> [S, Hq, D].
+    Vectorised over sequences (gather padded to M blocks, mask the tail): this is also the CPU hot path.
+    """
+    num_seqs, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    max_len = block_tables.shape[1] * block_size
+    tables = block_tables.long()
+    keys = k_cache[tables].view(num_seqs, max_len, num_kv_heads, head_dim).float()
+    values = v_cache[tables].view(num_seqs, max_len, num_kv_heads, head_dim).float()
+    group = num_q_heads // num_kv_heads
+    q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.einsum("shgd,skhd->shgk", q, keys) * scale
+    positions = torch.arange(max_len, device=query.device)
+    valid = positions[None, :] < context_lens[:, None].long()
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("shgk,skhd->shgd", probs, values)
+    return out.reshape(num_seqs, num_q_heads, head_dim).to(query.dtype)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for a packed batch of query chunks whose K/V are already in the cache.
+
+    query [T, Hq, D]; cu_seqlens_q [S+1] int32; context_lens [S] int32 (cached prefix + this chunk).
+    Query i of sequence s sits at position context_len - q_len + i and sees positions <= its own.
+    """
+    out = torch.empty_like(query)
+    starts = cu_seqlens_q.tolist()
+    lens = context_lens.tolist()
+    for seq, context_len in enumerate(lens):
+        q_start, q_end = starts[seq], starts[seq + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        keys = gather_kv(k_cache, block_tables[seq], context_len)
+        values = gather_kv(v_cache, block_tables[seq], context_len)
+        q_pos = torch.arange(context_len - q_len, context_len, device=query.device)
+        k_pos = torch.arange(context_len, device=query.device)
+        mask = k_pos[None, :] <= q_pos[:, None]
+        out[q_start:q_end] = _attend(query[q_start:q_end], keys, values, mask, scale).to(query.dtype)
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused residual add + RMSNorm, with transformers' numerics (variance in fp32, cast, then weight).
+
+    Returns (normed, new_residual) where new_residual = x + residual (or x when residual is None).
+    x, residual [T, H]; weight [H].
+    """
+    if residual is not None:
+        x = x + residual
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    normed = (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
+    return weight * normed, x
+
+
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of [T, H, D] (Qwen3's per-head q/k norm)."""
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def rotary_embedding(
+    query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox ("rotate half") RoPE. query [T, Hq, D], key [T, Hkv, D], positions [T] int64,
+    cos_sin_cache [max_pos, D] fp32 = cat(cos[:, :D/2], sin[:, :D/2]). Returns new (query, key)."""
+    half = cos_sin_cache.shape[1] // 2
+    cos_sin = cos_sin_cache[positions]
+    cos = cos_sin[:, :half].repeat(1, 2)[:, None, :]
+    sin = cos_sin[:, half:].repeat(1, 2)[:, None, :]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        c, s = cos.to(x.dtype), sin.to(x.dtype)
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * c + rotated * s
+
+    return rotate(query), rotate(key)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] packed (gate | up) -> silu(gate) * up, [T, I]."""
+    half = gate_up.shape[-1] // 2
+    return torch.nn.functional.silu(gate_up[..., :half]) * gate_up[..., half:]
