@@ -18,20 +18,15 @@ from engine.block_manager import BlockManager
 from engine.request import Request, RequestStatus
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduledRequest:
+    """One request's share of a step, fixed when scheduled (the request itself moves on afterwards)."""
+
     request: Request
     num_new_tokens: int
+    start_position: int  # the request's num_computed_tokens when scheduled
     block_table: list[int]
-
-    @property
-    def start_position(self) -> int:
-        return self.request.num_computed_tokens
-
-    @property
-    def needs_sample(self) -> bool:
-        """True when this chunk reaches the request's last token, so its logits yield the next token."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    needs_sample: bool  # this chunk reaches the request's last token, so its logits yield the next token
 
 
 @dataclass
@@ -146,7 +141,9 @@ class Scheduler:
         return budget
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        return ScheduledRequest(request, num_new, self.block_manager.block_table(request.request_id))
+        start = request.num_computed_tokens
+        return ScheduledRequest(request, num_new, start, self.block_manager.block_table(request.request_id),
+                                needs_sample=start + num_new == request.num_tokens)
 
     # ---- after the forward pass -----------------------------------------------------------------
     def update_from_output(

@@ -1,0 +1,99 @@
+"""Shared fixtures: small random-weight checkpoints made with transformers' own classes, and an offline tokenizer."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Tests compare against transformers on CPU in fp32: keep torch's threading predictable on 2 cores.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+VOCAB_SIZE = 512
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores the key value cache in fixed size blocks.",
+    "A scheduler batches requests continuously; finished ones leave, new ones join.",
+    "Redis streams carry jobs to workers and results back to producers.",
+    "Numbers like 12345 and 67890, symbols like #, $, % and unicode like café or naïve.",
+] * 20
+
+
+def build_tokenizer(folder: Path):
+    """A byte-level BPE tokenizer trained here, offline, wrapped as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token=None))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    backend.train_from_iterator(_CORPUS, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def _tiny_config(architecture: str):
+    import transformers
+
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.2)
+    if architecture == "llama":
+        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        return transformers.LlamaConfig(**common, rope_parameters=rope, tie_word_embeddings=False)
+    if architecture == "mistral":
+        return transformers.MistralConfig(**{**common, "num_key_value_heads": 1}, sliding_window=None,
+                                          tie_word_embeddings=False)
+    if architecture == "qwen2":
+        return transformers.Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False)
+    if architecture == "qwen3":
+        # head_dim 32 with hidden 64 and 4 heads: head_dim != hidden / heads.
+        return transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True, use_sliding_window=False)
+    raise ValueError(architecture)
+
+
+_MODEL_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = tuple(_MODEL_CLASSES)
+
+
+def build_checkpoint(folder: Path, architecture: str, seed: int = 0) -> Path:
+    import transformers
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, _MODEL_CLASSES[architecture])(_tiny_config(architecture))
+    model.save_pretrained(folder)
+    build_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def checkpoint_factory(tmp_path_factory):
+    cache: dict[str, Path] = {}
+
+    def make(architecture: str) -> Path:
+        if architecture not in cache:
+            cache[architecture] = build_checkpoint(tmp_path_factory.mktemp(architecture), architecture)
+        return cache[architecture]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(checkpoint_factory) -> Path:
+    return checkpoint_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir() -> Path:
+    from engine.demo_model import demo_model_path
+
+    return demo_model_path()

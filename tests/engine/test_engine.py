@@ -1,0 +1,201 @@
+"""Engine behaviour: seeds, stop conditions, logprobs, penalties, step API, aborts, bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine import LLM, LLMEngine, RequestOutputKind, SamplingParams
+from tests.engine.parity import assert_greedy_parity
+
+PROMPTS = ["The quick brown fox", "Paged attention stores", "Numbers like 12345", "A scheduler batches"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(tiny_llama_dir, num_kv_blocks=64, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+def test_same_seed_same_output_whatever_the_batch(llm):
+    params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=42, ignore_eos=True)
+    alone = llm.generate(PROMPTS[0], params)[0].outputs[0].token_ids
+    in_batch = llm.generate(PROMPTS, params)[0].outputs[0].token_ids
+    assert alone == in_batch
+    other_seed = llm.generate(PROMPTS[0], dataclasses.replace(params, seed=43))[0].outputs[0].token_ids
+    assert other_seed != alone
+    unseeded = [o.outputs[0].token_ids for o in llm.generate([PROMPTS[0]] * 2, dataclasses.replace(params, seed=None))]
+    assert unseeded[0] != unseeded[1]
+
+
+def test_seeded_output_survives_preemption(tiny_llama_dir):
+    params = SamplingParams(max_tokens=32, temperature=0.9, seed=5, ignore_eos=True)
+    roomy = LLM(tiny_llama_dir).generate(PROMPTS, params)
+    tight_llm = LLM(tiny_llama_dir, num_kv_blocks=6, block_size=16, max_num_batched_tokens=16)
+    tight = tight_llm.generate(PROMPTS, params)
+    assert tight_llm.stats()["num_preemptions"] > 0
+    assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in roomy]
+
+
+def test_stop_string_cuts_the_text(llm):
+    base = llm.generate(PROMPTS[1], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    stop = base.text[len(base.text) // 2: len(base.text) // 2 + 3]
+    assert stop.strip(), f"degenerate stop string from {base.text!r}"
+    out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop]))
+    completion = out[0].outputs[0]
+    assert completion.text == base.text[: base.text.index(stop)]
+    assert completion.finish_reason == "stop" and completion.stop_reason == stop
+    assert completion.token_ids == base.token_ids[: len(completion.token_ids)]
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    base = llm.generate(PROMPTS[2], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    stop_token = base.token_ids[3]
+    first = base.token_ids.index(stop_token)
+    out = llm.generate(PROMPTS[2], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                                                  stop_token_ids=[stop_token]))[0].outputs[0]
+    assert out.token_ids == base.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_token
+    late = llm.generate(PROMPTS[2], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
+                                                   stop_token_ids=[stop_token], min_tokens=first + 2))[0].outputs[0]
+    assert stop_token not in late.token_ids[: first + 2]
+
+
+def test_logprobs_match_log_softmax_of_transformers_logits(llm, hf_model):
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3))[0]
+    completion = out.outputs[0]
+    sequence = torch.tensor([out.prompt_token_ids + completion.token_ids])
+    with torch.no_grad():
+        logits = hf_model(sequence).logits[0]
+    n = len(out.prompt_token_ids)
+    total = 0.0
+    for step, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+        reference = torch.log_softmax(logits[n - 1 + step], dim=-1)
+        top = reference.topk(3)
+        assert set(entry) == set(top.indices.tolist()) | {token}
+        for token_id, logprob in entry.items():
+            assert logprob == pytest.approx(reference[token_id].item(), abs=1e-4)
+        total += reference[token].item()
+    assert completion.cumulative_logprob == pytest.approx(total, abs=1e-3)
+
+
+def test_repetition_penalty_matches_transformers(llm, hf_model):
+    prompt_ids = llm.get_tokenizer().encode(PROMPTS[3])
+    out = llm.generate([prompt_ids], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                                                    repetition_penalty=1.5))[0].outputs[0]
+    hf = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                           repetition_penalty=1.5, return_dict_in_generate=True, output_logits=True, pad_token_id=0)
+    assert_greedy_parity(out.token_ids, hf.sequences[0, len(prompt_ids):].tolist(), [s[0] for s in hf.logits])
+
+
+def test_eos_stops_unless_ignored(tiny_llama_dir, llm):
+    base = llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    engine = LLMEngine(tiny_llama_dir)
+    engine.model_config.eos_token_ids = (base.token_ids[4],)
+    engine.add_request("r", PROMPTS[0], SamplingParams(max_tokens=12, temperature=0.0))
+    final = _drain(engine)["r"]
+    assert final.outputs[0].token_ids == base.token_ids[: base.token_ids.index(base.token_ids[4]) + 1]
+    assert final.outputs[0].finish_reason == "stop" and final.outputs[0].stop_reason is None
+
+
+def _drain(engine: LLMEngine) -> dict:
+    finals = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+    return finals
+
+
+def test_step_api_deltas_concatenate_to_the_final_output(tiny_llama_dir, llm):
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=["zz-never"])
+    expected = llm.generate(PROMPTS[1], params)[0].outputs[0]
+    engine = LLMEngine(tiny_llama_dir)
+    engine.add_request("d", PROMPTS[1], dataclasses.replace(params, output_kind=RequestOutputKind.DELTA))
+    engine.add_request("c", PROMPTS[1], params)  # CUMULATIVE
+    tokens, text, reports = [], "", 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.request_id == "d":
+                tokens += output.outputs[0].token_ids
+                text += output.outputs[0].text
+                reports += 1
+            else:
+                assert output.outputs[0].token_ids == expected.token_ids[: len(output.outputs[0].token_ids)]
+    assert tokens == expected.token_ids and text == expected.text and reports == 30
+
+
+def test_abort_frees_blocks_and_returns_partial_output(tiny_llama_dir):
+    engine = LLMEngine(tiny_llama_dir, num_kv_blocks=32)
+    engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_request("b", PROMPTS[1], SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(5):
+        engine.step()
+    assert engine.num_free_blocks < 32
+    final = engine.abort_request("a")
+    assert final.finished and final.outputs[0].finish_reason == "abort" and len(final.outputs[0].token_ids) == 5
+    assert engine.abort_request("a") is None
+    engine.abort_request("b")
+    assert engine.num_free_blocks == 32 and not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.5), "temperature"), (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"), (dict(min_p=2.0), "min_p"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(stop=[""]), "stop"), (dict(logprobs=-1), "logprobs"),
+    (dict(max_tokens="3"), "max_tokens"), (dict(seed=1.5), "seed"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("prompt,message", [
+    ("", "empty"), ([], "empty"), ([1, 2, 10**6], r"token ids must be in \[0, 512\)"), ([1, -1], "token ids"),
+    ([1, "x"], "list of integer"), (None, "string or a list"),
+])
+def test_bad_prompts_are_refused_and_leave_the_engine_serving(tiny_llama_dir, prompt, message):
+    engine = LLMEngine(tiny_llama_dir, num_kv_blocks=16)
+    engine.add_request("ok", PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True))
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("bad", prompt, SamplingParams(max_tokens=4))
+    assert engine.num_unfinished_requests == 1
+    assert len(_drain(engine)["ok"].outputs[0].token_ids) == 4
+
+
+def test_requests_that_can_never_fit_are_refused(tiny_llama_dir):
+    engine = LLMEngine(tiny_llama_dir, num_kv_blocks=4, block_size=16)  # 64 slots in all; max length 512
+    with pytest.raises(ValueError, match="exceeds the model's max length 512"):
+        engine.add_request("long", [5] * 500, SamplingParams(max_tokens=20))
+    with pytest.raises(ValueError, match="needs 5 KV blocks but the whole cache has 4"):
+        engine.add_request("big", [5] * 60, SamplingParams(max_tokens=20))
+    engine.add_request("fits", [5] * 40, SamplingParams(max_tokens=24, ignore_eos=True))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("fits", [5], SamplingParams())
+    assert len(_drain(engine)["fits"].outputs[0].token_ids) == 24
+
+
+def test_unsupported_architecture_is_named(tmp_path, tiny_llama_dir):
+    import json
+    import shutil
+
+    shutil.copytree(tiny_llama_dir, tmp_path / "m", dirs_exist_ok=True)
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'; supported: LlamaForCausalLM"):
+        LLM(tmp_path / "m")
+
+
+def test_per_prompt_params_and_input_order(llm):
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 9, 1, 5)]
+    outputs = llm.generate(PROMPTS, params)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 9, 1, 5]
+    assert [o.prompt for o in outputs] == PROMPTS

@@ -1,0 +1,169 @@
+"""Block manager and scheduler with no model: a fake runner 'samples' a fixed token for whoever needs one."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.block_manager import BlockManager
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+BLOCK = 4
+
+
+def make_request(request_id: str, prompt_len: int, max_tokens: int = 8, priority: int = 0) -> Request:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return Request(request_id, list(range(1, prompt_len + 1)), params, priority=priority)
+
+
+def run_step(scheduler: Scheduler, token: int = 7):
+    output = scheduler.schedule()
+    sampled = {s.request.request_id: token for s in output.scheduled if s.needs_sample}
+    finished_before = {r.request_id for r in scheduler.running}
+    scheduler.update_from_output(output, sampled, max_model_len=10_000)
+    return output, finished_before
+
+
+def test_blocks_are_allocated_only_when_the_last_one_is_full():
+    manager = BlockManager(num_blocks=10, block_size=BLOCK)
+    assert manager.allocate_slots("a", 5)
+    assert len(manager.block_table("a")) == 2 and manager.num_free_blocks == 8
+    for total in (6, 7, 8):  # still inside the second block
+        assert manager.allocate_slots("a", total)
+        assert len(manager.block_table("a")) == 2
+    assert manager.allocate_slots("a", 9)
+    assert len(manager.block_table("a")) == 3
+    assert manager.kv_slot_utilization() == pytest.approx(9 / 12)
+    manager.free("a")
+    assert manager.num_free_blocks == 10 and manager.block_table("a") == []
+
+
+def test_failed_allocation_changes_nothing():
+    manager = BlockManager(num_blocks=3, block_size=BLOCK)
+    assert manager.allocate_slots("a", 8)
+    assert not manager.allocate_slots("b", 8)
+    assert manager.num_free_blocks == 1 and manager.block_table("b") == []
+
+
+def test_slot_mapping_follows_the_block_table():
+    manager = BlockManager(num_blocks=6, block_size=BLOCK)
+    manager.allocate_slots("x", 4)
+    manager.allocate_slots("y", 4)
+    manager.allocate_slots("x", 6)  # x: blocks [0, 2]
+    assert manager.block_table("x") == [0, 2]
+    assert manager.slot_mapping("x", 2, 6) == [2, 3, 8, 9]
+
+
+def test_chunked_prefill_samples_only_on_the_last_chunk():
+    scheduler = Scheduler(BlockManager(64, BLOCK), max_num_seqs=4, max_num_batched_tokens=6)
+    request = make_request("a", prompt_len=14)
+    scheduler.add_request(request)
+    chunks = []
+    while request.num_output_tokens == 0:
+        output, _ = run_step(scheduler)
+        (item,) = output.scheduled
+        chunks.append((item.num_new_tokens, item.needs_sample))
+    assert chunks == [(6, False), (6, False), (2, True)]
+    output, _ = run_step(scheduler)
+    assert [(s.num_new_tokens, s.start_position) for s in output.scheduled] == [(1, 14)]
+
+
+def test_budget_mixes_decodes_and_prefill_chunks():
+    scheduler = Scheduler(BlockManager(64, BLOCK), max_num_seqs=4, max_num_batched_tokens=8)
+    scheduler.add_request(make_request("a", prompt_len=3))
+    run_step(scheduler)  # a prefilled, now decoding
+    scheduler.add_request(make_request("b", prompt_len=20))
+    output, _ = run_step(scheduler)
+    assert [(s.request.request_id, s.num_new_tokens) for s in output.scheduled] == [("a", 1), ("b", 7)]
+    assert output.num_batched_tokens == 8
+
+
+def test_max_num_seqs_caps_the_running_set():
+    scheduler = Scheduler(BlockManager(64, BLOCK), max_num_seqs=2, max_num_batched_tokens=100)
+    for name in "abc":
+        scheduler.add_request(make_request(name, prompt_len=2))
+    output, _ = run_step(scheduler)
+    assert [s.request.request_id for s in output.scheduled] == ["a", "b"]
+    assert scheduler.num_waiting == 1
+
+
+def test_finished_requests_free_their_blocks():
+    manager = BlockManager(16, BLOCK)
+    scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64)
+    requests = [make_request(str(i), prompt_len=5, max_tokens=3) for i in range(3)]
+    for request in requests:
+        scheduler.add_request(request)
+    while scheduler.has_unfinished():
+        run_step(scheduler)
+    assert all(r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 3 for r in requests)
+    assert manager.num_free_blocks == 16
+
+
+def test_abort_of_running_and_waiting_requests_leaks_nothing():
+    manager = BlockManager(16, BLOCK)
+    scheduler = Scheduler(manager, max_num_seqs=1, max_num_batched_tokens=64)
+    running, waiting = make_request("r", prompt_len=9), make_request("w", prompt_len=3)
+    scheduler.add_request(running)
+    scheduler.add_request(waiting)
+    run_step(scheduler)
+    assert running.status is RequestStatus.RUNNING and manager.num_free_blocks == 13
+    scheduler.finish_request(running, RequestStatus.FINISHED_ABORTED)
+    scheduler.finish_request(waiting, RequestStatus.FINISHED_ABORTED)
+    assert manager.num_free_blocks == 16 and not scheduler.has_unfinished()
+
+
+def test_preemption_takes_the_most_recently_admitted_and_requeues_it_first():
+    manager = BlockManager(6, BLOCK)
+    scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64)
+    first, second, third = (make_request(n, prompt_len=8, max_tokens=8) for n in ("first", "second", "third"))
+    for request in (first, second, third):
+        scheduler.add_request(request)
+    run_step(scheduler)  # all three prefilled: 2 blocks each, pool empty
+    assert manager.num_free_blocks == 0
+    late = make_request("late", prompt_len=2)
+    scheduler.add_request(late)
+    output, _ = run_step(scheduler)  # first needs a 3rd block: third (last admitted) is preempted
+    assert [r.request_id for r in output.preempted] == ["third"]
+    assert third.status is RequestStatus.PREEMPTED and third.num_computed_tokens == 0
+    assert [r.request_id for r in scheduler.waiting] == ["third", "late"]  # ahead of the new arrival
+    assert not any(s.request is late for s in output.scheduled)  # nobody is admitted in a preempting step
+
+
+def test_waiting_queue_admits_higher_priority_first():
+    scheduler = Scheduler(BlockManager(16, BLOCK), max_num_seqs=1, max_num_batched_tokens=64)
+    for name, priority in (("low", -1), ("mid", 0), ("high", 5), ("mid2", 0)):
+        scheduler.add_request(make_request(name, 2, priority=priority))
+    assert [r.request_id for r in scheduler.waiting] == ["high", "mid", "mid2", "low"]
+
+
+def test_lower_priority_is_preempted_before_a_later_higher_priority_one():
+    manager = BlockManager(4, BLOCK)
+    scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64)
+    low, high = make_request("low", 4, priority=-1), make_request("high", 4, priority=5)
+    scheduler.add_request(low)
+    run_step(scheduler)
+    scheduler.add_request(high)
+    run_step(scheduler)
+    assert [r.request_id for r in scheduler.running] == ["low", "high"]  # high is the most recent
+    preempted = []
+    while not preempted:
+        output, _ = run_step(scheduler)
+        preempted = output.preempted
+    assert [r.request_id for r in preempted] == ["low"]
+
+
+def test_preempted_request_resumes_and_recomputes_its_outputs():
+    manager = BlockManager(5, BLOCK)
+    scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = make_request("a", 7, max_tokens=6), make_request("b", 7, max_tokens=6)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    recomputed = []
+    while scheduler.has_unfinished():
+        output, _ = run_step(scheduler)
+        recomputed += [s.num_new_tokens for s in output.scheduled if s.request is b and s.start_position == 0]
+    assert b.num_preemptions >= 1
+    assert len(recomputed) >= 2 and recomputed[-1] > 7  # re-admitted with prompt + earlier outputs
+    assert a.num_output_tokens == b.num_output_tokens == 6
+    assert manager.num_free_blocks == 5
