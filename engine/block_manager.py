@@ -1,33 +1,51 @@
-"""Physical KV blocks: a free pool, reference counts, and one block table per request.
+"""Physical KV blocks: a free pool, reference counts, block tables, prefix caching and copy-on-write.
 
 A block table maps a request's logical block i (token positions i*block_size ... (i+1)*block_size-1)
 to a physical block of the cache tensors. Blocks are taken from the pool only when a request's last
 block is full, so a request never holds more than block_size-1 empty slots.
+
+Sharing: a block may appear in several tables (forked samples and beams, identical prefixes), counted
+by its reference count. A full block is immutable and identified by a hash chain over its tokens and
+every token before it; with prefix caching a new request starts from the cached blocks of its longest
+cached prefix. A block whose count drops to zero but which holds a hashed full block stays reusable
+(evictable, least recently used first) until the pool needs it. Writing into a shared, partly filled
+block copies it first (copy-on-write); the copies are returned for the model runner to perform.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict, deque
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_total_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self._free_block_ids: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 but cached, oldest first
         self._ref_counts = [0] * num_blocks
+        self._fill = [0] * num_blocks  # slots holding tokens, per block in use
+        self._filled_slots = 0
+        self._hash_of_block: dict[int, bytes] = {}
+        self._block_of_hash: dict[bytes, int] = {}
         self._block_tables: dict[str, list[int]] = {}
-        self._num_slots_used: dict[str, int] = {}
+        self._block_hashes: dict[str, list[bytes]] = {}  # hashes of each request's full blocks, in order
+        self.num_prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.num_prefix_hits = 0  # of which found
 
+    # ---- sizes ---------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_block_ids)
+        return len(self._free_block_ids) + len(self._evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_total_blocks - len(self._free_block_ids)
+        return self.num_total_blocks - self.num_free_blocks
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -38,42 +56,147 @@ class BlockManager:
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
 
-    def num_blocks_to_grow(self, request_id: str, num_tokens: int) -> int:
-        """How many new blocks `request_id` needs to hold `num_tokens` tokens in all."""
-        return max(0, self.blocks_for_tokens(num_tokens) - len(self.block_table(request_id)))
+    def num_shared_block_refs(self) -> int:
+        """Block-table entries served by a block that another entry already uses: memory saved by sharing."""
+        return sum(len(t) for t in self._block_tables.values()) - self.num_used_blocks
 
-    def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
-        """Grow the request's table to hold `num_tokens` tokens; False (and no change) if the pool is short."""
-        needed = self.num_blocks_to_grow(request_id, num_tokens)
-        if needed > len(self._free_block_ids):
-            return False
-        table = self._block_tables.setdefault(request_id, [])
-        for _ in range(needed):
+    def kv_slot_utilization(self) -> float:
+        """Slots holding tokens / slots in blocks in use (1.0 when none is in use)."""
+        used = self.num_used_blocks
+        return self._filled_slots / (used * self.block_size) if used else 1.0
+
+    # ---- allocation ------------------------------------------------------------------------------
+    def _take_block(self) -> int:
+        if self._free_block_ids:
             block_id = self._free_block_ids.popleft()
-            self._ref_counts[block_id] = 1
-            table.append(block_id)
-        self._num_slots_used[request_id] = max(self._num_slots_used.get(request_id, 0), num_tokens)
-        return True
+        else:
+            block_id, _ = self._evictable.popitem(last=False)  # least recently used cached block
+            del self._block_of_hash[self._hash_of_block.pop(block_id)]
+        self._ref_counts[block_id] = 1
+        return block_id
+
+    def _retain(self, block_id: int) -> None:
+        if self._ref_counts[block_id] == 0:
+            self._evictable.pop(block_id)
+            self._set_fill(block_id, self.block_size)  # only full blocks are cached
+        self._ref_counts[block_id] += 1
+
+    def _release(self, block_id: int) -> None:
+        self._ref_counts[block_id] -= 1
+        if self._ref_counts[block_id] > 0:
+            return
+        self._set_fill(block_id, 0)
+        if block_id in self._hash_of_block:
+            self._evictable[block_id] = None
+        else:
+            self._free_block_ids.append(block_id)
+
+    def _set_fill(self, block_id: int, fill: int) -> None:
+        self._filled_slots += fill - self._fill[block_id]
+        self._fill[block_id] = fill
+
+    def can_allocate(self, request_id: str, num_computed: int, num_tokens: int) -> bool:
+        return self._blocks_needed(request_id, num_computed, num_tokens) <= self.num_free_blocks
+
+    def _blocks_needed(self, request_id: str, num_computed: int, num_tokens: int) -> int:
+        table = self.block_table(request_id)
+        grow = max(0, self.blocks_for_tokens(num_tokens) - len(table))
+        return grow + (1 if self._shared_write_block(table, num_computed, num_tokens) is not None else 0)
+
+    def _shared_write_block(self, table: list[int], num_computed: int, num_tokens: int) -> int | None:
+        """Index in `table` of a shared block that positions [num_computed, num_tokens) would write into."""
+        index = num_computed // self.block_size
+        if num_tokens > num_computed and index < len(table) and self._ref_counts[table[index]] > 1:
+            return index
+        return None
+
+    def allocate_slots(self, request_id: str, num_computed: int, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Make positions [num_computed, num_tokens) of a request writable.
+
+        Grows its table and un-shares a shared block it is about to write into. Returns the block copies
+        (src, dst) that must happen before the write, or None (and no change) if the pool is short.
+        """
+        if not self.can_allocate(request_id, num_computed, num_tokens):
+            return None
+        table = self._block_tables.setdefault(request_id, [])
+        copies = []
+        shared = self._shared_write_block(table, num_computed, num_tokens)
+        if shared is not None:
+            source, target = table[shared], self._take_block()
+            self._set_fill(target, self._fill[source])
+            self._release(source)
+            table[shared] = target
+            copies.append((source, target))
+        while len(table) < self.blocks_for_tokens(num_tokens):
+            table.append(self._take_block())
+        size = self.block_size
+        for index in range(num_computed // size, self.blocks_for_tokens(num_tokens)):
+            block_id = table[index]
+            self._set_fill(block_id, max(self._fill[block_id], min(size, num_tokens - index * size)))
+        return copies
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares every block of the parent (copy-on-write later)."""
+        table = list(self._block_tables.get(parent_id, []))
+        for block_id in table:
+            self._retain(block_id)
+        self._block_tables[child_id] = table
+        self._block_hashes[child_id] = list(self._block_hashes.get(parent_id, []))
 
     def free(self, request_id: str) -> None:
-        """Drop the request's references; blocks whose count reaches zero return to the pool."""
+        """Drop the request's references; blocks whose count reaches zero return to the pool (or the cache)."""
         table = self._block_tables.pop(request_id, [])
-        self._num_slots_used.pop(request_id, None)
-        # Reversed so the tail blocks (least likely to be shared later) are reused first.
+        self._block_hashes.pop(request_id, None)
+        # Tail first: the cache then evicts a request's last blocks before its (more shareable) first ones.
         for block_id in reversed(table):
-            self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] == 0:
-                self._free_block_ids.append(block_id)
+            self._release(block_id)
+
+    # ---- prefix caching ----------------------------------------------------------------------------
+    def _chain_hash(self, parent: bytes, tokens: list[int]) -> bytes:
+        return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+    def match_prefix(self, request_id: str, token_ids: list[int]) -> int:
+        """Give a request with no blocks the cached blocks of its longest cached prefix; returns tokens covered.
+
+        At least one token is always left to compute: its logits are what the request samples from.
+        """
+        if not self.enable_prefix_caching or self._block_tables.get(request_id):
+            return 0
+        size = self.block_size
+        hashes, table = [], []
+        parent = b""
+        for start in range(0, len(token_ids) - 1 - (len(token_ids) - 1) % size, size):
+            parent = self._chain_hash(parent, token_ids[start:start + size])
+            block_id = self._block_of_hash.get(parent)
+            if block_id is None:
+                break
+            hashes.append(parent)
+            table.append(block_id)
+        for block_id in table:
+            self._retain(block_id)
+        self._block_tables[request_id] = table
+        self._block_hashes[request_id] = hashes
+        self.num_prefix_queries += len(token_ids)
+        self.num_prefix_hits += len(table) * size
+        return len(table) * size
+
+    def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
+        """Register the hashes of a request's blocks that became full (computed) since the last call."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._block_hashes.setdefault(request_id, [])
+        table = self._block_tables[request_id]
+        size = self.block_size
+        for index in range(len(hashes), num_computed // size):
+            parent = self._chain_hash(hashes[-1] if hashes else b"", token_ids[index * size:(index + 1) * size])
+            hashes.append(parent)
+            block_id = table[index]
+            if parent not in self._block_of_hash and block_id not in self._hash_of_block:
+                self._block_of_hash[parent] = block_id
+                self._hash_of_block[block_id] = parent
 
     def slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
         """Cache slots of token positions [start, end) of a request."""
         table = self._block_tables[request_id]
         size = self.block_size
         return [table[pos // size] * size + pos % size for pos in range(start, end)]
-
-    def kv_slot_utilization(self) -> float:
-        """Token slots holding real tokens / slots in allocated blocks (1.0 when nothing is allocated)."""
-        allocated = self.num_used_blocks * self.block_size
-        if allocated == 0:
-            return 1.0
-        return sum(self._num_slots_used.values()) / allocated

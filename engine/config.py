@@ -29,6 +29,9 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     cpu_kv_cache_gib: float = 1.0  # default KV budget on CPU when num_kv_blocks is not given
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"  # or "swap": preempted blocks go to a (pinned) CPU pool and back
+    swap_space_gib: float = 4.0  # size of that CPU pool
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -37,6 +40,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
             raise ValueError(f"num_kv_blocks must be a positive integer or None, got {self.num_kv_blocks!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if not self.swap_space_gib > 0:
+            raise ValueError(f"swap_space_gib must be > 0, got {self.swap_space_gib!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         self.device = resolve_device(self.device)

@@ -8,27 +8,17 @@ This is the API the Redis worker drives; `LLM` wraps it for offline batches.
 from __future__ import annotations
 
 import random
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
-from engine.detokenizer import IncrementalDetokenizer
 from engine.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
-from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-
-
-@dataclass
-class _Tracked:
-    """Engine-side state of a request beyond what the scheduler needs."""
-
-    request: Request
-    detokenizer: IncrementalDetokenizer | None
-    num_reported_tokens: int = 0
+from engine.swap import SwapSpace
 
 
 class LLMEngine:
@@ -45,9 +35,12 @@ class LLMEngine:
         self.max_model_len = min(self.config.max_model_len, self.model_config.max_position_embeddings)
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.model_runner = ModelRunner(self.model_dir, self.model_config, self.config)
-        self.block_manager = BlockManager(self.model_runner.num_blocks, self.config.block_size)
-        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
-        self._requests: dict[str, _Tracked] = {}
+        self.block_manager = BlockManager(self.model_runner.num_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching)
+        swap = SwapSpace(self.model_runner.num_host_blocks) if self.config.preemption_mode == "swap" else None
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                                   swap)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._seed_source = random.Random(self.config.seed)
         self.num_steps = 0
         self._utilization_sum = 0.0
@@ -61,7 +54,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if request_id in self._requests:
+        if request_id in self.output_processor.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         self._check_fits(token_ids, params)
@@ -69,12 +62,9 @@ class LLMEngine:
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params, prompt=text,
             eos_token_ids=self.model_config.eos_token_ids, priority=int(priority),
-            sampling_seed=seed & (2**63 - 1),
+            sampling_seed=seed & (2**62 - 1), fan_out=params.best_of - 1,
         )
-        detokenizer = None
-        if self.tokenizer is not None:
-            detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)
-        self._requests[request_id] = _Tracked(request, detokenizer)
+        self.output_processor.add(request)
         self.scheduler.add_request(request)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -107,79 +97,30 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final (cumulative) output, None if unknown."""
-        tracked = self._requests.pop(request_id, None)
-        if tracked is None:
+        group = self.output_processor.groups.get(request_id)
+        if group is None:
             return None
-        self.scheduler.finish_request(tracked.request, RequestStatus.FINISHED_ABORTED)
-        return self._final_output(tracked)
+        for request in group.live_requests():
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        return self.output_processor.final_output(request_id)
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, update the sequences, report what changed."""
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
         runner_output = self.model_runner.execute(scheduler_output)
+        self._record_step(scheduler_output)
+        advanced = self.scheduler.update_from_output(scheduler_output, runner_output.sampled, self.max_model_len)
+        return self.output_processor.process(
+            advanced, lambda request: self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED))
+
+    def _record_step(self, scheduler_output) -> None:
         self.num_steps += 1
         self._utilization_sum += self.block_manager.kv_slot_utilization()
         self.num_prefilled_tokens += sum(s.num_new_tokens for s in scheduler_output.scheduled
                                          if s.num_new_tokens > 1 or not s.needs_sample)
-        advanced = self.scheduler.update_from_output(
-            scheduler_output, runner_output.sampled_token_ids, self.max_model_len)
-        outputs = []
-        for request in advanced:
-            if request.sampling_params.logprobs is not None:
-                request.cumulative_logprob += runner_output.sampled_logprobs[request.request_id]
-                request.logprobs.append(runner_output.top_logprobs[request.request_id])
-            output = self._process(self._requests[request.request_id])
-            if output is not None:
-                outputs.append(output)
-        return outputs
-
-    def _process(self, tracked: _Tracked) -> RequestOutput | None:
-        request = tracked.request
-        if tracked.detokenizer is not None:
-            stop = tracked.detokenizer.append(request.all_token_ids[-1])
-            if stop is not None and not request.is_finished:
-                request.stop_reason = stop
-                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
-        if request.is_finished:
-            del self._requests[request.request_id]
-            return self._final_output(tracked)
-        kind = request.sampling_params.output_kind
-        if kind is RequestOutputKind.FINAL_ONLY:
-            return None
-        return self._make_output(tracked, delta=kind is RequestOutputKind.DELTA)
-
-    def _final_output(self, tracked: _Tracked) -> RequestOutput:
-        request = tracked.request
-        if tracked.detokenizer is not None:
-            tracked.detokenizer.finalize(request.output_token_ids, isinstance(request.stop_reason, str))
-        delta = request.sampling_params.output_kind is RequestOutputKind.DELTA
-        output = self._make_output(tracked, delta=delta)
-        output.metrics["finished_time"] = time.monotonic()
-        return output
-
-    def _make_output(self, tracked: _Tracked, delta: bool) -> RequestOutput:
-        request = tracked.request
-        finished = request.is_finished
-        detok = tracked.detokenizer
-        new_text = detok.take_delta(finished) if detok is not None else ""
-        start = tracked.num_reported_tokens if delta else 0
-        tracked.num_reported_tokens = request.num_output_tokens
-        completion = CompletionOutput(
-            index=0,
-            text=new_text if delta else (detok.reported_text() if detok is not None else ""),
-            token_ids=request.all_token_ids[request.num_prompt_tokens + start:],
-            cumulative_logprob=request.cumulative_logprob if request.sampling_params.logprobs is not None else None,
-            logprobs=request.logprobs[start:] if request.sampling_params.logprobs is not None else None,
-            finish_reason=request.status.value if finished else None,
-            stop_reason=request.stop_reason if finished else None,
-        )
-        metrics = {"arrival_time": request.arrival_time}
-        if request.first_token_time is not None:
-            metrics["first_token_time"] = request.first_token_time
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, [completion],
-                             finished, metrics)
 
     # ---- state -------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -210,7 +151,11 @@ class LLMEngine:
         return self.block_manager.kv_slot_utilization()
 
     def stats(self) -> dict[str, float]:
+        manager = self.block_manager
         return {
+            "blocks_saved_by_sharing": manager.num_shared_block_refs(),
+            "prefix_cache_hit_rate": manager.num_prefix_hits / manager.num_prefix_queries
+            if manager.num_prefix_queries else 0.0,
             "num_total_blocks": self.num_total_blocks,
             "num_free_blocks": self.num_free_blocks,
             "kv_slot_utilization": self.kv_slot_utilization,

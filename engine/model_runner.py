@@ -11,18 +11,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+import kernels
 from engine.config import EngineConfig, ModelConfig
 from engine.models.llama import AttentionMetadata
 from engine.models.loader import load_model
 from engine.sampler import SamplingBatch, sample
+from engine.request import Request, SampledToken
 from engine.scheduler import ScheduledRequest, SchedulerOutput
 
 
 @dataclass
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    sampled_logprobs: dict[str, float] = field(default_factory=dict)
-    top_logprobs: dict[str, dict[int, float]] = field(default_factory=dict)
+    sampled: dict[str, list[SampledToken]] = field(default_factory=dict)  # several draws for a fan-out
 
 
 class ModelRunner:
@@ -33,13 +33,22 @@ class ModelRunner:
         self.block_size = config.block_size
         self.model = load_model(model_dir, model_config, config.dtype, config.device)
         self.num_blocks = config.num_kv_blocks or self._default_num_blocks()
-        shape = (self.num_blocks, self.block_size, model_config.num_kv_heads, model_config.head_dim)
         # Zeroed, not empty: masked-out slots still meet 0 * value in attention, and garbage could be NaN.
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=config.dtype, device=self.device),
-             torch.zeros(shape, dtype=config.dtype, device=self.device))
-            for _ in range(model_config.num_layers)
-        ]
+        self.kv_caches = self._allocate_caches(self.num_blocks, self.device, pin=False)
+        self.num_host_blocks = 0
+        self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if config.preemption_mode == "swap":
+            self.num_host_blocks = max(1, int(config.swap_space_gib * 2**30) // self.bytes_per_block)
+            self.host_caches = self._allocate_caches(self.num_host_blocks, torch.device("cpu"),
+                                                     pin=self.device.type == "cuda")
+
+    def _allocate_caches(self, num_blocks: int, device: torch.device, pin: bool):
+        shape = (num_blocks, self.block_size, self.model_config.num_kv_heads, self.model_config.head_dim)
+
+        def make() -> torch.Tensor:
+            return torch.zeros(shape, dtype=self.config.dtype, device=device, pin_memory=pin)
+
+        return [(make(), make()) for _ in range(self.model_config.num_layers)]
 
     @property
     def bytes_per_block(self) -> int:
@@ -59,6 +68,9 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._move_blocks(scheduler_output)
+        if not scheduler_output.scheduled:
+            return ModelRunnerOutput()
         ordered = sorted(scheduler_output.scheduled, key=lambda s: s.num_new_tokens > 1)  # decodes first
         input_ids, positions, meta = self._prepare_inputs(ordered)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
@@ -67,9 +79,23 @@ class ModelRunner:
             return ModelRunnerOutput()
         ends = _cumulative([s.num_new_tokens for s in ordered])
         last_index = [end - 1 for end, s in zip(ends, ordered) if s.needs_sample]
-        logits = self.model.compute_logits(hidden[torch.tensor(last_index, device=self.device)])
-        result = sample(logits, self._sampling_batch(to_sample, logits.shape[-1]))
-        return self._to_output(to_sample, result)
+        # A request about to fork into several samples draws them all from its one row of logits.
+        rows = [(s.request, i) for s in to_sample for i in range(1 + s.request.fan_out)]
+        repeats = torch.tensor([1 + s.request.fan_out for s in to_sample])
+        last_rows = torch.repeat_interleave(torch.tensor(last_index), repeats)
+        logits = self.model.compute_logits(hidden[last_rows.to(self.device)])
+        result = sample(logits, self._sampling_batch(rows, logits.shape[-1]))
+        return self._to_output(rows, result)
+
+    def _move_blocks(self, scheduler_output: SchedulerOutput) -> None:
+        """Swap-outs first (their device blocks may be rewritten this step), then swap-ins, then CoW copies."""
+        if scheduler_output.blocks_to_swap_out:
+            _copy_between(self.kv_caches, self.host_caches, scheduler_output.blocks_to_swap_out)
+        if scheduler_output.blocks_to_swap_in:
+            _copy_between(self.host_caches, self.kv_caches, scheduler_output.blocks_to_swap_in)
+        if scheduler_output.blocks_to_copy:
+            mapping = torch.tensor(scheduler_output.blocks_to_copy, dtype=torch.long, device=self.device)
+            kernels.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
 
     def _prepare_inputs(self, ordered: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         token_ids: list[int] = []
@@ -99,8 +125,8 @@ class ModelRunner:
         )
         return torch.tensor(token_ids, dtype=torch.long, device=dev), position_tensor.to(dev), meta
 
-    def _sampling_batch(self, items: list[ScheduledRequest], vocab_size: int) -> SamplingBatch:
-        requests = [s.request for s in items]
+    def _sampling_batch(self, rows: list[tuple[Request, int]], vocab_size: int) -> SamplingBatch:
+        requests = [request for request, _ in rows]
         params = [r.sampling_params for r in requests]
         dev = self.device
 
@@ -112,12 +138,12 @@ class ModelRunner:
             top_k=column([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.long),
             top_p=column([p.top_p for p in params], torch.float32),
             min_p=column([p.min_p for p in params], torch.float32),
-            seeds=column([r.sampling_seed for r in requests], torch.long),
+            seeds=column([r.sampling_seed + i for r, i in rows], torch.long),
             positions=column([r.num_output_tokens for r in requests], torch.long),
             needs_filters=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
         )
-        asked = [p.logprobs for p in params if p.logprobs is not None]
-        batch.max_num_logprobs = max(asked) if asked else None
+        if any(r.needs_logprobs for r in requests):
+            batch.max_num_logprobs = max(p.logprobs or 0 for p in params)
         if any(p.needs_penalties for p in params):
             self._add_penalties(batch, requests, vocab_size)
         banned = [(i, r) for i, r in enumerate(requests) if r.num_output_tokens < r.sampling_params.min_tokens]
@@ -145,23 +171,31 @@ class ModelRunner:
         batch.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], device=dev)
 
     @staticmethod
-    def _to_output(items: list[ScheduledRequest], result) -> ModelRunnerOutput:
+    def _to_output(rows: list[tuple[Request, int]], result) -> ModelRunnerOutput:
         out = ModelRunnerOutput()
         token_ids = result.token_ids.tolist()  # the step's one device->host sync
         sampled_lps = result.sampled_logprobs.tolist() if result.sampled_logprobs is not None else None
         top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
         top_ids = result.top_token_ids.tolist() if result.top_token_ids is not None else None
-        for row, item in enumerate(items):
-            request_id = item.request.request_id
-            out.sampled_token_ids[request_id] = token_ids[row]
-            k = item.request.sampling_params.logprobs
-            if k is None or sampled_lps is None:
-                continue
-            out.sampled_logprobs[request_id] = sampled_lps[row]
-            top = {tid: lp for tid, lp in zip(top_ids[row][:k], top_lps[row][:k])}
-            top[token_ids[row]] = sampled_lps[row]
-            out.top_logprobs[request_id] = top
+        for row, (request, _) in enumerate(rows):
+            draw = SampledToken(token_ids[row])
+            if request.needs_logprobs and sampled_lps is not None:
+                k = request.sampling_params.logprobs or 0
+                top = dict(zip(top_ids[row][:k], top_lps[row][:k]))
+                top.setdefault(token_ids[row], sampled_lps[row])
+                draw = SampledToken(token_ids[row], sampled_lps[row], top)
+            out.sampled.setdefault(request.request_id, []).append(draw)
         return out
+
+
+def _copy_between(source: list, target: list, pairs: list[tuple[int, int]]) -> None:
+    """Copy blocks (source index, target index) between two sets of per-layer caches, possibly across devices."""
+    src = torch.tensor([a for a, _ in pairs], dtype=torch.long)
+    dst = torch.tensor([b for _, b in pairs], dtype=torch.long)
+    for (src_k, src_v), (dst_k, dst_v) in zip(source, target):
+        for src_cache, dst_cache in ((src_k, dst_k), (src_v, dst_v)):
+            blocks = src_cache[src.to(src_cache.device)]
+            dst_cache[dst.to(dst_cache.device)] = blocks.to(dst_cache.device, non_blocking=True)
 
 
 def _cumulative(lengths: list[int]) -> list[int]:

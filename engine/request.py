@@ -18,7 +18,8 @@ from engine.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PREEMPTED = "preempted"
+    PREEMPTED = "preempted"  # blocks freed; will recompute
+    SWAPPED = "swapped"  # blocks copied to the CPU pool; will be copied back
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -26,6 +27,15 @@ class RequestStatus(enum.Enum):
     @property
     def is_finished(self) -> bool:
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """One token drawn for a sequence, with its log-probability and the top alternatives when asked for."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None
 
 
 @dataclass
@@ -46,10 +56,35 @@ class Request:
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] = field(default_factory=list)
     first_token_time: float | None = None
+    group_id: str = ""  # the user's request id; sequences forked from it (samples, beams) share it
+    index: int = 0  # which sample of its group
+    fan_out: int = 0  # extra samples to fork from this sequence when its first token is drawn
+    is_beam: bool = False  # beam sequences report candidates instead of appending a token
+    beam_candidates: dict[int, float] | None = None  # token -> logprob, set by the step, taken by selection
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        self.group_id = self.group_id or self.request_id
+
+    @property
+    def needs_logprobs(self) -> bool:
+        """Whether the sampler must return this request's log-probabilities (asked for, or needed for ranking)."""
+        params = self.sampling_params
+        return params.logprobs is not None or params.best_of > params.n or self.is_beam
+
+    def fork(self, request_id: str, index: int, sampling_seed: int) -> "Request":
+        """A sibling sequence with the same tokens so far (its blocks are forked by the block manager)."""
+        child = Request(request_id=request_id, prompt_token_ids=self.prompt_token_ids,
+                        sampling_params=self.sampling_params, eos_token_ids=self.eos_token_ids, prompt=self.prompt,
+                        priority=self.priority, sampling_seed=sampling_seed, arrival_time=self.arrival_time,
+                        arrival_index=self.arrival_index, status=self.status,
+                        num_computed_tokens=self.num_computed_tokens, group_id=self.group_id, index=index,
+                        is_beam=self.is_beam, first_token_time=self.first_token_time)
+        child.all_token_ids = list(self.all_token_ids)
+        child.cumulative_logprob = self.cumulative_logprob
+        child.logprobs = list(self.logprobs)
+        return child
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -76,10 +111,14 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
-    def append_output_token(self, token_id: int) -> None:
+    def append_output_token(self, sampled: SampledToken) -> None:
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
-        self.all_token_ids.append(token_id)
+        self.all_token_ids.append(sampled.token_id)
+        if sampled.logprob is not None:
+            self.cumulative_logprob += sampled.logprob
+        if self.sampling_params.logprobs is not None and sampled.top_logprobs is not None:
+            self.logprobs.append(sampled.top_logprobs)
 
     def check_token_stop(self, max_model_len: int) -> RequestStatus | None:
         """Stop conditions decidable from token ids alone (stop strings need text: the output processor)."""

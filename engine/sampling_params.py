@@ -17,6 +17,7 @@ class RequestOutputKind(enum.Enum):
 @dataclass
 class SamplingParams:
     n: int = 1
+    best_of: int | None = None  # sample this many, return the n with the highest cumulative logprob
     max_tokens: int = 16
     min_tokens: int = 0
     temperature: float = 1.0
@@ -41,6 +42,8 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
         if self.top_k == 0:
             self.top_k = -1
+        if self.best_of is None and _is_int(self.n):
+            self.best_of = self.n
         self._validate()
 
     def _validate(self) -> None:
@@ -48,7 +51,8 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
 
-        check(_is_int(self.n) and self.n == 1, "n", "must be 1 (parallel sampling is not supported yet)")
+        check(_is_int(self.n) and self.n >= 1, "n", "must be an integer >= 1")
+        check(_is_int(self.best_of) and self.best_of >= self.n, "best_of", "must be an integer >= n")
         check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be an integer >= 1")
         check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
               "min_tokens", "must be an integer in [0, max_tokens]")

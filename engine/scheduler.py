@@ -1,11 +1,11 @@
-"""Continuous batching: which requests advance this step, by how many tokens, and who is preempted.
+"""Continuous batching: which sequences advance this step, by how many tokens, and who is preempted.
 
 Each step has a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs). Running
-requests go first, in admission order: a decoding one needs one token, a half-prefilled one the rest of
+sequences go first, in admission order: a decoding one needs one token, a half-prefilled one the rest of
 its prompt (chunked to what the budget allows). When the pool runs dry the lowest-priority, most recently
-admitted running request is preempted by recompute: its blocks are freed and it waits again, ahead of
-new arrivals, with num_computed_tokens reset. Waiting requests are admitted only in steps that preempted
-nobody, so a preempted request is not immediately re-admitted only to be preempted again.
+admitted running sequence is preempted: by recompute (its blocks are freed and it will be prefilled
+again, which prefix caching makes cheap) or by swap (its blocks are copied to a CPU pool and back). It
+then waits ahead of new arrivals. Waiting sequences are admitted only in steps that preempted nobody.
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ import itertools
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestStatus, SampledToken
+from engine.swap import SwapSpace
 
 
 @dataclass(frozen=True)
 class ScheduledRequest:
-    """One request's share of a step, fixed when scheduled (the request itself moves on afterwards)."""
+    """One sequence's share of a step, fixed when scheduled (the request itself moves on afterwards)."""
 
     request: Request
     num_new_tokens: int
@@ -33,6 +34,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -40,16 +44,18 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not (self.scheduled or self.blocks_to_swap_out)
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 swap_space: SwapSpace | None = None) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.swap_space = swap_space  # None: preemption by recompute
         self.running: list[Request] = []
-        self._waiting: list[tuple[tuple[int, int, int], Request]] = []  # heap on _waiting_key
+        self._waiting: list[tuple[tuple[int, int, int], Request]] = []  # heap on the admission key
         self._admission_counter = itertools.count()
         self.num_preemptions = 0
 
@@ -73,8 +79,8 @@ class Scheduler:
 
     def _push_waiting(self, request: Request) -> None:
         # Preempted requests go ahead of new arrivals; then higher priority; then first come first served.
-        key = (0 if request.status is RequestStatus.PREEMPTED else 1, -request.priority, request.arrival_index)
-        heapq.heappush(self._waiting, (key, request))
+        resumed = request.status in (RequestStatus.PREEMPTED, RequestStatus.SWAPPED)
+        heapq.heappush(self._waiting, ((0 if resumed else 1, -request.priority, request.arrival_index), request))
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """Take a request out of whichever queue holds it and return its blocks."""
@@ -83,8 +89,16 @@ class Scheduler:
         elif not request.is_finished:
             self._waiting = [item for item in self._waiting if item[1] is not request]
             heapq.heapify(self._waiting)
+        if request.status is RequestStatus.SWAPPED:
+            self.swap_space.discard(request.request_id)
         request.status = status
         self.block_manager.free(request.request_id)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Run `child` (a fork of running `parent`) from now on, sharing the parent's blocks."""
+        self.block_manager.fork(parent.request_id, child.request_id)
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
 
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -94,23 +108,27 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:  # a beam waiting for its siblings' candidates
+                index += 1
+                continue
             if not self._allocate_or_preempt(request, num_new, output):
                 break  # the request itself was preempted: nothing after it in the list runs either
             output.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
             index += 1
         if not output.preempted:
-            budget = self._admit_waiting(budget, output)
+            self._admit_waiting(budget, output)
         return output
 
     def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
         """Make room for `num_new` more tokens of a running request, preempting others if needed."""
-        while not self.block_manager.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+        start = request.num_computed_tokens
+        while (copies := self.block_manager.allocate_slots(request.request_id, start, start + num_new)) is None:
             victim = self._pick_victim()
-            self._preempt(victim)
-            output.preempted.append(victim)
+            self._preempt(victim, output)
             if victim is request:
                 return False
+        output.blocks_to_copy += copies
         return True
 
     def _pick_victim(self) -> Request:
@@ -118,27 +136,53 @@ class Scheduler:
         lowest = min(r.priority for r in self.running)
         return next(r for r in reversed(self.running) if r.priority == lowest)
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         self.running.remove(request)
+        swapped = None
+        if self.swap_space is not None:
+            swapped = self.swap_space.swap_out(request.request_id, self.block_manager.block_table(request.request_id))
         self.block_manager.free(request.request_id)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
+        if swapped is not None:
+            output.blocks_to_swap_out += swapped
+            request.status = RequestStatus.SWAPPED
+        else:  # recompute (also the fallback when the CPU pool is full)
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        output.preempted.append(request)
         self._push_waiting(request)
 
-    def _admit_waiting(self, budget: int, output: SchedulerOutput) -> int:
+    def _admit_waiting(self, budget: int, output: SchedulerOutput) -> None:
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self._waiting[0][1]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.block_manager.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+            if not self._admit(request, budget, output):
                 break  # head-of-line: a lower-priority request must not overtake it
             heapq.heappop(self._waiting)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            output.scheduled.append(self._scheduled(request, num_new))
-            budget -= num_new
-        return budget
+            budget -= output.scheduled[-1].num_new_tokens
+
+    def _admit(self, request: Request, budget: int, output: SchedulerOutput) -> bool:
+        manager = self.block_manager
+        swapped = request.status is RequestStatus.SWAPPED
+        if not swapped:
+            request.num_computed_tokens = manager.match_prefix(request.request_id, request.all_token_ids)
+        start = request.num_computed_tokens
+        num_new = min(request.num_tokens - start, budget)
+        # A swapped request needs device blocks for what it had computed too: allocate from position 0.
+        copies = manager.allocate_slots(request.request_id, 0 if swapped else start, start + num_new)
+        if copies is None:
+            if not swapped:
+                manager.free(request.request_id)  # give back the prefix blocks it took
+                request.num_computed_tokens = 0
+            return False
+        output.blocks_to_copy += copies
+        if swapped:
+            table = manager.block_table(request.request_id)
+            output.blocks_to_swap_in += self.swap_space.swap_in(request.request_id, table)
+        output.scheduled.append(self._scheduled(request, num_new))
+        return True
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -147,22 +191,39 @@ class Scheduler:
 
     # ---- after the forward pass -----------------------------------------------------------------
     def update_from_output(
-        self, output: SchedulerOutput, sampled: dict[str, int], max_model_len: int
+        self, output: SchedulerOutput, sampled: dict[str, list[SampledToken]], max_model_len: int
     ) -> list[Request]:
-        """Advance computed counts, append sampled tokens, finish requests that hit a token-level stop.
+        """Advance computed counts, append sampled tokens (forking fan-outs), finish token-level stops.
 
-        Returns every request that got a new token this step (finished ones included).
+        Returns every sequence that got a new token this step (finished and newly forked ones included).
         """
         advanced = []
         for item in output.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
-            token = sampled.get(request.request_id)
-            if token is None:
+            self.block_manager.cache_full_blocks(request.request_id, request.all_token_ids,
+                                                 request.num_computed_tokens)
+            draws = sampled.get(request.request_id)
+            if not draws:
                 continue  # a prefill chunk that did not reach the end of the prompt
-            request.append_output_token(token)
-            advanced.append(request)
-            stop = request.check_token_stop(max_model_len)
+            if request.is_beam:
+                request.beam_candidates = draws[0].top_logprobs
+                continue
+            for sequence, draw in zip(self._fan_out(request, len(draws)), draws):
+                sequence.append_output_token(draw)
+                advanced.append(sequence)
+        for sequence in advanced:
+            stop = sequence.check_token_stop(max_model_len)
             if stop is not None:
-                self.finish_request(request, stop)
+                self.finish_request(sequence, stop)
         return advanced
+
+    def _fan_out(self, request: Request, num_draws: int) -> list[Request]:
+        """The request plus the siblings forked from it when its first token brings several draws."""
+        sequences = [request]
+        for index in range(1, num_draws):
+            child = request.fork(f"{request.group_id}#{index}", index, request.sampling_seed + index)
+            self.fork(request, child)
+            sequences.append(child)
+        request.fan_out = 0
+        return sequences

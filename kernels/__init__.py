@@ -38,7 +38,8 @@ def _dispatch(name: str) -> Callable:
     ref = getattr(reference, name)
 
     def call(*args, **kwargs):
-        device = args[0].device
+        first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
+        device = first.device
         if selected_backend(device) == "triton":
             impl = _triton_impl(name)
             if impl is not None:
@@ -57,6 +58,7 @@ rms_norm = _dispatch("rms_norm")
 head_rms_norm = _dispatch("head_rms_norm")
 rotary_embedding = _dispatch("rotary_embedding")
 silu_and_mul = _dispatch("silu_and_mul")
+copy_blocks = _dispatch("copy_blocks")
 
 __all__ = [
     "selected_backend",
@@ -67,4 +69,5 @@ __all__ = [
     "head_rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "copy_blocks",
 ]

@@ -155,3 +155,15 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] packed (gate | up) -> silu(gate) * up, [T, I]."""
     half = gate_up.shape[-1] // 2
     return torch.nn.functional.silu(gate_up[..., :half]) * gate_up[..., half:]
+
+
+def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
+    """Copy whole blocks within each layer's caches: block_mapping [N, 2] int64 rows (src, dst).
+
+    Used for copy-on-write of shared blocks; one call covers every layer and every pair.
+    """
+    if block_mapping.numel() == 0:
+        return
+    src, dst = block_mapping[:, 0].long(), block_mapping[:, 1].long()
+    for cache in (*key_caches, *value_caches):
+        cache[dst] = cache[src]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.block_manager import BlockManager
-from engine.request import Request, RequestStatus
+from engine.request import Request, RequestStatus, SampledToken
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
@@ -19,7 +19,7 @@ def make_request(request_id: str, prompt_len: int, max_tokens: int = 8, priority
 
 def run_step(scheduler: Scheduler, token: int = 7):
     output = scheduler.schedule()
-    sampled = {s.request.request_id: token for s in output.scheduled if s.needs_sample}
+    sampled = {s.request.request_id: [SampledToken(token)] for s in output.scheduled if s.needs_sample}
     finished_before = {r.request_id for r in scheduler.running}
     scheduler.update_from_output(output, sampled, max_model_len=10_000)
     return output, finished_before
@@ -27,12 +27,12 @@ def run_step(scheduler: Scheduler, token: int = 7):
 
 def test_blocks_are_allocated_only_when_the_last_one_is_full():
     manager = BlockManager(num_blocks=10, block_size=BLOCK)
-    assert manager.allocate_slots("a", 5)
+    assert manager.allocate_slots("a", 0, 5) == []
     assert len(manager.block_table("a")) == 2 and manager.num_free_blocks == 8
     for total in (6, 7, 8):  # still inside the second block
-        assert manager.allocate_slots("a", total)
+        assert manager.allocate_slots("a", total - 1, total) == []
         assert len(manager.block_table("a")) == 2
-    assert manager.allocate_slots("a", 9)
+    assert manager.allocate_slots("a", 8, 9) == []
     assert len(manager.block_table("a")) == 3
     assert manager.kv_slot_utilization() == pytest.approx(9 / 12)
     manager.free("a")
@@ -41,16 +41,16 @@ def test_blocks_are_allocated_only_when_the_last_one_is_full():
 
 def test_failed_allocation_changes_nothing():
     manager = BlockManager(num_blocks=3, block_size=BLOCK)
-    assert manager.allocate_slots("a", 8)
-    assert not manager.allocate_slots("b", 8)
+    assert manager.allocate_slots("a", 0, 8) == []
+    assert manager.allocate_slots("b", 0, 8) is None
     assert manager.num_free_blocks == 1 and manager.block_table("b") == []
 
 
 def test_slot_mapping_follows_the_block_table():
     manager = BlockManager(num_blocks=6, block_size=BLOCK)
-    manager.allocate_slots("x", 4)
-    manager.allocate_slots("y", 4)
-    manager.allocate_slots("x", 6)  # x: blocks [0, 2]
+    manager.allocate_slots("x", 0, 4)
+    manager.allocate_slots("y", 0, 4)
+    manager.allocate_slots("x", 4, 6)  # x: blocks [0, 2]
     assert manager.block_table("x") == [0, 2]
     assert manager.slot_mapping("x", 2, 6) == [2, 3, 8, 9]
 
@@ -154,7 +154,7 @@ def test_lower_priority_is_preempted_before_a_later_higher_priority_one():
 
 
 def test_preempted_request_resumes_and_recomputes_its_outputs():
-    manager = BlockManager(5, BLOCK)
+    manager = BlockManager(5, BLOCK, enable_prefix_caching=False)
     scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64)
     a, b = make_request("a", 7, max_tokens=6), make_request("b", 7, max_tokens=6)
     scheduler.add_request(a)

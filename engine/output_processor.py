@@ -1,0 +1,146 @@
+"""From sequences that advanced to what the caller sees: detokenization, stop strings, request outputs.
+
+A user request is a group of sequences: one, or several samples (n / best_of) forked from one prompt.
+Each sequence has its own incremental detokenizer; the group reports per its output_kind.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import Request
+from engine.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class _Sequence:
+    request: Request
+    detokenizer: IncrementalDetokenizer | None
+    num_reported_tokens: int = 0
+    num_detokenized_tokens: int = 0
+
+
+@dataclass
+class RequestGroup:
+    request_id: str
+    params: SamplingParams
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: dict[int, _Sequence] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.sequences) == self.params.best_of and all(
+            s.request.is_finished for s in self.sequences.values())
+
+    def live_requests(self) -> list[Request]:
+        return [s.request for s in self.sequences.values() if not s.request.is_finished]
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.groups: dict[str, RequestGroup] = {}
+
+    def add(self, root: Request) -> None:
+        group = RequestGroup(root.group_id, root.sampling_params, root.prompt, root.prompt_token_ids)
+        self.groups[root.group_id] = group
+        self._track(group, root)
+
+    def _track(self, group: RequestGroup, request: Request) -> _Sequence:
+        detokenizer = None
+        if self.tokenizer is not None:
+            params = request.sampling_params
+            detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)
+        sequence = _Sequence(request, detokenizer)
+        group.sequences[request.index] = sequence
+        return sequence
+
+    def process(self, advanced: list[Request], finish) -> list[RequestOutput]:
+        """Detokenize each advanced sequence's new token; `finish(request)` ends one that hit a stop string."""
+        touched: dict[str, list[int]] = {}
+        for request in advanced:
+            group = self.groups[request.group_id]
+            sequence = group.sequences.get(request.index) or self._track(group, request)
+            stop = self._detokenize(sequence)
+            if stop is not None and not request.is_finished:
+                request.stop_reason = stop
+                finish(request)
+            touched.setdefault(group.request_id, []).append(request.index)
+        outputs = []
+        for group_id, indices in touched.items():
+            output = self._report(self.groups[group_id], indices)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    @staticmethod
+    def _detokenize(sequence: _Sequence) -> str | None:
+        """Feed the tokens the detokenizer has not seen (a fresh fork brings its parent's); the stop string hit."""
+        if sequence.detokenizer is None:
+            return None
+        request, stop = sequence.request, None
+        for token in request.output_token_ids[sequence.num_detokenized_tokens:]:
+            stop = sequence.detokenizer.append(token)
+            if stop is not None:
+                break
+        sequence.num_detokenized_tokens = request.num_output_tokens
+        return stop
+
+    def _report(self, group: RequestGroup, indices: list[int]) -> RequestOutput | None:
+        if group.finished:
+            return self.final_output(group.request_id)
+        kind = group.params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY:
+            return None
+        delta = kind is RequestOutputKind.DELTA
+        chosen = sorted(set(indices)) if delta else sorted(group.sequences)
+        return self._output(group, [group.sequences[i] for i in chosen], delta, finished=False)
+
+    def final_output(self, group_id: str) -> RequestOutput:
+        """The group's closing report (all sequences must be finished); forgets the group."""
+        group = self.groups.pop(group_id)
+        sequences = list(group.sequences.values())
+        for sequence in sequences:
+            if sequence.detokenizer is not None:
+                stopped_by_string = isinstance(sequence.request.stop_reason, str)
+                sequence.detokenizer.finalize(sequence.request.output_token_ids, stopped_by_string)
+        if group.params.best_of > group.params.n:  # keep the n most likely samples, best first
+            sequences.sort(key=lambda s: s.request.cumulative_logprob, reverse=True)
+        else:
+            sequences.sort(key=lambda s: s.request.index)
+        delta = group.params.output_kind is RequestOutputKind.DELTA
+        output = self._output(group, sequences[: group.params.n], delta, finished=True)
+        output.metrics["finished_time"] = time.monotonic()
+        return output
+
+    def _output(self, group: RequestGroup, sequences: list[_Sequence], delta: bool, finished: bool) -> RequestOutput:
+        completions = [self._completion(position if finished else s.request.index, s, delta)
+                       for position, s in enumerate(sequences)]
+        first = min((s.request.first_token_time for s in sequences if s.request.first_token_time), default=None)
+        metrics = {"arrival_time": sequences[0].request.arrival_time}
+        if first is not None:
+            metrics["first_token_time"] = first
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished, metrics)
+
+    @staticmethod
+    def _completion(index: int, sequence: _Sequence, delta: bool) -> CompletionOutput:
+        request = sequence.request
+        finished = request.is_finished
+        detok = sequence.detokenizer
+        new_text = detok.take_delta(finished) if detok is not None else ""
+        start = sequence.num_reported_tokens if delta else 0
+        sequence.num_reported_tokens = request.num_output_tokens
+        wants_logprobs = request.sampling_params.logprobs is not None
+        return CompletionOutput(
+            index=index,
+            text=new_text if delta else (detok.reported_text() if detok is not None else ""),
+            token_ids=request.all_token_ids[request.num_prompt_tokens + start:],
+            cumulative_logprob=request.cumulative_logprob if request.needs_logprobs else None,
+            logprobs=request.logprobs[start:] if wants_logprobs else None,
+            finish_reason=request.status.value if finished else None,
+            stop_reason=request.stop_reason if finished else None,
+        )
