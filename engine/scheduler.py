@@ -186,6 +186,9 @@ class Scheduler:
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
+        # Blocks this step fills are cached now, not after the step: a request admitted later in this same
+        # step may then reuse them, since every layer stores the whole batch's K/V before attending.
+        self.block_manager.cache_full_blocks(request.request_id, request.all_token_ids, start + num_new)
         return ScheduledRequest(request, num_new, start, self.block_manager.block_table(request.request_id),
                                 needs_sample=start + num_new == request.num_tokens)
 
@@ -201,8 +204,6 @@ class Scheduler:
         for item in output.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(request.request_id, request.all_token_ids,
-                                                 request.num_computed_tokens)
             draws = sampled.get(request.request_id)
             if not draws:
                 continue  # a prefill chunk that did not reach the end of the prompt

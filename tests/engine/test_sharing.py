@@ -1,0 +1,137 @@
+"""Memory sharing in the paged cache: forked samples, copy-on-write, prefix caching, swap preemption."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from engine import LLM, LLMEngine, RequestOutputKind, SamplingParams
+from engine.block_manager import BlockManager
+from tests.conftest import VOCAB_SIZE
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB_SIZE) for _ in range(n)]
+
+
+# ---- block manager ----------------------------------------------------------------------------
+def test_fork_shares_blocks_and_the_first_write_copies_the_partial_one():
+    manager = BlockManager(10, 4)
+    manager.allocate_slots("p", 0, 6)  # blocks [0, 1], the second half full
+    manager.fork("p", "c")
+    assert manager.block_table("c") == [0, 1] and manager.ref_count(1) == 2 and manager.num_used_blocks == 2
+    copies = manager.allocate_slots("c", 6, 7)  # c writes position 6, inside shared block 1
+    assert copies == [(1, 2)] and manager.block_table("c") == [0, 2]
+    assert manager.ref_count(1) == 1 and manager.ref_count(0) == 2
+    assert manager.allocate_slots("p", 6, 7) == []  # p owns block 1 alone now: no copy
+    manager.free("p")
+    manager.free("c")
+    assert manager.num_free_blocks == 10
+
+
+def test_prefix_cache_reuses_full_blocks_and_evicts_least_recently_used():
+    manager = BlockManager(4, 4)
+    prompt = list(range(100, 110))  # 10 tokens: 2 full blocks + 2
+    assert manager.match_prefix("a", prompt) == 0
+    manager.allocate_slots("a", 0, 10)
+    manager.cache_full_blocks("a", prompt, 10)
+    manager.free("a")
+    assert manager.num_free_blocks == 4  # cached blocks count as free
+    assert manager.match_prefix("b", prompt + [7]) == 8
+    assert manager.block_table("b") == manager.block_table("b")[:2] and manager.num_free_blocks == 2
+    manager.free("b")
+    manager.allocate_slots("x", 0, 16)  # needs all 4 blocks: the cached ones are evicted
+    manager.free("x")
+    assert manager.match_prefix("c", prompt) == 0
+
+
+def test_match_leaves_one_token_to_compute():
+    manager = BlockManager(8, 4)
+    prompt = list(range(8))
+    manager.allocate_slots("a", 0, 8)
+    manager.cache_full_blocks("a", prompt, 8)
+    assert manager.match_prefix("b", prompt) == 4  # not 8: the last token's logits are needed
+
+
+# ---- parallel sampling ------------------------------------------------------------------------------
+def test_n4_shares_the_prompt_and_each_sample_equals_its_seed_alone(tiny_llama_dir):
+    prompt = _tokens(200, seed=1)
+    params = SamplingParams(n=4, max_tokens=12, temperature=1.0, seed=100, ignore_eos=True)
+    engine = LLMEngine(tiny_llama_dir, num_kv_blocks=64, block_size=16, enable_prefix_caching=False)
+    engine.add_request("g", prompt, dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY))
+    while engine.num_running_requests < 4:
+        engine.step()  # prefill 200 tokens (13 blocks) once, then fork into four samples
+    assert engine.num_total_blocks - engine.num_free_blocks == 13
+    engine.step()  # each sample writes position 200 into the shared partial block: three copies
+    assert engine.num_total_blocks - engine.num_free_blocks == 16
+    assert engine.stats()["blocks_saved_by_sharing"] == 4 * 13 - 16
+    final = None
+    while engine.has_unfinished_requests():
+        final = next((o for o in engine.step() if o.finished), final)
+    assert engine.num_free_blocks == 64
+    samples = [c.token_ids for c in final.outputs]
+    assert len(samples) == 4 and len({tuple(s) for s in samples}) == 4
+
+    llm = LLM(tiny_llama_dir, num_kv_blocks=64, block_size=16)
+    for index, sample in enumerate(samples):
+        alone = llm.generate([prompt], dataclasses.replace(params, n=1, best_of=None, seed=100 + index))
+        assert alone[0].outputs[0].token_ids == sample
+
+
+def test_best_of_returns_the_most_likely_samples(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, num_kv_blocks=64)
+    prompt = _tokens(20, seed=2)
+    params = SamplingParams(n=2, best_of=5, max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
+    out = llm.generate([prompt], params)[0].outputs
+    singles = [llm.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0, seed=7 + i, ignore_eos=True,
+                                                     logprobs=0))[0].outputs[0] for i in range(5)]
+    ranked = sorted(singles, key=lambda c: c.cumulative_logprob, reverse=True)[:2]
+    assert [c.token_ids for c in out] == [c.token_ids for c in ranked]
+    assert [c.cumulative_logprob for c in out] == pytest.approx([c.cumulative_logprob for c in ranked], abs=1e-4)
+
+
+# ---- prefix caching ---------------------------------------------------------------------------------
+def test_shared_system_prompt_is_prefilled_once(tiny_llama_dir):
+    system = _tokens(100, seed=3)
+    prompts = [system + _tokens(10, seed=10 + i) for i in range(4)]
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    cached = LLM(tiny_llama_dir, num_kv_blocks=64, block_size=16)
+    uncached = LLM(tiny_llama_dir, num_kv_blocks=64, block_size=16, enable_prefix_caching=False)
+    with_cache = cached.generate(prompts, params)
+    without = uncached.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in with_cache] == [o.outputs[0].token_ids for o in without]
+    # decodes are not prefill; 6 full blocks (96 tokens) of the system prompt are computed once
+    assert uncached.stats()["num_prefilled_tokens"] == 4 * 110
+    assert cached.stats()["num_prefilled_tokens"] == 110 + 3 * (110 - 96)
+    assert cached.stats()["prefix_cache_hit_rate"] == pytest.approx(3 * 96 / 440)
+
+
+def test_eviction_under_pressure_keeps_outputs_exact(tiny_llama_dir):
+    prefixes = [_tokens(40, seed=20 + i) for i in range(3)]
+    prompts = [prefixes[i % 3] + _tokens(5 + i, seed=40 + i) for i in range(9)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    reference = LLM(tiny_llama_dir, enable_prefix_caching=False).generate(prompts, params)
+    tight = LLM(tiny_llama_dir, num_kv_blocks=10, block_size=16, max_num_batched_tokens=48)
+    outputs = tight.generate(prompts, params)
+    assert tight.stats()["num_preemptions"] > 0 and tight.stats()["prefix_cache_hit_rate"] > 0
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
+
+
+# ---- preemption modes ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_modes_match_an_unpressured_run(tiny_llama_dir, mode):
+    prompts = [_tokens(n, seed=n) for n in (7, 19, 33, 45, 12)]
+    params = SamplingParams(max_tokens=24, temperature=0.8, seed=11, ignore_eos=True)
+    reference = LLM(tiny_llama_dir).generate(prompts, params)
+    tight = LLM(tiny_llama_dir, num_kv_blocks=8, block_size=16, preemption_mode=mode, swap_space_gib=0.01,
+                enable_prefix_caching=False)
+    outputs = tight.generate(prompts, params)
+    assert tight.stats()["num_preemptions"] > 0
+    swap = tight.llm_engine.scheduler.swap_space
+    if mode == "swap":
+        assert swap.num_swapped_out > 0 and swap.num_swapped_in == swap.num_swapped_out
+        assert swap.num_free_blocks == swap.num_total_blocks
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
