@@ -155,6 +155,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--baseline", choices=["hf", "none"], default="none")
     parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument("--sharing", choices=["n4", "prefix"],
+                        help="memory sharing on vs off: 4 samples per prompt, or a shared system prompt")
+    parser.add_argument("--prefix-len", type=int, default=512, help="system prompt length for --sharing prefix")
     add_engine_arguments(parser)
 
 
@@ -186,6 +189,10 @@ def run(args: argparse.Namespace) -> dict:
     from engine.config import ModelConfig
 
     vocab = ModelConfig.from_pretrained(model_dir).vocab_size
+    if args.sharing:
+        from engine.bench_sharing import run_sharing
+
+        return run_sharing(args.sharing, model_dir, vocab, args, engine_kwargs_from(args))
     workload = draw_workload(num_prompts, args.input_len, args.output_len, vocab, args.seed)
     result = {"bench": "throughput", "date": time.strftime("%Y-%m-%d"), "workload": args.workload or "custom",
               "num_prompts": num_prompts, "input_len": list(args.input_len), "output_len": list(args.output_len),

@@ -7,6 +7,7 @@ import itertools
 from pathlib import Path
 from typing import Sequence
 
+from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -40,16 +41,43 @@ class LLM:
                 final_only = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
                 engine.add_request(request_id, prompt, final_only)
                 request_ids.append(request_id)
-            finished: dict[str, RequestOutput] = {}
-            while len(finished) < len(request_ids):
-                for output in engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
+            finished = self._run_until_finished(set(request_ids))
         except BaseException:
             for request_id in request_ids:  # leave the engine clean for the next call
                 engine.abort_request(request_id)
             raise
         return [finished[request_id] for request_id in request_ids]
+
+    def beam_search(self, prompts: str | list[int] | Sequence[str | list[int]],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Per prompt, the beam_width best beams, best first (all prompts' beams batched together)."""
+        prompts = _as_prompt_list(prompts)
+        engine = self.llm_engine
+        request_ids = [f"beam-{next(self._ids)}" for _ in prompts]
+        try:
+            for request_id, prompt in zip(request_ids, prompts):
+                engine.add_beam_search_request(request_id, prompt, params)
+            finished = self._run_until_finished(set(request_ids))
+        except BaseException:
+            for request_id in request_ids:
+                engine.abort_request(request_id)
+            raise
+        results = []
+        for request_id in request_ids:
+            output = finished[request_id]
+            sequences = [BeamSearchSequence(c.token_ids, c.cumulative_logprob,
+                                            c.cumulative_logprob / max(1, len(c.token_ids)) ** params.length_penalty,
+                                            c.text, c.finish_reason) for c in output.outputs]
+            results.append(BeamSearchOutput(request_id, output.prompt_token_ids, sequences))
+        return results
+
+    def _run_until_finished(self, request_ids: set[str]) -> dict[str, RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(request_ids):
+            for output in self.llm_engine.step():
+                if output.finished and output.request_id in request_ids:
+                    finished[output.request_id] = output
+        return finished
 
     def stats(self) -> dict[str, float]:
         return self.llm_engine.stats()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from engine.beam_search import BeamSearchManager, BeamSearchParams
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.model_runner import ModelRunner
@@ -41,10 +42,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    swap)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer)
         self._seed_source = random.Random(self.config.seed)
         self.num_steps = 0
         self._utilization_sum = 0.0
         self.num_prefilled_tokens = 0
+        self.peak_used_blocks = 0
 
     # ---- admission -----------------------------------------------------------------------------
     def add_request(
@@ -54,10 +57,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if request_id in self.output_processor.groups:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        text, token_ids = self._tokenize(prompt)
-        self._check_fits(token_ids, params)
+        text, token_ids = self._validate_new(request_id, prompt, params.max_tokens)
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params, prompt=text,
@@ -66,6 +66,23 @@ class LLMEngine:
         )
         self.output_processor.add(request)
         self.scheduler.add_request(request)
+
+    def add_beam_search_request(self, request_id: str, prompt: str | list[int], params: BeamSearchParams,
+                                priority: int = 0) -> None:
+        """Queue a beam search; its final output holds the beam_width best beams, best first."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"beam search params must be a BeamSearchParams, got {type(params).__name__}")
+        text, token_ids = self._validate_new(request_id, prompt, params.max_tokens)
+        root = Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=SamplingParams(),
+                       prompt=text, eos_token_ids=self.model_config.eos_token_ids, priority=int(priority))
+        self.beam_search.add(root, params, self.model_config.eos_token_ids)
+
+    def _validate_new(self, request_id: str, prompt: str | list[int], max_tokens: int) -> tuple[str | None, list[int]]:
+        if request_id in self.output_processor.groups or request_id in self.beam_search.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        self._check_fits(token_ids, max_tokens)
+        return text, token_ids
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -85,10 +102,10 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
         return None, list(prompt)
 
-    def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
-        total = len(token_ids) + params.max_tokens
+    def _check_fits(self, token_ids: list[int], max_tokens: int) -> None:
+        total = len(token_ids) + max_tokens
         if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) = {total} "
                              f"exceeds the model's max length {self.max_model_len}")
         blocks = self.block_manager.blocks_for_tokens(total)
         if blocks > self.block_manager.num_total_blocks:
@@ -99,7 +116,7 @@ class LLMEngine:
         """Stop a request now and free its blocks; returns its final (cumulative) output, None if unknown."""
         group = self.output_processor.groups.get(request_id)
         if group is None:
-            return None
+            return self.beam_search.abort(request_id)
         for request in group.live_requests():
             self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
         return self.output_processor.final_output(request_id)
@@ -113,11 +130,13 @@ class LLMEngine:
         runner_output = self.model_runner.execute(scheduler_output)
         self._record_step(scheduler_output)
         advanced = self.scheduler.update_from_output(scheduler_output, runner_output.sampled, self.max_model_len)
-        return self.output_processor.process(
+        outputs = self.output_processor.process(
             advanced, lambda request: self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED))
+        return outputs + self.beam_search.step()
 
     def _record_step(self, scheduler_output) -> None:
         self.num_steps += 1
+        self.peak_used_blocks = max(self.peak_used_blocks, self.block_manager.num_used_blocks)
         self._utilization_sum += self.block_manager.kv_slot_utilization()
         self.num_prefilled_tokens += sum(s.num_new_tokens for s in scheduler_output.scheduled
                                          if s.num_new_tokens > 1 or not s.needs_sample)
@@ -162,6 +181,7 @@ class LLMEngine:
             "mean_kv_slot_utilization": self._utilization_sum / self.num_steps if self.num_steps else 1.0,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
+            "peak_used_blocks": self.peak_used_blocks,
             "num_prefilled_tokens": self.num_prefilled_tokens,
             "num_running_requests": self.num_running_requests,
             "num_waiting_requests": self.num_waiting_requests,
