@@ -19,15 +19,15 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--chat", action="store_true", help="apply the checkpoint's chat template")
     bench.add_engine_arguments(generate)
-    generate.set_defaults(handler=_generate)
+    generate.set_defaults(func=_generate)
 
     bench_parser = commands.add_parser("bench", help="benchmarks against baselines measured in the same run")
     benches = bench_parser.add_subparsers(dest="bench", required=True)
     throughput = benches.add_parser("throughput", help="engine vs transformers generate, output tokens/s")
     bench.add_arguments(throughput)
-    throughput.set_defaults(handler=bench.main)
+    throughput.set_defaults(func=bench.main)
     kernels_bench = benches.add_parser("kernels", help="Triton kernels: bandwidth and TFLOP/s (CUDA)")
-    kernels_bench.set_defaults(handler=_bench_kernels)
+    kernels_bench.set_defaults(func=_bench_kernels)
 
     try:
         from worker import cli as worker_cli
@@ -45,8 +45,8 @@ def _register_missing_worker(commands, benches, error: ImportError) -> None:
         return 2
 
     for name in ("worker", "demo"):
-        commands.add_parser(name, help="(needs pagedq[worker])").set_defaults(handler=explain)
-    benches.add_parser("worker", help="(needs pagedq[worker])").set_defaults(handler=explain)
+        commands.add_parser(name, help="(needs pagedq[worker])").set_defaults(func=explain)
+    benches.add_parser("worker", help="(needs pagedq[worker])").set_defaults(func=explain)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -75,7 +75,7 @@ def _bench_kernels(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.handler(args) or 0)
+        return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as error:
         print(f"pagedq: error: {error}", file=sys.stderr)
         return 2

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-_MASK32 = 0xFFFFFFFF
-
+import kernels
 
 @dataclass
 class SamplingBatch:
@@ -54,15 +53,15 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     logits = apply_penalties(logits, batch)
     if batch.banned_token_mask is not None:
         logits = logits.masked_fill(batch.banned_token_mask, float("-inf"))
-    greedy_ids = logits.argmax(dim=-1)
     if batch.all_greedy:
-        token_ids = greedy_ids
+        token_ids = logits.argmax(dim=-1)
     else:
-        scaled = logits / batch.temperature.clamp_min(1e-6)[:, None]
-        filtered = apply_filters(scaled, batch) if batch.needs_filters else scaled
-        noise = gumbel_noise(batch.seeds, batch.positions, logits.shape[-1])
-        sampled_ids = (filtered + noise).argmax(dim=-1)
-        token_ids = torch.where(batch.temperature == 0, greedy_ids, sampled_ids)
+        if batch.needs_filters:  # filters act on the temperature-scaled distribution; then sample at T = 1
+            logits = apply_filters(logits / batch.temperature.clamp_min(1e-6)[:, None], batch)
+            temperature = torch.where(batch.temperature == 0, 0.0, 1.0)
+        else:
+            temperature = batch.temperature
+        token_ids = kernels.gumbel_argmax(logits, temperature, batch.seeds, batch.positions)
     if raw_logprobs is None:
         return SamplerOutput(token_ids, None, None, None)
     sampled_logprobs = raw_logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
@@ -98,22 +97,3 @@ def apply_filters(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     remove[:, 0] = False  # the best token always survives
     keep_sorted = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, sorted_ids, keep_sorted)
-
-
-def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, V] Gumbel(0, 1) noise, a pure function of (seed, position, token id)."""
-    token_ids = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
-    row_key = _fmix32(_fmix32((seeds >> 32) & _MASK32) ^ (seeds & _MASK32))
-    row_key = _fmix32(row_key ^ _fmix32(positions & _MASK32))
-    bits = _fmix32(_fmix32(row_key[:, None] ^ ((token_ids * 0x9E3779B9) & _MASK32)[None, :]))
-    uniform = ((bits >> 8).float() + 0.5) / float(1 << 24)  # 24 bits: exact in fp32, strictly inside (0, 1)
-    return -torch.log(-torch.log(uniform))
-
-
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's finaliser on int64 tensors holding 32-bit values (products wrap; the mask keeps 32 bits)."""
-    h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & _MASK32
-    h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & _MASK32
-    return h ^ (h >> 16)

@@ -33,3 +33,12 @@ def test_engine_and_kernels_import_without_the_queue_stack():
     )
     result = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True)
     assert result.stdout.strip() == "ok", result.stderr
+
+
+def test_producer_client_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = "import sys; from worker import Client, AsyncClient; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "False", result.stderr

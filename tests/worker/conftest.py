@@ -1,0 +1,120 @@
+"""Fixtures for the worker tests: a private redis-server per test, workers in threads or subprocesses."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+from redis import Redis
+
+from worker.config import WorkerSettings
+from worker.embedded_redis import EmbeddedRedis
+from worker.keys import QueueKeys
+from worker.worker import Worker
+
+REPO = Path(__file__).resolve().parents[2]
+KEYS = QueueKeys("default")
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    """A fresh redis-server (no persistence) on a free port in a temp folder, killed after the test."""
+    server = EmbeddedRedis(extra_args=("--save", "", "--appendonly", "no")).start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def r(redis_url: str) -> Iterator[Redis]:
+    client = Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+def fast_settings(**overrides: Any) -> WorkerSettings:
+    """Short leases and intervals so recovery paths run within a test's time."""
+    values = dict(name="w-test", lease_ms=1000, block_ms=100, heartbeat_every_s=0.5, drain_timeout_s=5.0)
+    values.update(overrides)
+    return WorkerSettings(**values)
+
+
+@contextlib.contextmanager
+def worker_thread(engine: Any, redis_url: str, **overrides: Any) -> Iterator[Worker]:
+    """A worker running in a thread; stopped (drained) on exit."""
+    worker = Worker(engine, Redis.from_url(redis_url), fast_settings(**overrides))
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            worker.run()
+        except BaseException as exc:  # surfaced to the test below
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    try:
+        yield worker
+    finally:
+        worker.request_stop(drain_timeout_s=2.0)
+        thread.join(timeout=20)
+        assert not thread.is_alive(), "worker thread did not stop"
+    if errors:
+        raise errors[0]
+
+
+def run_burst(engine: Any, redis_url: str, **overrides: Any) -> Worker:
+    """Run a worker in this thread until the queue is empty and nothing runs."""
+    worker = Worker(engine, Redis.from_url(redis_url), fast_settings(burst=True, **overrides))
+    worker.run()
+    return worker
+
+
+def worker_cmd(redis_url: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "worker", "worker", "--redis", redis_url, "--lease-ms", "1000",
+            "--block-ms", "100", "--heartbeat-interval", "0.5", *args]
+
+
+def start_worker(redis_url: str, *args: str, log: Path, env: dict | None = None) -> subprocess.Popen:
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    with open(log, "ab") as fh:
+        return subprocess.Popen(worker_cmd(redis_url, *args), cwd=REPO, env=full_env, stdout=fh, stderr=fh)
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = 30.0, interval: float = 0.02, what: str = "") -> Any:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what or condition}")
+
+
+def finals_by_id(r: Redis, queue: str = "default") -> dict[str, list[dict]]:
+    """Every record of the completions stream, grouped by job id (a duplicate shows as a list of 2)."""
+    grouped: dict[str, list[dict]] = {}
+    for _, fields in r.xrange(QueueKeys(queue).completions):
+        record = json.loads(fields[b"data"])
+        grouped.setdefault(fields[b"id"].decode(), []).append(record)
+    return grouped
+
+
+def result_stream(r: Redis, job_id: str, queue: str = "default") -> list[tuple[str, dict]]:
+    return [(f[b"type"].decode(), json.loads(f[b"data"])) for _, f in r.xrange(QueueKeys(queue).result(job_id))]
+
+
+def assert_clean_queue(r: Redis, queue: str = "default") -> None:
+    """Nothing left: every job stream entry acknowledged and deleted, no pending entries."""
+    keys = QueueKeys(queue)
+    assert r.xlen(keys.jobs) == 0
+    assert r.xpending(keys.jobs, "workers")["pending"] == 0

@@ -1,0 +1,38 @@
+"""`pagedq demo` and `pagedq bench worker` run and say what they should (through python -m worker, which
+registers the same subcommands as the top-level pagedq CLI)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from .conftest import REPO
+
+
+def run_cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "worker", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_demo_answers_on_the_demo_model(demo_model_dir):
+    proc = run_cli("demo", "--device", "cpu", "--max-tokens", "10", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "(streamed)" in proc.stdout and proc.stdout.count("status=completed") == 3
+    assert "Paris" in proc.stdout
+
+
+def test_bench_prints_one_json_line(tiny_llama_dir):
+    proc = run_cli("bench", "worker", "--stub-jobs", "2000", "--e2e-jobs", "8", "--e2e-max-tokens", "8",
+                   "--e2e-repeats", "1", "--model", str(tiny_llama_dir), "--device", "cpu", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1
+    result = json.loads(lines[0])
+    assert result["queue"]["jobs"] == 2000 and result["queue"]["jobs_per_s"] > 0
+    assert result["queue_streamed_4_tokens"]["jobs"] == 500
+    e2e = result["e2e"]
+    assert e2e["jobs"] == 8 and e2e["token_identical_jobs"] == 8
+    assert e2e["worker_tokens_per_s"] > 0 and e2e["offline_tokens_per_s"] > 0

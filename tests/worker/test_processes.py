@@ -1,0 +1,99 @@
+"""Worker processes (stub engine, so no model load): kill -9 recovery, SIGTERM drain, two workers on one
+queue, JSON logs. Oracle: the completions stream and each job's result stream hold exactly one final
+record per job, with the output the stub computes for that job alone."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+
+from worker import Client
+from worker.engine_api import RequestOutputKind, SamplingParams
+from worker.stub_engine import StubEngine
+
+from .conftest import KEYS, assert_clean_queue, finals_by_id, result_stream, start_worker, wait_for
+
+
+def expected_text(prompt: str, max_tokens: int) -> str:
+    engine = StubEngine()
+    engine.add_request("x", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                  output_kind=RequestOutputKind.FINAL_ONLY))
+    while True:
+        for out in engine.step():
+            return out.outputs[0].text
+
+
+def submit_jobs(client: Client, n: int, max_tokens: int, tag: str) -> dict[str, str]:
+    jobs = [dict(prompt=f"{tag} {i}", max_tokens=max_tokens, temperature=0.0, stream=i % 3 == 0) for i in range(n)]
+    return dict(zip(client.submit_many(jobs), (j["prompt"] for j in jobs)))
+
+
+def check_exactly_once(r, client: Client, jobs: dict[str, str], max_tokens: int) -> dict[str, list[dict]]:
+    finals = finals_by_id(r)
+    assert set(finals) == set(jobs), "a job was lost or an unknown final appeared"
+    assert all(len(records) == 1 for records in finals.values()), "a job got two final records"
+    for job_id, prompt in jobs.items():
+        record = finals[job_id][0]
+        assert record["status"] == "completed", record
+        assert record["text"] == expected_text(prompt, max_tokens)
+        kinds = [kind for kind, _ in result_stream(r, job_id)]
+        assert kinds.count("final") == 1
+    assert_clean_queue(r)
+    return finals
+
+
+def test_kill_9_then_restart_and_second_worker(redis_url, r, tmp_path):
+    client = Client(redis_url)
+    jobs = submit_jobs(client, 60, 20, "crash")
+    stub = ["--engine", "stub", "--stub-step-delay", "0.01", "--max-num-seqs", "8", "--max-waiting", "8"]
+    first = start_worker(redis_url, *stub, "--name", "a", log=tmp_path / "a.log")
+    wait_for(lambda: r.xlen(KEYS.completions) >= 10, timeout=60, what="10 jobs done before the kill")
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=10)
+    pending = r.xpending(KEYS.jobs, "workers")["pending"]
+    assert pending > 0, "the killed worker should have held unacknowledged jobs"
+    # "a" restarts under its name (re-reads its own pending entries); "b" claims whatever stays idle.
+    again = start_worker(redis_url, *stub, "--name", "a", "--burst", log=tmp_path / "a2.log")
+    second = start_worker(redis_url, *stub, "--name", "b", "--burst", log=tmp_path / "b.log")
+    assert again.wait(timeout=90) == 0 and second.wait(timeout=90) == 0
+    finals = check_exactly_once(r, client, jobs, 20)
+    restarted = [json.loads(line) for line in (tmp_path / "a2.log").read_text().splitlines() if line.startswith("{")]
+    started = next(e for e in restarted if e["event"] == "worker_started")
+    assert started["recovered"] > 0 and started["worker"] == "a"
+    assert {rec[0]["worker"] for rec in finals.values()} <= {"a", "b"}
+
+
+def test_sigterm_drains_in_flight_jobs_and_exits_0(redis_url, r, tmp_path):
+    client = Client(redis_url)
+    jobs = submit_jobs(client, 20, 40, "drain")
+    proc = start_worker(redis_url, "--engine", "stub", "--stub-step-delay", "0.02", "--max-num-seqs", "4",
+                        "--max-waiting", "2", "--name", "d", "--drain-timeout", "30", log=tmp_path / "d.log")
+    wait_for(lambda: r.xlen(KEYS.completions) >= 4, timeout=60, what="some jobs done")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    logs = [json.loads(line) for line in (tmp_path / "d.log").read_text().splitlines() if line.startswith("{")]
+    stopped = next(e for e in logs if e["event"] == "worker_stopped")
+    done = finals_by_id(r)
+    assert all(rec[0]["status"] == "completed" for rec in done.values())  # nothing aborted by the drain
+    assert len(done) < len(jobs)  # it stopped admitting
+    assert stopped["unacknowledged"] == r.xpending(KEYS.jobs, "workers")["pending"]
+    assert r.get(KEYS.heartbeat("d")) is None
+    # the rest is still queued (unacknowledged or never delivered): a burst worker finishes it
+    rest = start_worker(redis_url, "--engine", "stub", "--name", "d", "--burst", log=tmp_path / "d2.log")
+    assert rest.wait(timeout=60) == 0
+    check_exactly_once(r, client, jobs, 40)
+
+
+def test_two_workers_share_a_queue(redis_url, r, tmp_path):
+    client = Client(redis_url)
+    jobs = submit_jobs(client, 120, 10, "shared")
+    stub = ["--engine", "stub", "--stub-step-delay", "0.005", "--max-num-seqs", "8", "--max-waiting", "8", "--burst"]
+    procs = [start_worker(redis_url, *stub, "--name", name, log=tmp_path / f"{name}.log") for name in ("x", "y")]
+    assert [p.wait(timeout=90) for p in procs] == [0, 0]
+    finals = check_exactly_once(r, client, jobs, 10)
+    per_worker = {name: sum(rec[0]["worker"] == name for rec in finals.values()) for name in ("x", "y")}
+    assert per_worker["x"] > 0 and per_worker["y"] > 0, per_worker
+    for name in ("x", "y"):  # structlog JSON lines with the worker bound (and job_id on job events)
+        events = [json.loads(line) for line in (tmp_path / f"{name}.log").read_text().splitlines()]
+        assert all(e["worker"] == name for e in events if e["event"].startswith(("worker_", "job_")))

@@ -1,0 +1,101 @@
+"""Producer API for asyncio (redis.asyncio); same methods and semantics as worker.client.Client."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator, Iterable, Mapping
+
+from redis.asyncio import Redis
+from redis.exceptions import NoScriptError
+
+from . import scripts
+from .client import (DeltaFilter, _block_ms, _s, as_job, check_submit_reply, make_job, parse_result_entry,
+                     submit_args)
+from .errors import ResultTimeout
+from .job import Delta, FinalRecord, Job
+from .keys import JOB_FIELD, QueueKeys
+
+
+class AsyncClient:
+    def __init__(self, url: str = "redis://localhost:6379/0", queue: str = "default", *,
+                 max_queue_depth: int | None = None, redis: Redis | None = None) -> None:
+        self.r = redis if redis is not None else Redis.from_url(url)
+        self.keys = QueueKeys(queue)
+        self.max_queue_depth = max_queue_depth
+
+    async def aclose(self) -> None:
+        await self.r.aclose()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def submit(self, prompt: str | None = None, **kwargs: Any) -> str:
+        return (await self.submit_many([make_job(prompt, **kwargs)]))[0]
+
+    async def submit_many(self, jobs: Iterable[Job | Mapping[str, Any]]) -> list[str]:
+        built = [as_job(j) for j in jobs]
+        if not built:
+            return []
+        if self.max_queue_depth:
+            args = submit_args(self.keys, built, self.max_queue_depth)
+            try:
+                reply = await self.r.execute_command(*args)
+            except NoScriptError:
+                await scripts.aload_all(self.r)
+                reply = await self.r.execute_command(*args)
+            check_submit_reply(reply, len(built), self.max_queue_depth)
+        else:
+            pipe = self.r.pipeline(transaction=False)
+            for job in built:
+                pipe.xadd(self.keys.jobs, {JOB_FIELD: job.to_json()})
+            await pipe.execute()
+        return [job.id for job in built]
+
+    async def cancel(self, job_id: str) -> bool:
+        args = ("EVALSHA", scripts.SHA["cancel"], 2, self.keys.final(job_id), self.keys.cancelled, job_id, time.time())
+        try:
+            return bool(await self.r.execute_command(*args))
+        except NoScriptError:
+            await scripts.aload_all(self.r)
+            return bool(await self.r.execute_command(*args))
+
+    async def queue_depth(self) -> int:
+        return int(await self.r.xlen(self.keys.jobs))
+
+    async def final(self, job_id: str) -> FinalRecord | None:
+        raw = await self.r.get(self.keys.final(job_id))
+        return FinalRecord.model_validate_json(raw) if raw else None
+
+    async def result(self, job_id: str, timeout: float | None = None) -> FinalRecord:
+        async for kind, item in self._entries(job_id, "0-0", timeout):
+            if kind == "final":
+                return item
+        raise AssertionError("unreachable")
+
+    async def stream(self, job_id: str, offset: str = "0-0", timeout: float | None = None) -> AsyncIterator[Delta]:
+        seen = DeltaFilter()
+        async for kind, item in self._entries(job_id, offset, timeout, per_item=True):
+            if kind == "final":
+                return
+            if seen.keep(item):
+                yield item
+
+    async def _entries(self, job_id: str, offset: str, timeout: float | None, per_item: bool = False):
+        key, last = self.keys.result(job_id), offset
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            reply = await self.r.xread({key: last}, count=256, block=_block_ms(deadline))
+            for entry_id, fields in (reply[0][1] if reply else []):
+                last = _s(entry_id)
+                yield parse_result_entry(entry_id, fields)
+                if per_item and timeout is not None:
+                    deadline = time.monotonic() + timeout
+            if not reply:
+                record = await self.final(job_id)
+                if record is not None:
+                    yield "final", record
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise ResultTimeout(f"no final record for job {job_id} within {timeout}s")

@@ -1,0 +1,118 @@
+"""Turning job stream entries into held jobs, and admitting held jobs into the engine.
+
+The backlog holds jobs read from Redis but not yet handed to the engine (blocked by the KV budget, or
+waiting to be rerun alone after a failed step). Reads are sized so the backlog stays small: jobs in a
+worker's pending list cannot be taken by an idle worker until their lease lapses.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .config import WorkerSettings
+from .errors import JobRejected
+from .job import FinalRecord, parse_job, job_id_of
+from .keys import GROUP, JOB_FIELD, QueueKeys
+from .publisher import Publisher
+from .tracked import Tracked
+
+_JOB_FIELD_B = JOB_FIELD.encode()
+
+
+class Intake:
+    def __init__(self, keys: QueueKeys, settings: WorkerSettings, publisher: Publisher, log: Any,
+                 stats: dict[str, int]) -> None:
+        self.keys, self.settings, self.publisher, self.log = keys, settings, publisher, log
+        self.stats = stats  # the worker's per-status counters (heartbeat)
+        self.seq = 0
+
+    def parse(self, entries: list, counts: dict[str, int] | None = None) -> list[Tracked]:
+        """Validate entries; queue rejections and dead letters; return the jobs to run."""
+        jobs = []
+        for entry_id, fields in entries:
+            entry_id = _s(entry_id)
+            if not fields:  # deleted while pending (Redis 6.2 XAUTOCLAIM returns these with nil bodies)
+                self.publisher.ops.append(("XACK", self.keys.jobs, GROUP, entry_id))
+                continue
+            raw = fields.get(_JOB_FIELD_B, fields.get(JOB_FIELD))
+            try:
+                if raw is None:
+                    raise JobRejected(f"stream entry has no {JOB_FIELD!r} field")
+                job = parse_job(raw)
+            except JobRejected as exc:
+                self.reject_raw(entry_id, raw, str(exc))
+                continue
+            self.seq += 1
+            t = Tracked(entry_id, job, attempts=(counts or {}).get(entry_id, 1), seq=self.seq)
+            if t.attempts > self.settings.max_attempts:
+                self.dead_letter(t, "delivered more often than max_attempts (a worker died or lost it each time)")
+                continue
+            jobs.append(t)
+        return jobs
+
+    def reject_raw(self, entry_id: str, raw: Any, reason: str) -> None:
+        job_id = job_id_of(raw) if raw is not None else None
+        record = FinalRecord(id=job_id or entry_id, status="rejected", error=reason,
+                             metadata=_metadata_of(raw), worker=self.settings.name)
+        self.log.warning("job_rejected", job_id=record.id, entry_id=entry_id, error=reason)
+        self.publisher.final(record, entry_id)
+        self.stats["rejected"] += 1
+
+    def reject(self, t: Tracked, reason: str) -> None:
+        self.log.warning("job_rejected", job_id=t.id, error=reason)
+        self.publisher.final(self.publisher.record(t, "rejected", reason), t.entry_id)
+        self.stats["rejected"] += 1
+
+    def dead_letter(self, t: Tracked, error: str) -> None:
+        error = f"{error}; attempts {t.attempts}, max_attempts {self.settings.max_attempts}"
+        if t.last_error:
+            error += f"; last error: {t.last_error}"
+        self.log.error("job_dead_lettered", job_id=t.id, error=error)
+        dead = {"job": json.loads(t.job.to_json()), "entry_id": t.entry_id, "error": error,
+                "attempts": t.attempts, "worker": self.settings.name}
+        self.publisher.final(self.publisher.record(t, "failed", error), t.entry_id, dead=dead)
+        self.stats["failed"] += 1
+
+
+def pick(backlog: list[Tracked], engine: Any, max_waiting: int, waiting_blocks: int,
+         isolating: bool) -> list[Tracked]:
+    """Choose jobs to hand to the engine now: highest priority first, within the waiting-queue cap and
+    the free KV blocks not already promised to jobs still waiting in the engine. Suspects (from a step
+    that raised) run one at a time with nothing beside them, which pins the failure on one job."""
+    if not backlog or isolating:
+        return []
+    backlog.sort(key=lambda t: (-t.job.priority, t.seq))
+    suspects = [t for t in backlog if t.suspect]
+    if suspects:  # wait for the engine to empty, then run the next suspect alone
+        return [] if engine.has_unfinished_requests() else suspects[:1]
+    block_size = getattr(engine, "block_size", None) or getattr(getattr(engine, "config", None), "block_size", 16)
+    budget = engine.num_free_blocks - waiting_blocks
+    room = max_waiting - engine.num_waiting_requests
+    chosen = []
+    for t in backlog:
+        if room <= 0:
+            break
+        need = t.estimate_blocks(block_size)
+        # Always let one job through when the engine has nothing waiting: it will queue for blocks itself.
+        if need > budget and (chosen or engine.num_waiting_requests):
+            break
+        t.blocks_estimate = need
+        budget -= need
+        room -= 1
+        chosen.append(t)
+    return chosen
+
+
+def _metadata_of(raw: Any) -> dict | None:
+    try:
+        data = json.loads(raw)
+    except (ValueError, TypeError):
+        return None
+    meta = data.get("metadata") if isinstance(data, dict) else None
+    return meta if isinstance(meta, dict) else None
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+

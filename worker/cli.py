@@ -1,0 +1,166 @@
+"""CLI wiring: `pagedq worker`, `pagedq demo`, `pagedq bench worker` (registered by engine/cli.py).
+
+Also runnable without the top-level CLI: ``python -m worker worker --engine stub ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from .config import WorkerSettings, default_worker_name
+
+
+def register(subparsers: Any) -> None:
+    """Add the top-level commands `worker` and `demo`."""
+    p = subparsers.add_parser("worker", help="serve generation jobs from a Redis queue")
+    add_worker_args(p)
+    p.set_defaults(func=cmd_worker)
+    d = subparsers.add_parser("demo", help="embedded Redis + worker on the demo model; enqueue a few jobs")
+    add_engine_args(d)
+    d.add_argument("--max-tokens", type=int, default=32)
+    d.set_defaults(func=cmd_demo)
+
+
+def register_bench(bench_subparsers: Any) -> None:
+    """Add `bench worker` under the `bench` group."""
+    p = bench_subparsers.add_parser("worker", help="queue-layer and end-to-end worker throughput (one JSON line)")
+    add_engine_args(p)
+    p.add_argument("--stub-jobs", type=int, default=20_000, help="jobs through the stub engine (queue layer)")
+    p.add_argument("--e2e-jobs", type=int, default=64, help="jobs through the real engine (0 skips it)")
+    p.add_argument("--e2e-max-tokens", type=int, default=32)
+    p.add_argument("--e2e-repeats", type=int, default=3, help="alternate offline/worker runs; best of each")
+    p.set_defaults(func=cmd_bench)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model folder (default: the demo model)")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--engine", default="llm", choices=["llm", "stub"],
+                   help="stub: a fake engine that returns at once (queue tests and benchmarks)")
+    p.add_argument("--stub-step-delay", type=float, default=0.0, help="seconds per stub engine step")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    d = WorkerSettings()
+    p.add_argument("--redis", default=None, help="Redis URL (default: start a private redis-server)")
+    p.add_argument("--queue", default=d.queue)
+    p.add_argument("--name", default=None, help="consumer name; keep it stable to re-read own pending jobs on restart")
+    p.add_argument("--burst", action="store_true", help="exit once nothing is queued, pending or running")
+    p.add_argument("--lease-ms", type=int, default=d.lease_ms)
+    p.add_argument("--max-attempts", type=int, default=d.max_attempts)
+    p.add_argument("--result-ttl", type=int, default=d.result_ttl_s, help="seconds results are kept")
+    p.add_argument("--completions-maxlen", type=int, default=d.completions_maxlen)
+    p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s)
+    p.add_argument("--max-waiting", type=int, default=d.max_waiting)
+    p.add_argument("--block-ms", type=int, default=d.block_ms)
+    p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_every_s)
+
+
+def configure_logging(level: str = "info") -> None:
+    import structlog
+
+    structlog.configure(
+        processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
+                    structlog.processors.TimeStamper(fmt="iso", utc=True), structlog.processors.format_exc_info,
+                    structlog.processors.JSONRenderer()],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+
+
+def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
+    """The engine named by the arguments and the model name to report."""
+    if args.engine == "stub":
+        from .stub_engine import StubEngine
+
+        engine = StubEngine(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                            max_num_seqs=args.max_num_seqs, step_delay_s=args.stub_step_delay)
+        return engine, "stub"
+    from engine import LLMEngine
+
+    model = args.model
+    if model is None:
+        from engine.demo_model import demo_model_path
+
+        model = str(demo_model_path())
+    engine = LLMEngine(model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                       num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens)
+    return engine, str(model)
+
+
+def settings_from_args(args: argparse.Namespace, device: str, model: str) -> WorkerSettings:
+    return WorkerSettings(
+        queue=args.queue, name=args.name or default_worker_name(), lease_ms=args.lease_ms,
+        max_attempts=args.max_attempts, result_ttl_s=args.result_ttl, completions_maxlen=args.completions_maxlen,
+        block_ms=args.block_ms, max_waiting=args.max_waiting, drain_timeout_s=args.drain_timeout,
+        heartbeat_every_s=args.heartbeat_interval, burst=args.burst, device=device, model=model,
+    )
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    import structlog
+    from redis import Redis
+
+    from .embedded_redis import EmbeddedRedis
+    from .faults import wrap_from_env
+    from .worker import Worker
+
+    configure_logging(args.log_level)
+    log = structlog.get_logger("pagedq.worker")
+    embedded = None
+    if args.redis is None:
+        embedded = EmbeddedRedis().start()
+        args.redis = embedded.url
+        log.info("embedded_redis_started", url=embedded.url)
+    try:
+        engine, model = build_engine(args)
+        device = _engine_device(engine, args.device)
+        worker = Worker(wrap_from_env(engine), Redis.from_url(args.redis), settings_from_args(args, device, model))
+        return worker.run()
+    finally:
+        if embedded is not None:
+            embedded.stop()
+
+
+def _engine_device(engine: Any, default: str) -> str:
+    for owner in (engine, getattr(engine, "model_runner", None), getattr(engine, "config", None)):
+        device = getattr(owner, "device", None)
+        if device is not None:
+            return str(device)
+    return default
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    configure_logging("warning")
+    return run_demo(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run_bench
+
+    configure_logging("error")
+    return run_bench(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m worker")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register(sub)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    register_bench(bench)
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)

@@ -1,0 +1,40 @@
+"""Worker settings (one dataclass; the CLI maps flags onto it, tests shorten the intervals)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+
+def default_worker_name() -> str:
+    # hostname alone is stable across container restarts; the pid keeps two workers on one host apart.
+    # Pass an explicit --name to make a restarted worker re-read its own pending jobs at once.
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+@dataclass
+class WorkerSettings:
+    queue: str = "default"
+    name: str = field(default_factory=default_worker_name)
+    lease_ms: int = 60_000  # a job idle longer than this in a dead worker's pending list is claimed by others
+    renew_every_s: float | None = None  # default lease/3
+    claim_every_s: float | None = None  # default lease/2
+    max_attempts: int = 3  # deliveries (and in-worker failures) before a job is dead-lettered
+    result_ttl_s: int = 86_400  # result streams and final records expire after this
+    completions_maxlen: int = 100_000  # approximate cap of the shared completions stream
+    block_ms: int = 1_000  # XREADGROUP BLOCK when the engine is idle
+    max_waiting: int = 64  # jobs read ahead into the engine's waiting queue at most
+    drain_timeout_s: float = 30.0  # on SIGTERM: how long in-flight jobs may take to finish
+    heartbeat_every_s: float = 5.0
+    burst: bool = False  # exit once nothing is queued, pending or running
+    device: str = "auto"
+    model: str = ""
+
+    @property
+    def renew_interval(self) -> float:
+        return self.renew_every_s if self.renew_every_s is not None else self.lease_ms / 3000
+
+    @property
+    def claim_interval(self) -> float:
+        return self.claim_every_s if self.claim_every_s is not None else self.lease_ms / 2000

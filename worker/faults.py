@@ -1,0 +1,50 @@
+"""Test-only fault injection around any engine (stub or real), switched on by environment variables.
+
+PAGEDQ_FAULT_PROMPT=<text>: every engine.step() raises while a request whose prompt contains <text> is in
+the engine (a "poison" job that breaks the whole batch, as a kernel error on one sequence would).
+PAGEDQ_FAULT_MODE=exit: instead of raising, the process dies at once (os._exit), like a segfault.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+ENV_PROMPT = "PAGEDQ_FAULT_PROMPT"
+ENV_MODE = "PAGEDQ_FAULT_MODE"
+
+
+class FaultyEngine:
+    def __init__(self, engine: Any, poison: str, mode: str = "raise") -> None:
+        self._engine, self._poison, self._mode = engine, poison, mode
+        self._live: set[str] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def add_request(self, request_id: str, prompt: Any, params: Any, priority: int = 0) -> None:
+        self._engine.add_request(request_id, prompt, params, priority=priority)
+        if isinstance(prompt, str) and self._poison in prompt:
+            self._live.add(request_id)
+
+    def abort_request(self, request_id: str) -> Any:
+        self._live.discard(request_id)
+        return self._engine.abort_request(request_id)
+
+    def step(self) -> list:
+        if self._live:
+            if self._mode == "exit":
+                os._exit(86)
+            raise RuntimeError(f"injected fault: a request with {self._poison!r} in its prompt is in the batch")
+        outputs = self._engine.step()
+        for out in outputs:
+            if out.finished:
+                self._live.discard(out.request_id)
+        return outputs
+
+
+def wrap_from_env(engine: Any) -> Any:
+    poison = os.environ.get(ENV_PROMPT)
+    if not poison:
+        return engine
+    return FaultyEngine(engine, poison, os.environ.get(ENV_MODE, "raise"))

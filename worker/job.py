@@ -1,0 +1,165 @@
+"""The job and result records of the wire protocol (pydantic v2, strict, unknown fields forbidden)."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .errors import JobFailed, JobRejected
+
+MAX_PROMPT_CHARS = 1_000_000  # a hard cap before tokenisation; the engine also enforces max_model_len
+MAX_JOB_ID_CHARS = 200
+Status = Literal["completed", "failed", "cancelled", "expired", "rejected"]
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+                   "stop", "stop_token_ids", "ignore_eos", "logprobs")
+
+
+_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
+
+
+def new_job_id() -> str:
+    return uuid.uuid4().hex
+
+
+class Job(BaseModel):
+    """One generation job, as enqueued. JSON numbers may be ints where floats are expected, never the reverse."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    id: str = Field(default_factory=new_job_id, min_length=1, max_length=MAX_JOB_ID_CHARS,
+                    pattern=r"^[A-Za-z0-9_.:\-]+$")
+    prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+    prompt_token_ids: list[int] | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+    max_tokens: int = Field(default=16, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    seed: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    stream: bool = False
+    priority: int = 0
+    deadline: float | None = None  # absolute unix time
+    metadata: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "Job":
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise ValueError("exactly one of prompt or prompt_token_ids must be given")
+        if self.prompt is not None and not self.prompt.strip():
+            raise ValueError("prompt must not be empty")
+        if self.prompt_token_ids is not None:
+            if not self.prompt_token_ids:
+                raise ValueError("prompt_token_ids must not be empty")
+            if min(self.prompt_token_ids) < 0:
+                raise ValueError("prompt_token_ids must be non-negative token ids")
+        if self.stop is not None and not all(self.stop):
+            raise ValueError("stop must hold non-empty strings")
+        if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative token ids")
+        return self
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for engine.SamplingParams."""
+        return {name: getattr(self, name) for name in SAMPLING_FIELDS}
+
+    def to_json(self) -> str:
+        return self.model_dump_json(exclude_defaults=False)
+
+
+def parse_job(raw: bytes | str) -> Job:
+    """Validate one job stream entry's JSON; raise JobRejected naming every problem."""
+    try:
+        return Job.model_validate_json(raw)
+    except ValidationError as exc:
+        raise JobRejected(describe_errors(exc)) from None
+
+
+def build_job(**fields: Any) -> Job:
+    """Validate a job given as Python keywords (the client side); raise JobRejected before anything is sent."""
+    if isinstance(fields.get("stop"), str):
+        fields["stop"] = [fields["stop"]]
+    try:
+        return Job.model_validate(fields)
+    except ValidationError as exc:
+        raise JobRejected(describe_errors(exc)) from None
+
+
+def describe_errors(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors(include_url=False):
+        where = ".".join(str(p) for p in err["loc"]) or "job"
+        parts.append(f"{where}: {err['msg']}")
+    return "invalid job: " + "; ".join(parts)
+
+
+def job_id_of(raw: bytes | str) -> str | None:
+    """Best-effort id of a malformed job, so its rejection can still be addressed to it."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, TypeError):
+        return None
+    job_id = data.get("id") if isinstance(data, dict) else None
+    if isinstance(job_id, str) and len(job_id) <= MAX_JOB_ID_CHARS and _ID_RE.match(job_id):
+        return job_id
+    return None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Timings(BaseModel):
+    """Seconds. queue_wait: enqueue to admission; ttft: enqueue to first token; total: enqueue to final."""
+
+    queue_wait: float | None = None
+    ttft: float | None = None
+    total: float | None = None
+
+
+class FinalRecord(BaseModel):
+    """The one final record of a job, in its result stream and in the completions stream."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    status: Status
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    usage: Usage = Field(default_factory=Usage)
+    timings: Timings = Field(default_factory=Timings)
+    metadata: dict[str, Any] | None = None
+    error: str | None = None
+    logprobs: list[dict[str, float]] | None = None
+    worker: str | None = None
+    attempts: int = 1
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "completed"
+
+    def raise_for_status(self) -> "FinalRecord":
+        if not self.ok:
+            raise JobFailed(self)
+        return self
+
+
+class Delta(BaseModel):
+    """One streamed piece of output. ``pos`` is the number of tokens generated before it: a redelivered job
+    restarts at pos 0, so consumers skip what they already have. ``offset`` is the result stream entry id to
+    resume from."""
+
+    text: str
+    token_ids: list[int]
+    pos: int
+    offset: str = ""

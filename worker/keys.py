@@ -1,0 +1,67 @@
+"""Every Redis key and name the queue uses, in one place (the wire protocol's key layout).
+
+All keys of one queue share the hash tag ``{queue}`` so they live in one Redis Cluster slot: the Lua
+scripts touch several of them atomically, which Cluster only allows within a slot. Shard by queue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "pagedq"
+GROUP = "workers"  # the consumer group every worker of a queue joins
+JOB_FIELD = "job"  # the job stream entry field holding the job's JSON
+TYPE_FIELD = "type"  # result stream entries: "delta" or "final"
+DATA_FIELD = "data"  # result stream entries: the JSON payload
+
+
+@dataclass(frozen=True)
+class QueueKeys:
+    """Key names of one queue. Build with ``QueueKeys("default")``."""
+
+    queue: str = "default"
+
+    def __post_init__(self) -> None:
+        if not self.queue or any(c in self.queue for c in "{}: \t\n"):
+            raise ValueError(f"queue name must be non-empty without braces, colons or spaces, got {self.queue!r}")
+
+    @property
+    def base(self) -> str:
+        return f"{PREFIX}:{{{self.queue}}}"
+
+    @property
+    def jobs(self) -> str:
+        """Stream of pending jobs (consumer group GROUP). Entries are deleted once acknowledged."""
+        return f"{self.base}:jobs"
+
+    @property
+    def completions(self) -> str:
+        """Capped stream of every final record of the queue (MAXLEN ~)."""
+        return f"{self.base}:completions"
+
+    @property
+    def dead(self) -> str:
+        """Dead-letter stream: jobs that failed max_attempts times, with their last error."""
+        return f"{self.base}:dead"
+
+    @property
+    def cancelled(self) -> str:
+        """Sorted set of cancel requests: member job id, score the unix time of the request."""
+        return f"{self.base}:cancelled"
+
+    @property
+    def workers(self) -> str:
+        """Sorted set of worker names, scored by their last heartbeat (unix time)."""
+        return f"{self.base}:workers"
+
+    def result(self, job_id: str) -> str:
+        """Per-job result stream: delta records (if streamed), then exactly one final record."""
+        return f"{self.base}:result:{job_id}"
+
+    def final(self, job_id: str) -> str:
+        """The job's final record as a JSON string; its existence means "finished" (set once, atomically)."""
+        return f"{self.base}:final:{job_id}"
+
+    def heartbeat(self, worker: str) -> str:
+        """A worker's heartbeat: JSON status, expires unless refreshed."""
+        return f"{self.base}:worker:{worker}"

@@ -1,0 +1,101 @@
+"""Queues a step's writes (deltas, final records) and sends them in one pipeline with the next read.
+
+Round trips per step stay constant however many jobs advanced: every write is one command in the same
+pipeline. Final records go through the FINALIZE script (write once + XACK + XDEL atomically).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from redis.exceptions import NoScriptError, ResponseError
+
+from . import scripts
+from .job import FinalRecord, Timings, Usage
+from .keys import DATA_FIELD, GROUP, TYPE_FIELD, QueueKeys
+from .tracked import Tracked
+
+FINALIZE_CHUNK = 256  # jobs per FINALIZE call: bounds how long one script blocks Redis
+
+
+class Publisher:
+    def __init__(self, keys: QueueKeys, worker_name: str, result_ttl_s: int, completions_maxlen: int) -> None:
+        self.keys, self.worker_name = keys, worker_name
+        self.ttl, self.maxlen = int(result_ttl_s), int(completions_maxlen)
+        self.ops: list[tuple[Any, ...]] = []
+        self.finals: list[tuple[str, str, str, str]] = []  # job_id, entry_id, final_json, dead_json
+        self.expiring: set[str] = set()  # result streams that already got their TTL
+        self.finals_written = 0
+        self.duplicates = 0
+
+    def __len__(self) -> int:
+        return len(self.ops) + len(self.finals)
+
+    def delta(self, job_id: str, text: str, token_ids: list[int], pos: int, logprobs: list | None) -> None:
+        payload: dict[str, Any] = {"text": text, "token_ids": token_ids, "pos": pos}
+        if logprobs:
+            payload["logprobs"] = logprobs
+        key = self.keys.result(job_id)
+        self.ops.append(("XADD", key, "*", TYPE_FIELD, "delta", DATA_FIELD, json.dumps(payload)))
+        if key not in self.expiring:  # one EXPIRE per stream, not per delta; FINALIZE sets it again
+            self.expiring.add(key)
+            self.ops.append(("EXPIRE", key, self.ttl))
+
+    def final(self, record: FinalRecord, entry_id: str | None, dead: dict | None = None) -> None:
+        self.expiring.discard(self.keys.result(record.id))
+        self.finals.append((record.id, entry_id or "", record.model_dump_json(), json.dumps(dead) if dead else ""))
+
+    def record(self, t: Tracked, status: str, error: str | None = None, now: float | None = None) -> FinalRecord:
+        """The final record of a held job. Built without re-validation (hot path; every field is ours)."""
+        now = now or time.time()
+        timings = Timings.model_construct(queue_wait=_dt(t.enqueued_at, t.admitted_at),
+                                          ttft=_dt(t.enqueued_at, t.first_token_at), total=_dt(t.enqueued_at, now))
+        usage = Usage.model_construct(prompt_tokens=t.prompt_tokens, completion_tokens=len(t.token_ids))
+        return FinalRecord.model_construct(
+            id=t.id, status=status, text=t.text, token_ids=t.token_ids, finish_reason=t.finish_reason,
+            stop_reason=t.stop_reason, usage=usage, timings=timings, metadata=t.job.metadata, error=error,
+            logprobs=t.logprobs, worker=self.worker_name, attempts=t.attempts,
+        )
+
+    def take(self) -> list[tuple[Any, ...]]:
+        """Every queued write as commands: the deltas, then one FINALIZE call per FINALIZE_CHUNK jobs."""
+        ops, self.ops = self.ops, []
+        finals, self.finals = self.finals, []
+        k = self.keys
+        for i in range(0, len(finals), FINALIZE_CHUNK):
+            chunk = finals[i:i + FINALIZE_CHUNK]
+            keys, args = [k.jobs, k.completions, k.cancelled, k.dead], [GROUP, self.ttl, self.maxlen]
+            for job_id, entry_id, final_json, dead_json in chunk:
+                keys += [k.final(job_id), k.result(job_id)]
+                args += [entry_id, job_id, final_json, dead_json]
+            ops.append(("EVALSHA", scripts.SHA["finalize"], len(keys), *keys, *args))
+        return ops
+
+    def check(self, redis_client, ops: list[tuple[Any, ...]], results: list[Any]) -> None:
+        """Inspect the results of ops sent in a pipeline; re-send finalize calls that hit NOSCRIPT."""
+        retry = []
+        for op, res in zip(ops, results):
+            if isinstance(res, NoScriptError):
+                retry.append(op)
+            elif isinstance(res, Exception):
+                raise res
+            elif op[0] == "EVALSHA":
+                written = sum(int(x) for x in res)
+                self.finals_written += written
+                self.duplicates += len(res) - written
+        if retry:
+            scripts.load_all(redis_client)
+            pipe = redis_client.pipeline(transaction=False)
+            for op in retry:
+                pipe.execute_command(*op)
+            self.check(redis_client, retry, pipe.execute(raise_on_error=False))
+
+
+def _dt(start: float, end: float | None) -> float | None:
+    return None if end is None else round(max(end - start, 0.0), 6)
+
+
+def is_busygroup(exc: ResponseError) -> bool:
+    return "BUSYGROUP" in str(exc)

@@ -1,0 +1,95 @@
+"""Lua scripts: the operations that must be atomic (Redis 6.2+ commands only).
+
+Loaded once with SCRIPT LOAD and called by sha inside pipelines (redis-py's Script objects would add a
+SCRIPT EXISTS round trip to every pipeline). Callers reload on NOSCRIPT (e.g. after a Redis restart).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+# Write each job's final record only if it has none, and acknowledge (and delete) its job entry in the
+# same atomic step: a job is done exactly when its final record exists, and a redelivered copy is just
+# acked. One call finalises a whole step's worth of jobs (fewer commands to encode and parse).
+# KEYS: jobs, completions, cancelled, dead, then per job: final, result
+# ARGV: group, ttl_s, completions_maxlen, then per job: entry_id ('' if none), job_id, final_json, dead_json ('' if none)
+# Returns one 1 (written) or 0 (it had a final record already) per job.
+FINALIZE = """
+local written = {}
+for i = 0, (#ARGV - 3) / 4 - 1 do
+  local entry, job_id, final, dead = ARGV[4 + i * 4], ARGV[5 + i * 4], ARGV[6 + i * 4], ARGV[7 + i * 4]
+  local final_key, result_key = KEYS[5 + i * 2], KEYS[6 + i * 2]
+  local fresh = redis.call('EXISTS', final_key) == 0
+  if fresh then
+    redis.call('SET', final_key, final, 'EX', ARGV[2])
+    redis.call('XADD', result_key, '*', 'type', 'final', 'data', final)
+    redis.call('EXPIRE', result_key, ARGV[2])
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'id', job_id, 'data', final)
+    if dead ~= '' then
+      redis.call('XADD', KEYS[4], '*', 'id', job_id, 'data', dead)
+    end
+    redis.call('ZREM', KEYS[3], job_id)
+  end
+  if entry ~= '' then
+    redis.call('XACK', KEYS[1], ARGV[1], entry)
+    redis.call('XDEL', KEYS[1], entry)
+  end
+  written[#written + 1] = fresh and 1 or 0
+end
+return written
+"""
+
+# Enqueue jobs unless the queue would grow past a limit. The job stream only holds unfinished jobs
+# (finalize deletes entries), so XLEN is the queue depth: waiting plus in flight.
+# KEYS: jobs; ARGV: max_depth, field, json...
+SUBMIT = """
+local depth = redis.call('XLEN', KEYS[1])
+local limit = tonumber(ARGV[1])
+if limit > 0 and depth + #ARGV - 2 > limit then
+  return {'FULL', tostring(depth)}
+end
+local ids = {'OK'}
+for i = 3, #ARGV do
+  ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[i])
+end
+return ids
+"""
+
+# Renew the lease of entries this consumer still owns (XCLAIM by the owner with min-idle 0 and JUSTID
+# resets the idle time without counting a delivery). Entries another worker has claimed meanwhile are
+# left alone and returned, so a renewal never steals a job back.
+# KEYS: jobs; ARGV: group, consumer, id...
+RENEW = """
+local lost, args = {}, {'XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if p[1] and p[1][2] == ARGV[2] then args[#args + 1] = ARGV[i] else lost[#lost + 1] = ARGV[i] end
+end
+if #args > 5 then
+  args[#args + 1] = 'JUSTID'
+  redis.call(unpack(args))
+end
+return lost
+"""
+
+# Request cancellation unless the job already has its final record.
+# KEYS: final, cancelled; ARGV: job_id, now
+CANCEL = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+return 1
+"""
+
+ALL = {"finalize": FINALIZE, "submit": SUBMIT, "renew": RENEW, "cancel": CANCEL}
+SHA = {name: hashlib.sha1(src.encode()).hexdigest() for name, src in ALL.items()}
+
+
+def load_all(redis_client) -> None:
+    """SCRIPT LOAD every script (sync client)."""
+    for src in ALL.values():
+        redis_client.script_load(src)
+
+
+async def aload_all(redis_client) -> None:
+    for src in ALL.values():
+        await redis_client.script_load(src)

@@ -1,0 +1,63 @@
+"""What the worker knows about one job it holds (read from the stream, not yet finalised)."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from .job import Job
+
+
+def entry_time(entry_id: str) -> float:
+    """Unix time of a stream entry id (Redis' clock at XADD): the enqueue time, independent of producer clocks."""
+    try:
+        return int(entry_id.split("-", 1)[0]) / 1000.0
+    except ValueError:
+        return time.time()
+
+
+@dataclass
+class Tracked:
+    entry_id: str
+    job: Job
+    attempts: int = 1  # deliveries so far plus failures inside this worker
+    seq: int = 0  # read order, the tie-break after priority
+    enqueued_at: float = 0.0
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    in_engine: bool = False
+    suspect: bool = False  # was in a batch whose step raised: rerun alone to find the culprit
+    prompt_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list[dict[str, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    blocks_estimate: int = 0
+    last_error: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.enqueued_at:
+            self.enqueued_at = entry_time(self.entry_id)
+
+    @property
+    def id(self) -> str:
+        return self.job.id
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    def estimate_blocks(self, block_size: int) -> int:
+        # Text prompts are not tokenised here (the engine does it); ~4 bytes per token is a fair guess.
+        job = self.job
+        prompt = len(job.prompt_token_ids) if job.prompt_token_ids is not None else len(job.prompt.encode()) // 4 + 1
+        return math.ceil((prompt + job.max_tokens) / max(block_size, 1))
+
+    def reset_output(self) -> None:
+        """Forget partial output before a rerun (deltas restart at pos 0; consumers dedupe by pos)."""
+        self.token_ids, self.text_parts, self.logprobs = [], [], None
+        self.finish_reason = self.stop_reason = None
+        self.first_token_at = None
+        self.in_engine = False

@@ -1,0 +1,348 @@
+"""The worker loop: Redis in, continuous batching, Redis out.
+
+Each turn of the loop is one pipeline round trip (this step's deltas and final records, the cancel
+check, and a non-blocking XREADGROUP sized to what the engine can take), then admission, deadline and
+cancel enforcement, and one engine step. Only when the engine is idle does the read BLOCK. Lease
+renewal, claiming of dead workers' jobs and the heartbeat run on timers, off the per-step path.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+import time
+from typing import Any
+
+import structlog
+
+from . import scripts
+from .admission import Intake, pick
+from .config import WorkerSettings
+from .engine_api import RequestOutputKind, SamplingParams
+from .keys import GROUP, QueueKeys
+from .leases import Heartbeat, Leases
+from .publisher import Publisher
+from .tracked import Tracked
+
+STATUSES = ("completed", "failed", "cancelled", "expired", "rejected")
+
+
+class Worker:
+    def __init__(self, engine: Any, redis_client: Any, settings: WorkerSettings) -> None:
+        self.engine, self.r, self.s = engine, redis_client, settings
+        self.keys = QueueKeys(settings.queue)
+        self.log = structlog.get_logger("pagedq.worker").bind(worker=settings.name)
+        self.publisher = Publisher(self.keys, settings.name, settings.result_ttl_s, settings.completions_maxlen)
+        self.stats = {status: 0 for status in STATUSES}
+        self.intake = Intake(self.keys, settings, self.publisher, self.log, self.stats)
+        self.leases = Leases(redis_client, self.keys, settings.name, settings.lease_ms)
+        self.heartbeat = Heartbeat(redis_client, self.keys, settings.name, settings.heartbeat_every_s,
+                                   {"device": settings.device, "model": settings.model})
+        self.held: dict[str, Tracked] = {}  # by stream entry id (also the engine request id)
+        self.backlog: list[Tracked] = []
+        self.deadlines: dict[str, float] = {}
+        self.waiting_blocks = 0  # KV blocks promised to our jobs still in the engine's waiting queue
+        self.waiting_ids: set[str] = set()
+        self.cancel_possible = True  # the cancel set was non-empty at the last look
+        self.stopping = False
+        self.stop_by = math.inf
+        self._burst_done = False
+        self._timers = {"renew": 0.0, "claim": 0.0, "beat": 0.0}
+
+    # ------------------------------------------------------------------ lifecycle
+    def run(self) -> int:
+        """Serve until stopped (SIGTERM/SIGINT or request_stop()) or, in burst mode, until nothing is left."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_signal)
+            signal.signal(signal.SIGINT, self._on_signal)
+        self._start()
+        try:
+            while not self._done():
+                self._turn()
+        finally:
+            self._shutdown()
+        return 0
+
+    def request_stop(self, drain_timeout_s: float | None = None) -> None:
+        """Stop admitting; finish in-flight jobs within the drain timeout; leave the rest unacknowledged."""
+        if not self.stopping:
+            self.stopping = True
+            timeout = self.s.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+            self.stop_by = time.monotonic() + timeout
+            self.log.info("worker_draining", in_flight=self.engine.num_unfinished_requests, drain_timeout_s=timeout)
+        else:  # a second signal: stop now
+            self.stop_by = 0.0
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self.request_stop()
+
+    def _start(self) -> None:
+        self.leases.ensure_group()
+        scripts.load_all(self.r)
+        entries = self.leases.read_own_pending()
+        counts = self.leases.delivery_counts([_s(e[0]) for e in entries])
+        self._hold(self.intake.parse(entries, counts))
+        self.log.info("worker_started", queue=self.s.queue, recovered=len(entries), burst=self.s.burst,
+                      device=self.s.device, model=self.s.model)
+        self._beat(time.monotonic())
+
+    def _done(self) -> bool:
+        if self.stopping:
+            return not self.engine.has_unfinished_requests() or time.monotonic() >= self.stop_by
+        return self._burst_done
+
+    def _shutdown(self) -> None:
+        for t in [t for t in self.held.values() if t.in_engine]:
+            self._leave_engine(t, abort=True)  # drain timed out: left unacknowledged for redelivery
+        try:
+            self._flush()
+            self.heartbeat.remove()
+        except Exception as exc:  # Redis gone: nothing more to do; unacked jobs will be redelivered
+            self.log.error("shutdown_flush_failed", error=repr(exc))
+        self.log.info("worker_stopped", unacknowledged=len(self.held), **self.stats)
+
+    # ------------------------------------------------------------------ one turn
+    def _turn(self) -> None:
+        now = time.monotonic()
+        self._maintenance(now)
+        self._sync()
+        if not self.stopping:
+            self._admit()
+        self._enforce_deadlines()
+        if self.engine.has_unfinished_requests():
+            self._step()
+
+    def _read_count(self) -> int:
+        if self.stopping:
+            return 0
+        return self.s.max_waiting - self.engine.num_waiting_requests - len(self.backlog)
+
+    def _sync(self) -> None:
+        """One round trip: pending writes, cancel check, new jobs (blocking only when idle)."""
+        idle = not self.engine.has_unfinished_requests() and not self.backlog
+        ops = self.publisher.take()
+        pipe = self.r.pipeline(transaction=False)
+        for op in ops:
+            pipe.execute_command(*op)
+        job_ids = sorted({t.id for t in self.held.values()}) if self.cancel_possible else []
+        pipe.zcard(self.keys.cancelled)
+        if job_ids:
+            pipe.zmscore(self.keys.cancelled, job_ids)
+        check_burst = self.s.burst and idle and not self.stopping
+        if check_burst:
+            pipe.xpending(self.keys.jobs, GROUP)
+        count = self._read_count()
+        if count > 0:
+            # burst mode never blocks: it checks the pending count instead (and naps below if others hold jobs)
+            block = self.s.block_ms if idle and not self.s.burst else None
+            pipe.xreadgroup(GROUP, self.s.name, {self.keys.jobs: ">"}, count=count, block=block)
+        results = pipe.execute(raise_on_error=False)
+        self.publisher.check(self.r, ops, results[:len(ops)])
+        rest = results[len(ops):]
+        for res in rest:
+            if isinstance(res, Exception):
+                raise res
+        self.cancel_possible = bool(rest.pop(0))
+        if job_ids:
+            self._apply_cancels([j for j, score in zip(job_ids, rest.pop(0)) if score is not None])
+        pending = rest.pop(0)["pending"] if check_burst else None
+        entries = (rest.pop(0) or [[None, []]])[0][1] if count > 0 else []
+        if entries:
+            self._hold(self.intake.parse(entries), check_cancel=self.cancel_possible)
+        elif check_burst and not len(self.publisher) and not self.held:
+            if pending:
+                time.sleep(0.05)  # jobs held by other (maybe dead) workers: wait for them or their leases
+            else:
+                self._burst_done = True
+
+    def _flush(self) -> None:
+        ops = self.publisher.take()
+        if ops:
+            pipe = self.r.pipeline(transaction=False)
+            for op in ops:
+                pipe.execute_command(*op)
+            self.publisher.check(self.r, ops, pipe.execute(raise_on_error=False))
+
+    # ------------------------------------------------------------------ holding and admitting
+    def _hold(self, jobs: list[Tracked], check_cancel: bool = False) -> None:
+        jobs = [t for t in jobs if t.entry_id not in self.held]
+        for t in jobs:
+            self.held[t.entry_id] = t
+            self.backlog.append(t)
+            if t.job.deadline is not None:
+                self.deadlines[t.entry_id] = t.job.deadline
+        if check_cancel and jobs:
+            ids = sorted({t.id for t in jobs})
+            scores = self.r.zmscore(self.keys.cancelled, ids)
+            self._apply_cancels([j for j, score in zip(ids, scores) if score is not None])
+
+    def _admit(self) -> None:
+        isolating = any(t.suspect and t.in_engine for t in self.held.values())
+        for t in pick(self.backlog, self.engine, self.s.max_waiting, self.waiting_blocks, isolating):
+            self.backlog.remove(t)
+            if t.job.deadline is not None and time.time() >= t.job.deadline:
+                self._finalize(t, "expired", "deadline passed before the job started")
+                continue
+            self._add_to_engine(t)
+
+    def _add_to_engine(self, t: Tracked) -> None:
+        job = t.job
+        prompt = job.prompt if job.prompt is not None else job.prompt_token_ids
+        try:
+            params = SamplingParams(**job.sampling_kwargs(), output_kind=RequestOutputKind.DELTA)
+            self.engine.add_request(t.entry_id, prompt, params, priority=job.priority)
+        except ValueError as exc:  # the engine's verdict on bad input (too long, token out of vocab, ...)
+            self.intake.reject(t, str(exc))
+            self._forget(t)
+            return
+        except Exception as exc:
+            self._job_error(t, exc)
+            return
+        t.in_engine, t.admitted_at = True, time.time()
+        self.waiting_ids.add(t.entry_id)
+        self.waiting_blocks += t.blocks_estimate
+
+    def _leave_engine(self, t: Tracked, abort: bool) -> Any:
+        out = None
+        if abort and t.in_engine:
+            try:
+                out = self.engine.abort_request(t.entry_id)
+            except Exception as exc:
+                self.log.error("abort_failed", job_id=t.id, error=repr(exc))
+        t.in_engine = False
+        if t.entry_id in self.waiting_ids:
+            self.waiting_ids.discard(t.entry_id)
+            self.waiting_blocks -= t.blocks_estimate
+        return out
+
+    # ------------------------------------------------------------------ stepping
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            self._on_step_error(exc)
+            return
+        now = time.time()
+        for out in outputs:
+            t = self.held.get(out.request_id)
+            if t is not None:
+                self._absorb(t, out, now)
+
+    def _absorb(self, t: Tracked, out: Any, now: float) -> None:
+        c = out.outputs[0]
+        if t.entry_id in self.waiting_ids:
+            self.waiting_ids.discard(t.entry_id)
+            self.waiting_blocks -= t.blocks_estimate
+        t.prompt_tokens = len(out.prompt_token_ids or ())
+        if c.token_ids and t.first_token_at is None:
+            t.first_token_at = now
+        pos = len(t.token_ids)
+        t.token_ids.extend(c.token_ids)
+        t.text_parts.append(c.text)
+        lps = [{str(k): float(v) for k, v in d.items()} for d in c.logprobs] if c.logprobs else None
+        if lps:
+            t.logprobs = (t.logprobs or []) + lps
+        if t.job.stream and (c.token_ids or c.text):
+            self.publisher.delta(t.id, c.text, list(c.token_ids), pos, lps)
+        if out.finished:
+            t.finish_reason, t.stop_reason = c.finish_reason, c.stop_reason
+            t.in_engine = False
+            if c.finish_reason == "abort":
+                self._finalize(t, "failed", "the engine aborted the request")
+            else:
+                self._finalize(t, "completed")
+
+    def _on_step_error(self, exc: Exception) -> None:
+        """A step raised: the culprit is one of the jobs in the batch. Abort them all; with one job it is
+        the culprit, otherwise rerun each alone (suspects) so only the culprit fails."""
+        batch = [t for t in self.held.values() if t.in_engine]
+        self.log.error("engine_step_failed", error=repr(exc), batch=len(batch))
+        for t in batch:
+            self._leave_engine(t, abort=True)
+        if len(batch) == 1:
+            self._job_error(batch[0], exc)
+            return
+        for t in batch:
+            t.suspect = True
+            t.reset_output()
+            self.backlog.append(t)
+
+    def _job_error(self, t: Tracked, exc: Exception) -> None:
+        t.last_error = f"{type(exc).__name__}: {exc}"
+        t.attempts += 1
+        self.log.warning("job_attempt_failed", job_id=t.id, attempts=t.attempts, error=t.last_error)
+        if t.attempts > self.s.max_attempts:
+            self.intake.dead_letter(t, "the job failed in the engine")
+            self._forget(t)
+            return
+        t.suspect = True
+        t.reset_output()
+        if t not in self.backlog:
+            self.backlog.append(t)
+
+    # ------------------------------------------------------------------ cancel, deadlines, final records
+    def _apply_cancels(self, job_ids: list[str]) -> None:
+        wanted = set(job_ids)
+        for t in [t for t in self.held.values() if t.id in wanted]:
+            self._stop_early(t, "cancelled", "cancelled by request")
+
+    def _enforce_deadlines(self) -> None:
+        if not self.deadlines:
+            return
+        now = time.time()
+        for entry_id in [e for e, d in self.deadlines.items() if now >= d]:
+            t = self.held[entry_id]
+            self._stop_early(t, "expired", "deadline passed while running" if t.in_engine
+                             else "deadline passed before the job started")
+
+    def _stop_early(self, t: Tracked, status: str, reason: str) -> None:
+        """Cancel or expire a queued or running job; a running one keeps its partial output."""
+        out = self._leave_engine(t, abort=True)
+        if out is not None and out.outputs:
+            c = out.outputs[0]  # abort returns the cumulative output: authoritative over our deltas
+            t.token_ids, t.text_parts = list(c.token_ids), [c.text]
+            t.finish_reason = "abort"
+        self._finalize(t, status, reason)
+
+    def _finalize(self, t: Tracked, status: str, error: str | None = None) -> None:
+        self.publisher.final(self.publisher.record(t, status, error), t.entry_id)
+        self.stats[status] += 1
+        self._forget(t)
+        log = self.log.bind(job_id=t.id)
+        if status == "completed":
+            log.debug("job_finished", status=status, tokens=len(t.token_ids))
+        else:
+            log.info("job_finished", status=status, tokens=len(t.token_ids), error=error)
+
+    def _forget(self, t: Tracked) -> None:
+        self.held.pop(t.entry_id, None)
+        self.deadlines.pop(t.entry_id, None)
+        if t in self.backlog:
+            self.backlog.remove(t)
+
+    # ------------------------------------------------------------------ timers
+    def _maintenance(self, now: float) -> None:
+        if now >= self._timers["renew"] and self.held:
+            self._timers["renew"] = now + self.s.renew_interval
+            lost = self.leases.renew(list(self.held))
+            if lost:
+                self.log.warning("lease_lost", entries=lost)  # keep going: the first final record wins
+        if now >= self._timers["claim"] and not self.stopping:
+            self._timers["claim"] = now + self.s.claim_interval
+            entries = [e for e in self.leases.claim(self._read_count()) if _s(e[0]) not in self.held]
+            if entries:
+                counts = self.leases.delivery_counts([_s(e[0]) for e in entries])
+                self.log.info("jobs_claimed", count=len(entries))
+                self._hold(self.intake.parse(entries, counts), check_cancel=True)
+        if now >= self._timers["beat"]:
+            self._beat(now)
+
+    def _beat(self, now: float) -> None:
+        self._timers["beat"] = now + self.s.heartbeat_every_s
+        self.heartbeat.beat(self.engine, len(self.held), self.stats, "draining" if self.stopping else "running")
+        self.r.zremrangebyscore(self.keys.cancelled, "-inf", time.time() - self.s.result_ttl_s)
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
