@@ -59,6 +59,7 @@ head_rms_norm = _dispatch("head_rms_norm")
 rotary_embedding = _dispatch("rotary_embedding")
 silu_and_mul = _dispatch("silu_and_mul")
 copy_blocks = _dispatch("copy_blocks")
+gumbel_argmax = _dispatch("gumbel_argmax")
 
 __all__ = [
     "selected_backend",
@@ -70,4 +71,5 @@ __all__ = [
     "rotary_embedding",
     "silu_and_mul",
     "copy_blocks",
+    "gumbel_argmax",
 ]

@@ -167,3 +167,37 @@ def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor]
     src, dst = block_mapping[:, 0].long(), block_mapping[:, 1].long()
     for cache in (*key_caches, *value_caches):
         cache[dst] = cache[src]
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's finaliser on int64 tensors holding 32-bit values (products wrap; the mask keeps 32 bits)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _MASK32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _MASK32
+    return h ^ (h >> 16)
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] fp32 Gumbel(0, 1) noise, a pure function of (seed, position, token id): counter-based, so a row's
+    draws do not depend on the rest of the batch. seeds, positions [B] int64."""
+    token_ids = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    row_key = _fmix32(_fmix32((seeds >> 32) & _MASK32) ^ (seeds & _MASK32))
+    row_key = _fmix32(row_key ^ _fmix32(positions & _MASK32))
+    bits = _fmix32(_fmix32(row_key[:, None] ^ ((token_ids * 0x9E3779B9) & _MASK32)[None, :]))
+    uniform = ((bits >> 8).float() + 0.5) / float(1 << 24)  # 24 bits: exact in fp32, strictly inside (0, 1)
+    return -torch.log(-torch.log(uniform))
+
+
+def gumbel_argmax(
+    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """Sample one token per row: argmax(logits / T + Gumbel noise), an exact draw from softmax(logits / T)
+    over the tokens not set to -inf. Rows with T == 0 take the plain argmax. logits [B, V] fp32 -> [B] int64."""
+    greedy = logits.argmax(dim=-1)
+    scaled = logits / temperature.clamp_min(1e-6)[:, None]
+    sampled = (scaled + gumbel_noise(seeds, positions, logits.shape[-1])).argmax(dim=-1)
+    return torch.where(temperature == 0, greedy, sampled)
