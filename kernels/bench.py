@@ -95,6 +95,17 @@ def silu_and_mul_bytes(num_tokens: int, intermediate: int, elem_bytes: int) -> i
     return num_tokens * intermediate * 3 * elem_bytes
 
 
+def copy_blocks_bytes(num_pairs: int, num_caches: int, block_numel: int, elem_bytes: int,
+                      mapping_bytes: int = 16) -> int:  # fmt: skip
+    """Read every source block and write every destination block in each cache, read the (src, dst) rows."""
+    return 2 * num_pairs * num_caches * block_numel * elem_bytes + num_pairs * mapping_bytes
+
+
+def gumbel_argmax_bytes(num_rows: int, vocab_size: int) -> int:
+    """Read the fp32 logits, temperature (4), seed (8) and position (8) per row, write one int64 id per row."""
+    return num_rows * (vocab_size * 4 + 4 + 8 + 8 + 8)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Measurement helpers (CUDA only).
 
@@ -239,6 +250,37 @@ def bench_elementwise(device, copy_gbps: float, tokens: int = 8192, hidden: int 
         _report(name, shape, ms, **_bandwidth_metrics(num_bytes, ms, copy_gbps))
 
 
+def bench_copy_and_sampling(device, copy_gbps: float, num_layers: int = 32, num_pairs: int = 256,
+                            vocab_size: int = 151936, sample_rows: Sequence[int] = (8, 256)) -> None:  # fmt: skip
+    """copy_blocks (copy-on-write of num_pairs blocks in every layer) and gumbel_argmax (next to the torch
+    sampler's temperature + noise + argmax on the same logits)."""
+    from kernels import reference, triton_ops
+
+    num_blocks = 2 * num_pairs
+    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    keys = [torch.randn(shape, dtype=DTYPE, device=device) for _ in range(num_layers)]
+    values = [torch.randn(shape, dtype=DTYPE, device=device) for _ in range(num_layers)]
+    blocks = torch.randperm(num_blocks, device=device)
+    mapping = torch.stack([blocks[:num_pairs], blocks[num_pairs:]], dim=1)
+    ms = _time_ms(lambda: triton_ops.copy_blocks(keys, values, mapping))
+    num_bytes = copy_blocks_bytes(num_pairs, 2 * num_layers, keys[0][0].numel(), keys[0].element_size())
+    shape_text = f"L={num_layers} pairs={num_pairs} bs={BLOCK_SIZE} Hkv={NUM_KV_HEADS} D={HEAD_DIM}"
+    _report("copy_blocks", shape_text, ms, **_bandwidth_metrics(num_bytes, ms, copy_gbps))
+    del keys, values
+    for rows in sample_rows:
+        logits = torch.randn(rows, vocab_size, device=device) * 3
+        temperature = torch.full((rows,), 0.8, device=device)
+        seeds = torch.randint(0, 2**62, (rows,), device=device)
+        positions = torch.randint(0, 4096, (rows,), device=device)
+        args = (logits, temperature, seeds, positions)
+        ms = _time_ms(lambda: triton_ops.gumbel_argmax(*args))
+        torch_ms = _time_ms(lambda: reference.gumbel_argmax(*args))
+        same = bool(torch.equal(triton_ops.gumbel_argmax(*args), reference.gumbel_argmax(*args)))
+        metrics = _bandwidth_metrics(gumbel_argmax_bytes(rows, vocab_size), ms, copy_gbps)
+        _report("gumbel_argmax", f"B={rows} V={vocab_size} fp32", ms, **metrics, torch_speedup=torch_ms / ms,
+                same_as_torch=same)  # fmt: skip
+
+
 def _parse_args(argv):
     parser = argparse.ArgumentParser(prog="pagedq bench kernels", description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=256, help="decode batch size (default 256)")
@@ -265,6 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench_prefill(device, [1024] * 4, [3072] * 4, matmul_tflops)
     if not args.skip_elementwise:
         bench_elementwise(device, copy_gbps)
+        bench_copy_and_sampling(device, copy_gbps)
     return 0
 
 

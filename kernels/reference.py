@@ -188,7 +188,9 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) 
     row_key = _fmix32(_fmix32((seeds >> 32) & _MASK32) ^ (seeds & _MASK32))
     row_key = _fmix32(row_key ^ _fmix32(positions & _MASK32))
     bits = _fmix32(_fmix32(row_key[:, None] ^ ((token_ids * 0x9E3779B9) & _MASK32)[None, :]))
-    uniform = ((bits >> 8).float() + 0.5) / float(1 << 24)  # 24 bits: exact in fp32, strictly inside (0, 1)
+    # 23 bits + 0.5 needs 24 significant bits: exact in fp32 and strictly inside (0, 1). (With 24 bits the
+    # largest value would round up to 1.0 and give +inf noise.)
+    uniform = ((bits >> 9).float() + 0.5) / float(1 << 23)
     return -torch.log(-torch.log(uniform))
 
 
@@ -199,5 +201,6 @@ def gumbel_argmax(
     over the tokens not set to -inf. Rows with T == 0 take the plain argmax. logits [B, V] fp32 -> [B] int64."""
     greedy = logits.argmax(dim=-1)
     scaled = logits / temperature.clamp_min(1e-6)[:, None]
-    sampled = (scaled + gumbel_noise(seeds, positions, logits.shape[-1])).argmax(dim=-1)
+    noisy = scaled + gumbel_noise(seeds, positions, logits.shape[-1])
+    sampled = noisy.masked_fill(logits == float("-inf"), float("-inf")).argmax(dim=-1)  # filtered stay out
     return torch.where(temperature == 0, greedy, sampled)

@@ -7,11 +7,13 @@ only after deciding on TRITON_INTERPRET: Triton fixes compiled-vs-interpreted wh
 from __future__ import annotations
 
 from kernels.activation import silu_and_mul
+from kernels.block_copy import copy_blocks
 from kernels.decode_attention import paged_decode_attention
 from kernels.kv_cache import store_kv_cache
 from kernels.norm import head_rms_norm, rms_norm
 from kernels.prefill_attention import paged_prefill_attention
 from kernels.rotary import rotary_embedding
+from kernels.sampling import gumbel_argmax
 
 __all__ = [
     "store_kv_cache",
@@ -21,4 +23,6 @@ __all__ = [
     "head_rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "copy_blocks",
+    "gumbel_argmax",
 ]

@@ -27,5 +27,6 @@ def test_engine_on_triton_kernels_matches_reference(checkpoint_factory, monkeypa
             return _impl(*args, **kwargs)
         monkeypatch.setattr(triton_ops, name, spy)
     got = LLM(folder, **engine_kwargs).generate(prompts, params)
-    assert set(calls) == set(triton_ops.__all__), calls
+    # copy_blocks and gumbel_argmax need forks and sampling: test_triton_engine_sampling covers them
+    assert set(calls) == set(triton_ops.__all__) - {"copy_blocks", "gumbel_argmax"}, calls
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
