@@ -195,6 +195,20 @@ class BlockManager:
                 self._block_of_hash[parent] = block_id
                 self._hash_of_block[block_id] = parent
 
+    def uncache_uncomputed(self, request_id: str, num_computed: int) -> None:
+        """Forget hashes registered for blocks beyond `num_computed` tokens (a step that failed never wrote them)."""
+        hashes = self._block_hashes.get(request_id)
+        if not hashes:
+            return
+        table = self._block_tables.get(request_id, [])
+        keep = num_computed // self.block_size
+        for index in range(keep, len(hashes)):
+            block_id = table[index] if index < len(table) else None
+            if block_id is not None and self._hash_of_block.get(block_id) == hashes[index]:
+                del self._hash_of_block[block_id]
+                del self._block_of_hash[hashes[index]]
+        del hashes[keep:]
+
     def slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
         """Cache slots of token positions [start, end) of a request."""
         table = self._block_tables[request_id]

@@ -127,7 +127,13 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
-        runner_output = self.model_runner.execute(scheduler_output)
+        try:
+            runner_output = self.model_runner.execute(scheduler_output)
+        except BaseException:
+            # Blocks were registered in the prefix cache when scheduled; this step never filled them.
+            for item in scheduler_output.scheduled:
+                self.block_manager.uncache_uncomputed(item.request.request_id, item.start_position)
+            raise
         self._record_step(scheduler_output)
         advanced = self.scheduler.update_from_output(scheduler_output, runner_output.sampled, self.max_model_len)
         outputs = self.output_processor.process(

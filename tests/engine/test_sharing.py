@@ -135,3 +135,28 @@ def test_preemption_modes_match_an_unpressured_run(tiny_llama_dir, mode):
         assert swap.num_swapped_out > 0 and swap.num_swapped_in == swap.num_swapped_out
         assert swap.num_free_blocks == swap.num_total_blocks
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
+
+
+def test_a_failed_step_leaves_no_unwritten_block_in_the_prefix_cache(tiny_llama_dir, monkeypatch):
+    prompt = _tokens(70, seed=60)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = LLM(tiny_llama_dir, enable_prefix_caching=False).generate([prompt], params)[0].outputs[0].token_ids
+    engine = LLMEngine(tiny_llama_dir, num_kv_blocks=32, block_size=16)
+    runner = engine.model_runner
+    real_execute = runner.execute
+
+    def failing_execute(scheduler_output):
+        raise RuntimeError("device error")
+
+    monkeypatch.setattr(runner, "execute", failing_execute)
+    engine.add_request("doomed", prompt, params)
+    with pytest.raises(RuntimeError, match="device error"):
+        engine.step()  # scheduled (and cached) 4 full blocks that were never written
+    engine.abort_request("doomed")
+    monkeypatch.setattr(runner, "execute", real_execute)
+    engine.add_request("again", prompt, params)
+    final = None
+    while engine.has_unfinished_requests():
+        final = next((o for o in engine.step() if o.finished), final)
+    assert final.outputs[0].token_ids == expected
+    assert engine.stats()["prefix_cache_hit_rate"] == 0.0
