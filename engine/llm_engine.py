@@ -130,15 +130,26 @@ class LLMEngine:
         try:
             runner_output = self.model_runner.execute(scheduler_output)
         except BaseException:
-            # Blocks were registered in the prefix cache when scheduled; this step never filled them.
-            for item in scheduler_output.scheduled:
-                self.block_manager.uncache_uncomputed(item.request.request_id, item.start_position)
+            self._recover_from_failed_step(scheduler_output)
             raise
         self._record_step(scheduler_output)
         advanced = self.scheduler.update_from_output(scheduler_output, runner_output.sampled, self.max_model_len)
         outputs = self.output_processor.process(
             advanced, lambda request: self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED))
         return outputs + self.beam_search.step()
+
+    def _recover_from_failed_step(self, scheduler_output) -> None:
+        """Leave the engine consistent after a forward pass raised: nothing it was to write can be trusted.
+
+        Blocks were registered in the prefix cache when scheduled, and a request admitted in the same step may
+        have taken them as computed: unregister them all, then send every scheduled request back to be
+        recomputed from scratch (callers decide whether to retry or abort them).
+        """
+        for item in scheduler_output.scheduled:
+            self.block_manager.uncache_uncomputed(item.request.request_id, item.start_position)
+        for item in scheduler_output.scheduled:
+            if item.request.status is RequestStatus.RUNNING:
+                self.scheduler.requeue_for_recompute(item.request)
 
     def _record_step(self, scheduler_output) -> None:
         self.num_steps += 1

@@ -136,6 +136,14 @@ class Scheduler:
         lowest = min(r.priority for r in self.running)
         return next(r for r in reversed(self.running) if r.priority == lowest)
 
+    def requeue_for_recompute(self, request: Request) -> None:
+        """Send a running request back to the waiting queue with nothing computed (after a failed step)."""
+        self.running.remove(request)
+        self.block_manager.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self._push_waiting(request)
+
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         self.running.remove(request)
         swapped = None
