@@ -141,6 +141,7 @@ class ModelRunner:
             seeds=column([r.sampling_seed + i for r, i in rows], torch.long),
             positions=column([r.num_output_tokens for r in requests], torch.long),
             needs_filters=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
+            all_greedy=all(p.temperature == 0 for p in params),
         )
         if any(r.needs_logprobs for r in requests):
             batch.max_num_logprobs = max(p.logprobs or 0 for p in params)

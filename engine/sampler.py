@@ -34,9 +34,11 @@ class SamplingBatch:
     max_num_logprobs: int | None = None  # largest `logprobs` asked for in the batch, None if none
     needs_filters: bool = True  # False when no row uses top-k, top-p or min-p: skips the sort
 
-    @property
-    def all_greedy(self) -> bool:
-        return bool((self.temperature == 0).all())
+    all_greedy: bool | None = None  # known from the host-side params: saves a device sync per step
+
+    def __post_init__(self) -> None:
+        if self.all_greedy is None:
+            self.all_greedy = bool((self.temperature == 0).all())
 
 
 @dataclass

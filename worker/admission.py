@@ -43,13 +43,19 @@ class Intake:
             except JobRejected as exc:
                 self.reject_raw(entry_id, raw, str(exc))
                 continue
-            self.seq += 1
-            t = Tracked(entry_id, job, attempts=(counts or {}).get(entry_id, 1), seq=self.seq)
-            if t.attempts > self.settings.max_attempts:
-                self.dead_letter(t, "delivered more often than max_attempts (a worker died or lost it each time)")
-                continue
-            jobs.append(t)
+            t = self.track(entry_id, job, (counts or {}).get(entry_id, 1))
+            if t is not None:
+                jobs.append(t)
         return jobs
+
+    def track(self, entry_id: str, job: Any, attempts: int, enqueued_at: float = 0.0) -> Tracked | None:
+        """A held job in read order; None (dead-lettered) once delivered more than max_attempts times."""
+        self.seq += 1
+        t = Tracked(entry_id, job, attempts=attempts, seq=self.seq, enqueued_at=enqueued_at)
+        if t.attempts > self.settings.max_attempts:
+            self.dead_letter(t, "delivered more often than max_attempts (a worker died or lost it each time)")
+            return None
+        return t
 
     def reject_raw(self, entry_id: str, raw: Any, reason: str) -> None:
         job_id = job_id_of(raw) if raw is not None else None
@@ -102,6 +108,22 @@ def pick(backlog: list[Tracked], engine: Any, max_waiting: int, waiting_blocks: 
         room -= 1
         chosen.append(t)
     return chosen
+
+
+def engine_prompt(engine: Any, job: Any) -> str | list[int]:
+    """What the engine gets: the prompt, the token ids, or the messages rendered with the model's chat
+    template (as `tokenizer.apply_chat_template(..., tokenize=False, add_generation_prompt=True)`).
+    Raises ValueError (the job is rejected) when the model has no chat template or the template refuses."""
+    if job.messages is None:
+        return job.prompt if job.prompt is not None else job.prompt_token_ids
+    tokenizer = getattr(engine, "tokenizer", None)
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the model has no chat template: send the conversation as a formatted `prompt` "
+                         "instead of `messages`")
+    try:
+        return tokenizer.apply_chat_template(job.chat(), tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # jinja raises for e.g. roles that do not alternate: the job's fault
+        raise ValueError(f"the chat template refused the messages: {exc}") from None
 
 
 def _metadata_of(raw: Any) -> dict | None:

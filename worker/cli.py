@@ -1,4 +1,4 @@
-"""CLI wiring: `pagedq worker`, `pagedq demo`, `pagedq bench worker` (registered by engine/cli.py).
+"""CLI wiring: `pagedq worker`, `demo`, `bulk`, `status`, `dlq`, `bench worker` (registered by engine/cli.py).
 
 Also runnable without the top-level CLI: ``python -m worker worker --engine stub ...``.
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Any
 
@@ -22,6 +23,15 @@ def register(subparsers: Any) -> None:
     add_engine_args(d)
     d.add_argument("--max-tokens", type=int, default=32)
     d.set_defaults(func=cmd_demo)
+    from . import bulk, dlq, status
+
+    for name, module, help_text in (
+            ("bulk", bulk, "run a JSONL file of requests (OpenAI batch format) through the queue, resumably"),
+            ("status", status, "workers, queue depths, pending jobs and dead letters"),
+            ("dlq", dlq, "list, retry or purge dead-lettered jobs")):
+        sub = subparsers.add_parser(name, help=help_text)
+        module.add_args(sub)
+        sub.set_defaults(func=module.run)
 
 
 def register_bench(bench_subparsers: Any) -> None:
@@ -64,6 +74,16 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=d.max_waiting)
     p.add_argument("--block-ms", type=int, default=d.block_ms)
     p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_every_s)
+    p.add_argument("--celery", action="store_true", help="also serve the Celery queue of worker.celery_app")
+    p.add_argument("--celery-broker", default=None,
+                   help="Celery broker URL (default: $CELERY_BROKER_URL, else the --redis URL)")
+    p.add_argument("--celery-backend", default=None, help="result backend URL (default: $CELERY_RESULT_BACKEND, "
+                   "else the broker)")
+    p.add_argument("--celery-queue", default=None, help="Celery queue (default: $PAGEDQ_CELERY_QUEUE or pagedq)")
+    p.add_argument("--celery-visibility-timeout", type=float, default=None,
+                   help="seconds before an unacked Celery message is redelivered (default 3600); above the longest job")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument("--metrics-addr", default=d.metrics_addr)
 
 
 def configure_logging(level: str = "info") -> None:
@@ -106,6 +126,11 @@ def settings_from_args(args: argparse.Namespace, device: str, model: str) -> Wor
         max_attempts=args.max_attempts, result_ttl_s=args.result_ttl, completions_maxlen=args.completions_maxlen,
         block_ms=args.block_ms, max_waiting=args.max_waiting, drain_timeout_s=args.drain_timeout,
         heartbeat_every_s=args.heartbeat_interval, burst=args.burst, device=device, model=model,
+        celery_broker=((args.celery_broker or os.environ.get("CELERY_BROKER_URL") or args.redis)
+                       if args.celery else None),
+        celery_backend=args.celery_backend, celery_queue=args.celery_queue,
+        celery_visibility_timeout_s=args.celery_visibility_timeout, metrics_port=args.metrics_port,
+        metrics_addr=args.metrics_addr,
     )
 
 

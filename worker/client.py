@@ -27,7 +27,8 @@ from .keys import DATA_FIELD, JOB_FIELD, TYPE_FIELD, QueueKeys
 POLL_MS = 1_000  # longest single XREAD BLOCK; timeouts are enforced between blocks
 
 
-def make_job(prompt: str | None = None, *, prompt_token_ids: list[int] | None = None, stream: bool = False,
+def make_job(prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
+             messages: list[dict[str, str]] | None = None, stream: bool = False,
              priority: int = 0, deadline: float | _dt.datetime | None = None, metadata: dict | None = None,
              job_id: str | None = None, **sampling: Any) -> Job:
     """Validate one job (raises JobRejected naming every problem; nothing is sent)."""
@@ -35,8 +36,8 @@ def make_job(prompt: str | None = None, *, prompt_token_ids: list[int] | None = 
         deadline = deadline.timestamp()
     elif isinstance(deadline, int) and not isinstance(deadline, bool):
         deadline = float(deadline)
-    fields: dict[str, Any] = dict(sampling, prompt=prompt, prompt_token_ids=prompt_token_ids, stream=stream,
-                                  priority=priority, deadline=deadline, metadata=metadata)
+    fields: dict[str, Any] = dict(sampling, prompt=prompt, prompt_token_ids=prompt_token_ids, messages=messages,
+                                  stream=stream, priority=priority, deadline=deadline, metadata=metadata)
     for name in ("temperature", "top_p", "min_p"):  # ints are fine where floats are meant
         if type(fields.get(name)) is int:
             fields[name] = float(fields[name])
@@ -108,8 +109,10 @@ class Client:
 
     # --- producing
     def submit(self, prompt: str | None = None, **kwargs: Any) -> str:
-        """Enqueue one job; returns its id. Keywords: prompt_token_ids, max_tokens, temperature, top_p, top_k,
-        min_p, seed, stop, stop_token_ids, ignore_eos, logprobs, stream, priority, deadline, metadata, job_id."""
+        """Enqueue one job; returns its id. Keywords: prompt_token_ids, messages (chat: a list of
+        {"role", "content"}, rendered by the worker with the model's chat template), max_tokens, temperature,
+        top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, logprobs, stream, priority, deadline,
+        metadata, job_id."""
         return self.submit_many([make_job(prompt, **kwargs)])[0]
 
     def submit_many(self, jobs: Iterable[Job | Mapping[str, Any]]) -> list[str]:

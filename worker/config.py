@@ -30,6 +30,16 @@ class WorkerSettings:
     burst: bool = False  # exit once nothing is queued, pending or running
     device: str = "auto"
     model: str = ""
+    # Celery front door (worker/celery_intake.py): on when a broker URL is set
+    celery_broker: str | None = None
+    celery_backend: str | None = None  # default: the broker
+    celery_queue: str | None = None  # default: PAGEDQ_CELERY_QUEUE or "pagedq"
+    celery_visibility_timeout_s: float | None = None  # default: PAGEDQ_CELERY_VISIBILITY_TIMEOUT or 3600
+    celery_poll_s: float = 0.05  # after an empty poll of the Celery queue, wait this long before the next
+    # Prometheus metrics (worker/metrics.py): on when a port is set (0: any free port)
+    metrics_port: int | None = None
+    metrics_addr: str = "0.0.0.0"
+    metrics_every_s: float = 1.0
 
     @property
     def renew_interval(self) -> float:

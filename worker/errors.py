@@ -33,3 +33,8 @@ class JobFailed(PagedQError):
         status = getattr(record, "status", "?")
         super().__init__(f"job {getattr(record, 'id', '?')} {status}: {getattr(record, 'error', None)}")
         self.record = record
+
+
+class GenerationFailed(PagedQError):
+    """A job ended ``failed`` (engine error past max_attempts; the job is dead-lettered). Celery producers
+    see it from ``AsyncResult.get()``; the message says why."""

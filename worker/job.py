@@ -25,6 +25,15 @@ def new_job_id() -> str:
     return uuid.uuid4().hex
 
 
+class ChatMessage(BaseModel):
+    """One chat turn; the worker renders a list of these with the checkpoint's chat template."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    role: str = Field(min_length=1, max_length=64)
+    content: str = Field(max_length=MAX_PROMPT_CHARS)
+
+
 class Job(BaseModel):
     """One generation job, as enqueued. JSON numbers may be ints where floats are expected, never the reverse."""
 
@@ -34,6 +43,7 @@ class Job(BaseModel):
                     pattern=r"^[A-Za-z0-9_.:\-]+$")
     prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
     prompt_token_ids: list[int] | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+    messages: list[ChatMessage] | None = Field(default=None, max_length=10_000)
     max_tokens: int = Field(default=16, ge=1)
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -51,8 +61,14 @@ class Job(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "Job":
-        if (self.prompt is None) == (self.prompt_token_ids is None):
-            raise ValueError("exactly one of prompt or prompt_token_ids must be given")
+        given = [self.prompt, self.prompt_token_ids, self.messages]
+        if sum(x is not None for x in given) != 1:
+            raise ValueError("exactly one of prompt, prompt_token_ids or messages must be given")
+        if self.messages is not None:
+            if not self.messages:
+                raise ValueError("messages must not be empty")
+            if sum(len(m.content) for m in self.messages) > MAX_PROMPT_CHARS:
+                raise ValueError(f"messages hold more than {MAX_PROMPT_CHARS} characters")
         if self.prompt is not None and not self.prompt.strip():
             raise ValueError("prompt must not be empty")
         if self.prompt_token_ids is not None:
@@ -70,8 +86,13 @@ class Job(BaseModel):
         """Keyword arguments for engine.SamplingParams."""
         return {name: getattr(self, name) for name in SAMPLING_FIELDS}
 
+    def chat(self) -> list[dict[str, str]] | None:
+        """The messages as plain dicts (what tokenizer.apply_chat_template takes)."""
+        return None if self.messages is None else [m.model_dump() for m in self.messages]
+
     def to_json(self) -> str:
-        return self.model_dump_json(exclude_defaults=False)
+        # A job without messages serialises without the key, so workers that predate chat still accept it.
+        return self.model_dump_json(exclude={"messages"} if self.messages is None else None)
 
 
 def parse_job(raw: bytes | str) -> Job:

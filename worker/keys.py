@@ -54,6 +54,15 @@ class QueueKeys:
         """Sorted set of worker names, scored by their last heartbeat (unix time)."""
         return f"{self.base}:workers"
 
+    @property
+    def celery_deliveries(self) -> str:
+        """Hash: Celery task id -> times a worker received it (Celery on Redis has no delivery counter)."""
+        return f"{self.base}:celery:deliveries"
+
+    def bulk_enqueued(self, run_id: str) -> str:
+        """Set of job ids a `pagedq bulk` run has enqueued (makes its enqueue idempotent across restarts)."""
+        return f"{self.base}:bulk:{run_id}:enqueued"
+
     def result(self, job_id: str) -> str:
         """Per-job result stream: delta records (if streamed), then exactly one final record."""
         return f"{self.base}:result:{job_id}"

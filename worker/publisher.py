@@ -18,6 +18,11 @@ from .keys import DATA_FIELD, GROUP, TYPE_FIELD, QueueKeys
 from .tracked import Tracked
 
 FINALIZE_CHUNK = 256  # jobs per FINALIZE call: bounds how long one script blocks Redis
+CELERY_ENTRY_PREFIX = "celery:"  # held jobs that came from the Celery queue: no stream entry to acknowledge
+
+
+def is_celery_entry(entry_id: str) -> bool:
+    return entry_id.startswith(CELERY_ENTRY_PREFIX)
 
 
 class Publisher:
@@ -29,9 +34,14 @@ class Publisher:
         self.expiring: set[str] = set()  # result streams that already got their TTL
         self.finals_written = 0
         self.duplicates = 0
+        # Celery-delivered jobs finalised but not yet reported to Celery's result backend and acked:
+        # (entry_id, job_id). take() moves them to `settling`; the worker settles them once the
+        # FINALIZE calls of the same take() have succeeded.
+        self.celery_done: list[tuple[str, str]] = []
+        self.settling: list[tuple[str, str]] = []
 
     def __len__(self) -> int:
-        return len(self.ops) + len(self.finals)
+        return len(self.ops) + len(self.finals) + len(self.celery_done)
 
     def delta(self, job_id: str, text: str, token_ids: list[int], pos: int, logprobs: list | None) -> None:
         payload: dict[str, Any] = {"text": text, "token_ids": token_ids, "pos": pos}
@@ -45,6 +55,9 @@ class Publisher:
 
     def final(self, record: FinalRecord, entry_id: str | None, dead: dict | None = None) -> None:
         self.expiring.discard(self.keys.result(record.id))
+        if entry_id and is_celery_entry(entry_id):
+            self.celery_done.append((entry_id, record.id))
+            entry_id = None  # acknowledged on the Celery side after FINALIZE, not in the job stream
         self.finals.append((record.id, entry_id or "", record.model_dump_json(), json.dumps(dead) if dead else ""))
 
     def record(self, t: Tracked, status: str, error: str | None = None, now: float | None = None) -> FinalRecord:
@@ -63,6 +76,7 @@ class Publisher:
         """Every queued write as commands: the deltas, then one FINALIZE call per FINALIZE_CHUNK jobs."""
         ops, self.ops = self.ops, []
         finals, self.finals = self.finals, []
+        self.settling, self.celery_done = self.celery_done, []
         k = self.keys
         for i in range(0, len(finals), FINALIZE_CHUNK):
             chunk = finals[i:i + FINALIZE_CHUNK]

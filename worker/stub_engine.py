@@ -26,6 +26,19 @@ class StubTokenizer:
     vocab_size = 512
     eos_token_id = EOS_ID
 
+    def __init__(self, chat_template: str | None = None) -> None:
+        self.chat_template = chat_template  # a jinja template, as in a checkpoint's tokenizer_config.json
+
+    def apply_chat_template(self, messages: list[dict], tokenize: bool = False,
+                            add_generation_prompt: bool = False) -> str:
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template")
+        import jinja2
+
+        template = jinja2.Template(self.chat_template)
+        text = template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+        return self.encode(text) if tokenize else text
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [FIRST_TEXT_ID + b % 256 for b in text.encode()]
 
@@ -53,8 +66,8 @@ class _Request:
 class StubEngine:
     def __init__(self, model_dir: str | None = None, *, block_size: int = 16, num_kv_blocks: int | None = 4096,
                  max_num_seqs: int = 256, max_model_len: int = 2048, step_delay_s: float = 0.0,
-                 eos_every: int = 0, **_ignored: object) -> None:
-        self.tokenizer = StubTokenizer()
+                 eos_every: int = 0, chat_template: str | None = None, **_ignored: object) -> None:
+        self.tokenizer = StubTokenizer(chat_template)
         self.max_model_len = max_model_len
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
         self.num_total_blocks = num_kv_blocks or 4096

@@ -52,7 +52,11 @@ class Tracked:
     def estimate_blocks(self, block_size: int) -> int:
         # Text prompts are not tokenised here (the engine does it); ~4 bytes per token is a fair guess.
         job = self.job
-        prompt = len(job.prompt_token_ids) if job.prompt_token_ids is not None else len(job.prompt.encode()) // 4 + 1
+        if job.prompt_token_ids is not None:
+            prompt = len(job.prompt_token_ids)
+        else:  # chat templates add a few dozen tokens of markup per turn
+            text = job.prompt if job.prompt is not None else "".join(m.content for m in job.messages)
+            prompt = len(text.encode()) // 4 + 1 + (32 * len(job.messages) if job.messages else 0)
         return math.ceil((prompt + job.max_tokens) / max(block_size, 1))
 
     def reset_output(self) -> None:

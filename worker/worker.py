@@ -17,12 +17,12 @@ from typing import Any
 import structlog
 
 from . import scripts
-from .admission import Intake, pick
+from .admission import Intake, engine_prompt, pick
 from .config import WorkerSettings
 from .engine_api import RequestOutputKind, SamplingParams
 from .keys import GROUP, QueueKeys
 from .leases import Heartbeat, Leases
-from .publisher import Publisher
+from .publisher import Publisher, is_celery_entry
 from .tracked import Tracked
 
 STATUSES = ("completed", "failed", "cancelled", "expired", "rejected")
@@ -37,8 +37,12 @@ class Worker:
         self.stats = {status: 0 for status in STATUSES}
         self.intake = Intake(self.keys, settings, self.publisher, self.log, self.stats)
         self.leases = Leases(redis_client, self.keys, settings.name, settings.lease_ms)
+        self.celery = _celery_intake(self) if settings.celery_broker else None
         self.heartbeat = Heartbeat(redis_client, self.keys, settings.name, settings.heartbeat_every_s,
-                                   {"device": settings.device, "model": settings.model})
+                                   {"device": settings.device, "model": settings.model,
+                                    "celery_queue": self.celery.name if self.celery else None})
+        self.metrics = _metrics(settings) if settings.metrics_port is not None else None
+        self.tokens_generated = 0  # counted per step; the metrics timer exports it
         self.held: dict[str, Tracked] = {}  # by stream entry id (also the engine request id)
         self.backlog: list[Tracked] = []
         self.deadlines: dict[str, float] = {}
@@ -48,7 +52,7 @@ class Worker:
         self.stopping = False
         self.stop_by = math.inf
         self._burst_done = False
-        self._timers = {"renew": 0.0, "claim": 0.0, "beat": 0.0}
+        self._timers = {"renew": 0.0, "claim": 0.0, "beat": 0.0, "metrics": 0.0}
 
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> int:
@@ -100,12 +104,19 @@ class Worker:
             self.heartbeat.remove()
         except Exception as exc:  # Redis gone: nothing more to do; unacked jobs will be redelivered
             self.log.error("shutdown_flush_failed", error=repr(exc))
+        if self.celery is not None:
+            self.celery.close()  # requeues the Celery messages of jobs left unfinished
+        if self.metrics is not None:
+            self.metrics.close()
         self.log.info("worker_stopped", unacknowledged=len(self.held), **self.stats)
 
     # ------------------------------------------------------------------ one turn
     def _turn(self) -> None:
         now = time.monotonic()
         self._maintenance(now)
+        if self.celery is not None and not self.stopping:
+            count = self._read_count()  # Celery takes half of the room per turn, the stream the rest
+            self._hold(self.celery.poll(count - count // 2), check_cancel=self.cancel_possible)
         self._sync()
         if not self.stopping:
             self._admit()
@@ -136,9 +147,12 @@ class Worker:
         if count > 0:
             # burst mode never blocks: it checks the pending count instead (and naps below if others hold jobs)
             block = self.s.block_ms if idle and not self.s.burst else None
+            if block and self.celery is not None:  # wake up often enough to poll the Celery queue too
+                block = min(block, max(1, int(self.s.celery_poll_s * 1000)))
             pipe.xreadgroup(GROUP, self.s.name, {self.keys.jobs: ">"}, count=count, block=block)
         results = pipe.execute(raise_on_error=False)
         self.publisher.check(self.r, ops, results[:len(ops)])
+        self._settle()
         rest = results[len(ops):]
         for res in rest:
             if isinstance(res, Exception):
@@ -163,6 +177,14 @@ class Worker:
             for op in ops:
                 pipe.execute_command(*op)
             self.publisher.check(self.r, ops, pipe.execute(raise_on_error=False))
+        self._settle()
+
+    def _settle(self) -> None:
+        """Celery jobs whose final records were just written: report to Celery's backend, then ack."""
+        if self.publisher.settling:
+            done, self.publisher.settling = self.publisher.settling, []
+            if self.celery is not None:
+                self.celery.settle(done)
 
     # ------------------------------------------------------------------ holding and admitting
     def _hold(self, jobs: list[Tracked], check_cancel: bool = False) -> None:
@@ -188,8 +210,8 @@ class Worker:
 
     def _add_to_engine(self, t: Tracked) -> None:
         job = t.job
-        prompt = job.prompt if job.prompt is not None else job.prompt_token_ids
         try:
+            prompt = engine_prompt(self.engine, job)
             params = SamplingParams(**job.sampling_kwargs(), output_kind=RequestOutputKind.DELTA)
             self.engine.add_request(t.entry_id, prompt, params, priority=job.priority)
         except ValueError as exc:  # the engine's verdict on bad input (too long, token out of vocab, ...)
@@ -225,6 +247,7 @@ class Worker:
             return
         now = time.time()
         for out in outputs:
+            self.tokens_generated += len(out.outputs[0].token_ids) if out.outputs else 0
             t = self.held.get(out.request_id)
             if t is not None:
                 self._absorb(t, out, now)
@@ -306,8 +329,11 @@ class Worker:
         self._finalize(t, status, reason)
 
     def _finalize(self, t: Tracked, status: str, error: str | None = None) -> None:
-        self.publisher.final(self.publisher.record(t, status, error), t.entry_id)
+        record = self.publisher.record(t, status, error)
+        self.publisher.final(record, t.entry_id)
         self.stats[status] += 1
+        if self.metrics is not None:
+            self.metrics.observe(record)
         self._forget(t)
         log = self.log.bind(job_id=t.id)
         if status == "completed":
@@ -325,7 +351,7 @@ class Worker:
     def _maintenance(self, now: float) -> None:
         if now >= self._timers["renew"] and self.held:
             self._timers["renew"] = now + self.s.renew_interval
-            lost = self.leases.renew(list(self.held))
+            lost = self.leases.renew([e for e in self.held if not is_celery_entry(e)])
             if lost:
                 self.log.warning("lease_lost", entries=lost)  # keep going: the first final record wins
         if now >= self._timers["claim"] and not self.stopping:
@@ -337,11 +363,36 @@ class Worker:
                 self._hold(self.intake.parse(entries, counts), check_cancel=True)
         if now >= self._timers["beat"]:
             self._beat(now)
+        if self.celery is not None:
+            self.celery.maintain(now)
+        if self.metrics is not None and now >= self._timers["metrics"]:
+            self._timers["metrics"] = now + self.s.metrics_every_s
+            try:
+                self.metrics.update(self)
+            except Exception as exc:  # metrics must never take the worker down
+                self.log.error("metrics_update_failed", error=repr(exc))
 
     def _beat(self, now: float) -> None:
         self._timers["beat"] = now + self.s.heartbeat_every_s
         self.heartbeat.beat(self.engine, len(self.held), self.stats, "draining" if self.stopping else "running")
         self.r.zremrangebyscore(self.keys.cancelled, "-inf", time.time() - self.s.result_ttl_s)
+
+
+def _celery_intake(worker: Worker) -> Any:
+    from .celery_app import make_app  # celery is only imported when the front door is on
+    from .celery_intake import CeleryIntake
+
+    s = worker.s
+    app = make_app(s.celery_broker, backend_url=s.celery_backend, queue=s.celery_queue,
+                   visibility_timeout_s=s.celery_visibility_timeout_s)
+    return CeleryIntake(app, worker.r, worker.keys, worker.publisher, worker.intake, worker.log,
+                        poll_interval_s=s.celery_poll_s)
+
+
+def _metrics(settings: WorkerSettings) -> Any:
+    from .metrics import Metrics
+
+    return Metrics(settings.metrics_port, settings.queue, addr=settings.metrics_addr)
 
 
 def _s(value: Any) -> str:
