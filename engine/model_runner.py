@@ -196,7 +196,8 @@ def _copy_between(source: list, target: list, pairs: list[tuple[int, int]]) -> N
     for (src_k, src_v), (dst_k, dst_v) in zip(source, target):
         for src_cache, dst_cache in ((src_k, dst_k), (src_v, dst_v)):
             blocks = src_cache[src.to(src_cache.device)]
-            dst_cache[dst.to(dst_cache.device)] = blocks.to(dst_cache.device, non_blocking=True)
+            # Only host->device may be asynchronous: a device->host copy must land before the host write reads it.
+            dst_cache[dst.to(dst_cache.device)] = blocks.to(dst_cache.device, non_blocking=dst_cache.is_cuda)
 
 
 def _cumulative(lengths: list[int]) -> list[int]:
