@@ -44,7 +44,7 @@ def _register_missing_worker(commands, benches, error: ImportError) -> None:
         print(f"this command needs the worker extras (pip install 'pagedq[worker]'): {error}", file=sys.stderr)
         return 2
 
-    for name in ("worker", "demo"):
+    for name in ("worker", "demo", "bulk", "status", "dlq"):
         commands.add_parser(name, help="(needs pagedq[worker])").set_defaults(func=explain)
     benches.add_parser("worker", help="(needs pagedq[worker])").set_defaults(func=explain)
 

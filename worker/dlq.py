@@ -1,0 +1,105 @@
+"""`pagedq dlq list|retry|purge`: the dead-letter stream of a queue.
+
+A dead letter holds the job as it was enqueued, its last error, attempts and worker. `retry` enqueues the
+job again as a fresh attempt under the same job id: the old final record and result stream are deleted in
+the same atomic step as the re-enqueue, so a producer waiting on that id sees the new outcome (and the
+"one final record per job id" rule holds for what is stored). `purge` deletes dead letters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from redis import Redis
+
+from .keys import JOB_FIELD, QueueKeys
+from .status import redis_url
+
+# KEYS: dead, jobs, final, result; ARGV: dead entry id, job json. Only the caller that removes the dead
+# entry re-enqueues, so two concurrent retries of one letter enqueue it once.
+RETRY = """
+if redis.call('XDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('DEL', KEYS[3], KEYS[4])
+redis.call('XADD', KEYS[2], '*', ARGV[3], ARGV[2])
+return 1
+"""
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["list", "retry", "purge"])
+    p.add_argument("job_ids", nargs="*", help="job ids to retry or purge (default with --all: every dead letter)")
+    p.add_argument("--all", action="store_true", help="retry/purge every dead letter")
+    p.add_argument("--redis", default=None, help="Redis URL (default: $PAGEDQ_REDIS_URL or redis://localhost:6379/0)")
+    p.add_argument("--queue", default="default")
+    p.add_argument("--json", action="store_true", help="list: one JSON object per line")
+
+
+def dead_letters(r: Redis, queue: str) -> list[dict[str, Any]]:
+    """Every dead letter, oldest first: {"dead_id", "id", "job", "error", "attempts", "worker", ...}."""
+    out = []
+    for entry_id, fields in r.xrange(QueueKeys(queue).dead):
+        data = json.loads(fields[b"data"])
+        out.append({"dead_id": _s(entry_id), "id": _s(fields[b"id"]), **data})
+    return out
+
+
+def retry(r: Redis, queue: str, job_ids: list[str] | None = None) -> list[str]:
+    """Re-enqueue dead jobs (all, or those with the given ids); returns the ids re-enqueued."""
+    k, script, done = QueueKeys(queue), r.register_script(RETRY), []
+    newest = {letter["id"]: letter for letter in _select(r, queue, job_ids)}  # a job may have died twice
+    for letter in newest.values():
+        job_json = json.dumps(letter["job"])
+        if script(keys=[k.dead, k.jobs, k.final(letter["id"]), k.result(letter["id"])],
+                  args=[letter["dead_id"], job_json, JOB_FIELD]):
+            done.append(letter["id"])
+    return done
+
+
+def purge(r: Redis, queue: str, job_ids: list[str] | None = None) -> int:
+    """Delete dead letters (all, or those with the given ids); returns how many."""
+    ids = [letter["dead_id"] for letter in _select(r, queue, job_ids)]
+    return int(r.xdel(QueueKeys(queue).dead, *ids)) if ids else 0
+
+
+def _select(r: Redis, queue: str, job_ids: list[str] | None) -> list[dict[str, Any]]:
+    letters = dead_letters(r, queue)
+    if job_ids:
+        wanted = set(job_ids)
+        missing = wanted - {letter["id"] for letter in letters}
+        if missing:
+            raise KeyError(f"no dead letter for job id(s): {', '.join(sorted(missing))}")
+        letters = [letter for letter in letters if letter["id"] in wanted]
+    return letters
+
+
+def run(args: argparse.Namespace) -> int:
+    r = Redis.from_url(redis_url(args.redis))
+    if args.action == "list":
+        for letter in dead_letters(r, args.queue):
+            print(json.dumps(letter) if args.json else _line(letter))
+        return 0
+    if not args.job_ids and not args.all:
+        raise SystemExit(f"pagedq dlq {args.action}: give job ids or --all")
+    ids = args.job_ids or None
+    try:
+        if args.action == "retry":
+            print(f"re-enqueued {len(done := retry(r, args.queue, ids))}: {' '.join(done)}".rstrip(": "))
+        else:
+            print(f"purged {purge(r, args.queue, ids)}")
+    except KeyError as exc:
+        raise SystemExit(f"pagedq dlq {args.action}: {exc.args[0]}") from None
+    return 0
+
+
+def _line(letter: dict[str, Any]) -> str:
+    job = letter.get("job") or {}
+    prompt = job.get("prompt") or (f"<{len(job['prompt_token_ids'])} token ids>" if job.get("prompt_token_ids")
+                                   else f"<{len(job.get('messages') or [])} messages>")
+    return (f"{letter['id']}  attempts={letter.get('attempts')}  worker={letter.get('worker')}  "
+            f"prompt={prompt[:40]!r}\n    error: {letter.get('error')}")
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,119 @@
+"""Prometheus metrics of one worker, served by prometheus_client's own HTTP server (`--metrics-port`).
+
+Nothing here runs per token: the worker counts generated tokens in a plain int per step, observes the
+latency histograms once per finished job, and update() (on a timer, default 1 s, in the worker's thread)
+reads the engine's counters and asks Redis for the queue's state in one pipelined round trip.
+A private registry per worker, so several workers in one process (tests) do not collide.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from .keys import GROUP, QueueKeys
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class Metrics:
+    def __init__(self, port: int, queue: str, addr: str = "0.0.0.0") -> None:
+        self.keys = QueueKeys(queue)
+        self.registry = reg = CollectorRegistry()
+        q = ["queue"]
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, q, registry=reg).labels(queue)
+
+        self.depth = gauge("pagedq_queue_depth", "Unfinished jobs in the job stream (waiting + in flight)")
+        self.lag = gauge("pagedq_queue_lag", "Jobs in the stream not yet delivered to any worker")
+        self.oldest_age = gauge("pagedq_queue_oldest_job_age_seconds", "Age of the oldest unfinished job")
+        self.pending = gauge("pagedq_pending_jobs", "Jobs delivered to workers and not yet acknowledged")
+        self.dead = gauge("pagedq_dead_letters", "Entries in the dead-letter stream")
+        self.celery_depth = gauge("pagedq_celery_queue_depth", "Messages waiting in the Celery queue")
+        self.running = gauge("pagedq_running_requests", "Requests this worker's engine is running")
+        self.waiting = gauge("pagedq_waiting_requests", "Requests waiting in this worker's engine")
+        self.held = gauge("pagedq_held_jobs", "Jobs this worker holds (backlog + engine)")
+        self.blocks_used = gauge("pagedq_kv_blocks_used", "KV cache blocks in use")
+        self.blocks_free = gauge("pagedq_kv_blocks_free", "KV cache blocks free")
+        self.blocks_total = gauge("pagedq_kv_blocks_total", "KV cache blocks in the pool")
+        self.slot_util = gauge("pagedq_kv_slot_utilization", "Fraction of KV slots of used blocks holding tokens")
+        self.tokens = Counter("pagedq_generated_tokens", "Tokens generated", q, registry=reg).labels(queue)
+        self.preemptions = Counter("pagedq_preemptions", "Engine preemptions", q, registry=reg).labels(queue)
+        self.jobs = Counter("pagedq_jobs_finished", "Jobs finished by this worker", q + ["status"], registry=reg)
+        self.ttft = Histogram("pagedq_time_to_first_token_seconds", "Enqueue to first token", q,
+                              buckets=LATENCY_BUCKETS, registry=reg).labels(queue)
+        self.e2e = Histogram("pagedq_e2e_latency_seconds", "Enqueue to final record (completed jobs)", q,
+                             buckets=LATENCY_BUCKETS, registry=reg).labels(queue)
+        self._seen = {"tokens": 0, "preemptions": 0}
+        self._seen_status: dict[str, int] = {}
+        self.server, self._thread = start_http_server(port, addr, registry=reg)
+
+    @property
+    def port(self) -> int:
+        return int(self.server.server_port)
+
+    def observe(self, record: Any) -> None:
+        """Once per finished job."""
+        timings = record.timings
+        if timings.ttft is not None:
+            self.ttft.observe(timings.ttft)
+        if record.status == "completed" and timings.total is not None:
+            self.e2e.observe(timings.total)
+
+    def update(self, worker: Any) -> None:
+        """On the metrics timer: engine gauges, counter deltas, and the queue's state from Redis."""
+        engine = worker.engine
+        total, free = engine.num_total_blocks, engine.num_free_blocks
+        self.blocks_total.set(total)
+        self.blocks_free.set(free)
+        self.blocks_used.set(total - free)
+        self.slot_util.set(float(getattr(engine, "kv_slot_utilization", 0.0)))
+        self.running.set(engine.num_running_requests)
+        self.waiting.set(engine.num_waiting_requests)
+        self.held.set(len(worker.held))
+        stats = engine.stats() if callable(getattr(engine, "stats", None)) else {}
+        self._advance(self.tokens, "tokens", worker.tokens_generated)
+        self._advance(self.preemptions, "preemptions", int(stats.get("num_preemptions", 0)))
+        for status, count in worker.stats.items():
+            seen = self._seen_status.get(status, 0)
+            self.jobs.labels(self.keys.queue, status).inc(count - seen)
+            self._seen_status[status] = count
+        self._queue_state(worker.r)
+        if worker.celery is not None:
+            self.celery_depth.set(worker.celery.depth())
+
+    def _advance(self, counter: Any, name: str, value: int) -> None:
+        if value > self._seen[name]:
+            counter.inc(value - self._seen[name])
+            self._seen[name] = value
+
+    def _queue_state(self, r: Any) -> None:
+        k = self.keys
+        pipe = r.pipeline(transaction=False)
+        pipe.xlen(k.jobs)
+        pipe.xpending(k.jobs, GROUP)
+        pipe.xlen(k.dead)
+        pipe.xrange(k.jobs, "-", "+", count=1)
+        depth, summary, dead, first = pipe.execute(raise_on_error=False)
+        pending = 0 if isinstance(summary, Exception) else int(summary["pending"])  # NOGROUP before any worker
+        self.depth.set(int(depth))
+        self.dead.set(int(dead))
+        self.pending.set(pending)
+        # Finished jobs are deleted from the stream, so what is in it and not pending was never delivered
+        # (cheaper than XINFO GROUPS, whose lag Redis reports as unknown after some deletions).
+        self.lag.set(max(int(depth) - pending, 0))
+        if first and not isinstance(first, Exception):
+            self.oldest_age.set(max(time.time() - int(_s(first[0][0]).split("-")[0]) / 1000.0, 0.0))
+        else:
+            self.oldest_age.set(0.0)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

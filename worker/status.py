@@ -1,0 +1,109 @@
+"""`pagedq status`: workers (from their heartbeats), queue depth, pending jobs and dead letters.
+
+Read-only, plain Redis reads. Without --queue, every queue that has a job stream is shown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from redis import Redis
+
+from .keys import GROUP, PREFIX, QueueKeys
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis", default=None, help="Redis URL (default: $PAGEDQ_REDIS_URL or redis://localhost:6379/0)")
+    p.add_argument("--queue", action="append", default=None, help="queue to show (repeatable; default: all)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def discover_queues(r: Redis) -> list[str]:
+    """Queues with a job stream or registered workers (SCAN, never KEYS)."""
+    found = set()
+    for pattern in (f"{PREFIX}:{{*}}:jobs", f"{PREFIX}:{{*}}:workers"):
+        for key in r.scan_iter(match=pattern, count=1000):
+            name = _s(key)
+            found.add(name[name.index("{") + 1:name.index("}")])
+    return sorted(found) or ["default"]
+
+
+def queue_status(r: Redis, queue: str, now: float | None = None) -> dict[str, Any]:
+    """One queue's counts and its workers (a worker whose heartbeat expired shows as `gone`)."""
+    now = time.time() if now is None else now
+    k = QueueKeys(queue)
+    pipe = r.pipeline(transaction=False)
+    pipe.xlen(k.jobs)
+    pipe.xpending(k.jobs, GROUP)
+    pipe.xlen(k.dead)
+    pipe.zcard(k.cancelled)
+    pipe.zrange(k.workers, 0, -1, withscores=True)
+    depth, summary, dead, cancels, members = pipe.execute(raise_on_error=False)
+    pending = 0 if isinstance(summary, Exception) else int(summary["pending"])
+    names = [(_s(name), score) for name, score in members]
+    beats = r.mget([k.heartbeat(name) for name, _ in names]) if names else []
+    workers = [_worker_row(name, score, raw, now) for (name, score), raw in zip(names, beats)]
+    return {"queue": queue, "depth": int(depth), "pending": pending, "undelivered": max(int(depth) - pending, 0),
+            "dead_letters": int(dead), "cancel_requests": int(cancels), "workers": workers}
+
+
+def _worker_row(name: str, last_beat: float, raw: bytes | None, now: float) -> dict[str, Any]:
+    row: dict[str, Any] = {"worker": name, "heartbeat_age_s": round(now - last_beat, 1), "state": "gone"}
+    if raw:
+        hb = json.loads(raw)
+        row.update(state=hb.get("state", "?"), device=hb.get("device"), model=hb.get("model"),
+                   running=hb.get("running"), waiting=hb.get("waiting"), held=hb.get("held_jobs"),
+                   kv_utilization=hb.get("kv_utilization"), free_blocks=hb.get("free_blocks"),
+                   total_blocks=hb.get("total_blocks"), completed=hb.get("completed"), failed=hb.get("failed"),
+                   heartbeat_age_s=round(now - hb.get("updated_at", last_beat), 1), host=hb.get("host"),
+                   pid=hb.get("pid"), celery_queue=hb.get("celery_queue"))
+    return row
+
+
+def render(statuses: list[dict[str, Any]]) -> str:
+    lines = []
+    for st in statuses:
+        lines.append(f"queue {st['queue']}: depth {st['depth']} (undelivered {st['undelivered']}, pending "
+                     f"{st['pending']}), dead letters {st['dead_letters']}, cancel requests {st['cancel_requests']}")
+        header = ["WORKER", "STATE", "BEAT AGE", "DEVICE", "MODEL", "RUNNING", "WAITING", "KV USED", "DONE", "FAILED"]
+        rows = [[w["worker"], w["state"], f"{w['heartbeat_age_s']}s", w.get("device") or "-",
+                 _short(w.get("model")), _n(w.get("running")), _n(w.get("waiting")),
+                 "-" if w.get("kv_utilization") is None else f"{100 * w['kv_utilization']:.1f}%",
+                 _n(w.get("completed")), _n(w.get("failed"))] for w in st["workers"]]
+        if not rows:
+            lines.append("  (no workers)")
+            continue
+        widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+        for row in [header, *rows]:
+            lines.append("  " + "  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip())
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    r = Redis.from_url(redis_url(args.redis))
+    statuses = [queue_status(r, q) for q in (args.queue or discover_queues(r))]
+    print(json.dumps({"queues": statuses}) if args.json else render(statuses))
+    return 0
+
+
+def redis_url(url: str | None) -> str:
+    import os
+
+    return url or os.environ.get("PAGEDQ_REDIS_URL") or "redis://localhost:6379/0"
+
+
+def _short(model: str | None, width: int = 40) -> str:
+    if not model:
+        return "-"
+    return model if len(model) <= width else "…" + model[-(width - 1):]
+
+
+def _n(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
