@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from kernels import activation, decode_attention, kv_cache, norm, prefill_attention, rotary
+from kernels import activation, block_copy, decode_attention, kv_cache, norm, prefill_attention, rotary, sampling
 
 SM90_TARGET = GPUTarget("cuda", 90, 32)
 SM90_MAX_SHARED_BYTES = 232448  # 227 KiB opt-in shared memory per block on H100/H200
@@ -160,7 +160,22 @@ def _production_calls() -> list[tuple[str, object, list[str], Callable[[], objec
                                          _meta(8192, 128, dtype=torch.float32))),
         ("silu_and_mul", activation, ["_silu_and_mul_kernel"],
          lambda: activation.silu_and_mul(_meta(64, 2 * 14336))),
+        ("copy_blocks bf16", block_copy, ["_copy_blocks_kernel"],
+         lambda: block_copy.copy_blocks([caches[0]] * 32, [caches[1]] * 32, _meta(64, 2, dtype=torch.int64))),
+        ("gumbel_argmax 4 splits", sampling, ["_gumbel_argmax_partial_kernel", "_gumbel_argmax_reduce_kernel"],
+         lambda: sampling.gumbel_argmax_split(_meta(256, 151936, dtype=torch.float32), _meta(256, dtype=torch.float32),
+                                              _meta(256, dtype=torch.int64), _meta(256, dtype=torch.int64), 4)),
     ]  # fmt: skip
+
+
+def _ptx_ok(kernel_name: str, ptx: str) -> bool:
+    """Code-generation properties some kernels rely on. copy_blocks: 16-byte loads and stores. Sampling: IEEE
+    division and no approximate log (the noise and the scaled logits must be bit-identical to torch's)."""
+    if kernel_name == "_copy_blocks_kernel":
+        return bool(re.search(r"ld\.global\S*\.v4\.b32", ptx)) and bool(re.search(r"st\.global\S*\.v4\.b32", ptx))
+    if kernel_name == "_gumbel_argmax_partial_kernel":
+        return "div.rn.f32" in ptx and not re.search(r"div\.(approx|full)|lg2\.approx", ptx)
+    return True
 
 
 def _launch_and_record(module, kernel_names: list[str], launch: Callable[[], object]):
@@ -201,7 +216,7 @@ def main() -> int:
                 failures += 1
                 continue
             shared = compiled.metadata.shared
-            fits = shared <= SM90_MAX_SHARED_BYTES
+            fits = shared <= SM90_MAX_SHARED_BYTES and _ptx_ok(kernel.__name__, compiled.asm["ptx"])
             failures += not fits
             usage = ptxas_usage(compiled.asm["ptx"])
             # Spills are reported, not failed: they cost speed, not correctness.
