@@ -112,8 +112,10 @@ def pick(backlog: list[Tracked], engine: Any, max_waiting: int, waiting_blocks: 
 
 def engine_prompt(engine: Any, job: Any) -> str | list[int]:
     """What the engine gets: the prompt, the token ids, or the messages rendered with the model's chat
-    template (as `tokenizer.apply_chat_template(..., tokenize=False, add_generation_prompt=True)`).
-    Raises ValueError (the job is rejected) when the model has no chat template or the template refuses."""
+    template (`apply_chat_template(..., add_generation_prompt=True)`) and tokenized without special tokens,
+    as transformers does: the template writes BOS itself where the model wants one, so encoding the text
+    with special tokens would double it. Raises ValueError (the job is rejected) when the model has no chat
+    template or the template refuses."""
     if job.messages is None:
         return job.prompt if job.prompt is not None else job.prompt_token_ids
     tokenizer = getattr(engine, "tokenizer", None)
@@ -121,7 +123,8 @@ def engine_prompt(engine: Any, job: Any) -> str | list[int]:
         raise ValueError("the model has no chat template: send the conversation as a formatted `prompt` "
                          "instead of `messages`")
     try:
-        return tokenizer.apply_chat_template(job.chat(), tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(job.chat(), tokenize=False, add_generation_prompt=True)
+        return tokenizer.encode(text, add_special_tokens=False)
     except Exception as exc:  # jinja raises for e.g. roles that do not alternate: the job's fault
         raise ValueError(f"the chat template refused the messages: {exc}") from None
 
