@@ -119,7 +119,7 @@ class LLMEngine:
             return self.beam_search.abort(request_id)
         for request in group.live_requests():
             self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
-        return self.output_processor.final_output(request_id)
+        return self.output_processor.final_output(request_id, cumulative=True)
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -100,8 +100,11 @@ class OutputProcessor:
         chosen = sorted(set(indices)) if delta else sorted(group.sequences)
         return self._output(group, [group.sequences[i] for i in chosen], delta, finished=False)
 
-    def final_output(self, group_id: str) -> RequestOutput:
-        """The group's closing report (all sequences must be finished); forgets the group."""
+    def final_output(self, group_id: str, cumulative: bool = False) -> RequestOutput:
+        """The group's closing report (all sequences must be finished); forgets the group.
+
+        Per the output kind, or everything generated when `cumulative` (what an abort hands back).
+        """
         group = self.groups.pop(group_id)
         sequences = list(group.sequences.values())
         for sequence in sequences:
@@ -112,7 +115,7 @@ class OutputProcessor:
             sequences.sort(key=lambda s: s.request.cumulative_logprob, reverse=True)
         else:
             sequences.sort(key=lambda s: s.request.index)
-        delta = group.params.output_kind is RequestOutputKind.DELTA
+        delta = group.params.output_kind is RequestOutputKind.DELTA and not cumulative
         output = self._output(group, sequences[: group.params.n], delta, finished=True)
         output.metrics["finished_time"] = time.monotonic()
         return output

@@ -142,6 +142,13 @@ def test_abort_frees_blocks_and_returns_partial_output(tiny_llama_dir):
     final = engine.abort_request("a")
     assert final.finished and final.outputs[0].finish_reason == "abort" and len(final.outputs[0].token_ids) == 5
     assert engine.abort_request("a") is None
+    engine.add_request("d", PROMPTS[2], SamplingParams(max_tokens=50, ignore_eos=True,
+                                                       output_kind=RequestOutputKind.DELTA))
+    reported = []
+    for _ in range(4):
+        reported += [t for o in engine.step() if o.request_id == "d" for t in o.outputs[0].token_ids]
+    final_d = engine.abort_request("d")  # cumulative even for a DELTA request: the partial output, whole
+    assert final_d.outputs[0].token_ids == reported and len(reported) == 4
     engine.abort_request("b")
     assert engine.num_free_blocks == 32 and not engine.has_unfinished_requests()
 

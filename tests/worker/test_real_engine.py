@@ -64,3 +64,23 @@ def test_200_jobs_match_llm_generate(redis_url, r, tiny_llama_dir, tmp_path):
             assert [d["pos"] for d in deltas] == sorted(d["pos"] for d in deltas)
             assert [d.text for d in client.stream(job_id, timeout=5)] == [d["text"] for d in deltas]
     assert_clean_queue(r)
+
+
+def test_cancelled_running_job_keeps_its_partial_output(redis_url, r, tiny_llama_dir):
+    from engine import LLMEngine
+
+    from .conftest import wait_for, worker_thread
+
+    engine = LLMEngine(str(tiny_llama_dir), device="cpu", num_kv_blocks=64)
+    client = Client(redis_url)
+    job_id = client.submit(prompt="fox cache block", max_tokens=400, temperature=0.0, ignore_eos=True, stream=True)
+    with worker_thread(engine, redis_url):
+        wait_for(lambda: r.xlen(KEYS.result(job_id)) >= 3, what="3 deltas of the running job")
+        assert client.cancel(job_id)
+        final = client.result(job_id, timeout=30)
+        wait_for(lambda: engine.num_free_blocks == 64, what="blocks freed")
+    assert final.status == "cancelled" and final.finish_reason == "abort"
+    assert 3 <= len(final.token_ids) < 400
+    expected = LLM(str(tiny_llama_dir)).generate(
+        "fox cache block", SamplingParams(max_tokens=len(final.token_ids), temperature=0.0, ignore_eos=True))[0]
+    assert final.token_ids == expected.outputs[0].token_ids and final.text == expected.outputs[0].text
