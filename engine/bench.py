@@ -101,7 +101,14 @@ def run_hf(model_dir: str, workload: Workload, batch_size: int, device: str, dty
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    if any(Path(model_dir).glob("*.safetensors")) or any(Path(model_dir).glob("pytorch_model*.bin")):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    else:  # a config-only folder (a model shape): random weights, as the engine gets
+        from transformers import AutoConfig
+
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir)).to(dtype).eval()
     warm = torch.tensor([workload.prompts[0][:8]], device=device)
     model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=4, do_sample=False, pad_token_id=0)
     _sync(device)
