@@ -29,11 +29,9 @@ import triton
 import triton.language as tl
 
 from kernels.triton_common import (
-    check_float_dtype,
     check_int_dtype,
-    check_last_dim_contiguous,
     check_ndim,
-    check_paged_caches,
+    check_paged_attention_inputs,
     check_same_device,
     dot_fp32_acc,
     needs_dot_upcast,
@@ -150,30 +148,15 @@ def _decode_reduce_kernel(
 
 def _check_decode_args(query, k_cache, v_cache, block_tables, context_lens) -> None:
     fn = "paged_decode_attention"
-    check_paged_caches(fn, k_cache, v_cache)
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    check_ndim(fn, "query", query, 3, "[S, Hq, D]")
-    num_seqs, num_q_heads, q_head_dim = query.shape
-    if q_head_dim != head_dim or num_q_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"{fn}: query must be [S, Hq, D] with D = {head_dim} and Hq a multiple of the cache's "
-            f"{num_kv_heads} KV heads, got {tuple(query.shape)}"
-        )
-    check_float_dtype(fn, "query", query)
-    if query.dtype != k_cache.dtype:
-        raise ValueError(f"{fn}: query dtype {query.dtype} must match the cache dtype {k_cache.dtype}")
-    check_last_dim_contiguous(fn, "query", query)
-    check_ndim(fn, "block_tables", block_tables, 2, "[S, max_blocks]")
+    check_paged_attention_inputs(fn, query, k_cache, v_cache, block_tables, "[S, Hq, D]")
     check_ndim(fn, "context_lens", context_lens, 1, "[S]")
+    num_seqs = query.shape[0]
     if block_tables.shape[0] != num_seqs or context_lens.shape[0] != num_seqs:
         raise ValueError(
             f"{fn}: block_tables {tuple(block_tables.shape)} and context_lens {tuple(context_lens.shape)} "
             f"must have one row per query sequence ({num_seqs})"
         )
-    check_int_dtype(fn, "block_tables", block_tables, (torch.int32,))
     check_int_dtype(fn, "context_lens", context_lens, (torch.int32,))
-    if block_tables.stride(-1) != 1:
-        raise ValueError(f"{fn}: block_tables rows must be contiguous, got strides {block_tables.stride()}")
     check_same_device(fn, query=query, k_cache=k_cache, block_tables=block_tables, context_lens=context_lens)
 
 

@@ -28,11 +28,9 @@ import triton
 import triton.language as tl
 
 from kernels.triton_common import (
-    check_float_dtype,
     check_int_dtype,
-    check_last_dim_contiguous,
     check_ndim,
-    check_paged_caches,
+    check_paged_attention_inputs,
     check_same_device,
     dot_fp32_acc,
     needs_dot_upcast,
@@ -127,19 +125,7 @@ def _prefill_kernel(
 
 def _check_prefill_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens) -> None:
     fn = "paged_prefill_attention"
-    check_paged_caches(fn, k_cache, v_cache)
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    check_ndim(fn, "query", query, 3, "[T, Hq, D]")
-    if query.shape[2] != head_dim or query.shape[1] % num_kv_heads != 0:
-        raise ValueError(
-            f"{fn}: query must be [T, Hq, D] with D = {head_dim} and Hq a multiple of the cache's "
-            f"{num_kv_heads} KV heads, got {tuple(query.shape)}"
-        )
-    check_float_dtype(fn, "query", query)
-    if query.dtype != k_cache.dtype:
-        raise ValueError(f"{fn}: query dtype {query.dtype} must match the cache dtype {k_cache.dtype}")
-    check_last_dim_contiguous(fn, "query", query)
-    check_ndim(fn, "block_tables", block_tables, 2, "[S, max_blocks]")
+    check_paged_attention_inputs(fn, query, k_cache, v_cache, block_tables, "[T, Hq, D]")
     check_ndim(fn, "context_lens", context_lens, 1, "[S]")
     check_ndim(fn, "cu_seqlens_q", cu_seqlens_q, 1, "[S + 1]")
     num_seqs = context_lens.shape[0]
@@ -148,10 +134,8 @@ def _check_prefill_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, con
             f"{fn}: with context_lens [{num_seqs}], block_tables must be [{num_seqs}, M] and cu_seqlens_q "
             f"[{num_seqs + 1}], got {tuple(block_tables.shape)} and {tuple(cu_seqlens_q.shape)}"
         )
-    for name, tensor in (("block_tables", block_tables), ("cu_seqlens_q", cu_seqlens_q), ("context_lens", context_lens)):
+    for name, tensor in (("cu_seqlens_q", cu_seqlens_q), ("context_lens", context_lens)):
         check_int_dtype(fn, name, tensor, (torch.int32,))
-    if block_tables.stride(-1) != 1:
-        raise ValueError(f"{fn}: block_tables rows must be contiguous, got strides {block_tables.stride()}")
     check_same_device(fn, query=query, k_cache=k_cache, block_tables=block_tables, cu_seqlens_q=cu_seqlens_q)
 
 

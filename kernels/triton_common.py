@@ -88,3 +88,23 @@ def check_paged_caches(fn: str, k_cache: torch.Tensor, v_cache: torch.Tensor) ->
     check_float_dtype(fn, "k_cache", k_cache)
     check_contiguous(fn, "k_cache", k_cache)
     check_contiguous(fn, "v_cache", v_cache)
+
+
+def check_paged_attention_inputs(fn: str, query, k_cache, v_cache, block_tables, layout: str) -> None:
+    """The checks both paged attention launchers share: the caches, the query against them, the block tables."""
+    check_paged_caches(fn, k_cache, v_cache)
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    check_ndim(fn, "query", query, 3, layout)
+    if query.shape[2] != head_dim or query.shape[1] % num_kv_heads != 0:
+        raise ValueError(
+            f"{fn}: query must be {layout} with D = {head_dim} and Hq a multiple of the cache's "
+            f"{num_kv_heads} KV heads, got {tuple(query.shape)}"
+        )
+    check_float_dtype(fn, "query", query)
+    if query.dtype != k_cache.dtype:
+        raise ValueError(f"{fn}: query dtype {query.dtype} must match the cache dtype {k_cache.dtype}")
+    check_last_dim_contiguous(fn, "query", query)
+    check_ndim(fn, "block_tables", block_tables, 2, "[S, max_blocks]")
+    check_int_dtype(fn, "block_tables", block_tables, (torch.int32,))
+    if block_tables.stride(-1) != 1:
+        raise ValueError(f"{fn}: block_tables rows must be contiguous, got strides {block_tables.stride()}")

@@ -18,7 +18,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_all_kernels_compile_for_sm90():
-    pytest.importorskip("triton.backends.nvidia.compiler")
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONWARNINGS": "ignore"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     result = subprocess.run(
