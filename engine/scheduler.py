@@ -55,7 +55,10 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.swap_space = swap_space  # None: preemption by recompute
         self.running: list[Request] = []
-        self._waiting: list[tuple[tuple[int, int, int], Request]] = []  # heap on the admission key
+        # Heap of (admission key, push order, request): forked siblings share an arrival index, so the push
+        # order breaks ties and requests themselves are never compared.
+        self._waiting: list[tuple[tuple[int, int, int], int, Request]] = []
+        self._push_counter = itertools.count()
         self._admission_counter = itertools.count()
         self.num_preemptions = 0
 
@@ -67,7 +70,7 @@ class Scheduler:
     @property
     def waiting(self) -> list[Request]:
         """Waiting requests in the order they will be admitted."""
-        return [request for _, request in sorted(self._waiting, key=lambda item: item[0])]
+        return [item[-1] for item in sorted(self._waiting)]
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self.running)
@@ -80,14 +83,15 @@ class Scheduler:
     def _push_waiting(self, request: Request) -> None:
         # Preempted requests go ahead of new arrivals; then higher priority; then first come first served.
         resumed = request.status in (RequestStatus.PREEMPTED, RequestStatus.SWAPPED)
-        heapq.heappush(self._waiting, ((0 if resumed else 1, -request.priority, request.arrival_index), request))
+        key = (0 if resumed else 1, -request.priority, request.arrival_index)
+        heapq.heappush(self._waiting, (key, next(self._push_counter), request))
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """Take a request out of whichever queue holds it and return its blocks."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif not request.is_finished:
-            self._waiting = [item for item in self._waiting if item[1] is not request]
+            self._waiting = [item for item in self._waiting if item[-1] is not request]
             heapq.heapify(self._waiting)
         if request.status is RequestStatus.SWAPPED:
             self.swap_space.discard(request.request_id)
@@ -163,7 +167,7 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int, output: SchedulerOutput) -> None:
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self._waiting[0][1]
+            request = self._waiting[0][-1]
             if not self._admit(request, budget, output):
                 break  # head-of-line: a lower-priority request must not overtake it
             heapq.heappop(self._waiting)

@@ -10,6 +10,7 @@ from engine.block_manager import BlockManager
 from engine.request import Request, RequestStatus, SampledToken
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.swap import SwapSpace
 
 BLOCK = 4
 
@@ -173,3 +174,55 @@ def test_preempted_request_resumes_and_recomputes_its_outputs():
     assert len(recomputed) >= 2 and recomputed[-1] > 7  # re-admitted with prompt + earlier outputs
     assert a.num_output_tokens == b.num_output_tokens == 6
     assert manager.num_free_blocks == 5
+
+
+def _check_block_invariants(manager: BlockManager) -> None:
+    tables = manager._block_tables.values()
+    counts: dict[int, int] = {}
+    for table in tables:
+        for block_id in table:
+            counts[block_id] = counts.get(block_id, 0) + 1
+    assert all(manager.ref_count(b) == n for b, n in counts.items()), "ref counts disagree with the tables"
+    assert manager.num_used_blocks == len(counts), "a block in use is in no table, or a free one in a table"
+    assert manager.num_free_blocks + manager.num_used_blocks == manager.num_total_blocks
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["recompute", "swap"])
+@pytest.mark.parametrize("seed", range(6))
+def test_random_traffic_keeps_the_pool_consistent(seed, swap):
+    """Random arrivals, shared prefixes, forks, aborts and preemptions: after every step the reference counts
+    match the tables exactly, and when everything is done every block is free again."""
+    import random
+
+    rng = random.Random(seed)
+    manager = BlockManager(24, BLOCK)
+    swap_space = SwapSpace(16) if swap else None
+    scheduler = Scheduler(manager, max_num_seqs=6, max_num_batched_tokens=20, swap_space=swap_space)
+    prefixes = [[rng.randrange(1, 50) for _ in range(rng.randint(4, 12))] for _ in range(3)]
+    live: list[Request] = []
+    for step in range(200):
+        if rng.random() < 0.3 and step < 150:
+            prompt = rng.choice(prefixes) + [rng.randrange(1, 50) for _ in range(rng.randint(1, 8))]
+            params = SamplingParams(max_tokens=rng.randint(1, 20), ignore_eos=True,
+                                    n=rng.choice([1, 1, 2, 3]))
+            request = Request(f"r{step}", prompt, params, fan_out=params.best_of - 1)
+            scheduler.add_request(request)
+            live.append(request)
+        if live and rng.random() < 0.05:
+            victim = rng.choice(live)
+            if not victim.is_finished:
+                scheduler.finish_request(victim, RequestStatus.FINISHED_ABORTED)
+        output = scheduler.schedule()
+        sampled = {s.request.request_id: [SampledToken(rng.randrange(1, 50))
+                                          for _ in range(1 + s.request.fan_out)]
+                   for s in output.scheduled if s.needs_sample}
+        advanced = scheduler.update_from_output(output, sampled, max_model_len=10_000)
+        live += [r for r in advanced if r not in live]
+        _check_block_invariants(manager)
+    while scheduler.has_unfinished():
+        run_step(scheduler)
+        _check_block_invariants(manager)
+    assert manager.num_free_blocks == manager.num_total_blocks
+    assert scheduler.num_preemptions > 0
+    if swap:
+        assert swap_space.num_swapped_out > 0 and swap_space.num_free_blocks == swap_space.num_total_blocks
