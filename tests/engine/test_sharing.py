@@ -160,3 +160,23 @@ def test_a_failed_step_leaves_no_unwritten_block_in_the_prefix_cache(tiny_llama_
         finals.update({o.request_id: o for o in engine.step() if o.finished})
     assert finals["doomed"].outputs[0].token_ids == expected  # the retried request recovers
     assert finals["again"].outputs[0].token_ids == expected
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_mixed_sharing_workload_under_pressure_matches_a_roomy_run(tiny_llama_dir, mode):
+    """Forked samples, shared prefixes, greedy and seeded rows together in a pool that forces preemption."""
+    rng = random.Random(77)
+    prefixes = [_tokens(35, seed=80), _tokens(20, seed=81)]
+    prompts, params = [], []
+    for i in range(10):
+        prompts.append(rng.choice(prefixes) + _tokens(rng.randint(1, 12), seed=90 + i))
+        params.append(SamplingParams(n=rng.choice([1, 2, 3]), max_tokens=rng.randint(5, 20), ignore_eos=True,
+                                     temperature=rng.choice([0.0, 0.9]), top_k=rng.choice([-1, 20]), seed=i))
+    roomy = LLM(tiny_llama_dir, enable_prefix_caching=False).generate(prompts, params)
+    tight = LLM(tiny_llama_dir, num_kv_blocks=12, block_size=16, max_num_batched_tokens=32,
+                preemption_mode=mode, swap_space_gib=0.01)
+    outputs = tight.generate(prompts, params)
+    stats = tight.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0
+    assert tight.llm_engine.num_free_blocks == 12
+    assert [[c.token_ids for c in o.outputs] for o in outputs] == [[c.token_ids for c in o.outputs] for o in roomy]
