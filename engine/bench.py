@@ -162,8 +162,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--baseline", choices=["hf", "none"], default="none")
     parser.add_argument("--hf-batch-size", type=int, default=64)
-    parser.add_argument("--sharing", choices=["n4", "prefix"],
-                        help="memory sharing on vs off: 4 samples per prompt, or a shared system prompt")
+    parser.add_argument("--sharing", choices=["n4", "prefix", "beam"],
+                        help="memory sharing on vs off: 4 samples per prompt, a shared system prompt, or the "
+                             "blocks beam search (width 4) shares")
     parser.add_argument("--prefix-len", type=int, default=512, help="system prompt length for --sharing prefix")
     add_engine_arguments(parser)
 

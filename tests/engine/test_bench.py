@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
+
 from engine.bench import WORKLOADS, draw_workload
 from engine.cli import main
 
@@ -30,3 +32,16 @@ def test_bench_throughput_prints_one_json_line(tiny_llama_dir, capsys):
                 "num_preemptions"):
         assert key in result
     assert 0 < result["kv_slot_utilization"] <= 1
+
+
+@pytest.mark.parametrize("kind", ["n4", "prefix", "beam"])
+def test_sharing_bench_lines_report_memory_saved(tiny_llama_dir, capsys, kind):
+    code = main(["bench", "throughput", "--model", str(tiny_llama_dir), "--sharing", kind, "--num-prompts", "3",
+                 "--input-len", "40:60", "--output-len", "4:8", "--prefix-len", "48"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["bench"] == f"sharing-{kind}"
+    assert 0 < result["kv_memory_saved"] < 1
+    if kind != "beam":  # same requests, same tokens generated, with and without sharing
+        assert result["sharing_on"]["generated"] == result["sharing_off"]["generated"]
+        assert result["sharing_on"]["peak_used_blocks"] < result["sharing_off"]["peak_used_blocks"]
