@@ -80,10 +80,13 @@ def test_killed_worker_messages_are_redelivered_and_answered_once(redis_url, r, 
     results = [generate.delay(prompt=p, max_tokens=30, temperature=0) for p in prompts]
     stub = ["--engine", "stub", "--stub-step-delay", "0.02", "--max-num-seqs", "4", "--max-waiting", "4",
             "--celery", "--celery-visibility-timeout", "2"]
-    first = start_worker(redis_url, *stub, "--name", "a", log=tmp_path / "a.log")
-    wait_for(lambda: sum(res.ready() for res in results) >= 4, timeout=60, what="4 results before the kill")
-    first.send_signal(signal.SIGKILL)
-    first.wait(timeout=10)
+    # The first worker dies abruptly (os._exit, like kill -9) as soon as job 9 enters its engine: a crash in
+    # mid-step, with jobs running and read ahead. (A kill at a random moment could also land in kombu's own
+    # gap between RPOP and its write to the unacked hash, where Celery on Redis loses the message whoever
+    # consumes it: documented in the README, and not what this test is about.)
+    crash = {"PAGEDQ_FAULT_PROMPT": "celery crash 9", "PAGEDQ_FAULT_MODE": "exit"}
+    first = start_worker(redis_url, *stub, "--name", "a", log=tmp_path / "a.log", env=crash)
+    assert first.wait(timeout=60) == 86  # faults.FaultyEngine's exit status
     in_flight = r.hlen("unacked")
     assert in_flight > 0, "the killed worker should have held unacknowledged Celery messages"
     done_before = {res.id for res in results if res.ready()}
