@@ -108,3 +108,13 @@ def check_paged_attention_inputs(fn: str, query, k_cache, v_cache, block_tables,
     check_int_dtype(fn, "block_tables", block_tables, (torch.int32,))
     if block_tables.stride(-1) != 1:
         raise ValueError(f"{fn}: block_tables rows must be contiguous, got strides {block_tables.stride()}")
+
+
+@triton.jit
+def paged_kv_offsets(table_row, positions, mask, dims, kv_head, stride_cache_block, stride_cache_slot,
+                     stride_cache_head, BLOCK_SIZE: tl.constexpr):
+    """Element offsets [N, D] of one sequence's cached K/V rows at `positions` [N], found through its block
+    table row: page = table[pos // BLOCK_SIZE], slot = pos % BLOCK_SIZE. Masked positions read page 0."""
+    blocks = tl.load(table_row + positions // BLOCK_SIZE, mask=mask, other=0).to(tl.int64)
+    token_offsets = blocks * stride_cache_block + (positions % BLOCK_SIZE) * stride_cache_slot
+    return (token_offsets + kv_head * stride_cache_head)[:, None] + dims[None, :]
