@@ -66,7 +66,7 @@ def run_engine(model_dir: str, workload: Workload, engine_kwargs: dict) -> dict:
 
     engine = LLMEngine(model_dir, **engine_kwargs)
     _run_engine_once(engine, Workload(workload.prompts[:2], [4, 4]), RequestOutputKind, SamplingParams)  # warm-up
-    engine.num_steps, engine._utilization_sum = 0, 0.0
+    engine.reset_step_stats()
     preemptions_before = engine.scheduler.num_preemptions
     _sync(engine.config.device)
     start = time.perf_counter()
@@ -79,7 +79,9 @@ def run_engine(model_dir: str, workload: Workload, engine_kwargs: dict) -> dict:
             "num_preemptions": stats["num_preemptions"] - preemptions_before,
             "num_kv_blocks": engine.num_total_blocks, "device": engine.config.device,
             "dtype": str(engine.config.dtype).removeprefix("torch."),
-            "peak_memory_gb": _peak_memory_gb(engine.config.device)}
+            "peak_memory_gb": _peak_memory_gb(engine.config.device),
+            "num_steps": stats["num_steps"],
+            **{key: stats[key] for key in ("schedule_ms_per_step", "execute_ms_per_step", "postprocess_ms_per_step")}}
 
 
 def _run_engine_once(engine, workload: Workload, kinds, params_cls) -> int:

@@ -95,14 +95,6 @@ class BlockManager:
         self._filled_slots += fill - self._fill[block_id]
         self._fill[block_id] = fill
 
-    def can_allocate(self, request_id: str, num_computed: int, num_tokens: int) -> bool:
-        return self._blocks_needed(request_id, num_computed, num_tokens) <= self.num_free_blocks
-
-    def _blocks_needed(self, request_id: str, num_computed: int, num_tokens: int) -> int:
-        table = self.block_table(request_id)
-        grow = max(0, self.blocks_for_tokens(num_tokens) - len(table))
-        return grow + (1 if self._shared_write_block(table, num_computed, num_tokens) is not None else 0)
-
     def _shared_write_block(self, table: list[int], num_computed: int, num_tokens: int) -> int | None:
         """Index in `table` of a shared block that positions [num_computed, num_tokens) would write into."""
         index = num_computed // self.block_size
@@ -115,24 +107,34 @@ class BlockManager:
 
         Grows its table and un-shares a shared block it is about to write into. Returns the block copies
         (src, dst) that must happen before the write, or None (and no change) if the pool is short.
+        Runs for every scheduled sequence every step, hence the inlined arithmetic.
         """
-        if not self.can_allocate(request_id, num_computed, num_tokens):
-            return None
-        table = self._block_tables.setdefault(request_id, [])
-        copies = []
+        table = self._block_tables.get(request_id)
+        if table is None:
+            table = []
+        size = self.block_size
+        num_blocks = -(-num_tokens // size)
         shared = self._shared_write_block(table, num_computed, num_tokens)
+        grow = num_blocks - len(table)
+        if max(grow, 0) + (shared is not None) > self.num_free_blocks:
+            return None
+        self._block_tables[request_id] = table
+        copies = []
         if shared is not None:
             source, target = table[shared], self._take_block()
             self._set_fill(target, self._fill[source])
             self._release(source)
             table[shared] = target
             copies.append((source, target))
-        while len(table) < self.blocks_for_tokens(num_tokens):
+        for _ in range(grow):
             table.append(self._take_block())
-        size = self.block_size
-        for index in range(num_computed // size, self.blocks_for_tokens(num_tokens)):
+        fill = self._fill
+        for index in range(num_computed // size, num_blocks):
             block_id = table[index]
-            self._set_fill(block_id, max(self._fill[block_id], min(size, num_tokens - index * size)))
+            new_fill = min(size, num_tokens - index * size)
+            if new_fill > fill[block_id]:
+                self._filled_slots += new_fill - fill[block_id]
+                fill[block_id] = new_fill
         return copies
 
     def fork(self, parent_id: str, child_id: str) -> None:
@@ -185,8 +187,10 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         hashes = self._block_hashes.setdefault(request_id, [])
-        table = self._block_tables[request_id]
         size = self.block_size
+        if len(hashes) >= num_computed // size:
+            return  # most steps: a decode token that does not fill its block
+        table = self._block_tables[request_id]
         for index in range(len(hashes), num_computed // size):
             parent = self._chain_hash(hashes[-1] if hashes else b"", token_ids[index * size:(index + 1) * size])
             hashes.append(parent)

@@ -83,7 +83,7 @@ class OutputProcessor:
         if sequence.detokenizer is None:
             return None
         request, stop = sequence.request, None
-        for token in request.output_token_ids[sequence.num_detokenized_tokens:]:
+        for token in request.all_token_ids[request.num_prompt_tokens + sequence.num_detokenized_tokens:]:
             stop = sequence.detokenizer.append(token)
             if stop is not None:
                 break
@@ -123,7 +123,8 @@ class OutputProcessor:
     def _output(self, group: RequestGroup, sequences: list[_Sequence], delta: bool, finished: bool) -> RequestOutput:
         completions = [self._completion(position if finished else s.request.index, s, delta)
                        for position, s in enumerate(sequences)]
-        first = min((s.request.first_token_time for s in sequences if s.request.first_token_time), default=None)
+        first = min((s.request.first_token_time for s in sequences if s.request.first_token_time), default=None) \
+            if len(sequences) > 1 else sequences[0].request.first_token_time
         metrics = {"arrival_time": sequences[0].request.arrival_time}
         if first is not None:
             metrics["first_token_time"] = first

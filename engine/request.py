@@ -26,7 +26,9 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+        # Identity tests: checked per sequence several times a step, and `in (tuple)` goes through Enum.__eq__.
+        return (self is RequestStatus.FINISHED_STOPPED or self is RequestStatus.FINISHED_LENGTH
+                or self is RequestStatus.FINISHED_ABORTED)
 
 
 @dataclass(frozen=True)
@@ -124,13 +126,15 @@ class Request:
         """Stop conditions decidable from token ids alone (stop strings need text: the output processor)."""
         params = self.sampling_params
         last = self.all_token_ids[-1]
-        if self.num_output_tokens >= params.min_tokens:
+        num_tokens = len(self.all_token_ids)
+        num_output_tokens = num_tokens - len(self.prompt_token_ids)
+        if num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and last in self.eos_token_ids:
                 self.stop_reason = None
                 return RequestStatus.FINISHED_STOPPED
             if last in params.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+        if num_output_tokens >= params.max_tokens or num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -206,3 +206,22 @@ def test_per_prompt_params_and_input_order(llm):
     outputs = llm.generate(PROMPTS, params)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 9, 1, 5]
     assert [o.prompt for o in outputs] == PROMPTS
+
+
+def test_startup_objects_leave_the_cyclic_gc_and_step_phases_are_timed(tiny_llama_dir):
+    import gc
+    import time
+
+    gc.unfreeze()
+    engine = LLMEngine(tiny_llama_dir)
+    assert gc.get_freeze_count() > 10_000  # torch, transformers and the model: nothing a full collection should walk
+    engine.add_request("t", PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    started = time.perf_counter()
+    _drain(engine)
+    wall_ms = 1e3 * (time.perf_counter() - started)
+    stats = engine.stats()
+    phases = [stats[f"{phase}_ms_per_step"] for phase in ("schedule", "execute", "postprocess")]
+    assert stats["num_steps"] == 8 and all(ms > 0 for ms in phases)
+    assert sum(phases) * stats["num_steps"] <= wall_ms
+    engine.reset_step_stats()
+    assert engine.stats()["num_steps"] == 0 and engine.stats()["execute_ms_per_step"] == 0
