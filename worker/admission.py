@@ -85,13 +85,14 @@ def pick(backlog: list[Tracked], engine: Any, max_waiting: int, waiting_blocks: 
          isolating: bool) -> list[Tracked]:
     """Choose jobs to hand to the engine now: highest priority first, within the waiting-queue cap and
     the free KV blocks not already promised to jobs still waiting in the engine. Suspects (from a step
-    that raised) run one at a time with nothing beside them, which pins the failure on one job."""
+    that raised) run one at a time with nothing beside them, which pins the failure on one job; the least
+    tried first, so every suspect runs once before any is retried (what lets the breaker see a broken engine)."""
     if not backlog or isolating:
         return []
     backlog.sort(key=lambda t: (-t.job.priority, t.seq))
     suspects = [t for t in backlog if t.suspect]
     if suspects:  # wait for the engine to empty, then run the next suspect alone
-        return [] if engine.has_unfinished_requests() else suspects[:1]
+        return [] if engine.has_unfinished_requests() else [min(suspects, key=lambda t: t.attempts)]
     block_size = getattr(engine, "block_size", None) or getattr(getattr(engine, "config", None), "block_size", 16)
     budget = engine.num_free_blocks - waiting_blocks
     room = max_waiting - engine.num_waiting_requests

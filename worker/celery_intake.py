@@ -51,6 +51,17 @@ class CeleryIntake:
         self._next_poll = 0.0
         self._next_restore = 0.0
 
+    @classmethod
+    def for_worker(cls, worker: Any) -> "CeleryIntake":
+        """The intake of a Worker, from its settings (broker, backend, queue, visibility timeout)."""
+        from .celery_app import make_app
+
+        s = worker.s
+        app = make_app(s.celery_broker, backend_url=s.celery_backend, queue=s.celery_queue,
+                       visibility_timeout_s=s.celery_visibility_timeout_s)
+        return cls(app, worker.r, worker.keys, worker.publisher, worker.intake, worker.log,
+                   poll_interval_s=s.celery_poll_s)
+
     @property
     def name(self) -> str:
         return self.queue.name

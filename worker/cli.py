@@ -68,6 +68,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burst", action="store_true", help="exit once nothing is queued, pending or running")
     p.add_argument("--lease-ms", type=int, default=d.lease_ms)
     p.add_argument("--max-attempts", type=int, default=d.max_attempts)
+    p.add_argument("--engine-failure-limit", type=int, default=d.engine_failure_limit,
+                   help="distinct jobs failing alone in a row after which the engine counts as broken: the worker "
+                        "exits with status 3, leaving its jobs unacknowledged for redelivery")
     p.add_argument("--result-ttl", type=int, default=d.result_ttl_s, help="seconds results are kept")
     p.add_argument("--completions-maxlen", type=int, default=d.completions_maxlen)
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s)
@@ -123,7 +126,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
 def settings_from_args(args: argparse.Namespace, device: str, model: str) -> WorkerSettings:
     return WorkerSettings(
         queue=args.queue, name=args.name or default_worker_name(), lease_ms=args.lease_ms,
-        max_attempts=args.max_attempts, result_ttl_s=args.result_ttl, completions_maxlen=args.completions_maxlen,
+        max_attempts=args.max_attempts, engine_failure_limit=args.engine_failure_limit, result_ttl_s=args.result_ttl, completions_maxlen=args.completions_maxlen,
         block_ms=args.block_ms, max_waiting=args.max_waiting, drain_timeout_s=args.drain_timeout,
         heartbeat_every_s=args.heartbeat_interval, burst=args.burst, device=device, model=model,
         celery_broker=((args.celery_broker or os.environ.get("CELERY_BROKER_URL") or args.redis)

@@ -21,6 +21,7 @@ class WorkerSettings:
     renew_every_s: float | None = None  # default lease/3
     claim_every_s: float | None = None  # default lease/2
     max_attempts: int = 3  # deliveries (and in-worker failures) before a job is dead-lettered
+    engine_failure_limit: int = 3  # distinct jobs failing alone in a row: the engine is broken, stop (breaker.py)
     result_ttl_s: int = 86_400  # result streams and final records expire after this
     completions_maxlen: int = 100_000  # approximate cap of the shared completions stream
     block_ms: int = 1_000  # XREADGROUP BLOCK when the engine is idle

@@ -18,6 +18,7 @@ import structlog
 
 from . import scripts
 from .admission import Intake, engine_prompt, pick
+from .breaker import EngineBreaker
 from .config import WorkerSettings
 from .engine_api import RequestOutputKind, SamplingParams
 from .keys import GROUP, QueueKeys
@@ -26,6 +27,7 @@ from .publisher import Publisher, is_celery_entry
 from .tracked import Tracked
 
 STATUSES = ("completed", "failed", "cancelled", "expired", "rejected")
+EXIT_ENGINE_BROKEN = 3  # the process status when the breaker stopped the worker: restart it
 
 
 class Worker:
@@ -37,11 +39,21 @@ class Worker:
         self.stats = {status: 0 for status in STATUSES}
         self.intake = Intake(self.keys, settings, self.publisher, self.log, self.stats)
         self.leases = Leases(redis_client, self.keys, settings.name, settings.lease_ms)
-        self.celery = _celery_intake(self) if settings.celery_broker else None
+        self.celery = None
+        if settings.celery_broker:
+            from .celery_intake import CeleryIntake  # celery is only imported when the front door is on
+
+            self.celery = CeleryIntake.for_worker(self)
         self.heartbeat = Heartbeat(redis_client, self.keys, settings.name, settings.heartbeat_every_s,
                                    {"device": settings.device, "model": settings.model,
                                     "celery_queue": self.celery.name if self.celery else None})
-        self.metrics = _metrics(settings) if settings.metrics_port is not None else None
+        self.metrics = None
+        if settings.metrics_port is not None:
+            from .metrics import Metrics
+
+            self.metrics = Metrics(settings.metrics_port, settings.queue, addr=settings.metrics_addr)
+        self.breaker = EngineBreaker(settings.engine_failure_limit)
+        self.exit_code = 0  # EXIT_ENGINE_BROKEN when the breaker stopped the worker
         self.tokens_generated = 0  # counted per step; the metrics timer exports it
         self.held: dict[str, Tracked] = {}  # by stream entry id (also the engine request id)
         self.backlog: list[Tracked] = []
@@ -66,7 +78,7 @@ class Worker:
                 self._turn()
         finally:
             self._shutdown()
-        return 0
+        return self.exit_code
 
     def request_stop(self, drain_timeout_s: float | None = None) -> None:
         """Stop admitting; finish in-flight jobs within the drain timeout; leave the rest unacknowledged."""
@@ -245,6 +257,7 @@ class Worker:
         except Exception as exc:
             self._on_step_error(exc)
             return
+        self.breaker.step_succeeded()
         now = time.time()
         for out in outputs:
             self.tokens_generated += len(out.outputs[0].token_ids) if out.outputs else 0
@@ -295,7 +308,9 @@ class Worker:
         t.last_error = f"{type(exc).__name__}: {exc}"
         t.attempts += 1
         self.log.warning("job_attempt_failed", job_id=t.id, attempts=t.attempts, error=t.last_error)
-        if t.attempts > self.s.max_attempts:
+        if self.breaker.job_failed_alone(t.id):
+            self._engine_broken(exc)
+        elif t.attempts > self.s.max_attempts:
             self.intake.dead_letter(t, "the job failed in the engine")
             self._forget(t)
             return
@@ -303,6 +318,13 @@ class Worker:
         t.reset_output()
         if t not in self.backlog:
             self.backlog.append(t)
+
+    def _engine_broken(self, exc: Exception) -> None:
+        """Stop now and settle nothing: the jobs are fine, the engine is not (see worker/breaker.py)."""
+        self.log.error("engine_broken", failed_alone=self.breaker.num_failed_alone, error=repr(exc),
+                       unacknowledged=len(self.held))
+        self.exit_code = EXIT_ENGINE_BROKEN
+        self.stopping, self.stop_by = True, 0.0
 
     # ------------------------------------------------------------------ cancel, deadlines, final records
     def _apply_cancels(self, job_ids: list[str]) -> None:
@@ -376,23 +398,6 @@ class Worker:
         self._timers["beat"] = now + self.s.heartbeat_every_s
         self.heartbeat.beat(self.engine, len(self.held), self.stats, "draining" if self.stopping else "running")
         self.r.zremrangebyscore(self.keys.cancelled, "-inf", time.time() - self.s.result_ttl_s)
-
-
-def _celery_intake(worker: Worker) -> Any:
-    from .celery_app import make_app  # celery is only imported when the front door is on
-    from .celery_intake import CeleryIntake
-
-    s = worker.s
-    app = make_app(s.celery_broker, backend_url=s.celery_backend, queue=s.celery_queue,
-                   visibility_timeout_s=s.celery_visibility_timeout_s)
-    return CeleryIntake(app, worker.r, worker.keys, worker.publisher, worker.intake, worker.log,
-                        poll_interval_s=s.celery_poll_s)
-
-
-def _metrics(settings: WorkerSettings) -> Any:
-    from .metrics import Metrics
-
-    return Metrics(settings.metrics_port, settings.queue, addr=settings.metrics_addr)
 
 
 def _s(value: Any) -> str:

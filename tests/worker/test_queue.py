@@ -14,7 +14,8 @@ from worker.engine_api import RequestOutputKind, SamplingParams
 from worker.faults import FaultyEngine
 from worker.stub_engine import StubEngine
 
-from .conftest import KEYS, assert_clean_queue, finals_by_id, result_stream, run_burst, wait_for, worker_thread
+from .conftest import (KEYS, assert_clean_queue, fast_settings, finals_by_id, result_stream, run_burst, wait_for,
+                       worker_thread)
 
 
 def offline(prompt, **sampling) -> tuple[str, list[int]]:
@@ -218,6 +219,29 @@ def test_poison_job_is_dead_lettered_and_its_batch_completes(redis_url, r):
         assert out.status == "completed"
     assert worker.stats == {"completed": 10, "failed": 1, "cancelled": 0, "expired": 0, "rejected": 0}
     assert all(len(v) == 1 for v in finals_by_id(r).values())
+    assert_clean_queue(r)
+
+
+def test_broken_engine_stops_the_worker_and_dead_letters_nothing(redis_url, r):
+    """Every job failing alone means the engine is broken, not the jobs: stop, leave them for a healthy worker."""
+    from worker.worker import EXIT_ENGINE_BROKEN, Worker
+
+    client = Client(redis_url)
+    prompts = [f"job {i} on a BROKEN gpu" for i in range(8)]
+    ids = [client.submit(prompt=p, max_tokens=4, temperature=0.0) for p in prompts]
+    settings = fast_settings(name="w-broken", burst=True, max_attempts=3, engine_failure_limit=3)
+    broken = Worker(FaultyEngine(StubEngine(), "BROKEN"), r, settings)
+    assert broken.run() == EXIT_ENGINE_BROKEN
+    assert r.xlen(KEYS.dead) == 0 and finals_by_id(r) == {}
+    assert r.xpending(KEYS.jobs, "workers")["pending"] == len(ids)  # unacknowledged: redelivered after the lease
+    assert broken.stats == {"completed": 0, "failed": 0, "cancelled": 0, "expired": 0, "rejected": 0}
+    time.sleep(1.1)  # past the 1 s lease
+    healthy = run_burst(StubEngine(), redis_url, max_attempts=3)
+    assert healthy.stats["completed"] == len(ids)
+    for job_id, prompt in zip(ids, prompts):
+        res = client.result(job_id, timeout=1)
+        assert res.status == "completed" and res.attempts == 2
+        assert (res.text, res.token_ids) == offline(prompt, max_tokens=4, temperature=0.0)
     assert_clean_queue(r)
 
 
