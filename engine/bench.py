@@ -80,7 +80,7 @@ def run_engine(model_dir: str, workload: Workload, engine_kwargs: dict) -> dict:
             "num_kv_blocks": engine.num_total_blocks, "device": engine.config.device,
             "dtype": str(engine.config.dtype).removeprefix("torch."),
             "peak_memory_gb": _peak_memory_gb(engine.config.device),
-            "num_steps": stats["num_steps"],
+            "num_steps": stats["num_steps"], "num_graph_steps": stats["num_graph_steps"],
             **{key: stats[key] for key in ("schedule_ms_per_step", "execute_ms_per_step", "postprocess_ms_per_step")}}
 
 
@@ -179,12 +179,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
 
 
 def engine_kwargs_from(args: argparse.Namespace) -> dict:
     return dict(device=args.device, dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens)
+                max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager)
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -32,6 +32,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     preemption_mode: str = "recompute"  # or "swap": preempted blocks go to a (pinned) CPU pool and back
     swap_space_gib: float = 4.0  # size of that CPU pool
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (engine/cuda_graphs.py)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -166,6 +166,8 @@ class LLMEngine:
     def reset_step_stats(self) -> None:
         """Zero the per-step averages (benchmarks call this after their warm-up)."""
         self.num_steps, self._utilization_sum, self.step_seconds = 0, 0.0, StepTimes()
+        if self.model_runner.decode_graphs is not None:
+            self.model_runner.decode_graphs.num_runs = 0
 
     def _record_step(self, scheduler_output) -> None:
         self.num_steps += 1
@@ -214,6 +216,7 @@ class LLMEngine:
             "mean_kv_slot_utilization": self._utilization_sum / self.num_steps if self.num_steps else 1.0,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
+            "num_graph_steps": graphs.num_runs if (graphs := self.model_runner.decode_graphs) else 0,
             "peak_used_blocks": self.peak_used_blocks,
             "num_prefilled_tokens": self.num_prefilled_tokens,
             "num_running_requests": self.num_running_requests,

@@ -15,11 +15,29 @@ import torch
 
 import kernels
 from engine.config import EngineConfig, ModelConfig
+from engine.cuda_graphs import DecodeGraphRunner
 from engine.models.llama import AttentionMetadata
 from engine.models.loader import load_model
 from engine.sampler import SamplingBatch, sample
 from engine.request import Request, SampledToken
 from engine.scheduler import ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class StepInputs:
+    """One step's flattened batch on the host, decode tokens first (numpy: built without per-token Python)."""
+
+    token_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64: cache slot each token's K/V goes to
+    block_tables: np.ndarray  # [S, M] int32, right-padded
+    context_lens: np.ndarray  # [S] int32: tokens each sequence attends to, this step's included
+    lengths: np.ndarray  # [S] int64: tokens each sequence brings this step
+    num_decode: int  # sequences with a single token (the first num_decode rows)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_decode == len(self.lengths)
 
 
 @dataclass
@@ -33,6 +51,8 @@ class ModelRunner:
         self.model_config = model_config
         self.device = torch.device(config.device)
         self.block_size = config.block_size
+        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                                 model_config.max_position_embeddings)
         self.model = load_model(model_dir, model_config, config.dtype, config.device)
         self.num_blocks = config.num_kv_blocks or self._default_num_blocks()
         # Zeroed, not empty: masked-out slots still meet 0 * value in attention, and garbage could be NaN.
@@ -43,6 +63,13 @@ class ModelRunner:
             self.num_host_blocks = max(1, int(config.swap_space_gib * 2**30) // self.bytes_per_block)
             self.host_caches = self._allocate_caches(self.num_host_blocks, torch.device("cpu"),
                                                      pin=self.device.type == "cuda")
+        self.decode_graphs: DecodeGraphRunner | None = None
+        # Only the Triton kernels are capturable: the references synchronise with the host.
+        triton = kernels.selected_backend(self.device) == "triton"
+        if self.device.type == "cuda" and triton and not config.enforce_eager:
+            self.decode_graphs = DecodeGraphRunner(self.model, self.kv_caches, config.max_num_seqs,
+                                                   -(-self.max_model_len // self.block_size), self.device,
+                                                   capture=True)
 
     def _allocate_caches(self, num_blocks: int, device: torch.device, pin: bool):
         shape = (num_blocks, self.block_size, self.model_config.num_kv_heads, self.model_config.head_dim)
@@ -74,8 +101,7 @@ class ModelRunner:
         if not scheduler_output.scheduled:
             return ModelRunnerOutput()
         ordered = sorted(scheduler_output.scheduled, key=lambda s: s.num_new_tokens > 1)  # decodes first
-        input_ids, positions, meta = self._prepare_inputs(ordered)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self._forward(self._host_inputs(ordered))
         to_sample = [s for s in ordered if s.needs_sample]
         if not to_sample:
             return ModelRunnerOutput()
@@ -99,7 +125,7 @@ class ModelRunner:
             mapping = torch.tensor(scheduler_output.blocks_to_copy, dtype=torch.long, device=self.device)
             kernels.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
 
-    def _prepare_inputs(self, ordered: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _host_inputs(self, ordered: list[ScheduledRequest]) -> StepInputs:
         # numpy, not Python lists or torch.tensor(nested lists): this runs every step on the host while the GPU
         # waits, and at 256 sequences with ~100-block tables the list version cost several milliseconds.
         lengths = np.fromiter((s.num_new_tokens for s in ordered), dtype=np.int64, count=len(ordered))
@@ -111,26 +137,36 @@ class ModelRunner:
         rows = np.repeat(np.arange(len(ordered)), lengths)
         chunk_offsets = np.arange(len(token_ids)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
         positions = starts[rows] + chunk_offsets
-        context_lens = (starts + lengths).astype(np.int32)
         block_tables = _pad_tables([s.block_table for s in ordered])
         pages = block_tables[rows, positions // self.block_size].astype(np.int64)
-        slot_mapping = pages * self.block_size + positions % self.block_size
-        num_decode = int(np.count_nonzero(lengths == 1)) if ordered else 0
-        prefill_cu_seqlens = np.concatenate(([0], np.cumsum(lengths[num_decode:]))).astype(np.int32)
+        return StepInputs(
+            token_ids=token_ids, positions=positions,
+            slot_mapping=pages * self.block_size + positions % self.block_size,
+            block_tables=block_tables, context_lens=(starts + lengths).astype(np.int32), lengths=lengths,
+            num_decode=int(np.count_nonzero(lengths == 1)))
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Final hidden states of the step's tokens: from a CUDA graph for a decode-only step, else eagerly."""
+        graphs = self.decode_graphs
+        if graphs is not None and inputs.is_decode_only and graphs.can_run(*inputs.block_tables.shape):
+            return graphs.run(inputs.token_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables,
+                              inputs.context_lens)
+        num_decode, tables, context_lens = inputs.num_decode, inputs.block_tables, inputs.context_lens
+        prefill_cu_seqlens = np.concatenate(([0], np.cumsum(inputs.lengths[num_decode:]))).astype(np.int32)
 
         def to_device(array: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(array).to(self.device)
 
         meta = AttentionMetadata(
-            slot_mapping=to_device(slot_mapping),
+            slot_mapping=to_device(inputs.slot_mapping),
             num_decode_tokens=num_decode,
-            decode_block_tables=to_device(block_tables[:num_decode]),
+            decode_block_tables=to_device(tables[:num_decode]),
             decode_context_lens=to_device(context_lens[:num_decode]),
-            prefill_block_tables=to_device(block_tables[num_decode:]),
+            prefill_block_tables=to_device(tables[num_decode:]),
             prefill_cu_seqlens_q=to_device(prefill_cu_seqlens),
             prefill_context_lens=to_device(context_lens[num_decode:]),
         )
-        return to_device(token_ids), to_device(positions), meta
+        return self.model(to_device(inputs.token_ids), to_device(inputs.positions), self.kv_caches, meta)
 
     def _sampling_batch(self, rows: list[tuple[Request, int]], vocab_size: int) -> SamplingBatch:
         requests = [request for request, _ in rows]

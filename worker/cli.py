@@ -53,6 +53,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     p.add_argument("--engine", default="llm", choices=["llm", "stub"],
                    help="stub: a fake engine that returns at once (queue tests and benchmarks)")
     p.add_argument("--stub-step-delay", type=float, default=0.0, help="seconds per stub engine step")
@@ -119,7 +120,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
         model = str(demo_model_path())
     engine = LLMEngine(model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens)
+                       max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager)
     return engine, str(model)
 
 

@@ -13,7 +13,7 @@ from celery.result import AsyncResult
 from worker import Client, JobRejected
 from worker.stub_engine import StubEngine
 
-from .conftest import finals_by_id, start_worker, wait_for, worker_thread
+from .conftest import finals_by_id, start_worker, worker_thread
 from .test_queue import offline
 
 SAME = ("status", "text", "token_ids", "finish_reason", "stop_reason", "usage", "metadata", "error", "logprobs")

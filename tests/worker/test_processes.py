@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 
 from worker import Client
 from worker.engine_api import RequestOutputKind, SamplingParams
