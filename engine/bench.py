@@ -81,6 +81,7 @@ def run_engine(model_dir: str, workload: Workload, engine_kwargs: dict) -> dict:
             "dtype": str(engine.config.dtype).removeprefix("torch."),
             "peak_memory_gb": _peak_memory_gb(engine.config.device),
             "num_steps": stats["num_steps"], "num_graph_steps": stats["num_graph_steps"],
+            "graph_capture_s": engine.model_runner.graph_capture_seconds,
             **{key: stats[key] for key in ("schedule_ms_per_step", "execute_ms_per_step", "postprocess_ms_per_step")}}
 
 

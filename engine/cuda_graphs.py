@@ -7,16 +7,21 @@ decode-only steps run from graphs captured once per bucket (batch size, block-ta
 A graph replays fixed addresses and fixed shapes, hence static buffers: each step's inputs are copied into
 them, padded up to the bucket. Padding rows write no cache slot (slot -1) and attend to one token of block 0,
 so they stay finite and touch nothing real; their outputs are dropped. The block-table width is bucketed
-too (powers of two) because the decode kernel sizes its partition grid and scratch from it: one width fixed
-at the model's maximum length would make every short batch pay for 128k-token contexts.
+too, because the decode kernel sizes its partition grid and scratch from it: one width fixed at the model's
+maximum length would make every short batch launch (and skip) the partitions of a 128k-token context.
+Width buckets grow 4x from one decode partition (512 tokens), so a model of 4k tokens has 3 and one of
+128k has 5; a batch runs in the first bucket that holds its longest table, its extra partitions exit at once.
 
-Graphs are captured lazily, the first time a bucket is met (a warm-up run first, so Triton has compiled
-every kernel before the capture), and share one memory pool: only one runs at a time, and its output is
-consumed before the next replay. Without CUDA (`capture=False`) the same padded path runs eagerly: that is
-how the CPU tests check everything here but the capture and replay calls themselves.
+`capture_all` records every bucket at start-up, largest batch first, as vLLM does (a warm-up run first, so
+Triton has compiled every kernel before the capture; all rows are padding, so nothing is written). The
+graphs share one memory pool: only one runs at a time, and its output is consumed before the next replay.
+Without CUDA (`capture=False`) the same padded path runs eagerly: that is how the CPU tests check
+everything here but the capture and replay calls themselves.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import torch
@@ -26,7 +31,8 @@ from engine.models.llama import AttentionMetadata
 # vLLM's capture sizes: small powers of two, then every 16 up to the largest batch.
 SMALL_BATCH_SIZES = (1, 2, 4, 8)
 BATCH_SIZE_STEP = 16
-MIN_TABLE_WIDTH = 16  # blocks: 256 tokens at block size 16
+PARTITION_TOKENS = 512  # kernels.decode_attention.DEFAULT_PARTITION_SIZE
+WIDTH_GROWTH = 4
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -40,20 +46,20 @@ def bucket_for(value: int, buckets: list[int]) -> int:
     return next(b for b in buckets if b >= value)
 
 
-def width_buckets(max_blocks_per_seq: int) -> list[int]:
-    widths, width = [], MIN_TABLE_WIDTH
+def width_buckets(max_blocks_per_seq: int, block_size: int, first_tokens: int = PARTITION_TOKENS) -> list[int]:
+    widths, width = [], max(1, first_tokens // block_size)
     while width < max_blocks_per_seq:
         widths.append(width)
-        width *= 2
+        width *= WIDTH_GROWTH
     return widths + [max_blocks_per_seq]
 
 
 class DecodeGraphRunner:
-    def __init__(self, model, kv_caches, max_num_seqs: int, max_blocks_per_seq: int, device: torch.device,
-                 capture: bool) -> None:
+    def __init__(self, model, kv_caches, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
+                 device: torch.device, capture: bool, first_width_tokens: int = PARTITION_TOKENS) -> None:
         self.model, self.kv_caches, self.device, self.capture = model, kv_caches, device, capture
         self.batch_sizes = batch_buckets(max_num_seqs)
-        self.widths = width_buckets(max_blocks_per_seq)
+        self.widths = width_buckets(max_blocks_per_seq, block_size, first_width_tokens)
         rows, width = self.batch_sizes[-1], self.widths[-1]
 
         def buffer(*shape, dtype):
@@ -69,6 +75,20 @@ class DecodeGraphRunner:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.num_runs = 0  # decode steps served (replayed, or run padded when not capturing)
+
+    def capture_all(self) -> float:
+        """Record every (batch, width) bucket now; returns the seconds it took."""
+        started = time.perf_counter()
+        for width in reversed(self.widths):
+            for batch in reversed(self.batch_sizes):
+                self.fill_padding(batch)
+                self.graphs[(batch, width)] = self._capture(batch, width)
+        return time.perf_counter() - started
+
+    def fill_padding(self, batch: int) -> None:
+        """Inputs of `batch` padding rows: a forward pass over them writes no cache slot."""
+        empty = np.zeros(0, dtype=np.int64)
+        self._fill(empty, empty, empty, np.zeros((0, 0), dtype=np.int32), empty.astype(np.int32), batch, 0)
 
     def can_run(self, num_seqs: int, table_width: int) -> bool:
         return 0 < num_seqs <= self.batch_sizes[-1] and table_width <= self.widths[-1]
@@ -121,8 +141,7 @@ class DecodeGraphRunner:
 
     def _capture(self, batch: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # The warm-up compiles the Triton kernels for these shapes and lets cuBLAS pick its algorithms: neither
-        # may happen inside a capture. It runs this step's real inputs, so its cache writes are the very ones
-        # the replay below repeats.
+        # may happen inside a capture. Its cache writes, if any, are the ones the next replay repeats.
         self._forward(batch, width)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()

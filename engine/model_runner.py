@@ -64,12 +64,15 @@ class ModelRunner:
             self.host_caches = self._allocate_caches(self.num_host_blocks, torch.device("cpu"),
                                                      pin=self.device.type == "cuda")
         self.decode_graphs: DecodeGraphRunner | None = None
+        self.graph_capture_seconds = 0.0
         # Only the Triton kernels are capturable: the references synchronise with the host.
         triton = kernels.selected_backend(self.device) == "triton"
         if self.device.type == "cuda" and triton and not config.enforce_eager:
             self.decode_graphs = DecodeGraphRunner(self.model, self.kv_caches, config.max_num_seqs,
-                                                   -(-self.max_model_len // self.block_size), self.device,
-                                                   capture=True)
+                                                   -(-self.max_model_len // self.block_size), self.block_size,
+                                                   self.device, capture=True)
+            with torch.inference_mode():
+                self.graph_capture_seconds = self.decode_graphs.capture_all()
 
     def _allocate_caches(self, num_blocks: int, device: torch.device, pin: bool):
         shape = (num_blocks, self.block_size, self.model_config.num_kv_heads, self.model_config.head_dim)
