@@ -75,6 +75,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--result-ttl", type=int, default=d.result_ttl_s, help="seconds results are kept")
     p.add_argument("--completions-maxlen", type=int, default=d.completions_maxlen)
     p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s)
+    p.add_argument("--redis-outage", type=float, default=d.redis_outage_s,
+                   help="seconds to keep generating and reconnecting while Redis is unreachable before exiting "
+                        "with status 4")
     p.add_argument("--max-waiting", type=int, default=d.max_waiting)
     p.add_argument("--block-ms", type=int, default=d.block_ms)
     p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_every_s)
@@ -129,6 +132,7 @@ def settings_from_args(args: argparse.Namespace, device: str, model: str) -> Wor
         queue=args.queue, name=args.name or default_worker_name(), lease_ms=args.lease_ms,
         max_attempts=args.max_attempts, engine_failure_limit=args.engine_failure_limit, result_ttl_s=args.result_ttl, completions_maxlen=args.completions_maxlen,
         block_ms=args.block_ms, max_waiting=args.max_waiting, drain_timeout_s=args.drain_timeout,
+        redis_outage_s=args.redis_outage,
         heartbeat_every_s=args.heartbeat_interval, burst=args.burst, device=device, model=model,
         celery_broker=((args.celery_broker or os.environ.get("CELERY_BROKER_URL") or args.redis)
                        if args.celery else None),

@@ -21,12 +21,13 @@ class WorkerSettings:
     renew_every_s: float | None = None  # default lease/3
     claim_every_s: float | None = None  # default lease/2
     max_attempts: int = 3  # deliveries (and in-worker failures) before a job is dead-lettered
-    engine_failure_limit: int = 3  # distinct jobs failing alone in a row: the engine is broken, stop (breaker.py)
+    engine_failure_limit: int = 3  # distinct jobs failing alone in a row: the engine is broken, stop (recovery.py)
     result_ttl_s: int = 86_400  # result streams and final records expire after this
     completions_maxlen: int = 100_000  # approximate cap of the shared completions stream
     block_ms: int = 1_000  # XREADGROUP BLOCK when the engine is idle
     max_waiting: int = 64  # jobs read ahead into the engine's waiting queue at most
     drain_timeout_s: float = 30.0  # on SIGTERM: how long in-flight jobs may take to finish
+    redis_outage_s: float = 300.0  # keep generating and retrying this long while Redis is unreachable, then exit
     heartbeat_every_s: float = 5.0
     burst: bool = False  # exit once nothing is queued, pending or running
     device: str = "auto"

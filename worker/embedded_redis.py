@@ -59,16 +59,33 @@ class EmbeddedRedis:
         self._tmp = tempfile.TemporaryDirectory(prefix="pagedq-redis-")
         for _ in range(5):  # the free port can be taken between probing and binding: retry
             self.port = free_port()
-            args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self._tmp.name,
-                    "--save", "", "--appendonly", "no", "--protected-mode", "no", *self.extra_args]
-            log = open(os.path.join(self._tmp.name, "redis.log"), "wb")
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            log.close()
-            if self._wait_ready(timeout_s):
+            if self._launch(timeout_s):
                 return self
+        raise RuntimeError(f"redis-server did not start: {self._log_tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash), keeping its port and folder for `relaunch`."""
+        if self.proc is not None:
             self.proc.kill()
             self.proc.wait()
-        raise RuntimeError(f"redis-server did not start: {self._log_tail()}")
+
+    def relaunch(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
+        """Start again on the same port and folder after `kill`: whatever it persisted comes back."""
+        if not self._launch(timeout_s):
+            raise RuntimeError(f"redis-server did not restart on port {self.port}: {self._log_tail()}")
+        return self
+
+    def _launch(self, timeout_s: float) -> bool:
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self._tmp.name,
+                "--save", "", "--appendonly", "no", "--protected-mode", "no", *self.extra_args]
+        log = open(os.path.join(self._tmp.name, "redis.log"), "ab")
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        log.close()
+        if self._wait_ready(timeout_s):
+            return True
+        self.proc.kill()
+        self.proc.wait()
+        return False
 
     def _wait_ready(self, timeout_s: float) -> bool:
         end = time.monotonic() + timeout_s

@@ -87,6 +87,12 @@ class Publisher:
             ops.append(("EVALSHA", scripts.SHA["finalize"], len(keys), *keys, *args))
         return ops
 
+    def restore(self, ops: list[tuple[Any, ...]]) -> None:
+        """Put back what take() returned when its pipeline failed to reach Redis: sent first next time."""
+        self.ops = ops + self.ops
+        self.celery_done = self.settling + self.celery_done
+        self.settling = []
+
     def check(self, redis_client, ops: list[tuple[Any, ...]], results: list[Any]) -> None:
         """Inspect the results of ops sent in a pipeline; re-send finalize calls that hit NOSCRIPT."""
         retry = []

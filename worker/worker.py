@@ -18,7 +18,7 @@ import structlog
 
 from . import scripts
 from .admission import Intake, engine_prompt, pick
-from .breaker import EngineBreaker
+from .recovery import REDIS_DOWN, EngineBreaker, Recovery
 from .config import WorkerSettings
 from .engine_api import RequestOutputKind, SamplingParams
 from .keys import GROUP, QueueKeys
@@ -27,10 +27,9 @@ from .publisher import Publisher, is_celery_entry
 from .tracked import Tracked
 
 STATUSES = ("completed", "failed", "cancelled", "expired", "rejected")
-EXIT_ENGINE_BROKEN = 3  # the process status when the breaker stopped the worker: restart it
 
 
-class Worker:
+class Worker(Recovery):
     def __init__(self, engine: Any, redis_client: Any, settings: WorkerSettings) -> None:
         self.engine, self.r, self.s = engine, redis_client, settings
         self.keys = QueueKeys(settings.queue)
@@ -53,7 +52,7 @@ class Worker:
 
             self.metrics = Metrics(settings.metrics_port, settings.queue, addr=settings.metrics_addr)
         self.breaker = EngineBreaker(settings.engine_failure_limit)
-        self.exit_code = 0  # EXIT_ENGINE_BROKEN when the breaker stopped the worker
+        self.exit_code = 0  # set by recovery.py when the worker stops itself (broken engine, Redis lost)
         self.tokens_generated = 0  # counted per step; the metrics timer exports it
         self.held: dict[str, Tracked] = {}  # by stream entry id (also the engine request id)
         self.backlog: list[Tracked] = []
@@ -65,6 +64,7 @@ class Worker:
         self.stop_by = math.inf
         self._burst_done = False
         self._timers = {"renew": 0.0, "claim": 0.0, "beat": 0.0, "metrics": 0.0}
+        self.num_redis_outages = 0
 
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> int:
@@ -75,7 +75,10 @@ class Worker:
         self._start()
         try:
             while not self._done():
-                self._turn()
+                try:
+                    self._turn()
+                except REDIS_DOWN as exc:
+                    self._ride_out_outage(exc)
         finally:
             self._shutdown()
         return self.exit_code
@@ -162,7 +165,11 @@ class Worker:
             if block and self.celery is not None:  # wake up often enough to poll the Celery queue too
                 block = min(block, max(1, int(self.s.celery_poll_s * 1000)))
             pipe.xreadgroup(GROUP, self.s.name, {self.keys.jobs: ">"}, count=count, block=block)
-        results = pipe.execute(raise_on_error=False)
+        try:
+            results = pipe.execute(raise_on_error=False)
+        except REDIS_DOWN:
+            self.publisher.restore(ops)  # not known to be written: send again after the outage
+            raise
         self.publisher.check(self.r, ops, results[:len(ops)])
         self._settle()
         rest = results[len(ops):]
@@ -288,43 +295,6 @@ class Worker:
                 self._finalize(t, "failed", "the engine aborted the request")
             else:
                 self._finalize(t, "completed")
-
-    def _on_step_error(self, exc: Exception) -> None:
-        """A step raised: the culprit is one of the jobs in the batch. Abort them all; with one job it is
-        the culprit, otherwise rerun each alone (suspects) so only the culprit fails."""
-        batch = [t for t in self.held.values() if t.in_engine]
-        self.log.error("engine_step_failed", error=repr(exc), batch=len(batch))
-        for t in batch:
-            self._leave_engine(t, abort=True)
-        if len(batch) == 1:
-            self._job_error(batch[0], exc)
-            return
-        for t in batch:
-            t.suspect = True
-            t.reset_output()
-            self.backlog.append(t)
-
-    def _job_error(self, t: Tracked, exc: Exception) -> None:
-        t.last_error = f"{type(exc).__name__}: {exc}"
-        t.attempts += 1
-        self.log.warning("job_attempt_failed", job_id=t.id, attempts=t.attempts, error=t.last_error)
-        if self.breaker.job_failed_alone(t.id):
-            self._engine_broken(exc)
-        elif t.attempts > self.s.max_attempts:
-            self.intake.dead_letter(t, "the job failed in the engine")
-            self._forget(t)
-            return
-        t.suspect = True
-        t.reset_output()
-        if t not in self.backlog:
-            self.backlog.append(t)
-
-    def _engine_broken(self, exc: Exception) -> None:
-        """Stop now and settle nothing: the jobs are fine, the engine is not (see worker/breaker.py)."""
-        self.log.error("engine_broken", failed_alone=self.breaker.num_failed_alone, error=repr(exc),
-                       unacknowledged=len(self.held))
-        self.exit_code = EXIT_ENGINE_BROKEN
-        self.stopping, self.stop_by = True, 0.0
 
     # ------------------------------------------------------------------ cancel, deadlines, final records
     def _apply_cancels(self, job_ids: list[str]) -> None:
