@@ -79,6 +79,7 @@ class LLMEngine:
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"beam search params must be a BeamSearchParams, got {type(params).__name__}")
         text, token_ids = self._validate_new(request_id, prompt, params.max_tokens)
+        self._check_beam_group_fits(len(token_ids), params)
         root = Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=SamplingParams(),
                        prompt=text, eos_token_ids=self.model_config.eos_token_ids, priority=int(priority))
         self.beam_search.add(root, params, self.model_config.eos_token_ids)
@@ -118,6 +119,19 @@ class LLMEngine:
             raise ValueError(f"prompt + max_tokens needs {blocks} KV blocks but the whole cache has "
                              f"{self.block_manager.num_total_blocks}")
 
+    def _check_beam_group_fits(self, prompt_len: int, params: BeamSearchParams) -> None:
+        """A beam group is scheduled as a whole, so all its beams must fit at once even when none shares a
+        generated block: the prompt's full blocks once (shared through the prefix cache, if on), the rest per beam."""
+        config, manager, width = self.config, self.block_manager, params.beam_width
+        if width > config.max_num_seqs or width > config.max_num_batched_tokens:
+            raise ValueError(f"beam_width {width} exceeds max_num_seqs ({config.max_num_seqs}) or "
+                             f"max_num_batched_tokens ({config.max_num_batched_tokens}): its beams run together")
+        shared = prompt_len // manager.block_size if config.enable_prefix_caching else 0
+        needed = shared + width * (manager.blocks_for_tokens(prompt_len + params.max_tokens) - shared)
+        if needed > manager.num_total_blocks:
+            raise ValueError(f"beam search of width {width} over {prompt_len} + {params.max_tokens} tokens needs up "
+                             f"to {needed} KV blocks at once but the whole cache has {manager.num_total_blocks}")
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final (cumulative) output, None if unknown."""
         group = self.output_processor.groups.get(request_id)
@@ -134,6 +148,10 @@ class LLMEngine:
         started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
+            if self.scheduler.has_unfinished() and not scheduler_output.preempted:
+                # Nothing changed, so the next schedule would be as empty: looping on it would spin forever.
+                raise RuntimeError(f"the scheduler cannot advance any of {self.num_running_requests} running and "
+                                   f"{self.num_waiting_requests} waiting requests (an engine bug)")
             return []
         scheduled = time.perf_counter()
         try:

@@ -118,10 +118,16 @@ class Scheduler:
             if num_new == 0:  # a beam waiting for its siblings' candidates
                 index += 1
                 continue
+            num_preempted = len(output.preempted)
             if not self._allocate_or_preempt(request, num_new, output):
                 break  # the request itself was preempted: nothing after it in the list runs either
             output.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+            if len(output.preempted) > num_preempted:
+                # Victims may have sat before this request in the list, and may already have been scheduled
+                # (lower priority but admitted earlier): they left the step, and their tokens the budget.
+                index = self.running.index(request)
+                budget = self.max_num_batched_tokens - output.num_batched_tokens
             index += 1
         if not output.preempted:
             self._admit_waiting(budget, output)
@@ -132,8 +138,12 @@ class Scheduler:
         start = request.num_computed_tokens
         while (copies := self.block_manager.allocate_slots(request.request_id, start, start + num_new)) is None:
             victim = self._pick_victim()
-            self._preempt(victim, output)
-            if victim is request:
+            # A beam group runs or waits as a whole: its next selection needs every live beam's candidates, so
+            # beams left running while their siblings wait would hold blocks and never advance.
+            group = [r for r in self.running if r.group_id == victim.group_id] if victim.is_beam else [victim]
+            for member in group:
+                self._preempt(member, output)
+            if request.status is not RequestStatus.RUNNING:
                 return False
         output.blocks_to_copy += copies
         return True
@@ -152,9 +162,12 @@ class Scheduler:
         self._push_waiting(request)
 
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
+        already_scheduled = self._unschedule(request, output)
         self.running.remove(request)
         swapped = None
-        if self.swap_space is not None:
+        # Swap only what holds exactly its computed tokens: not a request scheduled this step (its table has
+        # blocks and copy-on-write targets this step was to fill), not a beam (swapping would unshare its blocks).
+        if self.swap_space is not None and not already_scheduled and not request.is_beam:
             swapped = self.swap_space.swap_out(request.request_id, self.block_manager.block_table(request.request_id))
         self.block_manager.free(request.request_id)
         if swapped is not None:
@@ -168,15 +181,52 @@ class Scheduler:
         output.preempted.append(request)
         self._push_waiting(request)
 
+    def _unschedule(self, request: Request, output: SchedulerOutput) -> bool:
+        """Take a request that is being preempted back out of this step, if it was already in it."""
+        for position, item in enumerate(output.scheduled):
+            if item.request is request:
+                del output.scheduled[position]
+                self.block_manager.uncache_uncomputed(request.request_id, item.start_position)
+                own = set(item.block_table)
+                output.blocks_to_copy = [(src, dst) for src, dst in output.blocks_to_copy if dst not in own]
+                return True
+        return False
+
     def _admit_waiting(self, budget: int, output: SchedulerOutput) -> None:
         while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self._waiting[0][-1]
-            if not self._admit(request, budget, output):
+            group = self._waiting_group(self._waiting[0][-1])
+            if len(self.running) + len(group) > self.max_num_seqs or budget < len(group):
                 break  # head-of-line: a lower-priority request must not overtake it
+            admitted: list[Request] = []
+            for position, request in enumerate(group):
+                # Leave a token of budget for each member still to come: a group enters whole or not at all.
+                if not self._admit(request, budget - (len(group) - 1 - position), output):
+                    break
+                admitted.append(request)
+                budget -= output.scheduled[-1].num_new_tokens
+            if len(admitted) < len(group):
+                for request in reversed(admitted):
+                    self._unschedule(request, output)
+                    self.block_manager.free(request.request_id)
+                    request.num_computed_tokens = 0
+                break
+            self._leave_waiting(group)
+            for request in group:
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+
+    def _waiting_group(self, head: Request) -> list[Request]:
+        """What must be admitted together with the head of the queue: all waiting beams of its group, or itself."""
+        if not head.is_beam:
+            return [head]
+        return [item[-1] for item in sorted(self._waiting) if item[-1].group_id == head.group_id]
+
+    def _leave_waiting(self, group: list[Request]) -> None:
+        if len(group) == 1:
             heapq.heappop(self._waiting)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            budget -= output.scheduled[-1].num_new_tokens
+        else:
+            self._waiting = [item for item in self._waiting if item[-1] not in group]
+            heapq.heapify(self._waiting)
 
     def _admit(self, request: Request, budget: int, output: SchedulerOutput) -> bool:
         manager = self.block_manager

@@ -88,3 +88,40 @@ def test_bad_beam_params():
         BeamSearchParams(beam_width=0, max_tokens=4)
     with pytest.raises(ValueError, match="early_stopping"):
         BeamSearchParams(beam_width=2, max_tokens=4, early_stopping="sometimes")
+
+
+@pytest.mark.parametrize("prefix_caching,mode", [(True, "recompute"), (True, "swap"), (False, "recompute")])
+def test_beam_groups_under_memory_pressure_finish_and_match_a_roomy_run(tiny_llama_dir, prefix_caching, mode):
+    """Four width-4 groups in a pool that holds about one at a time: groups are preempted and readmitted whole
+    (a beam left running while its siblings wait would hold blocks and never advance: the engine used to hang)."""
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(10, 20))] for _ in range(4)]
+    params = BeamSearchParams(beam_width=4, max_tokens=24, ignore_eos=True)
+    roomy = LLM(tiny_llama_dir, num_kv_blocks=512, block_size=4).beam_search(prompts, params)
+    tight = LLM(tiny_llama_dir, num_kv_blocks=32 if prefix_caching else 48, block_size=4, max_num_batched_tokens=24,
+                enable_prefix_caching=prefix_caching, preemption_mode=mode, swap_space_gib=0.01)
+    outputs = tight.beam_search(prompts, params)
+    assert tight.stats()["num_preemptions"] >= 8
+    assert [[s.token_ids for s in o.sequences] for o in outputs] == [[s.token_ids for s in o.sequences] for o in roomy]
+    assert tight.llm_engine.num_free_blocks == tight.llm_engine.num_total_blocks
+
+
+def test_a_beam_group_that_could_never_run_whole_is_refused(tiny_llama_dir):
+    engine = LLM(tiny_llama_dir, num_kv_blocks=20, block_size=4, max_num_seqs=8).llm_engine
+    prompt = list(range(3, 19))  # 16 tokens: 4 full blocks, shared; each beam then needs 24 / 4 = 6 of its own
+    with pytest.raises(ValueError, match="needs up to 28 KV blocks at once but the whole cache has 20"):
+        engine.add_beam_search_request("wide", prompt, BeamSearchParams(beam_width=4, max_tokens=24))
+    with pytest.raises(ValueError, match="beam_width 16 exceeds max_num_seqs"):
+        engine.add_beam_search_request("wider", prompt, BeamSearchParams(beam_width=16, max_tokens=2))
+    engine.add_beam_search_request("fits", prompt, BeamSearchParams(beam_width=2, max_tokens=24))  # 4 + 2 * 6
+    assert not engine.output_processor.groups and set(engine.beam_search.groups) == {"fits"}
+
+
+def test_a_stuck_scheduler_raises_instead_of_spinning(tiny_llama_dir, monkeypatch):
+    from engine.scheduler import SchedulerOutput
+
+    engine = LLM(tiny_llama_dir, num_kv_blocks=32).llm_engine
+    engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=4))
+    monkeypatch.setattr(engine.scheduler, "schedule", lambda: SchedulerOutput())
+    with pytest.raises(RuntimeError, match="cannot advance any of 0 running and 1 waiting"):
+        engine.step()

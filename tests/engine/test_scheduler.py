@@ -160,6 +160,30 @@ def test_lower_priority_is_preempted_before_a_later_higher_priority_one():
     assert [r.request_id for r in preempted] == ["low"]
 
 
+@pytest.mark.parametrize("swap", [False, True], ids=["recompute", "swap"])
+def test_a_victim_scheduled_earlier_in_the_step_leaves_the_step(swap):
+    """low (admitted first) is scheduled, then high needs a block and low, the lowest priority, is preempted:
+    low's token must leave the step, else the model would write it into blocks high now owns."""
+    manager = BlockManager(3, BLOCK, enable_prefix_caching=False)
+    scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64,
+                          swap_space=SwapSpace(8) if swap else None)
+    low, high = make_request("low", 5, priority=-1), make_request("high", 4, priority=5)
+    scheduler.add_request(low)
+    run_step(scheduler)  # low: 5 prompt tokens computed in 2 blocks, 1 output
+    scheduler.add_request(high)
+    run_step(scheduler)  # high: 4 prompt tokens in the last free block, 1 output; low: 1 more output
+    assert [r.request_id for r in scheduler.running] == ["low", "high"] and manager.num_free_blocks == 0
+    output = scheduler.schedule()  # low's next token fits its block; high's needs a block: low must go
+    assert [r.request_id for r in output.preempted] == ["low"]
+    assert [s.request.request_id for s in output.scheduled] == ["high"]
+    assert output.num_batched_tokens == 1 and output.blocks_to_copy == []
+    assert low.status is RequestStatus.PREEMPTED and low.num_computed_tokens == 0  # never swapped: recomputed
+    assert output.blocks_to_swap_out == []
+    scheduler.update_from_output(output, {"high": [SampledToken(7)]}, max_model_len=10_000)
+    assert low.num_output_tokens == 2 and high.num_output_tokens == 2  # low got nothing from this step
+    _check_block_invariants(manager)
+
+
 def test_preempted_request_resumes_and_recomputes_its_outputs():
     manager = BlockManager(5, BLOCK, enable_prefix_caching=False)
     scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64)
@@ -187,6 +211,17 @@ def _check_block_invariants(manager: BlockManager) -> None:
     assert manager.num_free_blocks + manager.num_used_blocks == manager.num_total_blocks
 
 
+def _check_step(manager: BlockManager, output) -> None:
+    """Everything a step will run is still running and owns every block its tokens are written to."""
+    for item in output.scheduled:
+        assert item.request.status is RequestStatus.RUNNING, f"{item.request.request_id} scheduled but preempted"
+        end = manager.blocks_for_tokens(item.start_position + item.num_new_tokens)
+        assert item.block_table is manager.block_table(item.request.request_id)
+        assert all(manager.ref_count(b) > 0 for b in item.block_table[:end])
+    targets = [dst for _, dst in output.blocks_to_copy]
+    assert all(manager.ref_count(b) > 0 for b in targets), "a copy-on-write target was freed"
+
+
 @pytest.mark.parametrize("swap", [False, True], ids=["recompute", "swap"])
 @pytest.mark.parametrize("seed", range(6))
 def test_random_traffic_keeps_the_pool_consistent(seed, swap):
@@ -205,7 +240,7 @@ def test_random_traffic_keeps_the_pool_consistent(seed, swap):
             prompt = rng.choice(prefixes) + [rng.randrange(1, 50) for _ in range(rng.randint(1, 8))]
             params = SamplingParams(max_tokens=rng.randint(1, 20), ignore_eos=True,
                                     n=rng.choice([1, 1, 2, 3]))
-            request = Request(f"r{step}", prompt, params, fan_out=params.best_of - 1)
+            request = Request(f"r{step}", prompt, params, fan_out=params.best_of - 1, priority=rng.randint(-1, 1))
             scheduler.add_request(request)
             live.append(request)
         if live and rng.random() < 0.05:
@@ -213,6 +248,7 @@ def test_random_traffic_keeps_the_pool_consistent(seed, swap):
             if not victim.is_finished:
                 scheduler.finish_request(victim, RequestStatus.FINISHED_ABORTED)
         output = scheduler.schedule()
+        _check_step(manager, output)
         sampled = {s.request.request_id: [SampledToken(rng.randrange(1, 50))
                                           for _ in range(1 + s.request.fan_out)]
                    for s in output.scheduled if s.needs_sample}

@@ -180,3 +180,34 @@ def test_mixed_sharing_workload_under_pressure_matches_a_roomy_run(tiny_llama_di
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0
     assert tight.llm_engine.num_free_blocks == 12
     assert [[c.token_ids for c in o.outputs] for o in outputs] == [[c.token_ids for c in o.outputs] for o in roomy]
+
+
+def _run_with_arrivals(model_dir: str, seed: int, **engine_kwargs) -> tuple[dict[str, list[int]], int]:
+    """Requests of mixed priorities arriving over the first steps; every request's final tokens."""
+    rng = random.Random(seed)
+    engine = LLMEngine(model_dir, block_size=4, max_num_batched_tokens=64, enable_prefix_caching=False,
+                       **engine_kwargs)
+    finals: dict[str, list[int]] = {}
+    for step in range(1000):
+        if step < 60 and rng.random() < 0.3:
+            params = SamplingParams(max_tokens=rng.randint(4, 16), temperature=0.0, ignore_eos=True,
+                                    output_kind=RequestOutputKind.FINAL_ONLY)
+            engine.add_request(f"r{step}", _tokens(rng.randint(2, 9), seed=1000 + step), params,
+                               priority=rng.randint(-2, 2))
+        finals.update({o.request_id: o.outputs[0].token_ids for o in engine.step()})
+        if step >= 60 and not engine.has_unfinished_requests():
+            break
+    return finals, engine.scheduler.num_preemptions
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_priorities_under_pressure_keep_outputs_exact(tiny_llama_dir, mode):
+    """A high-priority arrival preempts lower-priority requests that may already be in the step being built."""
+    total_preemptions = 0
+    for seed in range(6):
+        roomy, _ = _run_with_arrivals(tiny_llama_dir, seed, num_kv_blocks=400)
+        tight, preemptions = _run_with_arrivals(tiny_llama_dir, seed, num_kv_blocks=12, preemption_mode=mode,
+                                                swap_space_gib=0.01)
+        assert tight == roomy, f"seed {seed}"
+        total_preemptions += preemptions
+    assert total_preemptions >= 10
