@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from engine import LLM, LLMEngine, RequestOutputKind, SamplingParams
+from engine import LLM, BeamSearchParams, LLMEngine, RequestOutputKind, SamplingParams
 from engine.block_manager import BlockManager
 from tests.conftest import VOCAB_SIZE
 
@@ -211,3 +211,59 @@ def test_priorities_under_pressure_keep_outputs_exact(tiny_llama_dir, mode):
         assert tight == roomy, f"seed {seed}"
         total_preemptions += preemptions
     assert total_preemptions >= 10
+
+
+def _random_traffic(seed: int) -> list[tuple]:
+    """Generation (n, best_of, seeds, penalties, stop ids) and beam requests with priorities, arriving over time."""
+    rng = random.Random(seed)
+    prefixes = [_tokens(rng.randint(4, 30), seed=seed * 10 + i) for i in range(3)]
+    requests = []
+    for i in range(rng.randint(6, 14)):
+        prompt = (rng.choice(prefixes) if rng.random() < 0.6 else []) + _tokens(rng.randint(1, 12), seed=seed * 100 + i)
+        arrival, priority = rng.randint(0, 25), rng.randint(-1, 1)
+        if rng.random() < 0.2:
+            params = BeamSearchParams(beam_width=rng.choice([2, 3]), max_tokens=rng.randint(3, 12),
+                                      ignore_eos=rng.random() < 0.5)
+            requests.append(("beam", f"b{i}", prompt, params, arrival, priority))
+            continue
+        n = rng.choice([1, 1, 2, 3])
+        params = SamplingParams(n=n, best_of=n + rng.choice([0, 0, 1]), max_tokens=rng.randint(2, 16),
+                                min_tokens=rng.choice([0, 2]), temperature=rng.choice([0.0, 0.8]),
+                                top_k=rng.choice([-1, 10]), top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(1000),
+                                ignore_eos=rng.random() < 0.5, stop_token_ids=rng.choice([[], [7, 9]]),
+                                repetition_penalty=rng.choice([1.0, 1.2]), output_kind=RequestOutputKind.FINAL_ONLY)
+        requests.append(("generate", f"g{i}", prompt, params, arrival, priority))
+    return requests
+
+
+def _serve(model_dir: str, requests: list[tuple], **engine_kwargs) -> tuple[dict, int]:
+    engine = LLMEngine(model_dir, block_size=4, **engine_kwargs)
+    pending, finals, step = sorted(requests, key=lambda r: r[4]), {}, 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][4] <= step:
+            kind, request_id, prompt, params, _, priority = pending.pop(0)
+            add = engine.add_beam_search_request if kind == "beam" else engine.add_request
+            add(request_id, prompt, params, priority=priority)
+        finals.update({o.request_id: [c.token_ids for c in o.outputs] for o in engine.step() if o.finished})
+        step += 1
+        assert step < 5000, "no progress: the engine keeps preempting"
+    assert engine.num_free_blocks == engine.num_total_blocks
+    return finals, engine.scheduler.num_preemptions
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    dict(num_kv_blocks=24, max_num_batched_tokens=16),
+    dict(num_kv_blocks=24, max_num_batched_tokens=16, preemption_mode="swap", swap_space_gib=0.001),
+    dict(num_kv_blocks=34, max_num_batched_tokens=24, enable_prefix_caching=False, max_num_seqs=5),
+], ids=["recompute", "swap", "no-prefix-cache"])
+def test_random_mixed_traffic_under_pressure_matches_a_roomy_run(tiny_llama_dir, engine_kwargs):
+    """Every feature at once in a pool that forces preemption: each request's outputs equal a roomy run's."""
+    preemptions = 0
+    for seed in range(5):
+        requests = _random_traffic(seed)
+        roomy, _ = _serve(tiny_llama_dir, requests, num_kv_blocks=2000, max_num_batched_tokens=512,
+                          enable_prefix_caching=False)
+        tight, count = _serve(tiny_llama_dir, requests, **engine_kwargs)
+        assert tight == roomy, f"seed {seed}"
+        preemptions += count
+    assert preemptions >= 5
