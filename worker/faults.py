@@ -3,6 +3,8 @@
 PAGEDQ_FAULT_PROMPT=<text>: every engine.step() raises while a request whose prompt contains <text> is in
 the engine (a "poison" job that breaks the whole batch, as a kernel error on one sequence would).
 PAGEDQ_FAULT_MODE=exit: instead of raising, the process dies at once (os._exit), like a segfault.
+PAGEDQ_FAULT_MODE=break: the first such request breaks the engine for good: every later step raises, whatever
+it holds (a CUDA error that poisons the context, a lost GPU).
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ ENV_MODE = "PAGEDQ_FAULT_MODE"
 
 class FaultyEngine:
     def __init__(self, engine: Any, poison: str, mode: str = "raise") -> None:
+        if mode not in ("raise", "exit", "break"):
+            raise ValueError(f"fault mode must be raise, exit or break, got {mode!r}")
         self._engine, self._poison, self._mode = engine, poison, mode
         self._live: set[str] = set()
+        self.broken = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -32,10 +37,12 @@ class FaultyEngine:
         return self._engine.abort_request(request_id)
 
     def step(self) -> list:
-        if self._live:
+        if self._live or self.broken:
             if self._mode == "exit":
                 os._exit(86)
-            raise RuntimeError(f"injected fault: a request with {self._poison!r} in its prompt is in the batch")
+            self.broken = self._mode == "break"
+            raise RuntimeError(f"injected fault: a request with {self._poison!r} in its prompt is in the batch"
+                               if not self.broken else "injected fault: the engine is broken")
         outputs = self._engine.step()
         for out in outputs:
             if out.finished:

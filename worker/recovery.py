@@ -4,9 +4,11 @@
   (a suspect), least tried first, so only the culprit keeps failing, and it is dead-lettered past max_attempts.
 - The engine itself is broken (a lost GPU, a CUDA error that poisons the context): then every job fails
   alone, and dead-lettering them in turn would empty the whole queue into the dead-letter stream. Once
-  `engine_failure_limit` different jobs have each failed alone with no good step in between, the fault is
-  the worker's: it stops without settling anything (exit status 3) and its unacknowledged jobs go to
-  healthy workers, or to it restarted, after the lease.
+  `engine_failure_limit` different jobs have each failed alone with no good step in between, the worker
+  asks the engine for one token of a one-token canary prompt. If that works, the jobs are poison after all
+  (several at once) and isolation goes on; if not, the fault is the worker's: it stops without settling
+  anything (exit status 3) and its unacknowledged jobs go to healthy workers, or to it restarted, after the
+  lease.
 - Redis is unreachable (a restart, a failover): the worker keeps stepping the jobs it holds; their deltas and
   final records wait in the publisher's buffer and go out with the first round trip once Redis answers. Past
   `redis_outage_s` it exits (status 4) and, nothing being acknowledged, the jobs are redelivered. A pipeline
@@ -16,6 +18,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any, Callable
 
@@ -23,12 +26,15 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import scripts
+from .engine_api import SamplingParams
 from .tracked import Tracked
 
 EXIT_ENGINE_BROKEN = 3  # process status when the breaker stopped the worker: restart it
 EXIT_REDIS_LOST = 4  # process status when Redis stayed unreachable past redis_outage_s
 REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
+CANARY_MAX_STEPS = 8  # a one-token request finishes in one step; a few more allow for a busy scheduler
 PING_EVERY_S = (0.05, 1.0)  # first and longest wait between pings while Redis is down (doubling)
+_canary_ids = itertools.count()
 
 
 class EngineBreaker:
@@ -94,7 +100,7 @@ class Recovery:
         t.last_error = f"{type(exc).__name__}: {exc}"
         t.attempts += 1
         self.log.warning("job_attempt_failed", job_id=t.id, attempts=t.attempts, error=t.last_error)
-        if self.breaker.job_failed_alone(t.id):
+        if self.breaker.job_failed_alone(t.id) and not self._engine_answers_canary():
             self._stop_now("engine_broken", EXIT_ENGINE_BROKEN, exc, failed_alone=self.breaker.num_failed_alone)
         elif t.attempts > self.s.max_attempts:
             self.intake.dead_letter(t, "the job failed in the engine")
@@ -104,6 +110,24 @@ class Recovery:
         t.reset_output()
         if t not in self.backlog:
             self.backlog.append(t)
+
+    def _engine_answers_canary(self) -> bool:
+        """One greedy token for a one-token prompt, alone in the engine (isolation left nothing else in it)."""
+        request_id = f"pagedq-canary-{next(_canary_ids)}"
+        try:
+            self.engine.add_request(request_id, [0], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+            for _ in range(CANARY_MAX_STEPS):
+                if any(out.request_id == request_id and out.finished for out in self.engine.step()):
+                    self.breaker.step_succeeded()
+                    self.log.warning("engine_answers_canary", detail="several poison jobs, not a broken engine")
+                    return True
+        except Exception as exc:
+            self.log.error("engine_canary_failed", error=repr(exc))
+        try:
+            self.engine.abort_request(request_id)
+        except Exception:
+            pass  # a broken engine may not even abort: the worker is stopping anyway
+        return False
 
     def _ride_out_outage(self, exc: Exception) -> None:
         """Redis is unreachable: keep generating, buffer the results, reconnect; or give up past the limit."""

@@ -228,10 +228,11 @@ def test_broken_engine_stops_the_worker_and_dead_letters_nothing(redis_url, r):
     from worker.worker import Worker
 
     client = Client(redis_url)
-    prompts = [f"job {i} on a BROKEN gpu" for i in range(8)]
+    prompts = [f"job {i}" for i in range(8)]
+    prompts[3] = "the job that BREAKS the gpu"  # after it, every step fails, whatever the batch holds
     ids = [client.submit(prompt=p, max_tokens=4, temperature=0.0) for p in prompts]
     settings = fast_settings(name="w-broken", burst=True, max_attempts=3, engine_failure_limit=3)
-    broken = Worker(FaultyEngine(StubEngine(), "BROKEN"), r, settings)
+    broken = Worker(FaultyEngine(StubEngine(), "BREAKS", mode="break"), r, settings)
     assert broken.run() == EXIT_ENGINE_BROKEN
     assert r.xlen(KEYS.dead) == 0 and finals_by_id(r) == {}
     assert r.xpending(KEYS.jobs, "workers")["pending"] == len(ids)  # unacknowledged: redelivered after the lease
@@ -243,6 +244,23 @@ def test_broken_engine_stops_the_worker_and_dead_letters_nothing(redis_url, r):
         res = client.result(job_id, timeout=1)
         assert res.status == "completed" and res.attempts == 2
         assert (res.text, res.token_ids) == offline(prompt, max_tokens=4, temperature=0.0)
+    assert_clean_queue(r)
+
+
+def test_several_poison_jobs_at_once_are_dead_lettered_not_taken_for_a_broken_engine(redis_url, r):
+    """Three poison jobs each fail alone in a row, as on a broken engine; the canary shows the engine works."""
+    client = Client(redis_url)
+    prompts = [f"fine {i}" if i % 3 else f"POISON {i}" for i in range(12)]
+    ids = [client.submit(prompt=p, max_tokens=5, temperature=0.0) for p in prompts]
+    worker = run_burst(FaultyEngine(StubEngine(), "POISON"), redis_url, max_attempts=2, engine_failure_limit=3)
+    assert worker.exit_code == 0
+    for job_id, prompt in zip(ids, prompts):
+        res = client.result(job_id, timeout=1)
+        if prompt.startswith("POISON"):
+            assert res.status == "failed" and "injected fault" in res.error
+        else:
+            assert (res.status, res.text) == ("completed", offline(prompt, max_tokens=5, temperature=0.0)[0])
+    assert r.xlen(KEYS.dead) == 4
     assert_clean_queue(r)
 
 
