@@ -174,20 +174,16 @@ class ModelRunner:
     def _sampling_batch(self, rows: list[tuple[Request, int]], vocab_size: int) -> SamplingBatch:
         requests = [request for request, _ in rows]
         params = [r.sampling_params for r in requests]
-        dev = self.device
-
-        def column(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=dev)
-
+        # Two host arrays, two copies to the device (not one per column); rows of [columns, B] stay contiguous.
+        floats = np.array([(p.temperature, p.top_p, p.min_p) for p in params], dtype=np.float32).reshape(-1, 3)
+        ints = np.array([(p.top_k if p.top_k > 0 else vocab_size, r.sampling_seed + i, r.num_output_tokens)
+                         for (r, i), p in zip(rows, params)], dtype=np.int64).reshape(-1, 3)
+        temperature, top_p, min_p = torch.from_numpy(np.ascontiguousarray(floats.T)).to(self.device)
+        top_k, seeds, positions = torch.from_numpy(np.ascontiguousarray(ints.T)).to(self.device)
         batch = SamplingBatch(
-            temperature=column([p.temperature for p in params], torch.float32),
-            top_k=column([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.long),
-            top_p=column([p.top_p for p in params], torch.float32),
-            min_p=column([p.min_p for p in params], torch.float32),
-            seeds=column([r.sampling_seed + i for r, i in rows], torch.long),
-            positions=column([r.num_output_tokens for r in requests], torch.long),
-            needs_filters=any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
-            all_greedy=all(p.temperature == 0 for p in params),
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds, positions=positions,
+            needs_filters=bool(((ints[:, 0] < vocab_size) | (floats[:, 1] < 1) | (floats[:, 2] > 0)).any()),
+            all_greedy=bool((floats[:, 0] == 0).all()),
         )
         if any(r.needs_logprobs for r in requests):
             batch.max_num_logprobs = max(p.logprobs or 0 for p in params)
@@ -199,7 +195,7 @@ class ModelRunner:
             for row, request in banned:
                 ids = [t for t in (*request.eos_token_ids, *request.sampling_params.stop_token_ids) if t < vocab_size]
                 mask[row, ids] = True
-            batch.banned_token_mask = mask.to(dev)
+            batch.banned_token_mask = mask.to(self.device)
         return batch
 
     def _add_penalties(self, batch: SamplingBatch, requests, vocab_size: int) -> None:
