@@ -42,12 +42,14 @@ class Metrics:
         self.slot_util = gauge("pagedq_kv_slot_utilization", "Fraction of KV slots of used blocks holding tokens")
         self.tokens = Counter("pagedq_generated_tokens", "Tokens generated", q, registry=reg).labels(queue)
         self.preemptions = Counter("pagedq_preemptions", "Engine preemptions", q, registry=reg).labels(queue)
+        self.outages = Counter("pagedq_redis_outages", "Times this worker lost Redis and carried on once it was back",
+                               q, registry=reg).labels(queue)
         self.jobs = Counter("pagedq_jobs_finished", "Jobs finished by this worker", q + ["status"], registry=reg)
         self.ttft = Histogram("pagedq_time_to_first_token_seconds", "Enqueue to first token", q,
                               buckets=LATENCY_BUCKETS, registry=reg).labels(queue)
         self.e2e = Histogram("pagedq_e2e_latency_seconds", "Enqueue to final record (completed jobs)", q,
                              buckets=LATENCY_BUCKETS, registry=reg).labels(queue)
-        self._seen = {"tokens": 0, "preemptions": 0}
+        self._seen = {"tokens": 0, "preemptions": 0, "outages": 0}
         self._seen_status: dict[str, int] = {}
         self.server, self._thread = start_http_server(port, addr, registry=reg)
 
@@ -77,6 +79,7 @@ class Metrics:
         stats = engine.stats() if callable(getattr(engine, "stats", None)) else {}
         self._advance(self.tokens, "tokens", worker.tokens_generated)
         self._advance(self.preemptions, "preemptions", int(stats.get("num_preemptions", 0)))
+        self._advance(self.outages, "outages", worker.num_redis_outages)
         for status, count in worker.stats.items():
             seen = self._seen_status.get(status, 0)
             self.jobs.labels(self.keys.queue, status).inc(count - seen)

@@ -18,12 +18,12 @@ import structlog
 
 from . import scripts
 from .admission import Intake, engine_prompt, pick
-from .recovery import REDIS_DOWN, EngineBreaker, Recovery
 from .config import WorkerSettings
 from .engine_api import RequestOutputKind, SamplingParams
 from .keys import GROUP, QueueKeys
 from .leases import Heartbeat, Leases
 from .publisher import Publisher, is_celery_entry
+from .recovery import REDIS_DOWN, EngineBreaker, Recovery
 from .tracked import Tracked
 
 STATUSES = ("completed", "failed", "cancelled", "expired", "rejected")

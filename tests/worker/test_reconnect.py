@@ -19,6 +19,7 @@ from worker.stub_engine import StubEngine
 from worker.worker import Worker
 
 from .conftest import KEYS, REDIS_SERVERS, assert_clean_queue, fast_settings, finals_by_id, wait_for, worker_thread
+from .test_ops import scrape
 from .test_queue import offline
 
 
@@ -37,7 +38,8 @@ def test_worker_rides_out_a_redis_restart(durable_redis):
     client = Client(durable_redis.url)
     prompts = [f"outage {i}" for i in range(12)]
     ids = [client.submit(prompt=p, max_tokens=60, temperature=0.0, stream=True) for p in prompts]
-    with worker_thread(StubEngine(step_delay_s=0.02), durable_redis.url, redis_outage_s=30.0) as worker:
+    with worker_thread(StubEngine(step_delay_s=0.02), durable_redis.url, redis_outage_s=30.0,
+                       metrics_port=0, metrics_every_s=0.1) as worker:
         wait_for(lambda: worker.tokens_generated > 0, what="generation to start")
         durable_redis.kill()
         before = worker.tokens_generated
@@ -46,6 +48,9 @@ def test_worker_rides_out_a_redis_restart(durable_redis):
         r = Redis.from_url(durable_redis.url)
         wait_for(lambda: len(finals_by_id(r)) == len(ids), timeout=30, what="every final record")
         assert worker.num_redis_outages >= 1 and worker.exit_code == 0
+        counted = ("pagedq_redis_outages_total", ())
+        wait_for(lambda: scrape(worker.metrics.port).get(counted) == worker.num_redis_outages,
+                 what="the outage counted in the metrics")
     assert all(len(records) == 1 for records in finals_by_id(r).values())
     for job_id, prompt in zip(ids, prompts):
         res = client.result(job_id, timeout=1)
