@@ -161,7 +161,8 @@ class LLMEngine:
             raise
         executed = time.perf_counter()
         self._record_step(scheduler_output)
-        advanced = self.scheduler.update_from_output(scheduler_output, runner_output.sampled, self.max_model_len)
+        advanced = self.scheduler.update_from_output(scheduler_output, runner_output.sampled, self.max_model_len,
+                                                     runner_output.prompt_logprobs)
         outputs = self.output_processor.process(
             advanced, lambda request: self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED))
         outputs += self.beam_search.step()

@@ -43,6 +43,8 @@ class StepInputs:
 @dataclass
 class ModelRunnerOutput:
     sampled: dict[str, list[SampledToken]] = field(default_factory=dict)  # several draws for a fan-out
+    # the prompt log-probability entries this step computed, in prompt order, per request that asked
+    prompt_logprobs: list[tuple[Request, list[dict[int, float]]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -105,9 +107,10 @@ class ModelRunner:
             return ModelRunnerOutput()
         ordered = sorted(scheduler_output.scheduled, key=lambda s: s.num_new_tokens > 1)  # decodes first
         hidden = self._forward(self._host_inputs(ordered))
+        prompt_logprobs = self._prompt_logprobs(ordered, hidden)
         to_sample = [s for s in ordered if s.needs_sample]
         if not to_sample:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
         ends = _cumulative([s.num_new_tokens for s in ordered])
         last_index = [end - 1 for end, s in zip(ends, ordered) if s.needs_sample]
         # A request about to fork into several samples draws them all from its one row of logits.
@@ -116,7 +119,44 @@ class ModelRunner:
         last_rows = torch.repeat_interleave(torch.tensor(last_index), repeats)
         logits = self.model.compute_logits(hidden[last_rows.to(self.device)])
         result = sample(logits, self._sampling_batch(rows, logits.shape[-1]))
-        return self._to_output(rows, result)
+        output = self._to_output(rows, result)
+        output.prompt_logprobs = prompt_logprobs
+        return output
+
+    def _prompt_logprobs(self, ordered: list[ScheduledRequest], hidden: torch.Tensor) -> list:
+        """Entries j = p + 1 of the prompt log-probabilities, from the logits at each prompt position p this step
+        computed that a request still lacks: log_softmax, the prompt's own token and the top-k alternatives."""
+        wanted, rows, offset = [], [], 0
+        for item in ordered:
+            request = item.request
+            if request.needs_prompt_logprobs:
+                first = max(item.start_position, len(request.prompt_logprobs) - 1)
+                last = min(item.start_position + item.num_new_tokens, request.num_prompt_tokens - 1)
+                if first < last:
+                    wanted.append((request, first, last))
+                    rows.extend(range(offset + first - item.start_position, offset + last - item.start_position))
+            offset += item.num_new_tokens
+        if not wanted:
+            return []
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]), dim=-1)
+        targets = [t for request, first, last in wanted for t in request.prompt_token_ids[first + 1:last + 1]]
+        target_lps = logprobs.gather(-1, torch.tensor(targets, device=self.device)[:, None])[:, 0].tolist()
+        k = max(request.sampling_params.prompt_logprobs for request, _, _ in wanted)
+        if k:
+            top_lps, top_ids = (t.tolist() for t in logprobs.topk(k, dim=-1))
+        else:
+            top_lps = top_ids = [[]] * len(rows)
+        entries, row = [], 0
+        for request, first, last in wanted:
+            count, k_request = last - first, request.sampling_params.prompt_logprobs
+            per_token = []
+            for i in range(row, row + count):
+                entry = dict(zip(top_ids[i][:k_request], top_lps[i][:k_request]))
+                entry[targets[i]] = target_lps[i]
+                per_token.append(entry)
+            entries.append((request, per_token))
+            row += count
+        return entries
 
     def _move_blocks(self, scheduler_output: SchedulerOutput) -> None:
         """Swap-outs first (their device blocks may be rewritten this step), then swap-ins, then CoW copies."""

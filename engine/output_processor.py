@@ -30,6 +30,7 @@ class RequestGroup:
     prompt: str | None
     prompt_token_ids: list[int]
     sequences: dict[int, _Sequence] = field(default_factory=dict)
+    prompt_logprobs_reported: bool = False
 
     @property
     def finished(self) -> bool:
@@ -128,7 +129,12 @@ class OutputProcessor:
         metrics = {"arrival_time": sequences[0].request.arrival_time}
         if first is not None:
             metrics["first_token_time"] = first
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished, metrics)
+        prompt_logprobs = None
+        if group.params.prompt_logprobs is not None and not (delta and group.prompt_logprobs_reported):
+            prompt_logprobs = sequences[0].request.prompt_logprobs
+            group.prompt_logprobs_reported = True
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished, metrics,
+                             prompt_logprobs)
 
     @staticmethod
     def _completion(index: int, sequence: _Sequence, delta: bool) -> CompletionOutput:

@@ -30,3 +30,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)  # arrival/first-token/finish times (time.monotonic)
+    # With SamplingParams.prompt_logprobs: entry j for prompt token j (None for the first); in the first
+    # output of a DELTA stream only.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

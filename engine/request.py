@@ -57,6 +57,8 @@ class Request:
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Entry j: log-probability of prompt token j (and the top alternatives) given tokens < j; entry 0 is None.
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
     first_token_time: float | None = None
     group_id: str = ""  # the user's request id; sequences forked from it (samples, beams) share it
     index: int = 0  # which sample of its group
@@ -68,6 +70,14 @@ class Request:
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         self.group_id = self.group_id or self.request_id
+        if self.sampling_params.prompt_logprobs is not None and not self.prompt_logprobs:
+            self.prompt_logprobs = [None]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt log-probabilities asked for and not all computed yet (its prompt must not come from the cache)."""
+        return self.sampling_params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(
+            self.prompt_token_ids)
 
     @property
     def needs_logprobs(self) -> bool:
@@ -86,6 +96,7 @@ class Request:
         child.all_token_ids = list(self.all_token_ids)
         child.cumulative_logprob = self.cumulative_logprob
         child.logprobs = list(self.logprobs)
+        child.prompt_logprobs = self.prompt_logprobs  # complete by now (forks follow the first token), shared
         return child
 
     @property

@@ -32,6 +32,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # per prompt token: its log-probability and the top-k alternatives
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
@@ -71,6 +72,8 @@ class SamplingParams:
         check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative token ids")
         check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
               "logprobs", "must be None or an integer >= 0")
+        check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+              "prompt_logprobs", "must be None or an integer >= 0")
         check(isinstance(self.output_kind, RequestOutputKind), "output_kind", "must be a RequestOutputKind")
 
     @property

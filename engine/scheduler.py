@@ -231,7 +231,7 @@ class Scheduler:
     def _admit(self, request: Request, budget: int, output: SchedulerOutput) -> bool:
         manager = self.block_manager
         swapped = request.status is RequestStatus.SWAPPED
-        if not swapped:
+        if not swapped and not request.needs_prompt_logprobs:  # cached prompt blocks would skip their logits
             request.num_computed_tokens = manager.match_prefix(request.request_id, request.all_token_ids)
         start = request.num_computed_tokens
         num_new = min(request.num_tokens - start, budget)
@@ -259,12 +259,15 @@ class Scheduler:
 
     # ---- after the forward pass -----------------------------------------------------------------
     def update_from_output(
-        self, output: SchedulerOutput, sampled: dict[str, list[SampledToken]], max_model_len: int
+        self, output: SchedulerOutput, sampled: dict[str, list[SampledToken]], max_model_len: int,
+        prompt_logprobs: list[tuple[Request, list[dict[int, float]]]] = (),
     ) -> list[Request]:
         """Advance computed counts, append sampled tokens (forking fan-outs), finish token-level stops.
 
         Returns every sequence that got a new token this step (finished and newly forked ones included).
         """
+        for request, entries in prompt_logprobs:
+            request.prompt_logprobs.extend(entries)
         advanced = []
         for item in output.scheduled:
             request = item.request

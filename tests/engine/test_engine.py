@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, LLMEngine, RequestOutputKind, SamplingParams
+from tests.conftest import VOCAB_SIZE
 from tests.engine.parity import assert_greedy_parity
 
 PROMPTS = ["The quick brown fox", "Paged attention stores", "Numbers like 12345", "A scheduler batches"]
@@ -86,6 +88,40 @@ def test_logprobs_match_log_softmax_of_transformers_logits(llm, hf_model):
     assert completion.cumulative_logprob == pytest.approx(total, abs=1e-3)
 
 
+def _assert_prompt_logprobs_match(prompt: list[int], entries: list, hf_model, k: int) -> None:
+    with torch.no_grad():
+        reference = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0], dim=-1)
+    assert len(entries) == len(prompt) and entries[0] is None
+    for j in range(1, len(prompt)):
+        assert set(entries[j]) == set(reference[j - 1].topk(k).indices.tolist()) | {prompt[j]}, j
+        for token_id, logprob in entries[j].items():
+            assert logprob == pytest.approx(reference[j - 1, token_id].item(), abs=1e-4)
+
+
+def test_prompt_logprobs_match_transformers_under_chunking_caching_and_preemption(tiny_llama_dir, hf_model):
+    prompts = [_tokens(n, seed=n) for n in (40, 35, 30)]
+    # 8-token chunks; the first prompt's blocks are already cached (prompt log-probabilities skip the cache);
+    # a pool that preempts prompts half computed (the entries of a recomputed prompt are not collected twice).
+    llm = LLM(tiny_llama_dir, max_num_batched_tokens=8, num_kv_blocks=10, block_size=8)
+    llm.generate([prompts[0]], SamplingParams(max_tokens=2, temperature=0.0))
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+    outputs = llm.generate(prompts, params)
+    assert llm.stats()["num_preemptions"] > 0
+    for prompt, output in zip(prompts, outputs):
+        _assert_prompt_logprobs_match(prompt, output.prompt_logprobs, hf_model, 3)
+    assert llm.generate(prompts[1], dataclasses.replace(params, prompt_logprobs=None))[0].prompt_logprobs is None
+
+
+def test_prompt_logprobs_come_with_the_first_delta_only(tiny_llama_dir, hf_model):
+    engine = LLMEngine(tiny_llama_dir)
+    prompt = _tokens(12, seed=3)
+    engine.add_request("d", prompt, SamplingParams(max_tokens=5, prompt_logprobs=0, n=2, seed=1, ignore_eos=True,
+                                                   output_kind=RequestOutputKind.DELTA))
+    reports = [output.prompt_logprobs for output in _drain_all(engine)]
+    assert len(reports) == 5 and all(report is None for report in reports[1:])
+    _assert_prompt_logprobs_match(prompt, reports[0], hf_model, 0)
+
+
 def test_repetition_penalty_matches_transformers(llm, hf_model):
     prompt_ids = llm.get_tokenizer().encode(PROMPTS[3])
     out = llm.generate([prompt_ids], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
@@ -103,6 +139,18 @@ def test_eos_stops_unless_ignored(tiny_llama_dir, llm):
     final = _drain(engine)["r"]
     assert final.outputs[0].token_ids == base.token_ids[: base.token_ids.index(base.token_ids[4]) + 1]
     assert final.outputs[0].finish_reason == "stop" and final.outputs[0].stop_reason is None
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB_SIZE) for _ in range(n)]
+
+
+def _drain_all(engine: LLMEngine) -> list:
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    return outputs
 
 
 def _drain(engine: LLMEngine) -> dict:
@@ -157,7 +205,7 @@ def test_abort_frees_blocks_and_returns_partial_output(tiny_llama_dir):
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.5), "temperature"), (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"), (dict(min_p=2.0), "min_p"),
     (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(stop=[""]), "stop"), (dict(logprobs=-1), "logprobs"),
-    (dict(max_tokens="3"), "max_tokens"), (dict(seed=1.5), "seed"),
+    (dict(max_tokens="3"), "max_tokens"), (dict(seed=1.5), "seed"), (dict(prompt_logprobs=-1), "prompt_logprobs"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
