@@ -45,7 +45,8 @@ return n
 OPENAI_IGNORED = {"model", "user"}  # the worker serves one model; user is informational
 OPENAI_RENAMED = {"max_completion_tokens": "max_tokens"}
 JOB_FIELDS = {"prompt", "prompt_token_ids", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p",
-              "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "priority", "deadline", "metadata"}
+              "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "priority", "deadline",
+              "metadata"}
 
 
 class LineError(ValueError):
@@ -141,6 +142,8 @@ def output_line(custom_id: str, job_id: str, record: dict[str, Any], kind: str) 
             "created": int(time.time()), "model": None, "choices": [choice],
             "usage": {**usage, "total_tokens": usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)},
             "pagedq": {k: record.get(k) for k in ("status", "stop_reason", "timings", "worker", "attempts", "error")}}
+    if record.get("prompt_logprobs") is not None:
+        body["pagedq"]["prompt_logprobs"] = record["prompt_logprobs"]
     return {"id": f"batch_req_{job_id}", "custom_id": custom_id,
             "response": {"status_code": 200, "request_id": job_id, "body": body}, "error": None}
 

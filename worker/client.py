@@ -111,8 +111,8 @@ class Client:
     def submit(self, prompt: str | None = None, **kwargs: Any) -> str:
         """Enqueue one job; returns its id. Keywords: prompt_token_ids, messages (chat: a list of
         {"role", "content"}, rendered by the worker with the model's chat template), max_tokens, temperature,
-        top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, logprobs, stream, priority, deadline,
-        metadata, job_id."""
+        top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, logprobs, prompt_logprobs, stream, priority,
+        deadline, metadata, job_id."""
         return self.submit_many([make_job(prompt, **kwargs)])[0]
 
     def submit_many(self, jobs: Iterable[Job | Mapping[str, Any]]) -> list[str]:

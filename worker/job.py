@@ -15,7 +15,7 @@ MAX_PROMPT_CHARS = 1_000_000  # a hard cap before tokenisation; the engine also 
 MAX_JOB_ID_CHARS = 200
 Status = Literal["completed", "failed", "cancelled", "expired", "rejected"]
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-                   "stop", "stop_token_ids", "ignore_eos", "logprobs")
+                   "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs")
 
 
 _ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
@@ -54,6 +54,7 @@ class Job(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # score the prompt (e.g. documents' perplexity)
     stream: bool = False
     priority: int = 0
     deadline: float | None = None  # absolute unix time
@@ -162,6 +163,7 @@ class FinalRecord(BaseModel):
     metadata: dict[str, Any] | None = None
     error: str | None = None
     logprobs: list[dict[str, float]] | None = None
+    prompt_logprobs: list[dict[str, float] | None] | None = None  # entry j: prompt token j; the first is None
     worker: str | None = None
     attempts: int = 1
 

@@ -69,7 +69,7 @@ class Publisher:
         return FinalRecord.model_construct(
             id=t.id, status=status, text=t.text, token_ids=t.token_ids, finish_reason=t.finish_reason,
             stop_reason=t.stop_reason, usage=usage, timings=timings, metadata=t.job.metadata, error=error,
-            logprobs=t.logprobs, worker=self.worker_name, attempts=t.attempts,
+            logprobs=t.logprobs, prompt_logprobs=t.prompt_logprobs, worker=self.worker_name, attempts=t.attempts,
         )
 
     def take(self) -> list[tuple[Any, ...]]:

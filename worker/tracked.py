@@ -32,6 +32,7 @@ class Tracked:
     token_ids: list[int] = field(default_factory=list)
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[dict[str, float]] | None = None
+    prompt_logprobs: list[dict[str, float] | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     blocks_estimate: int = 0
@@ -61,7 +62,7 @@ class Tracked:
 
     def reset_output(self) -> None:
         """Forget partial output before a rerun (deltas restart at pos 0; consumers dedupe by pos)."""
-        self.token_ids, self.text_parts, self.logprobs = [], [], None
+        self.token_ids, self.text_parts, self.logprobs, self.prompt_logprobs = [], [], None, None
         self.finish_reason = self.stop_reason = None
         self.first_token_at = None
         self.in_engine = False

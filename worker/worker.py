@@ -284,6 +284,9 @@ class Worker(Recovery):
         t.token_ids.extend(c.token_ids)
         t.text_parts.append(c.text)
         lps = [{str(k): float(v) for k, v in d.items()} for d in c.logprobs] if c.logprobs else None
+        if getattr(out, "prompt_logprobs", None):  # the first output brings them (JSON keys are strings)
+            t.prompt_logprobs = [None if d is None else {str(k): float(v) for k, v in d.items()}
+                                 for d in out.prompt_logprobs]
         if lps:
             t.logprobs = (t.logprobs or []) + lps
         if t.job.stream and (c.token_ids or c.text):

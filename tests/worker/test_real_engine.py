@@ -24,6 +24,8 @@ def workload(n: int) -> list[dict]:
             job.update(temperature=0.0)
         if i % 10 == 5:
             job.update(prompt_token_ids=[1, 17 + i, 42, 99], prompt=None)
+        if i % 20 == 7:
+            job.update(prompt_logprobs=2)  # scoring the prompt, as a bulk document pipeline would
         jobs.append(job)
     return jobs
 
@@ -55,6 +57,7 @@ def test_200_jobs_match_llm_generate(redis_url, r, tiny_llama_dir, tmp_path):
         assert (record["token_ids"], record["text"], record["finish_reason"]) == (
             list(want.token_ids), want.text, want.finish_reason), job
         assert record["metadata"] == job["metadata"]
+        _assert_same_prompt_logprobs(record["prompt_logprobs"], expected.prompt_logprobs)
         assert record["usage"] == {"prompt_tokens": len(expected.prompt_token_ids),
                                    "completion_tokens": len(want.token_ids)}
         if job["stream"]:
@@ -64,6 +67,17 @@ def test_200_jobs_match_llm_generate(redis_url, r, tiny_llama_dir, tmp_path):
             assert [d["pos"] for d in deltas] == sorted(d["pos"] for d in deltas)
             assert [d.text for d in client.stream(job_id, timeout=5)] == [d["text"] for d in deltas]
     assert_clean_queue(r)
+
+
+def _assert_same_prompt_logprobs(got: list | None, expected: list | None) -> None:
+    """The worker's record (JSON: string keys) against LLM.generate's (batch shapes may move fp32 sums slightly)."""
+    if expected is None:
+        assert got is None
+        return
+    assert len(got) == len(expected) and got[0] is None and expected[0] is None
+    for entry, want in zip(got[1:], expected[1:]):
+        assert set(entry) == {str(token) for token in want}
+        assert all(abs(entry[str(token)] - logprob) < 1e-4 for token, logprob in want.items())
 
 
 def test_cancelled_running_job_keeps_its_partial_output(redis_url, r, tiny_llama_dir):
