@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,12 @@ import torch
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 VOCAB_SIZE = 512
+
+
+def random_tokens(n: int, seed: int) -> list[int]:
+    """A seeded prompt of token ids the tiny checkpoints accept (ids below 3 are the special tokens)."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB_SIZE) for _ in range(n)]
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Paged attention stores the key value cache in fixed size blocks.",

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import random
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, LLMEngine, RequestOutputKind, SamplingParams
-from tests.conftest import VOCAB_SIZE
+from tests.conftest import random_tokens as _tokens
 from tests.engine.parity import assert_greedy_parity
 
 PROMPTS = ["The quick brown fox", "Paged attention stores", "Numbers like 12345", "A scheduler batches"]
@@ -139,11 +138,6 @@ def test_eos_stops_unless_ignored(tiny_llama_dir, llm):
     final = _drain(engine)["r"]
     assert final.outputs[0].token_ids == base.token_ids[: base.token_ids.index(base.token_ids[4]) + 1]
     assert final.outputs[0].finish_reason == "stop" and final.outputs[0].stop_reason is None
-
-
-def _tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, VOCAB_SIZE) for _ in range(n)]
 
 
 def _drain_all(engine: LLMEngine) -> list:

@@ -9,12 +9,7 @@ import pytest
 
 from engine import LLM, BeamSearchParams, LLMEngine, RequestOutputKind, SamplingParams
 from engine.block_manager import BlockManager
-from tests.conftest import VOCAB_SIZE
-
-
-def _tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, VOCAB_SIZE) for _ in range(n)]
+from tests.conftest import random_tokens as _tokens
 
 
 # ---- block manager ----------------------------------------------------------------------------
