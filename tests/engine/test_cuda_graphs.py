@@ -86,7 +86,12 @@ def test_padded_step_equals_the_unpadded_one_and_padding_writes_nothing(tiny_lla
     eager = runner._forward(step)
     torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
     for (k, v), (pk, pv), (k0, _) in zip(runner.kv_caches, padded_caches, start):
-        assert torch.equal(k, pk) and torch.equal(v, pv)
+        # CPU GEMMs may round rows differently for 3 and 4 rows: the written values agree to fp32 tolerance;
+        # which slots were written is checked exactly below.
+        torch.testing.assert_close(pk, k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pv, v, rtol=1e-5, atol=1e-5)
+        assert sorted(((pk != k0).flatten(2).any(dim=2).flatten().nonzero().flatten()).tolist()) == \
+            sorted(slot_mapping.tolist())
         slots_changed = (k != k0).flatten(2).any(dim=2).flatten().nonzero().flatten()  # slot = block * 16 + offset
         assert sorted(slots_changed.tolist()) == sorted(slot_mapping.tolist())
 
