@@ -1,4 +1,4 @@
-"""CLI wiring: `pagedq worker`, `demo`, `bulk`, `status`, `dlq`, `bench worker` (registered by engine/cli.py).
+"""CLI wiring: `pagedq worker`, `demo`, `bulk`, `status`, `dlq`, `serve`, `bench worker` (registered by engine/cli.py).
 
 Also runnable without the top-level CLI: ``python -m worker worker --engine stub ...``.
 """
@@ -28,10 +28,27 @@ def register(subparsers: Any) -> None:
     for name, module, help_text in (
             ("bulk", bulk, "run a JSONL file of requests (OpenAI batch format) through the queue, resumably"),
             ("status", status, "workers, queue depths, pending jobs and dead letters"),
-            ("dlq", dlq, "list, retry or purge dead-lettered jobs")):
+            ("dlq", dlq, "list, retry or purge dead-lettered jobs"),
+            ("serve", _LazyServe, "OpenAI-compatible HTTP gateway over the queue (completions, chat, batches)")):
         sub = subparsers.add_parser(name, help=help_text)
         module.add_args(sub)
         sub.set_defaults(func=module.run)
+
+
+class _LazyServe:
+    """`pagedq serve` (worker/gateway/): FastAPI and uvicorn are imported only when it runs."""
+
+    @staticmethod
+    def add_args(p: argparse.ArgumentParser) -> None:
+        from .gateway.serve import add_args
+
+        add_args(p)
+
+    @staticmethod
+    def run(args: argparse.Namespace) -> int:
+        from .gateway.serve import run
+
+        return run(args)
 
 
 def register_bench(bench_subparsers: Any) -> None:

@@ -74,7 +74,6 @@ def parse_result_entry(entry_id: Any, fields: Mapping) -> tuple[str, Delta | Fin
     if kind == "final":
         return "final", FinalRecord.model_validate_json(data)
     payload = json.loads(data)
-    payload.pop("logprobs", None)
     return "delta", Delta(**payload, offset=_s(entry_id))
 
 
@@ -82,12 +81,13 @@ class DeltaFilter:
     """Skips deltas already seen: a redelivered job restarts its deltas at pos 0."""
 
     def __init__(self) -> None:
-        self.next_pos: int | None = None
+        self.next_pos: dict[int, int] = {}  # by sample index (n > 1 jobs stream several samples)
 
     def keep(self, delta: Delta) -> bool:
-        if self.next_pos is not None and delta.pos < self.next_pos:
+        next_pos = self.next_pos.get(delta.index)
+        if next_pos is not None and delta.pos < next_pos:
             return False
-        self.next_pos = delta.pos + len(delta.token_ids)
+        self.next_pos[delta.index] = delta.pos + len(delta.token_ids)
         return True
 
 

@@ -16,6 +16,11 @@ MAX_JOB_ID_CHARS = 200
 Status = Literal["completed", "failed", "cancelled", "expired", "rejected"]
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                    "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs")
+# Sampling fields added after the first wire version: sent only when not at their default, so workers that
+# predate them (which reject unknown fields) still accept every job that does not use them.
+LATER_SAMPLING_DEFAULTS = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                           "min_tokens": 0}
+MAX_N = 16  # parallel samples per job (they share the prompt's KV blocks)
 
 
 _ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
@@ -59,6 +64,11 @@ class Job(BaseModel):
     priority: int = 0
     deadline: float | None = None  # absolute unix time
     metadata: dict[str, Any] | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)  # parallel samples of one prompt (the engine's, one job)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    min_tokens: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _check(self) -> "Job":
@@ -81,11 +91,13 @@ class Job(BaseModel):
             raise ValueError("stop must hold non-empty strings")
         if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative token ids")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens must not exceed max_tokens")
         return self
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for engine.SamplingParams."""
-        return {name: getattr(self, name) for name in SAMPLING_FIELDS}
+        return {name: getattr(self, name) for name in (*SAMPLING_FIELDS, *LATER_SAMPLING_DEFAULTS)}
 
     def chat(self) -> list[dict[str, str]] | None:
         """The messages as plain dicts (what tokenizer.apply_chat_template takes)."""
@@ -93,7 +105,10 @@ class Job(BaseModel):
 
     def to_json(self) -> str:
         # A job without messages serialises without the key, so workers that predate chat still accept it.
-        return self.model_dump_json(exclude={"messages"} if self.messages is None else None)
+        exclude = {name for name, default in LATER_SAMPLING_DEFAULTS.items() if getattr(self, name) == default}
+        if self.messages is None:
+            exclude.add("messages")
+        return self.model_dump_json(exclude=exclude or None)
 
 
 def parse_job(raw: bytes | str) -> Job:
@@ -147,6 +162,17 @@ class Timings(BaseModel):
     total: float | None = None
 
 
+class Choice(BaseModel):
+    """One of the n samples of a job with n > 1, in the final record's ``choices`` (index order)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[str, float]] | None = None
+
+
 class FinalRecord(BaseModel):
     """The one final record of a job, in its result stream and in the completions stream."""
 
@@ -166,6 +192,8 @@ class FinalRecord(BaseModel):
     prompt_logprobs: list[dict[str, float] | None] | None = None  # entry j: prompt token j; the first is None
     worker: str | None = None
     attempts: int = 1
+    # n > 1: every sample (the top-level text/token_ids/finish_reason/logprobs are sample 0's); None when n = 1
+    choices: list[Choice] | None = None
 
     @property
     def ok(self) -> bool:
@@ -180,9 +208,11 @@ class FinalRecord(BaseModel):
 class Delta(BaseModel):
     """One streamed piece of output. ``pos`` is the number of tokens generated before it: a redelivered job
     restarts at pos 0, so consumers skip what they already have. ``offset`` is the result stream entry id to
-    resume from."""
+    resume from. With n > 1 each sample has its own ``index`` and ``pos``."""
 
     text: str
     token_ids: list[int]
     pos: int
     offset: str = ""
+    index: int = 0  # the sample it belongs to (n > 1); pos counts that sample's tokens
+    logprobs: list[dict[str, float]] | None = None

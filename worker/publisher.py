@@ -13,7 +13,7 @@ from typing import Any
 from redis.exceptions import NoScriptError, ResponseError
 
 from . import scripts
-from .job import FinalRecord, Timings, Usage
+from .job import Choice, FinalRecord, Timings, Usage
 from .keys import DATA_FIELD, GROUP, TYPE_FIELD, QueueKeys
 from .tracked import Tracked
 
@@ -43,10 +43,13 @@ class Publisher:
     def __len__(self) -> int:
         return len(self.ops) + len(self.finals) + len(self.celery_done)
 
-    def delta(self, job_id: str, text: str, token_ids: list[int], pos: int, logprobs: list | None) -> None:
+    def delta(self, job_id: str, text: str, token_ids: list[int], pos: int, logprobs: list | None,
+              index: int | None = None) -> None:
         payload: dict[str, Any] = {"text": text, "token_ids": token_ids, "pos": pos}
         if logprobs:
             payload["logprobs"] = logprobs
+        if index is not None:  # n > 1 only: single-sample deltas keep their original shape
+            payload["index"] = index
         key = self.keys.result(job_id)
         self.ops.append(("XADD", key, "*", TYPE_FIELD, "delta", DATA_FIELD, json.dumps(payload)))
         if key not in self.expiring:  # one EXPIRE per stream, not per delta; FINALIZE sets it again
@@ -65,11 +68,18 @@ class Publisher:
         now = now or time.time()
         timings = Timings.model_construct(queue_wait=_dt(t.enqueued_at, t.admitted_at),
                                           ttft=_dt(t.enqueued_at, t.first_token_at), total=_dt(t.enqueued_at, now))
-        usage = Usage.model_construct(prompt_tokens=t.prompt_tokens, completion_tokens=len(t.token_ids))
+        choices = None
+        if t.samples:
+            choices = [Choice.model_construct(index=i, text="".join(s.text_parts), token_ids=s.token_ids,
+                                              finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                                              logprobs=s.logprobs) for i, s in sorted(t.samples.items())]
+        completion_tokens = sum(len(s.token_ids) for s in t.samples.values()) if t.samples else len(t.token_ids)
+        usage = Usage.model_construct(prompt_tokens=t.prompt_tokens, completion_tokens=completion_tokens)
         return FinalRecord.model_construct(
             id=t.id, status=status, text=t.text, token_ids=t.token_ids, finish_reason=t.finish_reason,
             stop_reason=t.stop_reason, usage=usage, timings=timings, metadata=t.job.metadata, error=error,
             logprobs=t.logprobs, prompt_logprobs=t.prompt_logprobs, worker=self.worker_name, attempts=t.attempts,
+            choices=choices,
         )
 
     def take(self) -> list[tuple[Any, ...]]:

@@ -18,6 +18,17 @@ def entry_time(entry_id: str) -> float:
 
 
 @dataclass
+class Sample:
+    """One of the n parallel samples of a job with n > 1 (the engine's CompletionOutput.index)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list[dict[str, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
 class Tracked:
     entry_id: str
     job: Job
@@ -37,6 +48,7 @@ class Tracked:
     stop_reason: int | str | None = None
     blocks_estimate: int = 0
     last_error: str | None = None
+    samples: dict[int, Sample] = field(default_factory=dict)  # n > 1 only, by sample index
 
     def __post_init__(self) -> None:
         if not self.enqueued_at:
@@ -64,5 +76,6 @@ class Tracked:
         """Forget partial output before a rerun (deltas restart at pos 0; consumers dedupe by pos)."""
         self.token_ids, self.text_parts, self.logprobs, self.prompt_logprobs = [], [], None, None
         self.finish_reason = self.stop_reason = None
+        self.samples = {}
         self.first_token_at = None
         self.in_engine = False

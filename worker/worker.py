@@ -24,7 +24,7 @@ from .keys import GROUP, QueueKeys
 from .leases import Heartbeat, Leases
 from .publisher import Publisher, is_celery_entry
 from .recovery import REDIS_DOWN, EngineBreaker, Recovery
-from .tracked import Tracked
+from .tracked import Sample, Tracked
 
 STATUSES = ("completed", "failed", "cancelled", "expired", "rejected")
 
@@ -267,12 +267,15 @@ class Worker(Recovery):
         self.breaker.step_succeeded()
         now = time.time()
         for out in outputs:
-            self.tokens_generated += len(out.outputs[0].token_ids) if out.outputs else 0
+            self.tokens_generated += sum(len(c.token_ids) for c in out.outputs)
             t = self.held.get(out.request_id)
             if t is not None:
                 self._absorb(t, out, now)
 
     def _absorb(self, t: Tracked, out: Any, now: float) -> None:
+        if t.job.n > 1:
+            self._absorb_samples(t, out, now)
+            return
         c = out.outputs[0]
         if t.entry_id in self.waiting_ids:
             self.waiting_ids.discard(t.entry_id)
@@ -299,6 +302,40 @@ class Worker(Recovery):
             else:
                 self._finalize(t, "completed")
 
+    def _absorb_samples(self, t: Tracked, out: Any, now: float) -> None:
+        """A job with n > 1: the engine's parallel samples, each kept (and streamed) under its index."""
+        if t.entry_id in self.waiting_ids:
+            self.waiting_ids.discard(t.entry_id)
+            self.waiting_blocks -= t.blocks_estimate
+        t.prompt_tokens = len(out.prompt_token_ids or ())
+        for c in out.outputs:
+            s = t.samples.setdefault(c.index, Sample())
+            if c.token_ids and t.first_token_at is None:
+                t.first_token_at = now
+            pos = len(s.token_ids)
+            s.token_ids.extend(c.token_ids)
+            s.text_parts.append(c.text)
+            lps = [{str(k): float(v) for k, v in d.items()} for d in c.logprobs] if c.logprobs else None
+            if lps:
+                s.logprobs = (s.logprobs or []) + lps
+            if t.job.stream and (c.token_ids or c.text):
+                self.publisher.delta(t.id, c.text, list(c.token_ids), pos, lps, index=c.index)
+            if c.finish_reason is not None:
+                s.finish_reason, s.stop_reason = c.finish_reason, c.stop_reason
+        if out.finished:
+            t.in_engine = False
+            self._adopt_first_sample(t)
+            aborted = any(s.finish_reason == "abort" for s in t.samples.values())
+            self._finalize(t, "failed" if aborted else "completed",
+                           "the engine aborted the request" if aborted else None)
+
+    @staticmethod
+    def _adopt_first_sample(t: Tracked) -> None:
+        """The record's top-level output is sample 0's, so consumers that predate n > 1 still read one."""
+        first = t.samples.get(0) or Sample()
+        t.token_ids, t.text_parts, t.logprobs = first.token_ids, first.text_parts, first.logprobs
+        t.finish_reason, t.stop_reason = first.finish_reason, first.stop_reason
+
     # ------------------------------------------------------------------ cancel, deadlines, final records
     def _apply_cancels(self, job_ids: list[str]) -> None:
         wanted = set(job_ids)
@@ -317,7 +354,10 @@ class Worker(Recovery):
     def _stop_early(self, t: Tracked, status: str, reason: str) -> None:
         """Cancel or expire a queued or running job; a running one keeps its partial output."""
         out = self._leave_engine(t, abort=True)
-        if out is not None and out.outputs:
+        if out is not None and out.outputs and t.job.n > 1:
+            t.samples = {c.index: Sample(list(c.token_ids), [c.text], finish_reason="abort") for c in out.outputs}
+            self._adopt_first_sample(t)
+        elif out is not None and out.outputs:
             c = out.outputs[0]  # abort returns the cumulative output: authoritative over our deltas
             t.token_ids, t.text_parts = list(c.token_ids), [c.text]
             t.finish_reason = "abort"

@@ -1,0 +1,116 @@
+"""POST /v1/completions and /v1/chat/completions through the official openai SDK (sync and async) against
+`pagedq serve` + Redis + a worker on a tiny checkpoint. Oracle: the engine's own LLM.generate on the same
+checkpoint with the same SamplingParams (greedy, and seeded sampling with the extras)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from engine import LLM, LLMEngine, SamplingParams
+
+from ..conftest import random_tokens
+from .conftest import gateway_thread, llm_tokens, wait_live, worker_thread
+
+PROMPT = "The quick brown fox"
+
+
+def test_completions_greedy_token_identical_to_llm_generate(redis_url, tiny_llama_dir):
+    ids_prompt = random_tokens(20, seed=3)
+    expected = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64).generate(
+        [PROMPT, ids_prompt], SamplingParams(max_tokens=12, temperature=0.0, logprobs=1))
+    engine = LLMEngine(str(tiny_llama_dir), device="cpu", num_kv_blocks=64)
+    with worker_thread(engine, redis_url), gateway_thread(redis_url) as base:
+        wait_live(base)
+        sdk = openai.OpenAI(base_url=base, api_key="unused")
+        model = sdk.models.list().data[0].id
+        got = [sdk.completions.create(model=model, prompt=p, max_tokens=12, temperature=0, logprobs=1)
+               for p in (PROMPT, ids_prompt)]
+    for response, want in zip(got, expected):
+        choice, ref = response.choices[0], want.outputs[0]
+        assert llm_tokens(choice.logprobs.tokens) == ref.token_ids
+        assert choice.text == ref.text and choice.finish_reason == ref.finish_reason
+        assert choice.logprobs.token_logprobs == pytest.approx([d[t] for t, d in zip(ref.token_ids, ref.logprobs)],
+                                                               abs=1e-4)
+        assert response.usage.prompt_tokens == len(want.prompt_token_ids)
+        assert response.usage.completion_tokens == len(ref.token_ids)
+        assert response.object == "text_completion" and response.id.startswith("cmpl-")
+
+
+def test_seeded_sampling_with_extras_equals_llm_generate(redis_url, tiny_llama_dir):
+    """OpenAI's and vLLM's (extra_body) sampling fields all reach the engine's SamplingParams."""
+    params = dict(max_tokens=10, temperature=0.9, top_p=0.9, seed=7, presence_penalty=0.5, frequency_penalty=0.3,
+                  stop=["zz"])
+    extras = dict(top_k=40, min_p=0.01, repetition_penalty=1.2, min_tokens=4, ignore_eos=True)
+    ref = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64).generate(
+        PROMPT, SamplingParams(**params, **extras, logprobs=0))[0].outputs[0]
+    engine = LLMEngine(str(tiny_llama_dir), device="cpu", num_kv_blocks=64)
+    with worker_thread(engine, redis_url), gateway_thread(redis_url) as base:
+        wait_live(base)
+        sdk = openai.OpenAI(base_url=base, api_key="unused")
+        model = sdk.models.list().data[0].id
+        response = sdk.completions.create(model=model, prompt=PROMPT, logprobs=0, user="u-1",
+                                          extra_body={**extras, "priority": 3}, **params)
+    assert llm_tokens(response.choices[0].logprobs.tokens) == ref.token_ids
+    assert response.choices[0].text == ref.text
+
+
+def test_chat_sync_and_async_sdk_equal_llm_generate(redis_url, chat_llama_dir):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Paged attention?"}]
+    tokenizer = AutoTokenizer.from_pretrained(str(chat_llama_dir))
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer(rendered, add_special_tokens=False).input_ids
+    ref = LLM(str(chat_llama_dir), device="cpu", num_kv_blocks=64).generate(
+        [prompt_ids], SamplingParams(max_tokens=8, temperature=0.0, logprobs=2))[0]
+    engine = LLMEngine(str(chat_llama_dir), device="cpu", num_kv_blocks=64)
+    with worker_thread(engine, redis_url), gateway_thread(redis_url) as base:
+        wait_live(base)
+        sdk = openai.OpenAI(base_url=base, api_key="unused")
+        model = sdk.models.list().data[0].id
+        sync = sdk.chat.completions.create(model=model, messages=messages, max_completion_tokens=8, temperature=0,
+                                           logprobs=True, top_logprobs=2)
+
+        async def both_async():
+            async with openai.AsyncOpenAI(base_url=base, api_key="unused") as client:
+                return await asyncio.gather(*[client.chat.completions.create(
+                    model=model, messages=messages, max_tokens=8, temperature=0) for _ in range(3)])
+
+        many = asyncio.run(both_async())
+    out = ref.outputs[0]
+    assert sync.object == "chat.completion" and sync.choices[0].message.role == "assistant"
+    assert sync.choices[0].message.content == out.text
+    assert llm_tokens([t.token for t in sync.choices[0].logprobs.content]) == out.token_ids
+    assert all(len(t.top_logprobs) == 2 for t in sync.choices[0].logprobs.content)
+    assert sync.usage.prompt_tokens == len(prompt_ids)
+    assert [r.choices[0].message.content for r in many] == [out.text] * 3
+
+
+def test_unknown_and_out_of_range_fields_are_400(redis_url, tiny_llama_dir):
+    engine = LLMEngine(str(tiny_llama_dir), device="cpu", num_kv_blocks=64)
+    with worker_thread(engine, redis_url), gateway_thread(redis_url) as base:
+        wait_live(base)
+        sdk = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
+        model = sdk.models.list().data[0].id
+        cases = [dict(extra_body={"bogus": 1}), dict(temperature=-1), dict(extra_body={"top_k": -5}),
+                 dict(n=100), dict(best_of=2), dict(echo=True), dict(prompt=["a", "b"]),
+                 dict(extra_body={"min_tokens": 50}, max_tokens=5)]
+        errors = []
+        for case in cases:
+            kwargs = {"model": model, "prompt": PROMPT, "max_tokens": 4, **case}
+            with pytest.raises(openai.BadRequestError) as info:
+                sdk.completions.create(**kwargs)
+            errors.append(info.value.body)
+        with pytest.raises(openai.BadRequestError) as info:
+            sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                        tools=[{"type": "function", "function": {"name": "f"}}])
+        errors.append(info.value.body)
+        with pytest.raises(openai.NotFoundError) as missing:
+            sdk.completions.create(model="no-such-model", prompt=PROMPT)
+    for body in errors:
+        assert set(body) == {"message", "type", "param", "code"} and body["type"] == "invalid_request_error"
+    assert "bogus" in errors[0]["message"] and "unsupported" in errors[0]["message"]
+    assert "min_tokens" in errors[-2]["message"]
+    assert missing.value.body["code"] == "model_not_found"

@@ -1,0 +1,113 @@
+"""The FastAPI application of `pagedq serve`: routes, authentication, the shared AsyncClient."""
+
+from __future__ import annotations
+
+import hmac
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from redis.asyncio import Redis
+
+from ..aclient import AsyncClient
+from ..errors import ResultTimeout
+from ..settings import GatewaySettings
+from . import errors
+from .chat import ChatEndpoint
+from .completions import CompletionEndpoint
+from .errors import OpenAIError, record_error
+from .jobs import build, check_model, submit, wait_timeout
+from .render import now
+from .schemas import ChatCompletionRequest, CompletionRequest
+from .streaming import StreamTracker, sse
+from .workers import LiveWorkers
+
+
+class Gateway:
+    """What the routes share: settings, the queue client, the live-worker view, open streams."""
+
+    def __init__(self, settings: GatewaySettings, redis: Redis | None = None) -> None:
+        self.settings = settings
+        self.client = AsyncClient(settings.redis_url, settings.queue, max_queue_depth=settings.max_queue_depth,
+                                  redis=redis)
+        self.live = LiveWorkers(self.client.r, self.client.keys, settings.worker_cache_s)
+        self.streams = StreamTracker()
+
+    async def generate(self, endpoint: CompletionEndpoint) -> Response:
+        body = endpoint.body
+        endpoint.model = await check_model(self.live, body.model, self.settings.queue)
+        job = build(endpoint.job_fields(self.settings))
+        job_id = await submit(self.client, job, self.settings.retry_after_s)
+        timeout = wait_timeout(body, self.settings)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(sse(self.client, endpoint, job_id, include_usage, timeout, self.streams),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        if body.stream_options is not None:
+            raise OpenAIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        try:
+            record = await self.client.result(job_id, timeout=timeout)
+        except ResultTimeout:
+            await self.client.cancel(job_id)
+            raise OpenAIError(504, f"job {job_id}: no result within {timeout} s", code="timeout") from None
+        if record.status != "completed":
+            raise record_error(record)
+        return JSONResponse(endpoint.response(record))
+
+
+def create_app(settings: GatewaySettings | None = None, redis: Redis | None = None) -> FastAPI:
+    settings = settings or GatewaySettings()
+    gateway = Gateway(settings, redis)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await gateway.client.aclose()
+
+    app = FastAPI(title="pagedq gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.gateway = gateway
+    errors.install(app)
+    auth = Depends(_authenticate(settings.api_keys))
+
+    @app.post("/v1/completions", dependencies=[auth])
+    async def completions(body: CompletionRequest) -> Response:
+        return await gateway.generate(CompletionEndpoint(body, body.model, now()))
+
+    @app.post("/v1/chat/completions", dependencies=[auth])
+    async def chat_completions(body: ChatCompletionRequest) -> Response:
+        return await gateway.generate(ChatEndpoint(body, body.model, now()))
+
+    @app.get("/v1/models", dependencies=[auth])
+    async def models() -> dict[str, Any]:
+        served = await gateway.live.models()
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": info["created"],
+                                            "owned_by": "pagedq", "workers": info["workers"]}
+                                           for name, info in sorted(served.items())]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        try:
+            await gateway.client.r.ping()
+        except Exception as exc:  # Redis down: the gateway can take nothing in
+            return JSONResponse({"status": "unavailable", "redis": repr(exc)}, status_code=503)
+        live = await gateway.live.heartbeats()
+        return JSONResponse({"status": "ok", "redis": "ok", "live_workers": len(live),
+                             "open_streams": gateway.streams.open})
+
+    return app
+
+
+def _authenticate(keys: list[str]):
+    encoded = [k.encode() for k in keys]
+
+    async def check(request: Request) -> None:
+        if not encoded:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(token.strip().encode(), k) for k in encoded):
+            raise OpenAIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                              code="invalid_api_key")
+
+    return check

@@ -1,0 +1,60 @@
+"""POST /v1/completions: the request as a job, the final record and deltas in OpenAI's shapes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..job import Delta, FinalRecord
+from ..settings import GatewaySettings
+from .errors import OpenAIError
+from .jobs import sampling_fields
+from .render import choices_of, completion_logprobs, usage
+from .schemas import CompletionRequest
+
+
+class CompletionEndpoint:
+    object_name = "text_completion"
+    id_prefix = "cmpl-"
+
+    def __init__(self, body: CompletionRequest, model: str, created: int) -> None:
+        self.body, self.model, self.created = body, model, created
+        self.k = body.logprobs
+
+    def job_fields(self, settings: GatewaySettings) -> dict[str, Any]:
+        fields = sampling_fields(self.body, settings, self.body.max_tokens)
+        prompt = self.body.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):  # a list of prompts
+            if len(prompt) != 1:
+                raise OpenAIError(400, "one prompt per request (send several requests, or use the Batch API)",
+                                  param="prompt", code="unsupported")
+            prompt = prompt[0]
+        if isinstance(prompt, list):
+            fields["prompt_token_ids"] = prompt
+        else:
+            fields["prompt"] = prompt
+        if self.k is not None:
+            fields["logprobs"] = self.k
+        return fields
+
+    def envelope(self, job_id: str, choices: list[dict], **extra: Any) -> dict[str, Any]:
+        return {"id": self.id_prefix + job_id, "object": self.object_name, "created": self.created,
+                "model": self.model, "choices": choices, **extra}
+
+    def response(self, record: FinalRecord) -> dict[str, Any]:
+        choices = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
+                    "logprobs": completion_logprobs(c.token_ids, c.logprobs, self.k or 0)
+                    if self.k is not None else None} for c in choices_of(record)]
+        return self.envelope(record.id, choices, usage=usage(record))
+
+    # --- streaming
+    def opening(self, job_id: str) -> list[dict[str, Any]]:
+        return []
+
+    def delta_chunk(self, job_id: str, delta: Delta) -> dict[str, Any]:
+        lps = (completion_logprobs(delta.token_ids, delta.logprobs, self.k or 0) if self.k is not None else None)
+        return self.envelope(job_id, [{"index": delta.index, "text": delta.text, "logprobs": lps,
+                                       "finish_reason": None}])
+
+    def closing(self, record: FinalRecord) -> list[dict[str, Any]]:
+        return [self.envelope(record.id, [{"index": c.index, "text": "", "logprobs": None,
+                                           "finish_reason": c.finish_reason}]) for c in choices_of(record)]

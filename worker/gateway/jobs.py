@@ -1,0 +1,69 @@
+"""From an OpenAI request body to one queue job, and its submission (errors mapped to OpenAI's)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..aclient import AsyncClient
+from ..client import make_job
+from ..errors import JobRejected, QueueFullError
+from ..job import Job, new_job_id
+from ..settings import GatewaySettings
+from .errors import OpenAIError
+from .schemas import SamplingBody
+from .workers import LiveWorkers
+
+OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop_token_ids")
+
+
+def sampling_fields(body: SamplingBody, settings: GatewaySettings, max_tokens: int | None) -> dict[str, Any]:
+    """Job keywords shared by completions and chat; fields the client left out keep the job's defaults."""
+    fields: dict[str, Any] = {name: getattr(body, name) for name in OPTIONAL if getattr(body, name) is not None}
+    fields.update(max_tokens=max_tokens or settings.default_max_tokens, n=body.n, min_tokens=body.min_tokens,
+                  presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                  ignore_eos=body.ignore_eos, stream=body.stream, priority=-body.priority)
+    if body.stop is not None:
+        fields["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+    if body.timeout is not None:
+        if body.timeout > settings.max_timeout_s:
+            raise OpenAIError(400, f"timeout must be at most {settings.max_timeout_s} s", param="timeout")
+        fields["deadline"] = time.time() + body.timeout
+    if body.user is not None:
+        fields["metadata"] = {"user": body.user}
+    return fields
+
+
+def build(fields: dict[str, Any]) -> Job:
+    try:
+        return make_job(job_id=new_job_id(), **fields)
+    except JobRejected as exc:
+        raise OpenAIError(400, str(exc), code="invalid_request") from None
+
+
+async def check_model(live: LiveWorkers, model: str, queue: str) -> str:
+    """503 when no worker is alive on the queue, 404 when none serves the model; the model id otherwise."""
+    models = await live.models()
+    if not models:
+        raise OpenAIError(503, f"no live worker serves queue {queue!r}", code="no_live_worker",
+                          headers={"Retry-After": "5"})
+    for name, info in models.items():
+        if model in (name, info.get("path")):
+            return name
+    raise OpenAIError(404, f"model {model!r} is not served here (served: {', '.join(sorted(models))})",
+                      param="model", code="model_not_found")
+
+
+async def submit(client: AsyncClient, job: Job, retry_after_s: int) -> str:
+    try:
+        return (await client.submit_many([job]))[0]
+    except QueueFullError as exc:
+        raise OpenAIError(429, f"the queue is full: {exc}", code="queue_full",
+                          headers={"Retry-After": str(retry_after_s)}) from None
+    except JobRejected as exc:
+        raise OpenAIError(400, str(exc), code="invalid_request") from None
+
+
+def wait_timeout(body: SamplingBody, settings: GatewaySettings) -> float:
+    """How long a non-streamed request waits for its final record: a little past the job's deadline."""
+    return (body.timeout + 5.0) if body.timeout is not None else settings.max_timeout_s

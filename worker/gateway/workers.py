@@ -1,0 +1,46 @@
+"""Live workers of the queue, from their heartbeats (worker/leases.py): what /v1/models lists and what
+decides 503. A heartbeat key expires unless its worker refreshes it, so an existing key is a live worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from ..keys import QueueKeys
+
+STALE_S = 3600.0  # members of the workers set scored older than this are not even looked up
+
+
+def model_id(model: str) -> str:
+    """The id a model is served under: a checkpoint folder's name (the worker reports its path)."""
+    return os.path.basename(model.rstrip("/")) or model
+
+
+class LiveWorkers:
+    def __init__(self, redis_client: Any, keys: QueueKeys, cache_s: float) -> None:
+        self.r, self.keys, self.cache_s = redis_client, keys, cache_s
+        self._cached: tuple[float, list[dict]] | None = None
+
+    async def heartbeats(self) -> list[dict]:
+        """Heartbeats of the workers that are alive and admitting (draining ones are not)."""
+        now = time.monotonic()
+        if self._cached is not None and now - self._cached[0] < self.cache_s:
+            return self._cached[1]
+        names = await self.r.zrangebyscore(self.keys.workers, time.time() - STALE_S, "+inf")
+        raws = await self.r.mget([self.keys.heartbeat(n.decode()) for n in names]) if names else []
+        live = [beat for beat in (json.loads(raw) for raw in raws if raw) if beat.get("state") != "draining"]
+        self._cached = (now, live)
+        return live
+
+    async def models(self) -> dict[str, dict]:
+        """Model id -> {"created", "workers"} over the live workers."""
+        served: dict[str, dict] = {}
+        for beat in await self.heartbeats():
+            name = model_id(str(beat.get("model") or "unknown"))
+            entry = served.setdefault(name, {"created": int(beat.get("started_at") or time.time()), "workers": 0,
+                                             "path": beat.get("model")})
+            entry["created"] = min(entry["created"], int(beat.get("started_at") or time.time()))
+            entry["workers"] += 1
+        return served

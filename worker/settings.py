@@ -1,0 +1,51 @@
+"""Settings of the pagedq commands that talk to Redis, from flags and PAGEDQ_* environment variables.
+
+`QueueSettings` is the part every producer-side command shares (the Redis URL and the queue); a command
+adds its own fields in a subclass. Precedence: explicit flags (passed as keywords), then the environment
+(`PAGEDQ_REDIS_URL`, `PAGEDQ_QUEUE`, `PAGEDQ_API_KEYS`, ...), then the defaults here.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class QueueSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="PAGEDQ_", extra="ignore")
+
+    redis_url: str = "redis://localhost:6379/0"
+    queue: str = Field(default="default", min_length=1, max_length=100, pattern=r"^[^{}:\s]+$")
+
+
+class GatewaySettings(QueueSettings):
+    """`pagedq serve`: the OpenAI-compatible HTTP gateway (worker/gateway/)."""
+
+    host: str = "127.0.0.1"  # an open gateway (no API keys) is only reachable from this machine by default
+    port: int = Field(default=8000, ge=0, le=65535)
+    # Bearer tokens accepted; empty: no authentication. PAGEDQ_API_KEYS takes a comma-separated list.
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    max_queue_depth: int = Field(default=10_000, ge=1, le=10_000_000)  # 429 beyond this many unfinished jobs
+    retry_after_s: int = Field(default=1, ge=1, le=3600)  # the Retry-After of a 429
+    default_max_tokens: int = Field(default=16, ge=1, le=1_000_000)  # OpenAI's completions default
+    max_timeout_s: float = Field(default=3600.0, gt=0, le=86_400)  # bound on a request's `timeout`
+    worker_cache_s: float = Field(default=1.0, ge=0, le=60)  # how long the live-worker lookup is reused
+    batch_priority: int = Field(default=-100, ge=-1_000_000, le=1_000_000)  # Batch API jobs: below web traffic
+    batch_window: int = Field(default=256, ge=1, le=100_000)  # jobs of one batch in flight at most
+    log_level: str = Field(default="info", pattern=r"^(debug|info|warning|error)$")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [k.strip() for k in value.split(",") if k.strip()]
+        return value
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys_not_empty(cls, value: list[str]) -> list[str]:
+        if any(not k for k in value):
+            raise ValueError("API keys must be non-empty")
+        return value
