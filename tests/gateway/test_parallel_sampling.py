@@ -1,0 +1,46 @@
+"""n > 1 through ONE job, served by the engine's own parallel sampling: the samples (non-streamed and
+streamed, by index) equal LLM.generate's with the same SamplingParams; old consumers still read sample 0
+at the record's top level."""
+
+from __future__ import annotations
+
+import openai
+
+from engine import LLM, LLMEngine, SamplingParams
+from worker import Client
+from worker.keys import QueueKeys
+
+from .conftest import gateway_thread, llm_tokens, wait_live, worker_thread
+
+PROMPT = "Redis streams carry jobs"
+
+
+def test_n3_seeded_samples_equal_the_engines(redis_url, chat_llama_dir):
+    params = SamplingParams(n=3, temperature=0.8, seed=11, max_tokens=10, logprobs=0)
+    ref = LLM(str(chat_llama_dir), device="cpu", num_kv_blocks=64).generate(PROMPT, params)[0].outputs
+    assert len({tuple(o.token_ids) for o in ref}) > 1  # the samples differ: the test can tell them apart
+    engine = LLMEngine(str(chat_llama_dir), device="cpu", num_kv_blocks=64)
+    with worker_thread(engine, redis_url), gateway_thread(redis_url) as base:
+        wait_live(base)
+        sdk = openai.OpenAI(base_url=base, api_key="x")
+        model = sdk.models.list().data[0].id
+        whole = sdk.completions.create(model=model, prompt=PROMPT, n=3, temperature=0.8, seed=11, max_tokens=10,
+                                       logprobs=0)
+        chunks = list(sdk.completions.create(model=model, prompt=PROMPT, n=3, temperature=0.8, seed=11,
+                                             max_tokens=10, stream=True))
+        chat = sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], n=3,
+                                           temperature=0.8, seed=11, max_tokens=6)
+        job_id = whole.id.removeprefix("cmpl-")
+        record = Client(redis_url).final(job_id)
+        jobs_enqueued = Client(redis_url).r.xlen(QueueKeys().completions)  # one final record per job
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [llm_tokens(c.logprobs.tokens) for c in whole.choices] == [o.token_ids for o in ref]
+    assert [c.text for c in whole.choices] == [o.text for o in ref]
+    assert whole.usage.completion_tokens == sum(len(o.token_ids) for o in ref)
+    streamed = {i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(3)}
+    assert streamed == {i: o.text for i, o in enumerate(ref)}
+    assert len(chat.choices) == 3 and len({c.message.content for c in chat.choices}) > 1
+    assert jobs_enqueued == 3  # one job per request, not one per sample
+    assert record.token_ids == ref[0].token_ids and [c.token_ids for c in record.choices] == [o.token_ids
+                                                                                              for o in ref]
