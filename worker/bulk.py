@@ -132,7 +132,12 @@ def file_digest(path: Path) -> tuple[str, int]:
 
 
 # ---------------------------------------------------------------------------------------------- output lines
-def output_line(custom_id: str, job_id: str, record: dict[str, Any], kind: str) -> dict[str, Any]:
+def output_line(custom_id: str, job_id: str, record: dict[str, Any], kind: str,
+                body: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One output line; `body` replaces the response body built here (the gateway's Batch API passes its own)."""
+    if body is not None:
+        return {"id": f"batch_req_{job_id}", "custom_id": custom_id,
+                "response": {"status_code": 200, "request_id": job_id, "body": body}, "error": None}
     text, finish = record.get("text", ""), record.get("finish_reason")
     choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
                "logprobs": None} if kind == "chat" else

@@ -63,6 +63,26 @@ class QueueKeys:
         """Set of job ids a `pagedq bulk` run has enqueued (makes its enqueue idempotent across restarts)."""
         return f"{self.base}:bulk:{run_id}:enqueued"
 
+    def file(self, file_id: str) -> str:
+        """Hash of one file of the gateway's Files API: fields meta (JSON) and content (its bytes)."""
+        return f"{self.base}:file:{file_id}"
+
+    def file_lines(self, file_id: str) -> str:
+        """List of the lines of a file a batch writes as it goes (its output or error file)."""
+        return f"{self.base}:file:{file_id}:lines"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash of one batch of the gateway's Batch API (its OpenAI batch object's fields, JSON-encoded)."""
+        return f"{self.base}:batch:{batch_id}"
+
+    def batch_answered(self, batch_id: str) -> str:
+        """Set of the custom_ids (or "line:<n>" for lines without one) a batch has written a line for."""
+        return f"{self.base}:batch:{batch_id}:answered"
+
+    def batch_runner(self, batch_id: str) -> str:
+        """A gateway's lease on running a batch (expires unless renewed: another gateway takes over)."""
+        return f"{self.base}:batch:{batch_id}:runner"
+
     def result(self, job_id: str) -> str:
         """Per-job result stream: delta records (if streamed), then exactly one final record."""
         return f"{self.base}:result:{job_id}"

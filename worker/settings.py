@@ -34,6 +34,7 @@ class GatewaySettings(QueueSettings):
     worker_cache_s: float = Field(default=1.0, ge=0, le=60)  # how long the live-worker lookup is reused
     batch_priority: int = Field(default=-100, ge=-1_000_000, le=1_000_000)  # Batch API jobs: below web traffic
     batch_window: int = Field(default=256, ge=1, le=100_000)  # jobs of one batch in flight at most
+    file_ttl_s: int = Field(default=7 * 86_400, ge=60, le=365 * 86_400)  # Files and batches kept this long
     log_level: str = Field(default="info", pattern=r"^(debug|info|warning|error)$")
 
     @field_validator("api_keys", mode="before")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
@@ -16,7 +17,11 @@ from ..settings import GatewaySettings
 from . import errors
 from .chat import ChatEndpoint
 from .completions import CompletionEndpoint
+from .batches import Batches
+from .batches import router as batch_router
 from .errors import OpenAIError, record_error
+from .files import FileStore
+from .files import router as file_router
 from .jobs import build, check_model, submit, wait_timeout
 from .render import now
 from .schemas import ChatCompletionRequest, CompletionRequest
@@ -33,6 +38,8 @@ class Gateway:
                                   redis=redis)
         self.live = LiveWorkers(self.client.r, self.client.keys, settings.worker_cache_s)
         self.streams = StreamTracker()
+        self.files = FileStore(self.client.r, self.client.keys, settings.file_ttl_s)
+        self.batches = Batches(self.client, self.files, self.live, settings)
 
     async def generate(self, endpoint: CompletionEndpoint) -> Response:
         body = endpoint.body
@@ -63,12 +70,17 @@ def create_app(settings: GatewaySettings | None = None, redis: Redis | None = No
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
+        for task in list(gateway.batches.tasks):  # their lease expires: the next GET on any gateway resumes them
+            task.cancel()
+        await asyncio.gather(*gateway.batches.tasks, *gateway.streams.cancels, return_exceptions=True)
         await gateway.client.aclose()
 
     app = FastAPI(title="pagedq gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gateway
     errors.install(app)
     auth = Depends(_authenticate(settings.api_keys))
+    app.include_router(file_router(gateway.files, auth))
+    app.include_router(batch_router(gateway.batches, auth))
 
     @app.post("/v1/completions", dependencies=[auth])
     async def completions(body: CompletionRequest) -> Response:

@@ -16,9 +16,10 @@ class ChatEndpoint(CompletionEndpoint):
     object_name = "chat.completion"
     id_prefix = "chatcmpl-"
 
-    def __init__(self, body: ChatCompletionRequest, model: str, created: int) -> None:  # type: ignore[override]
+    def __init__(self, body: ChatCompletionRequest | None, model: str, created: int,  # type: ignore[override]
+                 k: int | None = None) -> None:
         self.body, self.model, self.created = body, model, created
-        self.k = (body.top_logprobs or 0) if body.logprobs else None
+        self.k = ((body.top_logprobs or 0) if body.logprobs else None) if body is not None else k
 
     def job_fields(self, settings: GatewaySettings) -> dict[str, Any]:
         body = self.body

@@ -16,9 +16,10 @@ class CompletionEndpoint:
     object_name = "text_completion"
     id_prefix = "cmpl-"
 
-    def __init__(self, body: CompletionRequest, model: str, created: int) -> None:
+    def __init__(self, body: CompletionRequest | None, model: str, created: int, k: int | None = None) -> None:
+        """body None: only rendering a record (the Batch API), with `k` log-probabilities per token."""
         self.body, self.model, self.created = body, model, created
-        self.k = body.logprobs
+        self.k = body.logprobs if body is not None else k
 
     def job_fields(self, settings: GatewaySettings) -> dict[str, Any]:
         fields = sampling_fields(self.body, settings, self.body.max_tokens)

@@ -1,0 +1,256 @@
+"""The Batch API: POST /v1/batches, GET /v1/batches/{id}, POST /v1/batches/{id}/cancel, on the machinery of
+`pagedq bulk` (worker/bulk.py: its line parser, job ids, idempotent enqueue script and output lines).
+
+A batch's state is a Redis hash, its output and error files are Redis lists, and the gateway that runs it
+holds a lease: if that gateway dies, the next GET of the batch (on any gateway) takes the run over. The
+rerun enqueues nothing twice (bulk's ENQUEUE script) and writes no line twice (APPEND_ONCE below).
+Batch jobs run at a low priority (settings.batch_priority), below interactive traffic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, Iterator, Literal
+
+from fastapi import APIRouter
+from pydantic import Field
+
+from .. import bulk
+from ..aclient import AsyncClient
+from ..client import make_job
+from ..errors import JobRejected
+from ..job import FinalRecord
+from ..settings import GatewaySettings
+from .chat import ChatEndpoint
+from .completions import CompletionEndpoint
+from .errors import OpenAIError, record_error
+from .files import FileStore
+from .schemas import Strict
+from .workers import LiveWorkers
+
+# KEYS: the batch's answered set, the file's line list; ARGV: answer key, line. Writes each answer once.
+APPEND_ONCE = """
+if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then
+  redis.call('RPUSH', KEYS[2], ARGV[2])
+  return 1
+end
+return 0
+"""
+LEASE_S = 15
+POLL_S = 0.05
+ACTIVE = ("validating", "in_progress", "cancelling")
+ENDPOINT_KIND = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+
+
+class BatchCreate(Strict):
+    input_file_id: str = Field(min_length=1, max_length=200)
+    endpoint: Literal["/v1/completions", "/v1/chat/completions"]
+    completion_window: Literal["24h"]
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)
+
+
+class Batches:
+    def __init__(self, client: AsyncClient, files: FileStore, live: LiveWorkers, settings: GatewaySettings) -> None:
+        self.client, self.r, self.keys, self.files, self.live, self.s = client, client.r, client.keys, files, live, \
+            settings
+        self.enqueue = self.r.register_script(bulk.ENQUEUE)
+        self.append_once = self.r.register_script(APPEND_ONCE)
+        self.tasks: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------------ the batch object
+    async def create(self, req: BatchCreate) -> dict[str, Any]:
+        content = await self.files.content(req.input_file_id)
+        batch_id = f"batch_{uuid.uuid4().hex}"
+        now = int(time.time())
+        obj = {"id": batch_id, "object": "batch", "endpoint": req.endpoint, "errors": None,
+               "input_file_id": req.input_file_id, "completion_window": req.completion_window,
+               "status": "validating", "output_file_id": f"file-{batch_id}-output",
+               "error_file_id": f"file-{batch_id}-errors", "created_at": now, "in_progress_at": None,
+               "expires_at": now + 86_400, "finalizing_at": None, "completed_at": None, "failed_at": None,
+               "expired_at": None, "cancelling_at": None, "cancelled_at": None, "metadata": req.metadata,
+               "total": sum(1 for line in content.splitlines() if line.strip())}
+        for kind in ("output", "errors"):
+            await self.files.declare_lines(obj[f"{'output' if kind == 'output' else 'error'}_file_id"],
+                                           f"{batch_id}_{kind}.jsonl", "batch_output")
+        await self.r.hset(self.keys.batch(batch_id), mapping={k: json.dumps(v) for k, v in obj.items()})
+        await self.r.expire(self.keys.batch(batch_id), self.s.file_ttl_s)
+        self._start(batch_id)
+        return await self.get(batch_id)
+
+    async def get(self, batch_id: str) -> dict[str, Any]:
+        raw = await self.r.hgetall(self.keys.batch(batch_id))
+        if not raw:
+            raise OpenAIError(404, f"no batch {batch_id!r}", param="batch_id", code="batch_not_found")
+        obj = {k.decode(): json.loads(v) for k, v in raw.items()}
+        completed = await self.r.llen(self.keys.file_lines(obj["output_file_id"]))
+        failed = await self.r.llen(self.keys.file_lines(obj["error_file_id"]))
+        obj["request_counts"] = {"total": obj.pop("total"), "completed": completed, "failed": failed}
+        if obj["status"] in ACTIVE and not await self.r.exists(self.keys.batch_runner(batch_id)):
+            self._start(batch_id)  # its gateway went away: run it here (nothing is enqueued or written twice)
+        return obj
+
+    async def cancel(self, batch_id: str) -> dict[str, Any]:
+        obj = await self.get(batch_id)
+        if obj["status"] in ACTIVE[:2]:
+            await self._set(batch_id, status="cancelling", cancelling_at=int(time.time()))
+        return await self.get(batch_id)
+
+    async def _set(self, batch_id: str, **fields: Any) -> None:
+        await self.r.hset(self.keys.batch(batch_id), mapping={k: json.dumps(v) for k, v in fields.items()})
+
+    def _start(self, batch_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._run(batch_id))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    # ------------------------------------------------------------------ the run
+    async def _run(self, batch_id: str) -> None:
+        lease, token = self.keys.batch_runner(batch_id), uuid.uuid4().hex
+        if not await self.r.set(lease, token, nx=True, ex=LEASE_S):
+            return  # another gateway runs it
+        try:
+            await BatchRun(self, batch_id, lease).run()
+        finally:
+            if (await self.r.get(lease)) == token.encode():
+                await self.r.delete(lease)
+
+
+class BatchRun:
+    """One gateway's run of one batch: a window of jobs in flight, lines written as their jobs finish."""
+
+    def __init__(self, batches: Batches, batch_id: str, lease: str) -> None:
+        self.b, self.batch_id, self.lease = batches, batch_id, lease
+        self.pending: dict[str, tuple[str, str, int | None]] = {}  # job id -> (custom_id, kind, logprobs k)
+
+    async def run(self) -> None:
+        b, batch_id = self.b, self.batch_id
+        obj = await b.get(batch_id)
+        self.obj = obj
+        self.model = ""  # what the live workers serve, looked up once the first job has finished
+        if obj["status"] == "validating":
+            await b._set(batch_id, status="in_progress", in_progress_at=int(time.time()))
+        answered = {a.decode() for a in await b.r.smembers(b.keys.batch_answered(batch_id))}
+        source = self._requests((await b.files.content(obj["input_file_id"])).decode(), answered)
+        await self._loop(source)
+        status = json.loads(await b.r.hget(b.keys.batch(batch_id), "status"))
+        now = int(time.time())
+        if status == "cancelling":
+            await b._set(batch_id, status="cancelled", cancelled_at=now)
+        else:
+            await b._set(batch_id, status="completed", finalizing_at=now, completed_at=now)
+
+    async def _loop(self, source: Iterator) -> None:
+        exhausted = False
+        while not exhausted or self.pending:
+            await self.b.r.expire(self.lease, LEASE_S)
+            if json.loads(await self.b.r.hget(self.b.keys.batch(self.batch_id), "status")) == "cancelling":
+                exhausted = True  # take nothing more; cancel what is in flight and collect its records
+                for job_id in self.pending:
+                    await self.b.client.cancel(job_id)
+            batch = []
+            while not exhausted and len(self.pending) + len(batch) < self.b.s.batch_window:
+                item = next(source, None)
+                if item is None:
+                    exhausted = True
+                elif item[0] == "error":
+                    await self._write("errors", item[1], item[2])
+                else:
+                    batch.append(item[1:])
+            if batch:
+                await self._enqueue(batch)
+            if not await self._collect() and self.pending:
+                await asyncio.sleep(POLL_S)
+
+    def _requests(self, content: str, answered: set[str]) -> Iterator[tuple]:
+        """("job", custom_id, job, kind, k) per line to run, ("error", answer key, line) per bad line."""
+        seen: set[str] = set()
+        for line_no, text in enumerate(content.splitlines(), 1):
+            if not text.strip():
+                continue
+            try:
+                custom_id, fields, kind = bulk.parse_line(text)
+                if custom_id in seen:
+                    raise bulk.LineError("duplicate_custom_id", f"custom_id {custom_id!r} appeared on an earlier line")
+                seen.add(custom_id)
+                if ENDPOINT_KIND[self.obj["endpoint"]] != kind:
+                    raise bulk.LineError("invalid_request", f"line {line_no} does not match the batch's endpoint "
+                                                            f"{self.obj['endpoint']}")
+                if custom_id in answered:
+                    continue
+                fields["priority"] = self.b.s.batch_priority
+                job = make_job(job_id=bulk.job_id_for(self.batch_id, custom_id), **fields)
+            except (bulk.LineError, JobRejected) as exc:
+                code = exc.code if isinstance(exc, bulk.LineError) else "invalid_request"
+                cid = bulk._custom_id(text, exc) if isinstance(exc, bulk.LineError) else custom_id
+                key = f"line:{line_no}" if code == "duplicate_custom_id" or cid is None else cid
+                if key not in answered:
+                    yield "error", key, _error_line(cid, line_no, code, str(exc))
+                continue
+            yield "job", custom_id, job, kind, fields.get("logprobs")
+
+    async def _enqueue(self, batch: list[tuple]) -> None:
+        args: list[Any] = [self.b.s.file_ttl_s, bulk.JOB_FIELD]
+        for custom_id, job, kind, k in batch:
+            self.pending[job.id] = (custom_id, kind, k)
+            args += [job.id, job.to_json()]
+        await self.b.enqueue(keys=[self.b.keys.jobs, self.b.keys.bulk_enqueued(self.batch_id)], args=args)
+
+    async def _collect(self) -> int:
+        ids = list(self.pending)
+        finished = 0
+        for i in range(0, len(ids), 1000):
+            chunk = ids[i:i + 1000]
+            for job_id, raw in zip(chunk, await self.b.r.mget([self.b.keys.final(j) for j in chunk])):
+                if raw is not None:
+                    await self._answer(job_id, FinalRecord.model_validate_json(raw))
+                    finished += 1
+        return finished
+
+    async def _answer(self, job_id: str, record: FinalRecord) -> None:
+        custom_id, kind, k = self.pending.pop(job_id)
+        if not self.model:
+            self.model = next(iter(sorted(await self.b.live.models())), "")
+        if record.status == "completed":
+            endpoint = (ChatEndpoint if kind == "chat" else CompletionEndpoint)(None, self.model, int(time.time()), k)
+            line = bulk.output_line(custom_id, job_id, {}, kind, body=endpoint.response(record))
+            await self._write("output", custom_id, line)
+        else:
+            error = record_error(record)
+            line = _error_line(custom_id, None, record.status, error.message, job_id)
+            line["response"] = {"status_code": error.status, "request_id": job_id, "body": error.body()}
+            await self._write("errors", custom_id, line)
+
+    async def _write(self, which: str, key: str, line: dict[str, Any]) -> None:
+        file_id = self.obj["output_file_id" if which == "output" else "error_file_id"]
+        await self.b.append_once(keys=[self.b.keys.batch_answered(self.batch_id), self.b.keys.file_lines(file_id)],
+                                 args=[key, json.dumps(line)])
+
+
+def _error_line(custom_id: str | None, line_no: int | None, code: str, message: str,
+                job_id: str | None = None) -> dict[str, Any]:
+    """bulk's error line in OpenAI's shape (which has no line number: the message names it)."""
+    entry = bulk.error_line(custom_id, line_no or 0, code, message if line_no is None else f"line {line_no}: "
+                            f"{message}", job_id)
+    entry.pop("line")
+    return entry
+
+
+def router(batches: Batches, auth: Any) -> APIRouter:
+    api = APIRouter(dependencies=[auth])
+
+    @api.post("/v1/batches")
+    async def create(body: BatchCreate) -> dict[str, Any]:
+        return await batches.create(body)
+
+    @api.get("/v1/batches/{batch_id}")
+    async def retrieve(batch_id: str) -> dict[str, Any]:
+        return await batches.get(batch_id)
+
+    @api.post("/v1/batches/{batch_id}/cancel")
+    async def cancel(batch_id: str) -> dict[str, Any]:
+        return await batches.cancel(batch_id)
+
+    return api
