@@ -60,6 +60,11 @@ def register_bench(bench_subparsers: Any) -> None:
     p.add_argument("--e2e-max-tokens", type=int, default=32)
     p.add_argument("--e2e-repeats", type=int, default=3, help="alternate offline/worker runs; best of each")
     p.set_defaults(func=cmd_bench)
+    g = bench_subparsers.add_parser("gateway", help="pagedq serve vs the native client on the stub engine (JSON)")
+    from .gateway.bench_args import add_args as add_gateway_bench_args
+
+    add_gateway_bench_args(g)
+    g.set_defaults(func=cmd_bench_gateway)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -204,6 +209,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     configure_logging("error")
     return run_bench(args)
+
+
+def cmd_bench_gateway(args: argparse.Namespace) -> int:
+    from .gateway.bench import run
+
+    configure_logging("error")
+    return run(args)
 
 
 def main(argv: list[str] | None = None) -> int:
