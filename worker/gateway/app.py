@@ -7,6 +7,7 @@ import hmac
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
+import structlog
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from redis.asyncio import Redis
@@ -22,6 +23,7 @@ from .batches import router as batch_router
 from .errors import OpenAIError, record_error
 from .files import FileStore
 from .files import router as file_router
+from .metrics import GatewayMetrics, ObserveRequests
 from .jobs import build, check_model, submit, wait_timeout
 from .render import now
 from .schemas import ChatCompletionRequest, CompletionRequest
@@ -69,6 +71,8 @@ def create_app(settings: GatewaySettings | None = None, redis: Redis | None = No
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        structlog.get_logger("pagedq.gateway").info("gateway_started", queue=settings.queue, host=settings.host,
+                                                    port=settings.port, auth=bool(settings.api_keys))
         yield
         for task in list(gateway.batches.tasks):  # their lease expires: the next GET on any gateway resumes them
             task.cancel()
@@ -78,6 +82,8 @@ def create_app(settings: GatewaySettings | None = None, redis: Redis | None = No
     app = FastAPI(title="pagedq gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gateway
     errors.install(app)
+    metrics = GatewayMetrics(lambda: gateway.streams.open)
+    app.add_middleware(ObserveRequests, metrics=metrics)
     auth = Depends(_authenticate(settings.api_keys))
     app.include_router(file_router(gateway.files, auth))
     app.include_router(batch_router(gateway.batches, auth))
@@ -96,6 +102,11 @@ def create_app(settings: GatewaySettings | None = None, redis: Redis | None = No
         return {"object": "list", "data": [{"id": name, "object": "model", "created": info["created"],
                                             "owned_by": "pagedq", "workers": info["workers"]}
                                            for name, info in sorted(served.items())]}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        payload, content_type = metrics.exposition()
+        return Response(payload, media_type=content_type)
 
     @app.get("/health")
     async def health() -> JSONResponse:
