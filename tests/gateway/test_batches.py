@@ -86,3 +86,24 @@ def test_cancel_a_batch_keeps_what_finished(redis_url):
     assert done.request_counts.completed + done.request_counts.failed < 6  # the rest never ran
     assert all(e["error"]["code"] == "cancelled" for e in errors) and errors
     assert left == 0
+
+
+def test_a_batch_whose_gateway_went_away_is_finished_by_another(redis_url, tiny_llama_dir):
+    content = "\n".join(_line(cid, p) for cid, p in PROMPTS.items()) + "\n"
+    from redis import Redis
+
+    r = Redis.from_url(redis_url)
+    with gateway_thread(redis_url) as first:
+        sdk = openai.OpenAI(base_url=first, api_key="x")
+        upload = sdk.files.create(file=("requests.jsonl", content.encode()), purpose="batch")
+        batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+        wait_for(lambda: r.xlen(QueueKeys().jobs) == 3, what="batch jobs enqueued")  # no worker yet
+    assert not r.exists(QueueKeys().batch_runner(batch.id))  # the stopped gateway gave its lease up
+    engine = LLMEngine(str(tiny_llama_dir), device="cpu", num_kv_blocks=64)
+    with worker_thread(engine, redis_url, model=str(tiny_llama_dir)), gateway_thread(redis_url) as second:
+        sdk = openai.OpenAI(base_url=second, api_key="x")
+        done = wait_for(lambda: (b := sdk.batches.retrieve(batch.id)).status == "completed" and b,
+                        timeout=60, interval=0.1, what="batch completed by the second gateway")
+        output = [json.loads(x) for x in sdk.files.content(done.output_file_id).text.splitlines()]
+    assert sorted(line["custom_id"] for line in output) == sorted(PROMPTS)  # each once
+    assert r.xlen(QueueKeys().completions) == 3  # no job enqueued (or run) twice

@@ -40,22 +40,40 @@ def test_completions_greedy_token_identical_to_llm_generate(redis_url, tiny_llam
         assert response.object == "text_completion" and response.id.startswith("cmpl-")
 
 
-def test_seeded_sampling_with_extras_equals_llm_generate(redis_url, tiny_llama_dir):
-    """OpenAI's and vLLM's (extra_body) sampling fields all reach the engine's SamplingParams."""
-    params = dict(max_tokens=10, temperature=0.9, top_p=0.9, seed=7, presence_penalty=0.5, frequency_penalty=0.3,
-                  stop=["zz"])
-    extras = dict(top_k=40, min_p=0.01, repetition_penalty=1.2, min_tokens=4, ignore_eos=True)
-    ref = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64).generate(
-        PROMPT, SamplingParams(**params, **extras, logprobs=0))[0].outputs[0]
+def test_sampling_fields_and_extras_reach_the_engine(redis_url, tiny_llama_dir):
+    """OpenAI's and vLLM's (extra_body) sampling fields reach the engine's SamplingParams: each request equals
+    LLM.generate with the same parameters, and differs from what the engine gives without the field tested."""
+    llm = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64)
+
+    def engine_tokens(**params) -> list[int]:
+        return llm.generate(PROMPT, SamplingParams(**params))[0].outputs[0].token_ids
+
+    greedy = dict(max_tokens=20, temperature=0)
+    plain = engine_tokens(**greedy)
+    seeded = dict(max_tokens=10, temperature=0.9, top_p=0.9, seed=7, stop=["zz"])
+    cases = [({"presence_penalty": 1.5}, {}), ({"frequency_penalty": 1.5}, {}), ({}, {"repetition_penalty": 1.5}),
+             ({}, {"min_tokens": 6, "stop_token_ids": [plain[1]]}), ({}, {"stop_token_ids": [plain[1]]})]
     engine = LLMEngine(str(tiny_llama_dir), device="cpu", num_kv_blocks=64)
     with worker_thread(engine, redis_url), gateway_thread(redis_url) as base:
         wait_live(base)
         sdk = openai.OpenAI(base_url=base, api_key="unused")
         model = sdk.models.list().data[0].id
-        response = sdk.completions.create(model=model, prompt=PROMPT, logprobs=0, user="u-1",
-                                          extra_body={**extras, "priority": 3}, **params)
-    assert llm_tokens(response.choices[0].logprobs.tokens) == ref.token_ids
-    assert response.choices[0].text == ref.text
+
+        def gateway_tokens(params: dict, extra: dict) -> list[int]:
+            response = sdk.completions.create(model=model, prompt=PROMPT, logprobs=0, user="u-1", extra_body=extra,
+                                              **params)
+            return llm_tokens(response.choices[0].logprobs.tokens)
+
+        got = [gateway_tokens({**greedy, **openai_fields}, extra) for openai_fields, extra in cases]
+        extras = dict(top_k=40, min_p=0.01, ignore_eos=True, priority=3)
+        sampled = gateway_tokens(seeded, extras)
+    for (openai_fields, extra), tokens in zip(cases, got):
+        want = engine_tokens(**greedy, **openai_fields, **extra)
+        assert tokens == want, (openai_fields, extra)
+        assert tokens != plain, (openai_fields, extra)  # the field made a difference, so it was not dropped
+    assert len(got[3]) >= 6 and len(got[4]) == 2  # min_tokens held the stop token back
+    assert sampled == engine_tokens(**seeded, top_k=40, min_p=0.01, ignore_eos=True)
+    assert sampled != engine_tokens(**seeded, min_p=0.01, ignore_eos=True)  # top_k mattered
 
 
 def test_chat_sync_and_async_sdk_equal_llm_generate(redis_url, chat_llama_dir):

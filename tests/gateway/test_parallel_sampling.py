@@ -10,7 +10,7 @@ from engine import LLM, LLMEngine, SamplingParams
 from worker import Client
 from worker.keys import QueueKeys
 
-from .conftest import gateway_thread, llm_tokens, wait_live, worker_thread
+from .conftest import gateway_thread, llm_tokens, wait_for, wait_live, worker_thread
 
 PROMPT = "Redis streams carry jobs"
 
@@ -44,3 +44,23 @@ def test_n3_seeded_samples_equal_the_engines(redis_url, chat_llama_dir):
     assert jobs_enqueued == 3  # one job per request, not one per sample
     assert record.token_ids == ref[0].token_ids and [c.token_ids for c in record.choices] == [o.token_ids
                                                                                               for o in ref]
+
+
+def test_cancelled_n2_stream_frees_the_blocks_and_keeps_both_samples(redis_url, tiny_llama_dir):
+    engine = LLMEngine(str(tiny_llama_dir), device="cpu", num_kv_blocks=64)
+    total = engine.num_total_blocks
+    with worker_thread(engine, redis_url), gateway_thread(redis_url) as base:
+        wait_live(base)
+        sdk = openai.OpenAI(base_url=base, api_key="x")
+        model = sdk.models.list().data[0].id
+        stream = sdk.completions.create(model=model, prompt=PROMPT, n=2, temperature=1.0, seed=5, max_tokens=400,
+                                        stream=True, extra_body={"ignore_eos": True})
+        seen = {c.choices[0].index for c in (next(iter(stream)) for _ in range(6))}
+        job_id = next(iter(stream)).id.removeprefix("cmpl-")
+        stream.close()
+        record = Client(redis_url).result(job_id, timeout=30)
+        wait_for(lambda: engine.num_free_blocks == total, timeout=10, what="KV blocks back in the pool")
+    assert seen == {0, 1}
+    assert record.status == "cancelled" and [c.index for c in record.choices] == [0, 1]
+    assert all(0 < len(c.token_ids) < 400 and c.finish_reason == "abort" for c in record.choices)
+    assert record.token_ids == record.choices[0].token_ids
