@@ -16,15 +16,15 @@ from ..aclient import AsyncClient
 from ..errors import ResultTimeout
 from ..settings import GatewaySettings
 from . import errors
-from .chat import ChatEndpoint
-from .completions import CompletionEndpoint
 from .batches import Batches
 from .batches import router as batch_router
+from .chat import ChatEndpoint
+from .completions import CompletionEndpoint
 from .errors import OpenAIError, record_error
 from .files import FileStore
 from .files import router as file_router
-from .metrics import GatewayMetrics, ObserveRequests
 from .jobs import build, check_model, submit, wait_timeout
+from .metrics import GatewayMetrics, ObserveRequests
 from .render import now
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .streaming import StreamTracker, sse

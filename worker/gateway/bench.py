@@ -98,8 +98,9 @@ async def _drive(redis_url: str, base: str, args: argparse.Namespace) -> dict:
                     chunks += 1
         return first, chunks
 
-    await _throughput(via_native, 200, 8)  # warm-up: connections, scripts, code paths
-    await _throughput(via_gateway, 200, 8)
+    warm = min(8, args.concurrency)  # warm-up: connections, scripts, code paths
+    await _throughput(via_native, 200, warm)
+    await _throughput(via_gateway, 200, warm)
     result: dict = {}
     for name, call in (("native", via_native), ("gateway", via_gateway)):
         result[f"{name}_requests_per_s"] = await _throughput(call, args.requests, args.concurrency)
