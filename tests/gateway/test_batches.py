@@ -8,6 +8,7 @@ import json
 import time
 
 import openai
+import pytest
 
 from engine import LLM, LLMEngine, SamplingParams
 from worker.keys import QueueKeys
@@ -107,3 +108,15 @@ def test_a_batch_whose_gateway_went_away_is_finished_by_another(redis_url, tiny_
         output = [json.loads(x) for x in sdk.files.content(done.output_file_id).text.splitlines()]
     assert sorted(line["custom_id"] for line in output) == sorted(PROMPTS)  # each once
     assert r.xlen(QueueKeys().completions) == 3  # no job enqueued (or run) twice
+
+
+def test_a_batch_of_a_file_that_is_not_text_fails_with_the_reason(redis_url):
+    with gateway_thread(redis_url) as base:
+        sdk = openai.OpenAI(base_url=base, api_key="x")
+        upload = sdk.files.create(file=("bin.jsonl", b"\xff\xfe\x00 not utf-8\n"), purpose="batch")
+        batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+        failed = wait_for(lambda: (b := sdk.batches.retrieve(batch.id)).status == "failed" and b, what="failed")
+        with pytest.raises(openai.BadRequestError) as wrong_purpose:
+            sdk.files.create(file=("x.jsonl", b"{}\n"), purpose="fine-tune")
+    assert failed.errors.data[0].code == "invalid_file" and "UTF-8" in failed.errors.data[0].message
+    assert wrong_purpose.value.body["param"] == "purpose"

@@ -15,6 +15,7 @@ import time
 import uuid
 from typing import Any, Iterator, Literal
 
+import structlog
 from fastapi import APIRouter
 from pydantic import Field
 
@@ -113,6 +114,8 @@ class Batches:
             return  # another gateway runs it
         try:
             await BatchRun(self, batch_id, lease).run()
+        except Exception as exc:  # e.g. Redis lost: the lease goes, and the next GET of the batch resumes it
+            structlog.get_logger("pagedq.gateway").error("batch_run_failed", batch_id=batch_id, error=repr(exc))
         finally:
             if (await self.r.get(lease)) == token.encode():
                 await self.r.delete(lease)
@@ -133,7 +136,15 @@ class BatchRun:
         if obj["status"] == "validating":
             await b._set(batch_id, status="in_progress", in_progress_at=int(time.time()))
         answered = {a.decode() for a in await b.r.smembers(b.keys.batch_answered(batch_id))}
-        source = self._requests((await b.files.content(obj["input_file_id"])).decode(), answered)
+        try:
+            content = (await b.files.content(obj["input_file_id"])).decode("utf-8")
+        except (UnicodeDecodeError, OpenAIError) as exc:  # not UTF-8, or the input file expired
+            reason = "the input file is not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else exc.message
+            await b._set(batch_id, status="failed", failed_at=int(time.time()),
+                         errors={"object": "list", "data": [{"code": "invalid_file", "message": reason,
+                                                             "param": "input_file_id", "line": None}]})
+            return
+        source = self._requests(content, answered)
         await self._loop(source)
         status = json.loads(await b.r.hget(b.keys.batch(batch_id), "status"))
         now = int(time.time())
