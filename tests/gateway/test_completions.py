@@ -29,6 +29,9 @@ def test_completions_greedy_token_identical_to_llm_generate(redis_url, tiny_llam
         model = sdk.models.list().data[0].id
         got = [sdk.completions.create(model=model, prompt=p, max_tokens=12, temperature=0, logprobs=1)
                for p in (PROMPT, ids_prompt)]
+        wrapped = [sdk.completions.create(model=model, prompt=[p], max_tokens=12, temperature=0, logprobs=1)
+                   for p in (PROMPT, ids_prompt)]  # OpenAI's list-of-one-prompt forms
+    assert [w.choices[0].logprobs.tokens for w in wrapped] == [g.choices[0].logprobs.tokens for g in got]
     for response, want in zip(got, expected):
         choice, ref = response.choices[0], want.outputs[0]
         assert llm_tokens(choice.logprobs.tokens) == ref.token_ids

@@ -10,7 +10,7 @@ import openai
 from engine import LLM, LLMEngine, SamplingParams
 from worker import Client
 
-from .conftest import gateway_thread, start_gateway_process, wait_for, wait_live, worker_thread
+from .conftest import gateway_thread, llm_tokens, start_gateway_process, wait_for, wait_live, worker_thread
 
 PROMPT = "The quick brown fox"
 
@@ -26,6 +26,8 @@ def test_streamed_completion_and_chat_add_up_to_llm_generate(redis_url, chat_lla
         model = sdk.models.list().data[0].id
         chunks = list(sdk.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
                                              stream_options={"include_usage": True}))
+        with_logprobs = list(sdk.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
+                                                    stream=True, logprobs=1))
         chat_chunks = list(sdk.chat.completions.create(model=model, messages=messages, max_tokens=6,
                                                        temperature=0, stream=True))
         chat_whole = sdk.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0)
@@ -41,6 +43,8 @@ def test_streamed_completion_and_chat_add_up_to_llm_generate(redis_url, chat_lla
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(out.token_ids)
     assert chunks[-1].usage.prompt_tokens == len(ref.prompt_token_ids)
     assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("cmpl-")
+    streamed_tokens = [t for c in with_logprobs if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert llm_tokens(streamed_tokens) == out.token_ids
     assert chat_chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chat_chunks) == chat_whole.choices[0].message.content
     assert chat_chunks[-1].choices[0].finish_reason == chat_whole.choices[0].finish_reason
