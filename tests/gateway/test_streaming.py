@@ -4,8 +4,11 @@ mid-stream loses nothing (the job finishes and its record is read under its id).
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
+import pytest
 
 from engine import LLM, LLMEngine, SamplingParams
 from worker import Client
@@ -92,3 +95,21 @@ def test_gateway_killed_mid_stream_loses_nothing(redis_url, tiny_llama_dir, tmp_
         record = Client(redis_url).result(first.id.removeprefix("cmpl-"), timeout=60)
     assert record.status == "completed"
     assert record.token_ids == ref.token_ids and record.text == ref.text
+
+
+def test_a_non_streamed_client_that_gives_up_cancels_its_job(redis_url, tiny_llama_dir):
+    engine = LLMEngine(str(tiny_llama_dir), device="cpu", num_kv_blocks=64)
+    total = engine.num_total_blocks
+    with worker_thread(engine, redis_url), gateway_thread(redis_url) as base:
+        wait_live(base)
+        sdk = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=0.5)
+        model = sdk.models.list().data[0].id
+        with pytest.raises(openai.APITimeoutError):  # the client stops waiting and closes its connection
+            sdk.completions.create(model=model, prompt=PROMPT, max_tokens=480, temperature=0,
+                                   extra_body={"ignore_eos": True}, user="gives-up")
+        client = Client(redis_url)
+        record = wait_for(lambda: next((json.loads(f[b"data"]) for _, f in client.r.xrange(client.keys.completions)
+                                        if json.loads(f[b"data"])["metadata"] == {"user": "gives-up"}), None),
+                          timeout=30, what="the job's final record")
+        wait_for(lambda: engine.num_free_blocks == total, timeout=10, what="KV blocks back in the pool")
+    assert record["status"] == "cancelled" and len(record["token_ids"]) < 480

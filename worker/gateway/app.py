@@ -43,7 +43,7 @@ class Gateway:
         self.files = FileStore(self.client.r, self.client.keys, settings.file_ttl_s)
         self.batches = Batches(self.client, self.files, self.live, settings)
 
-    async def generate(self, endpoint: CompletionEndpoint) -> Response:
+    async def generate(self, endpoint: CompletionEndpoint, request: Request) -> Response:
         body = endpoint.body
         endpoint.model = await check_model(self.live, body.model, self.settings.queue)
         job = build(endpoint.job_fields(self.settings))
@@ -56,13 +56,34 @@ class Gateway:
         if body.stream_options is not None:
             raise OpenAIError(400, "stream_options is only allowed with stream: true", param="stream_options")
         try:
-            record = await self.client.result(job_id, timeout=timeout)
+            record = await self._result_while_connected(request, job_id, timeout)
         except ResultTimeout:
             await self.client.cancel(job_id)
             raise OpenAIError(504, f"job {job_id}: no result within {timeout} s", code="timeout") from None
         if record.status != "completed":
             raise record_error(record)
         return JSONResponse(endpoint.response(record))
+
+
+    async def _result_while_connected(self, request: Request, job_id: str, timeout: float):
+        """The job's final record; if the client goes away first, the job is cancelled (nobody will read it)."""
+        waiter = asyncio.ensure_future(self.client.result(job_id, timeout=timeout))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait((waiter, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if waiter.done():
+            return waiter.result()
+        waiter.cancel()
+        self.streams.cancel_later(self.client, job_id)
+        raise OpenAIError(499, f"job {job_id}: the client closed the connection; the job was cancelled",
+                          code="client_closed")
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def create_app(settings: GatewaySettings | None = None, redis: Redis | None = None) -> FastAPI:
@@ -89,12 +110,12 @@ def create_app(settings: GatewaySettings | None = None, redis: Redis | None = No
     app.include_router(batch_router(gateway.batches, auth))
 
     @app.post("/v1/completions", dependencies=[auth])
-    async def completions(body: CompletionRequest) -> Response:
-        return await gateway.generate(CompletionEndpoint(body, body.model, now()))
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await gateway.generate(CompletionEndpoint(body, body.model, now()), request)
 
     @app.post("/v1/chat/completions", dependencies=[auth])
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
-        return await gateway.generate(ChatEndpoint(body, body.model, now()))
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await gateway.generate(ChatEndpoint(body, body.model, now()), request)
 
     @app.get("/v1/models", dependencies=[auth])
     async def models() -> dict[str, Any]:

@@ -12,6 +12,7 @@ from ..job import FinalRecord
 # status -> OpenAI's error type
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_exceeded",
+               499: "client_closed_request",
                500: "server_error", 503: "service_unavailable", 504: "timeout"}
 
 
