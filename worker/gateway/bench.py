@@ -62,7 +62,16 @@ async def _latencies(call: Callable[..., Awaitable[object]], n: int) -> list[flo
     return out
 
 
-async def _drive(redis_url: str, base: str, args: argparse.Namespace) -> dict:
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process (Linux /proc): what a request costs, whatever else the machine runs."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _drive(redis_url: str, base: str, args: argparse.Namespace, gateway_pid: int) -> dict:
     native = AsyncClient(redis_url)
     # one single-connection client per lane: httpx's shared pool slows down sharply with many connections
     https = [httpx.AsyncClient(base_url=base, timeout=60) for _ in range(args.concurrency)]
@@ -103,7 +112,12 @@ async def _drive(redis_url: str, base: str, args: argparse.Namespace) -> dict:
     await _throughput(via_gateway, 200, warm)
     result: dict = {}
     for name, call in (("native", via_native), ("gateway", via_gateway)):
+        cpu_before = cpu_seconds(gateway_pid)
         result[f"{name}_requests_per_s"] = await _throughput(call, args.requests, args.concurrency)
+        if name == "gateway" and cpu_before is not None:
+            # the gateway process's own CPU per request: 1000 / this = requests/s one free core would carry
+            result["gateway_cpu_ms_per_request"] = round((cpu_seconds(gateway_pid) - cpu_before) * 1000
+                                                         / args.requests, 3)
     lat = {"native": [], "gateway": []}
     for _ in range(3):  # interleaved blocks: drift on a shared machine hits both alike
         for name, call in (("native", via_native), ("gateway", via_gateway)):
@@ -141,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         base = f"http://127.0.0.1:{port}/v1"
         _wait_ready(base)
-        result = asyncio.run(_drive(redis.url, base, args))
+        result = asyncio.run(_drive(redis.url, base, args, procs[1].pid))
     finally:
         for proc in procs:
             proc.terminate()

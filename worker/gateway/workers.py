@@ -22,6 +22,7 @@ class LiveWorkers:
     def __init__(self, redis_client: Any, keys: QueueKeys, cache_s: float) -> None:
         self.r, self.keys, self.cache_s = redis_client, keys, cache_s
         self._cached: tuple[float, list[dict]] | None = None
+        self._models: tuple[list[dict], dict[str, dict]] | None = None  # derived from the cached heartbeats
 
     async def heartbeats(self) -> list[dict]:
         """Heartbeats of the workers that are alive and admitting (draining ones are not)."""
@@ -35,12 +36,16 @@ class LiveWorkers:
         return live
 
     async def models(self) -> dict[str, dict]:
-        """Model id -> {"created", "workers"} over the live workers."""
+        """Model id -> {"created", "workers", "path"} over the live workers (recomputed when they change)."""
+        beats = await self.heartbeats()
+        if self._models is not None and self._models[0] is beats:
+            return self._models[1]
         served: dict[str, dict] = {}
-        for beat in await self.heartbeats():
+        for beat in beats:
             name = model_id(str(beat.get("model") or "unknown"))
             entry = served.setdefault(name, {"created": int(beat.get("started_at") or time.time()), "workers": 0,
                                              "path": beat.get("model")})
             entry["created"] = min(entry["created"], int(beat.get("started_at") or time.time()))
             entry["workers"] += 1
+        self._models = (beats, served)
         return served
