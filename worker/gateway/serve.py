@@ -32,6 +32,12 @@ def run(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(args)
     configure_logging(settings.log_level)
+    if not settings.api_keys and settings.host not in ("127.0.0.1", "localhost", "::1"):
+        import structlog
+
+        structlog.get_logger("pagedq.gateway").warning(
+            "open_gateway", host=settings.host,
+            hint="no API keys are configured: anyone who reaches this address can use it (--api-key)")
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning",
                 access_log=False, lifespan="on")
     return 0
