@@ -69,6 +69,26 @@ def test_stop_token_ids_and_min_tokens(llm):
     assert stop_token not in late.token_ids[: first + 2]
 
 
+def stop_cut_after_min_tokens(text: str, prefix_text: str, stop: str) -> str:
+    """vLLM's rule: the first occurrence of `stop` that ends past the text of the first min_tokens tokens."""
+    at = text.find(stop, max(0, len(prefix_text) - len(stop) + 1))
+    assert at != -1, f"{stop!r} does not recur in {text!r} after {prefix_text!r}"
+    return text[:at]
+
+
+def test_stop_strings_wait_for_min_tokens(llm):
+    base = llm.generate(PROMPTS[2], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    stop, min_tokens = base.text[1:4], 5
+    assert stop.strip() and stop in base.text[:4], f"degenerate stop string from {base.text!r}"
+    prefix_text = llm.get_tokenizer().decode(base.token_ids[:min_tokens])
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop], min_tokens=min_tokens)
+    out = llm.generate(PROMPTS[2], params)[0].outputs[0]
+    assert len(out.token_ids) > min_tokens
+    assert out.text == stop_cut_after_min_tokens(base.text, prefix_text, stop)
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.token_ids == base.token_ids[: len(out.token_ids)]
+
+
 def test_logprobs_match_log_softmax_of_transformers_logits(llm, hf_model):
     out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3))[0]
     completion = out.outputs[0]
