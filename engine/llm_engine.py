@@ -63,6 +63,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if params.best_of > self.config.max_num_seqs:
+            raise ValueError(f"n ({params.n}) / best_of ({params.best_of}) exceeds max_num_seqs "
+                             f"({self.config.max_num_seqs}): all {params.best_of} samples run at once")
         text, token_ids = self._validate_new(request_id, prompt, params.max_tokens)
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         request = Request(
