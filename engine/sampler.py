@@ -49,8 +49,8 @@ class SamplerOutput:
     top_token_ids: torch.Tensor | None  # [B, K] int64
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-    """logits [B, V] fp32 (raw model output) -> one token per row."""
+def sample(logits: torch.Tensor, batch: SamplingBatch, ops: kernels.KernelSet | None = None) -> SamplerOutput:
+    """logits [B, V] fp32 (raw model output) -> one token per row. `ops`: the model's bound kernels (else bound now)."""
     raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_num_logprobs is not None else None
     logits = apply_penalties(logits, batch)
     if batch.banned_token_mask is not None:
@@ -63,7 +63,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
             temperature = torch.where(batch.temperature == 0, 0.0, 1.0)
         else:
             temperature = batch.temperature
-        token_ids = kernels.gumbel_argmax(logits, temperature, batch.seeds, batch.positions)
+        token_ids = (ops or kernels.bind(logits.device)).gumbel_argmax(logits, temperature, batch.seeds, batch.positions)
     if raw_logprobs is None:
         return SamplerOutput(token_ids, None, None, None)
     sampled_logprobs = raw_logprobs.gather(-1, token_ids[:, None]).squeeze(-1)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-import kernels
 from engine.config import ModelConfig
+from kernels import KernelSet
 
 
 @dataclass
@@ -50,18 +50,20 @@ class PackedLinear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, ops: KernelSet) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return kernels.rms_norm(x, self.weight, self.eps, residual)
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelSet) -> None:
         super().__init__()
+        self.ops = ops
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -70,8 +72,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.qk_norm = config.qk_norm
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
 
     def forward(
         self,
@@ -86,12 +88,13 @@ class Attention(nn.Module):
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        ops = self.ops
         if self.qk_norm:
-            q = kernels.head_rms_norm(q, self.q_norm.weight, self.q_norm.eps)
-            k = kernels.head_rms_norm(k, self.k_norm.weight, self.k_norm.eps)
-        q, k = kernels.rotary_embedding(q, k, positions, cos_sin_cache)
+            q = ops.head_rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+            k = ops.head_rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+        q, k = ops.rotary_embedding(q, k, positions, cos_sin_cache)
         k_cache, v_cache = kv_cache
-        kernels.store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        ops.store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self._attend(q, k_cache, v_cache, meta)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -99,36 +102,37 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         num_decode = meta.num_decode_tokens
         if not meta.has_prefill:
-            return kernels.paged_decode_attention(
+            return self.ops.paged_decode_attention(
                 q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale)
         out = torch.empty_like(q)
         if num_decode:
-            out[:num_decode] = kernels.paged_decode_attention(
+            out[:num_decode] = self.ops.paged_decode_attention(
                 q[:num_decode], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, self.scale)
-        out[num_decode:] = kernels.paged_prefill_attention(
+        out[num_decode:] = self.ops.paged_prefill_attention(
             q[num_decode:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
             meta.prefill_context_lens, self.scale)
         return out
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelSet) -> None:
         super().__init__()
+        self.ops = ops
         size = config.intermediate_size
         self.gate_up_proj = PackedLinear(config.hidden_size, [size, size], bias=False)
         self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelSet) -> None:
         super().__init__()
-        self.self_attn = Attention(config)
-        self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, ops)
+        self.mlp = MLP(config, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(self, hidden, residual, positions, cos_sin_cache, kv_cache, meta):
         hidden, residual = self.input_layernorm(hidden, residual)
@@ -138,20 +142,24 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelSet) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, ops) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Checkpoint-compatible module tree (model.layers.N.self_attn..., lm_head) with packed projections."""
+    """Checkpoint-compatible module tree (model.layers.N.self_attn..., lm_head) with packed projections.
 
-    def __init__(self, config: ModelConfig) -> None:
+    `ops` are the kernels every layer calls, bound once for the model's device (`kernels.bind`).
+    """
+
+    def __init__(self, config: ModelConfig, ops: KernelSet) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.kernels = ops
+        self.model = LlamaModel(config, ops)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

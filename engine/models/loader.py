@@ -13,6 +13,7 @@ from typing import Iterator
 
 import torch
 
+import kernels
 from engine.config import ModelConfig
 from engine.models.llama import LlamaForCausalLM, PackedLinear
 
@@ -30,8 +31,9 @@ _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
 def load_model(folder: str | Path, config: ModelConfig, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
     # Built on the target device: random init of a large shape on the CPU would take minutes.
+    ops = kernels.bind(device)  # the backend is chosen here, once, for the model's lifetime
     with torch.device(device):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, ops)
     files = _weight_files(Path(folder))
     if files:
         _load_weights(model, _iter_checkpoint(files))
