@@ -15,7 +15,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphRunner
-from engine.models.llama import AttentionMetadata
+from engine.layers import AttentionMetadata
 from engine.models.loader import load_model
 from engine.sampler import SamplingBatch, sample
 from engine.request import Request, SampledToken

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.llama import AttentionMetadata
+from engine.layers import AttentionMetadata
 from engine.sampler import SamplingBatch, sample
 
 
