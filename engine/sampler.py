@@ -63,7 +63,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, ops: kernels.KernelSet | 
             temperature = torch.where(batch.temperature == 0, 0.0, 1.0)
         else:
             temperature = batch.temperature
-        token_ids = (ops or kernels.bind(logits.device)).gumbel_argmax(logits, temperature, batch.seeds, batch.positions)
+        ops = ops or kernels.bind(logits.device)
+        token_ids = ops.gumbel_argmax(logits, temperature, batch.seeds, batch.positions)
     if raw_logprobs is None:
         return SamplerOutput(token_ids, None, None, None)
     sampled_logprobs = raw_logprobs.gather(-1, token_ids[:, None]).squeeze(-1)

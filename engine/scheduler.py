@@ -2,10 +2,11 @@
 
 Each step has a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs: a request that will
 fork n / best_of samples takes a seat for each when admitted). Running sequences go first, in admission
-order: a decoding one needs one token, a half-prefilled one the rest of its prompt (chunked to what the budget allows). When the pool runs dry the lowest-priority, most recently
-admitted running sequence is preempted: by recompute (its blocks are freed and it will be prefilled
-again, which prefix caching makes cheap) or by swap (its blocks are copied to a CPU pool and back). It
-then waits ahead of new arrivals. Waiting sequences are admitted only in steps that preempted nobody.
+order: a decoding one needs one token, a half-prefilled one the rest of its prompt (chunked to what the
+budget allows). When the pool runs dry the lowest-priority, most recently admitted running sequence is
+preempted: by recompute (its blocks are freed and it will be prefilled again, which prefix caching makes
+cheap) or by swap (its blocks are copied to a CPU pool and back). It then waits ahead of new arrivals.
+Waiting sequences are admitted only in steps that preempted nobody.
 """
 
 from __future__ import annotations
