@@ -63,8 +63,10 @@ def _config_only_folder(shape: dict) -> Path:
 
 def run_engine(model_dir: str, workload: Workload, engine_kwargs: dict) -> dict:
     from engine import LLMEngine, RequestOutputKind, SamplingParams
+    from engine.startup import freeze_startup_objects
 
     engine = LLMEngine(model_dir, **engine_kwargs)
+    freeze_startup_objects()  # as the worker does: measure the engine as it serves
     _run_engine_once(engine, Workload(workload.prompts[:2], [4, 4]), RequestOutputKind, SamplingParams)  # warm-up
     engine.reset_step_stats()
     preemptions_before = engine.scheduler.num_preemptions

@@ -15,6 +15,7 @@ import random
 import time
 
 from engine import LLMEngine, RequestOutputKind, SamplingParams
+from engine.startup import freeze_startup_objects
 
 
 def _requests(kind: str, num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab: int,
@@ -38,6 +39,7 @@ def _requests(kind: str, num_prompts: int, input_len: tuple[int, int], output_le
 
 def _run(model_dir: str, requests, engine_kwargs: dict, sharing: bool) -> dict:
     engine = LLMEngine(model_dir, **{**engine_kwargs, "enable_prefix_caching": sharing})
+    freeze_startup_objects()
     for i, (prompt, params) in enumerate(requests):
         engine.add_request(f"r{i}", prompt, params)
     start = time.perf_counter()
@@ -57,6 +59,7 @@ def _run_beam(model_dir: str, vocab: int, args, engine_kwargs: dict) -> dict:
 
     rng = random.Random(args.seed)
     engine = LLMEngine(model_dir, **{**engine_kwargs, "enable_prefix_caching": False})
+    freeze_startup_objects()
     num_prompts = args.num_prompts or 16
     for i in range(num_prompts):
         prompt = [rng.randrange(10, vocab - 10) for _ in range(rng.randint(*args.input_len))]

@@ -52,8 +52,10 @@ def _register_missing_worker(commands, benches, error: ImportError) -> None:
 def _generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
     from engine.bench import engine_kwargs_from
+    from engine.startup import freeze_startup_objects
 
     llm = LLM(args.model, **engine_kwargs_from(args))
+    freeze_startup_objects()
     prompts = args.prompts
     if args.chat:
         tokenizer = llm.get_tokenizer()

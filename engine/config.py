@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+from engine.models import registry
+
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16}
@@ -102,10 +103,7 @@ class ModelConfig:
             raise FileNotFoundError(f"{folder} is not a checkpoint folder: no config.json")
         hf = AutoConfig.from_pretrained(folder)
         architecture = (getattr(hf, "architectures", None) or ["?"])[0]
-        if architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        registry.check_supported(architecture)
         rope_type = (getattr(hf, "rope_parameters", None) or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")

@@ -26,7 +26,7 @@ import time
 import numpy as np
 import torch
 
-from engine.models.llama import AttentionMetadata
+from engine.layers import AttentionMetadata
 
 # vLLM's capture sizes: small powers of two, then every 16 up to the largest batch.
 SMALL_BATCH_SIZES = (1, 2, 4, 8)

@@ -2,7 +2,9 @@
 
 Each new token is decoded by the `tokenizers` library's DecodeStream, which keeps only a small window of
 state (it handles byte-fallback and UTF-8 sequences split across tokens), so the cost per token does not
-grow with the output. Stop strings are searched only in the tail that the new text could complete.
+grow with the output. Stop strings are searched only in the tail that the new text could complete, and only
+once `min_tokens` tokens precede the new one (vLLM's rule): a stop string completed by one of the first
+`min_tokens` tokens does not count, though its tail may begin one that a later token completes.
 """
 
 from __future__ import annotations
@@ -11,23 +13,28 @@ from tokenizers.decoders import DecodeStream
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, skip_special_tokens: bool, stop: list[str]) -> None:
+    def __init__(self, tokenizer, skip_special_tokens: bool, stop: list[str], min_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
         self._backend = tokenizer.backend_tokenizer
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._skip_special_tokens = skip_special_tokens
         self._stop = stop
         self._max_stop_len = max((len(s) for s in stop), default=0)
+        self._min_tokens = min_tokens
+        self._num_tokens = 0
         self.text = ""
         self._num_reported_chars = 0
 
     def append(self, token_id: int) -> str | None:
         """Decode one more token; return the stop string it completed, if any (text is then cut before it)."""
         piece = self._stream.step(self._backend, token_id)
+        self._num_tokens += 1
         if not piece:
             return None
         search_from = max(0, len(self.text) - self._max_stop_len + 1)
         self.text += piece
+        if self._num_tokens <= self._min_tokens:
+            return None  # the first min_tokens tokens cannot stop; the tail they leave may still start a match
         return self._cut_at_stop(search_from)
 
     def _cut_at_stop(self, search_from: int) -> str | None:

@@ -7,8 +7,6 @@ This is the API the Redis worker drives; `LLM` wraps it for offline batches.
 
 from __future__ import annotations
 
-import atexit
-import gc
 import random
 import time
 from dataclasses import dataclass
@@ -53,7 +51,6 @@ class LLMEngine:
         self.num_prefilled_tokens = 0
         self.peak_used_blocks = 0
         self.step_seconds = StepTimes()
-        _freeze_startup_objects()
 
     # ---- admission -----------------------------------------------------------------------------
     def add_request(
@@ -63,6 +60,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if params.best_of > self.config.max_num_seqs:
+            raise ValueError(f"n ({params.n}) / best_of ({params.best_of}) exceeds max_num_seqs "
+                             f"({self.config.max_num_seqs}): all {params.best_of} samples run at once")
         text, token_ids = self._validate_new(request_id, prompt, params.max_tokens)
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         request = Request(
@@ -267,19 +267,6 @@ class StepTimes:
         steps = max(self.num_steps, 1)
         return {f"{phase}_ms_per_step": 1e3 * getattr(self, phase) / steps
                 for phase in ("schedule", "execute", "postprocess")}
-
-
-def _freeze_startup_objects() -> None:
-    """Move everything alive after start-up (modules, weights' wrappers, tokenizer) out of the cyclic GC's reach.
-
-    A loaded engine holds hundreds of thousands of long-lived objects; every full collection walked them all,
-    which cost ~3.5 ms per step averaged at batch 256 (one ~180 ms pause every ~50 steps). vLLM does the same.
-    """
-    gc.collect()
-    gc.freeze()
-    # Thaw at exit so interpreter teardown can still collect them (nanobind, under Triton, reports leaks else).
-    atexit.unregister(gc.unfreeze)
-    atexit.register(gc.unfreeze)
 
 
 def _load_tokenizer(model_dir: str):

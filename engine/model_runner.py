@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-import kernels
 from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphRunner
-from engine.models.llama import AttentionMetadata
+from engine.layers import AttentionMetadata
 from engine.models.loader import load_model
 from engine.sampler import SamplingBatch, sample
 from engine.request import Request, SampledToken
@@ -56,6 +55,7 @@ class ModelRunner:
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
         self.model = load_model(model_dir, model_config, config.dtype, config.device)
+        self.kernels = self.model.kernels  # bound once, when the model was built
         self.num_blocks = config.num_kv_blocks or self._default_num_blocks()
         # Zeroed, not empty: masked-out slots still meet 0 * value in attention, and garbage could be NaN.
         self.kv_caches = self._allocate_caches(self.num_blocks, self.device, pin=False)
@@ -68,7 +68,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphRunner | None = None
         self.graph_capture_seconds = 0.0
         # Only the Triton kernels are capturable: the references synchronise with the host.
-        triton = kernels.selected_backend(self.device) == "triton"
+        triton = self.kernels.backend == "triton"
         if self.device.type == "cuda" and triton and not config.enforce_eager:
             self.decode_graphs = DecodeGraphRunner(self.model, self.kv_caches, config.max_num_seqs,
                                                    -(-self.max_model_len // self.block_size), self.block_size,
@@ -118,7 +118,7 @@ class ModelRunner:
         repeats = torch.tensor([1 + s.request.fan_out for s in to_sample])
         last_rows = torch.repeat_interleave(torch.tensor(last_index), repeats)
         logits = self.model.compute_logits(hidden[last_rows.to(self.device)])
-        result = sample(logits, self._sampling_batch(rows, logits.shape[-1]))
+        result = sample(logits, self._sampling_batch(rows, logits.shape[-1]), self.kernels)
         output = self._to_output(rows, result)
         output.prompt_logprobs = prompt_logprobs
         return output
@@ -166,7 +166,7 @@ class ModelRunner:
             _copy_between(self.host_caches, self.kv_caches, scheduler_output.blocks_to_swap_in)
         if scheduler_output.blocks_to_copy:
             mapping = torch.tensor(scheduler_output.blocks_to_copy, dtype=torch.long, device=self.device)
-            kernels.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
+            self.kernels.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
 
     def _host_inputs(self, ordered: list[ScheduledRequest]) -> StepInputs:
         # numpy, not Python lists or torch.tensor(nested lists): this runs every step on the host while the GPU

@@ -55,7 +55,8 @@ class OutputProcessor:
         detokenizer = None
         if self.tokenizer is not None:
             params = request.sampling_params
-            detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)
+            detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop,
+                                                 params.min_tokens)
         sequence = _Sequence(request, detokenizer)
         group.sequences[request.index] = sequence
         return sequence

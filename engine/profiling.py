@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.llama import AttentionMetadata
+from engine.layers import AttentionMetadata
 from engine.sampler import SamplingBatch, sample
 
 
@@ -32,7 +32,7 @@ def profile_num_blocks(runner) -> int:
         hidden = runner.model(input_ids, positions, scratch, meta)
         rows = min(config.max_num_seqs, num_tokens)
         logits = runner.model.compute_logits(hidden[:rows])
-        sample(logits, _dummy_sampling(rows, device))
+        sample(logits, _dummy_sampling(rows, device), runner.kernels)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - scratch_bytes
     del scratch, hidden, logits

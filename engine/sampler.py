@@ -49,8 +49,8 @@ class SamplerOutput:
     top_token_ids: torch.Tensor | None  # [B, K] int64
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-    """logits [B, V] fp32 (raw model output) -> one token per row."""
+def sample(logits: torch.Tensor, batch: SamplingBatch, ops: kernels.KernelSet | None = None) -> SamplerOutput:
+    """logits [B, V] fp32 (raw model output) -> one token per row. `ops`: the model's bound kernels (else bound now)."""
     raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_num_logprobs is not None else None
     logits = apply_penalties(logits, batch)
     if batch.banned_token_mask is not None:
@@ -63,7 +63,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
             temperature = torch.where(batch.temperature == 0, 0.0, 1.0)
         else:
             temperature = batch.temperature
-        token_ids = kernels.gumbel_argmax(logits, temperature, batch.seeds, batch.positions)
+        ops = ops or kernels.bind(logits.device)
+        token_ids = ops.gumbel_argmax(logits, temperature, batch.seeds, batch.positions)
     if raw_logprobs is None:
         return SamplerOutput(token_ids, None, None, None)
     sampled_logprobs = raw_logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
@@ -86,16 +87,22 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def apply_filters(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """top-k, then top-p over what remains, then min-p (transformers' order). Removed tokens get -inf."""
+    """top-k, then top-p over what remains, then min-p (transformers' order). Removed tokens get -inf.
+
+    Sorted ascending, top-p removes the tokens whose mass together with every worse token's is at most 1 - top_p
+    (transformers' TopPLogitsWarper, vLLM): a descending running sum saturates at 1.0 in fp32 and would cut the
+    tail even at top_p = 1.0, making a plain row's draw depend on whether a neighbour filters.
+    """
     vocab_size = logits.shape[-1]
-    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab_size, device=logits.device)[None, :]
-    remove = ranks >= batch.top_k[:, None]
+    sorted_logits, sorted_ids = logits.sort(dim=-1)  # ascending: the best token is last
+    ranks_from_best = torch.arange(vocab_size - 1, -1, -1, device=logits.device)[None, :]
+    remove = ranks_from_best >= batch.top_k[:, None]
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
-    remove |= mass_before >= batch.top_p[:, None]
-    remove |= probs < batch.min_p[:, None] * probs[:, :1]
-    remove[:, 0] = False  # the best token always survives
+    mass_up_to = probs.cumsum(dim=-1)  # this token's probability plus every worse token's
+    top_p = batch.top_p[:, None]
+    remove |= (mass_up_to <= 1 - top_p) & (top_p < 1)  # top_p = 1 keeps everything, exactly
+    remove |= probs < batch.min_p[:, None] * probs[:, -1:]
+    remove[:, -1] = False  # the best token always survives
     keep_sorted = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, sorted_ids, keep_sorted)

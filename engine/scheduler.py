@@ -1,11 +1,12 @@
 """Continuous batching: which sequences advance this step, by how many tokens, and who is preempted.
 
-Each step has a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs). Running
-sequences go first, in admission order: a decoding one needs one token, a half-prefilled one the rest of
-its prompt (chunked to what the budget allows). When the pool runs dry the lowest-priority, most recently
-admitted running sequence is preempted: by recompute (its blocks are freed and it will be prefilled
-again, which prefix caching makes cheap) or by swap (its blocks are copied to a CPU pool and back). It
-then waits ahead of new arrivals. Waiting sequences are admitted only in steps that preempted nobody.
+Each step has a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs: a request that will
+fork n / best_of samples takes a seat for each when admitted). Running sequences go first, in admission
+order: a decoding one needs one token, a half-prefilled one the rest of its prompt (chunked to what the
+budget allows). When the pool runs dry the lowest-priority, most recently admitted running sequence is
+preempted: by recompute (its blocks are freed and it will be prefilled again, which prefix caching makes
+cheap) or by swap (its blocks are copied to a CPU pool and back). It then waits ahead of new arrivals.
+Waiting sequences are admitted only in steps that preempted nobody.
 """
 
 from __future__ import annotations
@@ -193,9 +194,14 @@ class Scheduler:
         return False
 
     def _admit_waiting(self, budget: int, output: SchedulerOutput) -> None:
-        while self._waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        if not self._waiting:
+            return
+        # A sequence still to fan out (n / best_of before its first token) holds a seat for each sample it forks.
+        free_seats = self.max_num_seqs - len(self.running) - sum(r.fan_out for r in self.running)
+        while self._waiting and budget > 0 and free_seats > 0:
             group = self._waiting_group(self._waiting[0][-1])
-            if len(self.running) + len(group) > self.max_num_seqs or budget < len(group):
+            seats = len(group) + sum(r.fan_out for r in group)
+            if seats > free_seats or budget < len(group):
                 break  # head-of-line: a lower-priority request must not overtake it
             admitted: list[Request] = []
             for position, request in enumerate(group):
@@ -211,6 +217,7 @@ class Scheduler:
                     request.num_computed_tokens = 0
                 break
             self._leave_waiting(group)
+            free_seats -= seats
             for request in group:
                 request.status = RequestStatus.RUNNING
                 self.running.append(request)

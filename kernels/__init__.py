@@ -1,13 +1,18 @@
-"""Kernels of the paged engine, dispatched by device.
+"""Kernels of the paged engine, bound to a backend once per model.
 
-Every public function here has a plain-PyTorch reference in `kernels.reference` with the same signature.
-On CUDA tensors the Triton implementation runs; on CPU the reference does. `PAGEDQ_KERNELS=triton|reference`
-forces one path (with `TRITON_INTERPRET=1`, the Triton path runs on CPU through Triton's interpreter).
+Every public function here has a plain-PyTorch reference in `kernels.reference` with the same signature and a
+Triton implementation in `kernels.triton_ops`. `bind(device)` picks the backend once (Triton on CUDA, the
+reference on CPU; `PAGEDQ_KERNELS=triton|reference` forces one, and with `TRITON_INTERPRET=1` the Triton path
+runs on CPU through Triton's interpreter) and returns a `KernelSet`: the engine binds one when it builds the
+model, so the environment is read once, not per call. A kernel missing from the Triton backend raises at bind
+time instead of falling back to the reference. The module-level functions (`kernels.rms_norm`, ...) bind per
+call: for tests and one-off use.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -15,6 +20,8 @@ import torch
 from kernels import reference
 
 _BACKENDS = ("triton", "reference")
+KERNEL_NAMES = ("store_kv_cache", "paged_decode_attention", "paged_prefill_attention", "rms_norm", "head_rms_norm",
+                "rotary_embedding", "silu_and_mul", "copy_blocks", "gumbel_argmax")
 
 
 def selected_backend(device: torch.device) -> str:
@@ -27,11 +34,35 @@ def selected_backend(device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "reference"
 
 
-def _triton_impl(name: str) -> Callable | None:
-    """The Triton implementation of `name`, or None where the Triton module does not provide it yet."""
+@dataclass(frozen=True)
+class KernelSet:
+    """Every kernel, resolved for one backend."""
+
+    backend: str
+    store_kv_cache: Callable
+    paged_decode_attention: Callable
+    paged_prefill_attention: Callable
+    rms_norm: Callable
+    head_rms_norm: Callable
+    rotary_embedding: Callable
+    silu_and_mul: Callable
+    copy_blocks: Callable
+    gumbel_argmax: Callable
+
+
+def bind(device: torch.device | str) -> KernelSet:
+    """The kernels for tensors on `device`. Raises NotImplementedError if the Triton backend lacks one."""
+    backend = selected_backend(torch.device(device))
+    if backend == "reference":
+        return KernelSet(backend, **{name: getattr(reference, name) for name in KERNEL_NAMES})
     from kernels import triton_ops  # imported lazily: Triton reads TRITON_INTERPRET when kernels are defined
 
-    return getattr(triton_ops, name, None)
+    impls = {name: getattr(triton_ops, name, None) for name in KERNEL_NAMES}
+    missing = [name for name, impl in impls.items() if impl is None]
+    if missing:
+        raise NotImplementedError(f"the Triton kernel backend has no {', '.join(missing)}: implement it in "
+                                  f"kernels.triton_ops, or run with PAGEDQ_KERNELS=reference")
+    return KernelSet(backend, **impls)
 
 
 def _dispatch(name: str) -> Callable:
@@ -39,12 +70,7 @@ def _dispatch(name: str) -> Callable:
 
     def call(*args, **kwargs):
         first = args[0][0] if isinstance(args[0], (list, tuple)) else args[0]
-        device = first.device
-        if selected_backend(device) == "triton":
-            impl = _triton_impl(name)
-            if impl is not None:
-                return impl(*args, **kwargs)
-        return ref(*args, **kwargs)
+        return getattr(bind(first.device), name)(*args, **kwargs)
 
     call.__name__ = name
     call.__doc__ = ref.__doc__
@@ -61,15 +87,4 @@ silu_and_mul = _dispatch("silu_and_mul")
 copy_blocks = _dispatch("copy_blocks")
 gumbel_argmax = _dispatch("gumbel_argmax")
 
-__all__ = [
-    "selected_backend",
-    "store_kv_cache",
-    "paged_decode_attention",
-    "paged_prefill_attention",
-    "rms_norm",
-    "head_rms_norm",
-    "rotary_embedding",
-    "silu_and_mul",
-    "copy_blocks",
-    "gumbel_argmax",
-]
+__all__ = ["KERNEL_NAMES", "KernelSet", "bind", "selected_backend", *KERNEL_NAMES]

@@ -27,6 +27,11 @@ from kernels import activation, block_copy, decode_attention, kv_cache, norm, pr
 
 SM90_TARGET = GPUTarget("cuda", 90, 32)
 SM90_MAX_SHARED_BYTES = 232448  # 227 KiB opt-in shared memory per block on H100/H200
+# Per SM on sm_90 (CUDA occupancy rules): 64K 32-bit registers, allocated per warp in units of 256; 228 KiB of
+# shared memory, 1 KiB of it reserved per resident block; 2048 threads; 32 blocks.
+SM90_REGISTERS_PER_SM = 65536
+SM90_SHARED_BYTES_PER_SM = 233472
+SM90_RESERVED_SHARED_PER_BLOCK = 1024
 _POINTER_TYPES = {
     torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16",
     torch.int32: "*i32", torch.int64: "*i64",
@@ -123,6 +128,14 @@ def ptxas_usage(ptx: str) -> tuple[int, int] | None:
     return int(registers.group(1)) if registers else 0, int(spills.group(1)) if spills else 0
 
 
+def ctas_per_sm(registers: int, shared_bytes: int, num_warps: int) -> int:
+    """How many blocks of a kernel fit on one sm_90 SM at once, by registers, shared memory and threads."""
+    registers_per_warp = -(-registers * 32 // 256) * 256
+    by_registers = (SM90_REGISTERS_PER_SM // max(registers_per_warp, 1)) // num_warps
+    by_shared = SM90_SHARED_BYTES_PER_SM // (shared_bytes + SM90_RESERVED_SHARED_PER_BLOCK)
+    return min(by_registers, by_shared, 2048 // (32 * num_warps), 32)
+
+
 def _meta(*shape, dtype=torch.bfloat16):
     return torch.empty(shape, dtype=dtype, device="meta")
 
@@ -147,6 +160,9 @@ def _production_calls() -> list[tuple[str, object, list[str], Callable[[], objec
          lambda: decode(_meta(64, 32, 128, dtype=torch.float32), *fp32_caches, tables[:, :8], lens, 0.088)),
         ("prefill bf16 gqa4", prefill_attention, ["_prefill_kernel"],
          lambda: prefill(_meta(4096, 32, 128), *caches, tables, cu, lens, 0.088)),
+        ("prefill fp16 gqa4", prefill_attention, ["_prefill_kernel"],
+         lambda: prefill(_meta(4096, 32, 128, dtype=torch.float16), _meta(4096, 16, 8, 128, dtype=torch.float16),
+                         _meta(4096, 16, 8, 128, dtype=torch.float16), tables, cu, lens, 0.088)),
         ("prefill bf16 gqa1 d64", prefill_attention, ["_prefill_kernel"],
          lambda: prefill(_meta(4096, 8, 64), _meta(64, 16, 8, 64), _meta(64, 16, 8, 64), tables, cu, lens, 0.125)),
         ("prefill fp32 gqa8", prefill_attention, ["_prefill_kernel"],
@@ -220,7 +236,11 @@ def main() -> int:
             failures += not fits
             usage = ptxas_usage(compiled.asm["ptx"])
             # Spills are reported, not failed: they cost speed, not correctness.
-            regs = f", {usage[0]} registers, {usage[1]} bytes spilled" if usage else ""
+            regs = ""
+            if usage:
+                ctas = ctas_per_sm(usage[0], shared, compiled.metadata.num_warps)
+                regs = (f", {usage[0]} registers, {usage[1]} bytes spilled, {compiled.metadata.num_warps} warps: "
+                        f"{ctas} CTAs/SM")
             print(f"{'ok  ' if fits else 'FAIL'} {label} {kernel.__name__}: {shared} bytes shared memory{regs}")
     return 1 if failures else 0
 

@@ -38,13 +38,15 @@ from kernels.triton_common import (
     paged_kv_offsets,
 )
 
-# (BLOCK_M rows, BLOCK_N kv tokens, num_warps, num_stages): the Triton fused-attention tutorial's Hopper choice
-# for D <= 128 with 16-bit inputs (173 registers, no spills for sm_90 at D = 128, see kernels.compile_check).
-# fp32 operands are twice as large and go through IEEE fp32 dots: a 64 x 32 tile spills on 4 or 8 warps,
-# 64 x 16 on 8 warps does not.
+# (BLOCK_M rows, BLOCK_N kv tokens, num_warps, num_stages), sized by registers for sm_90 (kernels.compile_check
+# reports them and the CTAs per SM they allow). 16-bit at D = 128: the fused-attention tutorial's 128 x 64 on 8
+# warps took 173 registers, so one CTA per SM (11 warps' worth of the 64K register file); 64 x 32 on 4 warps
+# takes ~151, 3 CTAs per SM (12 warps), and stays at >= 2 CTAs up to 255 registers. (Peeling the masked diagonal
+# tile into its own loop was tried: it added registers, a second pipelined loop.) fp32 operands are twice as
+# large and go through IEEE fp32 dots: a 64 x 32 tile spills on 4 or 8 warps, 64 x 16 on 8 warps does not.
 TILE_CONFIGS = {
-    torch.bfloat16: (128, 64, 8, 3),
-    torch.float16: (128, 64, 8, 3),
+    torch.bfloat16: (64, 32, 4, 3),
+    torch.float16: (64, 32, 4, 3),
     torch.float32: (64, 16, 8, 2),
 }
 

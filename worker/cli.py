@@ -137,6 +137,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
                             max_num_seqs=args.max_num_seqs, step_delay_s=args.stub_step_delay)
         return engine, "stub"
     from engine import LLMEngine
+    from engine.startup import freeze_startup_objects
 
     model = args.model
     if model is None:
@@ -146,6 +147,7 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
     engine = LLMEngine(model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                        num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager)
+    freeze_startup_objects()  # a long-lived worker: keep the engine's start-up objects out of the cyclic GC
     return engine, str(model)
 
 

@@ -12,9 +12,12 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
+from torch import nn
 
+import kernels
 from engine.config import ModelConfig
-from engine.models.llama import LlamaForCausalLM, PackedLinear
+from engine.layers import PackedLinear
+from engine.models.registry import model_class
 
 # checkpoint projection name -> (our packed module name, shard index)
 _PACKED_SHARDS = {
@@ -28,10 +31,11 @@ _PACKED_NAME = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(we
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
 
-def load_model(folder: str | Path, config: ModelConfig, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
+def load_model(folder: str | Path, config: ModelConfig, dtype: torch.dtype, device: str) -> nn.Module:
     # Built on the target device: random init of a large shape on the CPU would take minutes.
+    ops = kernels.bind(device)  # the backend is chosen here, once, for the model's lifetime
     with torch.device(device):
-        model = LlamaForCausalLM(config)
+        model = model_class(config.architecture)(config, ops)
     files = _weight_files(Path(folder))
     if files:
         _load_weights(model, _iter_checkpoint(files))
@@ -60,7 +64,7 @@ def _iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             yield from torch.load(path, map_location="cpu", weights_only=True).items()
 
 
-def _load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+def _load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     loaded: set[str] = set()
@@ -87,7 +91,7 @@ def _load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Te
     _check_complete(model, loaded)
 
 
-def _check_complete(model: LlamaForCausalLM, loaded: set[str]) -> None:
+def _check_complete(model: nn.Module, loaded: set[str]) -> None:
     missing = []
     for module_name, module in model.named_modules():
         for kind in ("weight", "bias"):
@@ -103,7 +107,7 @@ def _check_complete(model: LlamaForCausalLM, loaded: set[str]) -> None:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
 
 
-def _init_random(model: LlamaForCausalLM, seed: int) -> None:
+def _init_random(model: nn.Module, seed: int) -> None:
     """Random weights for a config-only folder: normal(0, 0.02) like transformers, norms at 1."""
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():

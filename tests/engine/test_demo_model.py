@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, LLMEngine, RequestOutputKind, SamplingParams
 from tests.engine.parity import assert_greedy_parity, hf_greedy
+from tests.engine.test_engine import stop_cut_after_min_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -54,3 +55,16 @@ def test_streamed_text_with_unicode_equals_full_decode(demo_model_dir):
             text += output.outputs[0].text
             tokens += output.outputs[0].token_ids
     assert text == engine.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_stop_string_waits_for_min_tokens(demo_llm):
+    """The issue's case: "\n\n" follows the first token, so without min_tokens the answer stops after 3 tokens."""
+    prompt = "The planets of the solar system, in order from the Sun, are"
+    greedy = dict(max_tokens=40, temperature=0.0)
+    base = demo_llm.generate(prompt, SamplingParams(**greedy, ignore_eos=True))[0].outputs[0]
+    prefix_text = demo_llm.get_tokenizer().decode(base.token_ids[:10], skip_special_tokens=True)
+    assert "\n\n" in base.text[:len(prefix_text)], f"the case no longer reproduces: {base.text!r}"
+    out = demo_llm.generate(prompt, SamplingParams(**greedy, stop=["\n\n"], min_tokens=10))[0].outputs[0]
+    assert len(out.token_ids) > 10
+    assert out.text == stop_cut_after_min_tokens(base.text, prefix_text, "\n\n")
+    assert out.stop_reason == "\n\n" and out.token_ids == base.token_ids[: len(out.token_ids)]

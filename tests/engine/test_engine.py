@@ -69,6 +69,26 @@ def test_stop_token_ids_and_min_tokens(llm):
     assert stop_token not in late.token_ids[: first + 2]
 
 
+def stop_cut_after_min_tokens(text: str, prefix_text: str, stop: str) -> str:
+    """vLLM's rule: the first occurrence of `stop` that ends past the text of the first min_tokens tokens."""
+    at = text.find(stop, max(0, len(prefix_text) - len(stop) + 1))
+    assert at != -1, f"{stop!r} does not recur in {text!r} after {prefix_text!r}"
+    return text[:at]
+
+
+def test_stop_strings_wait_for_min_tokens(llm):
+    base = llm.generate(PROMPTS[2], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    stop, min_tokens = base.text[1:4], 5
+    assert stop.strip() and stop in base.text[:4], f"degenerate stop string from {base.text!r}"
+    prefix_text = llm.get_tokenizer().decode(base.token_ids[:min_tokens])
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop], min_tokens=min_tokens)
+    out = llm.generate(PROMPTS[2], params)[0].outputs[0]
+    assert len(out.token_ids) > min_tokens
+    assert out.text == stop_cut_after_min_tokens(base.text, prefix_text, stop)
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.token_ids == base.token_ids[: len(out.token_ids)]
+
+
 def test_logprobs_match_log_softmax_of_transformers_logits(llm, hf_model):
     out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=3))[0]
     completion = out.outputs[0]
@@ -250,13 +270,10 @@ def test_per_prompt_params_and_input_order(llm):
     assert [o.prompt for o in outputs] == PROMPTS
 
 
-def test_startup_objects_leave_the_cyclic_gc_and_step_phases_are_timed(tiny_llama_dir):
-    import gc
+def test_step_phases_are_timed(tiny_llama_dir):
     import time
 
-    gc.unfreeze()
     engine = LLMEngine(tiny_llama_dir)
-    assert gc.get_freeze_count() > 10_000  # torch, transformers and the model: nothing a full collection should walk
     engine.add_request("t", PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     started = time.perf_counter()
     _drain(engine)
@@ -267,3 +284,29 @@ def test_startup_objects_leave_the_cyclic_gc_and_step_phases_are_timed(tiny_llam
     assert sum(phases) * stats["num_steps"] <= wall_ms
     engine.reset_step_stats()
     assert engine.stats()["num_steps"] == 0 and engine.stats()["execute_ms_per_step"] == 0
+
+
+def test_constructing_an_engine_leaves_the_gc_alone(tiny_llama_dir):
+    """A library constructor must not change process-wide state: the tests alone build dozens of engines."""
+    import gc
+
+    frozen, enabled, thresholds = gc.get_freeze_count(), gc.isenabled(), gc.get_threshold()
+    engine = LLMEngine(tiny_llama_dir, num_kv_blocks=8)
+    assert (gc.get_freeze_count(), gc.isenabled(), gc.get_threshold()) == (frozen, enabled, thresholds)
+    assert engine.num_total_blocks == 8
+
+
+def test_pagedq_generate_freezes_its_startup_objects(tiny_llama_dir, capsys):
+    """The long-lived entry points (worker, generate, bench) are where gc.freeze belongs."""
+    import gc
+
+    from engine.cli import main
+
+    gc.unfreeze()
+    try:
+        assert main(["generate", "--model", str(tiny_llama_dir), "--max-tokens", "2", "--num-kv-blocks", "8",
+                     "The quick"]) == 0
+        assert gc.get_freeze_count() > 10_000  # torch, transformers and the model: nothing a collection should walk
+    finally:
+        gc.unfreeze()
+    assert "### The quick" in capsys.readouterr().out

@@ -110,3 +110,53 @@ def test_penalties_match_their_definitions():
     # token 1: prompt only -> -1 * 2; token 3: output twice -> 3/2 - 0.25*2 - 0.5
     assert torch.allclose(penalised, torch.tensor([[2.0, -2.0, 0.5, 0.5, 0.0]]))
     assert sample(logits, batch).token_ids.item() == 0
+
+
+def _real_shaped_logits(rows: int, seed: int = 0) -> torch.Tensor:
+    """SmolLM2's vocabulary size and a peaked distribution: a few likely tokens over a long, thin tail."""
+    logits = torch.randn(rows, 49152, generator=torch.Generator().manual_seed(seed)) * 2.5
+    logits[:, :5] += 15
+    return logits
+
+
+def test_top_p_one_keeps_every_token_of_a_real_sized_vocabulary():
+    from engine.sampler import apply_filters
+
+    logits = _real_shaped_logits(4)
+    filtered = apply_filters(logits, make_batch(4, top_k=logits.shape[-1], top_p=1.0))
+    assert torch.equal(filtered, logits)  # a descending fp32 running sum reached 1.0 and cut thousands of tokens
+
+
+def _rows_batch(rows: list[dict], positions: int, needs_filters: bool) -> SamplingBatch:
+    """One sampling row per (setting, position): rows[i] at positions 0..positions-1, all with seed 7."""
+    settings = [row for row in rows for _ in range(positions)]
+
+    def column(name, dtype):
+        return torch.tensor([row[name] for row in settings], dtype=dtype)
+
+    return SamplingBatch(temperature=column("temperature", torch.float32), top_k=column("top_k", torch.long),
+                         top_p=column("top_p", torch.float32), min_p=torch.zeros(len(settings)),
+                         seeds=torch.full((len(settings),), 7, dtype=torch.long),
+                         positions=torch.arange(positions, dtype=torch.long).repeat(len(rows)),
+                         needs_filters=needs_filters)
+
+
+def test_a_plain_rows_draw_does_not_depend_on_a_filtering_neighbour():
+    from engine.sampler import apply_filters
+
+    positions, logits = 32, _real_shaped_logits(2, seed=1)
+    vocab = logits.shape[-1]
+    plain = dict(temperature=1.0, top_k=vocab, top_p=1.0)
+    neighbour = dict(temperature=0.7, top_k=50, top_p=0.9)
+    plain_logits = logits[0].expand(positions, vocab)
+    mixed_logits = torch.cat([plain_logits, logits[1].expand(positions, vocab)])
+    alone = sample(plain_logits, _rows_batch([plain], positions, needs_filters=False)).token_ids
+    mixed_batch = _rows_batch([plain, neighbour], positions, needs_filters=True)
+    mixed = sample(mixed_logits, mixed_batch).token_ids
+    assert torch.equal(mixed[:positions], alone)
+    # What makes it so: the filter path hands the plain rows' distribution on untouched.
+    assert torch.equal(apply_filters(mixed_logits, mixed_batch)[:positions], plain_logits)
+    allowed = allowed_set(logits[1], 0.7, 50, 0.9, 0.0)
+    assert set(mixed[positions:].tolist()) <= allowed
+    neighbour_alone = sample(logits[1].expand(positions, vocab), _rows_batch([neighbour], positions, True)).token_ids
+    assert torch.equal(mixed[positions:], neighbour_alone)

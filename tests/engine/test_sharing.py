@@ -76,6 +76,47 @@ def test_n4_shares_the_prompt_and_each_sample_equals_its_seed_alone(tiny_llama_d
         assert alone[0].outputs[0].token_ids == sample
 
 
+def test_fan_out_groups_fit_max_num_seqs_and_each_sample_equals_its_seed_alone(tiny_llama_dir):
+    engine = LLMEngine(tiny_llama_dir, num_kv_blocks=128, block_size=16, max_num_seqs=8)
+    seeds = [100, 200, 300, 400]
+    prompts = [_tokens(20 + 5 * g, seed=10 + g) for g in range(len(seeds))]
+    params = [SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=seed, ignore_eos=True,
+                             output_kind=RequestOutputKind.FINAL_ONLY) for seed in seeds]
+    for group, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"g{group}", prompt, p)
+    schedule, sizes = engine.scheduler.schedule, []
+
+    def recording_schedule():
+        scheduled = schedule()
+        sizes.append(len(scheduled.scheduled))
+        return scheduled
+
+    engine.scheduler.schedule = recording_schedule
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update((o.request_id, o) for o in engine.step() if o.finished)
+        assert engine.num_running_requests <= 8  # forks included
+    assert max(sizes) == 8 and all(size <= 8 for size in sizes), sizes
+
+    llm = LLM(tiny_llama_dir, num_kv_blocks=64, block_size=16)
+    for group, (prompt, p) in enumerate(zip(prompts, params)):
+        samples = [c.token_ids for c in finals[f"g{group}"].outputs]
+        alone = [llm.generate([prompt], dataclasses.replace(p, n=1, best_of=None, seed=p.seed + index))[0]
+                 .outputs[0].token_ids for index in range(4)]
+        assert samples == alone
+
+
+@pytest.mark.parametrize("fan_out", [dict(n=9), dict(n=2, best_of=9)])
+def test_more_samples_than_max_num_seqs_are_refused(tiny_llama_dir, fan_out):
+    engine = LLMEngine(tiny_llama_dir, num_kv_blocks=32, max_num_seqs=8)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        engine.add_request("big", [5, 6, 7], SamplingParams(max_tokens=4, **fan_out))
+    assert not engine.has_unfinished_requests()
+    engine.add_request("big", [5, 6, 7], SamplingParams(max_tokens=4, n=8))  # the id was not taken
+    assert len(LLM(tiny_llama_dir, num_kv_blocks=32, max_num_seqs=8).generate(
+        [5, 6, 7], SamplingParams(max_tokens=4, n=8))[0].outputs) == 8
+
+
 def test_best_of_returns_the_most_likely_samples(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, num_kv_blocks=64)
     prompt = _tokens(20, seed=2)
@@ -249,7 +290,7 @@ def _serve(model_dir: str, requests: list[tuple], **engine_kwargs) -> tuple[dict
 @pytest.mark.parametrize("engine_kwargs", [
     dict(num_kv_blocks=24, max_num_batched_tokens=16),
     dict(num_kv_blocks=24, max_num_batched_tokens=16, preemption_mode="swap", swap_space_gib=0.001),
-    dict(num_kv_blocks=34, max_num_batched_tokens=24, enable_prefix_caching=False, max_num_seqs=5),
+    dict(num_kv_blocks=34, max_num_batched_tokens=24, enable_prefix_caching=False, max_num_seqs=8),
 ], ids=["recompute", "swap", "no-prefix-cache"])
 def test_random_mixed_traffic_under_pressure_matches_a_roomy_run(tiny_llama_dir, engine_kwargs):
     """Every feature at once in a pool that forces preemption: each request's outputs equal a roomy run's."""

@@ -24,8 +24,8 @@ CASES = [
 
 def _chunk_plan(block_size: int) -> list[tuple[int, int]]:
     """(cached prefix, chunk length) per sequence: a fresh prompt, chunks that end on and around page edges,
-    a single-token chunk after a prefix, and a chunk long enough to span several query tiles (BLOCK_Q is 16
-    for GQA 8 and for fp32 with GQA 4)."""
+    a single-token chunk after a prefix, and a chunk long enough to span several query tiles (BLOCK_Q is
+    64 / GQA for every dtype: 8 for GQA 8, 16 for GQA 4) and several 32-token (16-bit) or 16-token (fp32) KV tiles."""
     return [
         (0, 5),
         (block_size, block_size + 1),

@@ -36,3 +36,21 @@ def test_bench_prints_one_json_line(tiny_llama_dir):
     e2e = result["e2e"]
     assert e2e["jobs"] == 8 and e2e["token_identical_jobs"] == 8
     assert e2e["worker_tokens_per_s"] > 0 and e2e["offline_tokens_per_s"] > 0
+
+
+def test_worker_start_up_freezes_the_engine_objects(tiny_llama_dir):
+    """The worker, a long-lived process, moves its engine's start-up objects out of the cyclic GC (LLMEngine does not)."""
+    import gc
+
+    from engine.cli import build_parser
+    from worker.cli import build_engine
+
+    args = build_parser().parse_args(["worker", "--model", str(tiny_llama_dir), "--device", "cpu",
+                                      "--num-kv-blocks", "8"])
+    frozen = gc.get_freeze_count()
+    try:
+        engine, model = build_engine(args)
+        assert gc.get_freeze_count() > frozen and model == str(tiny_llama_dir)
+    finally:
+        gc.unfreeze()
+    assert engine.num_total_blocks == 8

@@ -1,0 +1,70 @@
+"""Paged self-attention: packed q/k/v, optional per-head q/k RMSNorm, RoPE, the cache write, and the
+dispatch of the step's decode tokens and prefill chunks to their kernels."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.layers.linear import PackedLinear
+from engine.layers.metadata import AttentionMetadata
+from engine.layers.norm import RMSNorm
+from kernels import KernelSet
+
+
+def paged_attention(ops: KernelSet, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention output [T, heads, head_dim]: decode tokens (first) by the decode kernel, prefill chunks by the
+    varlen prefill kernel, each over the paged cache through its block table."""
+    num_decode = meta.num_decode_tokens
+    if not meta.has_prefill:
+        return ops.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                                          scale)
+    out = torch.empty_like(q)
+    if num_decode:
+        out[:num_decode] = ops.paged_decode_attention(
+            q[:num_decode], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    out[num_decode:] = ops.paged_prefill_attention(
+        q[num_decode:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
+        meta.prefill_context_lens, scale)
+    return out
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, ops: KernelSet) -> None:
+        super().__init__()
+        self.ops = ops
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = PackedLinear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qk_norm = config.qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        ops = self.ops
+        if self.qk_norm:
+            q = ops.head_rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+            k = ops.head_rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+        q, k = ops.rotary_embedding(q, k, positions, cos_sin_cache)
+        k_cache, v_cache = kv_cache
+        ops.store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = paged_attention(ops, q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))

@@ -1,0 +1,63 @@
+"""The kernel backend is bound once, when the model is built; a Triton kernel that is missing raises."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from engine import LLM, SamplingParams
+from kernels import reference, triton_ops
+
+
+def _count_triton_calls(monkeypatch) -> dict[str, int]:
+    calls: dict[str, int] = {}
+    for name in triton_ops.__all__:
+        def spy(*args, _name=name, _impl=getattr(triton_ops, name), **kwargs):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _impl(*args, **kwargs)
+        monkeypatch.setattr(triton_ops, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("built_with,changed_to", [("reference", "triton"), ("triton", "reference")])
+def test_the_backend_chosen_at_build_time_stays(tiny_llama_dir, monkeypatch, built_with, changed_to):
+    calls = _count_triton_calls(monkeypatch)
+    monkeypatch.setenv("PAGEDQ_KERNELS", built_with)
+    llm = LLM(tiny_llama_dir, num_kv_blocks=8, block_size=16)
+    calls.clear()
+    monkeypatch.setenv("PAGEDQ_KERNELS", changed_to)  # read once, at build: changing it now changes nothing
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.8, seed=1))
+    if built_with == "reference":
+        assert calls == {}
+    else:
+        assert {"rms_norm", "paged_prefill_attention", "paged_decode_attention", "gumbel_argmax"} <= set(calls)
+    assert llm.llm_engine.model_runner.kernels.backend == built_with
+
+
+def test_bind_resolves_each_backend():
+    bound = kernels.bind(torch.device("cpu"))
+    assert bound.backend == "reference" and bound.rms_norm is reference.rms_norm
+    assert kernels.bind("cuda").backend == "triton"  # default on CUDA, resolved without a GPU
+    assert all(getattr(kernels.bind("cuda"), name) is getattr(triton_ops, name) for name in kernels.KERNEL_NAMES)
+
+
+def test_a_missing_triton_kernel_raises_instead_of_falling_back(tiny_llama_dir, monkeypatch):
+    monkeypatch.delattr(triton_ops, "silu_and_mul")
+    monkeypatch.setenv("PAGEDQ_KERNELS", "triton")
+    with pytest.raises(NotImplementedError, match="silu_and_mul"):
+        kernels.silu_and_mul(torch.randn(2, 8))  # the per-call functions raise too, never use the reference
+    monkeypatch.delenv("PAGEDQ_KERNELS")
+    with pytest.raises(NotImplementedError, match="silu_and_mul"):
+        kernels.bind("cuda")
+    monkeypatch.setenv("PAGEDQ_KERNELS", "triton")
+    with pytest.raises(NotImplementedError, match="silu_and_mul"):
+        LLM(tiny_llama_dir, num_kv_blocks=8)  # refused when the model is built, not at its first step
+    monkeypatch.setenv("PAGEDQ_KERNELS", "reference")
+    assert LLM(tiny_llama_dir, num_kv_blocks=8).llm_engine.model_runner.kernels.backend == "reference"
+
+
+def test_an_unknown_backend_is_refused(monkeypatch):
+    monkeypatch.setenv("PAGEDQ_KERNELS", "cuda-magic")
+    with pytest.raises(ValueError, match="PAGEDQ_KERNELS"):
+        kernels.bind("cpu")
