@@ -12,12 +12,13 @@ from typing import Any
 
 from .config import WorkerSettings
 from .errors import JobRejected
-from .job import FinalRecord, parse_job, job_id_of
+from .job import FinalRecord, parse_job, salvage
 from .keys import GROUP, JOB_FIELD, QueueKeys
 from .publisher import Publisher
 from .tracked import Tracked
 
 _JOB_FIELD_B = JOB_FIELD.encode()
+MAX_REASON_CHARS = 2000  # a rejection reason quotes the problem, never the whole entry
 
 
 class Intake:
@@ -28,7 +29,10 @@ class Intake:
         self.seq = 0
 
     def parse(self, entries: list, counts: dict[str, int] | None = None) -> list[Tracked]:
-        """Validate entries; queue rejections and dead letters; return the jobs to run."""
+        """Validate entries; queue rejections and dead letters; return the jobs to run.
+
+        Whatever an entry holds, it ends here as a held job, a rejection or a raw dead letter: any exception
+        while parsing or rejecting one entry is that entry's fault, never the worker's."""
         jobs = []
         for entry_id, fields in entries:
             entry_id = _s(entry_id)
@@ -37,16 +41,24 @@ class Intake:
                 continue
             raw = fields.get(_JOB_FIELD_B, fields.get(JOB_FIELD))
             try:
-                if raw is None:
-                    raise JobRejected(f"stream entry has no {JOB_FIELD!r} field")
-                job = parse_job(raw)
+                t = self._parse_one(entry_id, raw, (counts or {}).get(entry_id, 1))
             except JobRejected as exc:
                 self.reject_raw(entry_id, raw, str(exc))
                 continue
-            t = self.track(entry_id, job, (counts or {}).get(entry_id, 1))
+            except Exception as exc:
+                self.reject_raw(entry_id, raw, f"cannot parse the job entry: {type(exc).__name__}: {exc}")
+                continue
             if t is not None:
                 jobs.append(t)
         return jobs
+
+    def _parse_one(self, entry_id: str, raw: Any, attempts: int) -> Tracked | None:
+        if raw is None:
+            raise JobRejected(f"stream entry has no {JOB_FIELD!r} field")
+        job = parse_job(raw)
+        if "id" not in job.model_fields_set:  # a raw XADD without an id: the entry id is its id
+            job = job.model_copy(update={"id": entry_id})
+        return self.track(entry_id, job, attempts)
 
     def track(self, entry_id: str, job: Any, attempts: int, enqueued_at: float = 0.0) -> Tracked | None:
         """A held job in read order; None (dead-lettered) once delivered more than max_attempts times."""
@@ -55,15 +67,23 @@ class Intake:
         if t.attempts > self.settings.max_attempts:
             self.dead_letter(t, "delivered more often than max_attempts (a worker died or lost it each time)")
             return None
+        self.publisher.ops.append(("HSET", self.keys.ids, job.id, 1))  # now Client.cancel knows it
         return t
 
     def reject_raw(self, entry_id: str, raw: Any, reason: str) -> None:
-        job_id = job_id_of(raw) if raw is not None else None
-        record = FinalRecord(id=job_id or entry_id, status="rejected", error=reason,
-                             metadata=_metadata_of(raw), worker=self.settings.name)
-        self.log.warning("job_rejected", job_id=record.id, entry_id=entry_id, error=reason)
-        self.publisher.final(record, entry_id)
-        self.stats["rejected"] += 1
+        """The one `rejected` final record of an entry that is not a valid job (addressed to its id when it
+        has a readable one, else to the entry id). If even that cannot be built, dead-letter the entry raw."""
+        try:
+            job_id, metadata = salvage(raw)
+            record = FinalRecord(id=job_id or entry_id, status="rejected", error=reason[:MAX_REASON_CHARS],
+                                 metadata=metadata, worker=self.settings.name)
+            self.log.warning("job_rejected", job_id=record.id, entry_id=entry_id, error=record.error)
+            self.publisher.final(record, entry_id)
+            self.stats["rejected"] += 1
+        except Exception as exc:
+            self.log.error("job_rejection_failed", entry_id=entry_id, reason=reason[:MAX_REASON_CHARS],
+                           error=repr(exc)[:MAX_REASON_CHARS])
+            self.publisher.dead_raw(entry_id, raw, f"{reason} (and the rejection failed: {exc!r})"[:MAX_REASON_CHARS])
 
     def reject(self, t: Tracked, reason: str) -> None:
         self.log.warning("job_rejected", job_id=t.id, error=reason)
@@ -128,15 +148,6 @@ def engine_prompt(engine: Any, job: Any) -> str | list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
     except Exception as exc:  # jinja raises for e.g. roles that do not alternate: the job's fault
         raise ValueError(f"the chat template refused the messages: {exc}") from None
-
-
-def _metadata_of(raw: Any) -> dict | None:
-    try:
-        data = json.loads(raw)
-    except (ValueError, TypeError):
-        return None
-    meta = data.get("metadata") if isinstance(data, dict) else None
-    return meta if isinstance(meta, dict) else None
 
 
 def _s(value: Any) -> str:

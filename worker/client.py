@@ -17,7 +17,6 @@ import time
 from typing import Any, Iterable, Iterator, Mapping
 
 from redis import Redis
-from redis.exceptions import NoScriptError
 
 from . import scripts
 from .errors import JobRejected, QueueFullError, ResultTimeout
@@ -57,8 +56,17 @@ def as_job(item: Job | Mapping[str, Any]) -> Job:
     return make_job(**kwargs)
 
 
-def submit_args(keys: QueueKeys, jobs: list[Job], limit: int | None) -> tuple:
-    return ("EVALSHA", scripts.SHA["submit"], 1, keys.jobs, int(limit or 0), JOB_FIELD, *[j.to_json() for j in jobs])
+def submit_args(keys: QueueKeys, jobs: list[Job], limit: int | None) -> tuple[list[str], list]:
+    """KEYS and ARGV of the SUBMIT script for these jobs (limit None or 0: no depth limit)."""
+    args: list = [int(limit or 0), JOB_FIELD]
+    for job in jobs:
+        args += [job.id, job.to_json()]
+    return [keys.jobs, keys.ids], args
+
+
+def cancel_args(keys: QueueKeys, job_id: str) -> tuple[list[str], list]:
+    """KEYS and ARGV of the CANCEL script."""
+    return [keys.final(job_id), keys.cancelled, keys.ids], [job_id, time.time()]
 
 
 def check_submit_reply(reply: list, adding: int, limit: int | None) -> list[str]:
@@ -120,29 +128,15 @@ class Client:
         built = [as_job(j) for j in jobs]
         if not built:
             return []
-        if self.max_queue_depth:
-            args = submit_args(self.keys, built, self.max_queue_depth)
-            try:
-                reply = self.r.execute_command(*args)
-            except NoScriptError:
-                scripts.load_all(self.r)
-                reply = self.r.execute_command(*args)
-            check_submit_reply(reply, len(built), self.max_queue_depth)
-        else:
-            pipe = self.r.pipeline(transaction=False)
-            for job in built:
-                pipe.xadd(self.keys.jobs, {JOB_FIELD: job.to_json()})
-            pipe.execute()
+        keys, args = submit_args(self.keys, built, self.max_queue_depth)
+        check_submit_reply(scripts.call(self.r, "submit", keys, args), len(built), self.max_queue_depth)
         return [job.id for job in built]
 
     def cancel(self, job_id: str) -> bool:
-        """Ask the workers to cancel a queued or running job; False if it already has its final record."""
-        args = ("EVALSHA", scripts.SHA["cancel"], 2, self.keys.final(job_id), self.keys.cancelled, job_id, time.time())
-        try:
-            return bool(self.r.execute_command(*args))
-        except NoScriptError:
-            scripts.load_all(self.r)
-            return bool(self.r.execute_command(*args))
+        """Ask the workers to cancel a queued or running job; False (and nothing written) if it already has
+        its final record or is unknown: never submitted by a client nor read by a worker yet."""
+        keys, args = cancel_args(self.keys, job_id)
+        return bool(scripts.call(self.r, "cancel", keys, args))
 
     def queue_depth(self) -> int:
         """Jobs not yet finished (waiting plus in flight)."""

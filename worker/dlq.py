@@ -50,6 +50,8 @@ def retry(r: Redis, queue: str, job_ids: list[str] | None = None) -> list[str]:
     k, script, done = QueueKeys(queue), r.register_script(RETRY), []
     newest = {letter["id"]: letter for letter in _select(r, queue, job_ids)}  # a job may have died twice
     for letter in newest.values():
+        if letter.get("job") is None:  # a raw dead letter (not even a valid job): nothing to re-run
+            continue
         job_json = json.dumps(letter["job"])
         if script(keys=[k.dead, k.jobs, k.final(letter["id"]), k.result(letter["id"])],
                   args=[letter["dead_id"], job_json, JOB_FIELD]):

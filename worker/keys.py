@@ -50,6 +50,12 @@ class QueueKeys:
         return f"{self.base}:cancelled"
 
     @property
+    def ids(self) -> str:
+        """Hash of unfinished job ids (field: job id), set by Client.submit and by a worker reading the job,
+        removed with the final record: what lets Client.cancel tell an unknown id from a queued one."""
+        return f"{self.base}:ids"
+
+    @property
     def workers(self) -> str:
         """Sorted set of worker names, scored by their last heartbeat (unix time)."""
         return f"{self.base}:workers"

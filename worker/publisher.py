@@ -10,6 +10,7 @@ import json
 import time
 from typing import Any
 
+import structlog
 from redis.exceptions import NoScriptError, ResponseError
 
 from . import scripts
@@ -18,6 +19,8 @@ from .keys import DATA_FIELD, GROUP, TYPE_FIELD, QueueKeys
 from .tracked import Tracked
 
 FINALIZE_CHUNK = 256  # jobs per FINALIZE call: bounds how long one script blocks Redis
+log = structlog.get_logger("pagedq.publisher")
+MAX_DEAD_RAW_BYTES = 1024 * 1024  # of a raw dead letter: enough to see what it was
 CELERY_ENTRY_PREFIX = "celery:"  # held jobs that came from the Celery queue: no stream entry to acknowledge
 
 
@@ -60,6 +63,15 @@ class Publisher:
             entry_id = None  # acknowledged on the Celery side after FINALIZE, not in the job stream
         self.finals.append((record.id, entry_id or "", record.model_dump_json(), json.dumps(dead) if dead else ""))
 
+    def dead_raw(self, entry_id: str, raw: Any, error: str) -> None:
+        """Dead-letter an entry as the bytes it holds (it could not even be rejected) and acknowledge it."""
+        raw_bytes = raw if isinstance(raw, bytes) else str(raw).encode(errors="replace") if raw is not None else b""
+        data = json.dumps({"job": None, "entry_id": entry_id, "error": error, "attempts": 1,
+                           "worker": self.worker_name, "raw_bytes": len(raw_bytes)})
+        k = self.keys
+        self.ops.append(("EVALSHA", scripts.SHA["dead_raw"], 2, k.jobs, k.dead, GROUP, entry_id, entry_id, data,
+                         raw_bytes[:MAX_DEAD_RAW_BYTES]))
+
     def record(self, t: Tracked, status: str, error: str | None = None, now: float | None = None) -> FinalRecord:
         """The final record of a held job. Built without re-validation (hot path; every field is ours)."""
         now = now or time.time()
@@ -80,7 +92,7 @@ class Publisher:
         k = self.keys
         for i in range(0, len(finals), FINALIZE_CHUNK):
             chunk = finals[i:i + FINALIZE_CHUNK]
-            keys, args = [k.jobs, k.completions, k.cancelled, k.dead], [GROUP, self.ttl, self.maxlen]
+            keys, args = [k.jobs, k.completions, k.cancelled, k.dead, k.ids], [GROUP, self.ttl, self.maxlen]
             for job_id, entry_id, final_json, dead_json in chunk:
                 keys += [k.final(job_id), k.result(job_id)]
                 args += [entry_id, job_id, final_json, dead_json]
@@ -99,9 +111,13 @@ class Publisher:
         for op, res in zip(ops, results):
             if isinstance(res, NoScriptError):
                 retry.append(op)
+            elif isinstance(res, Exception) and op[1] == scripts.SHA["dead_raw"]:
+                # not even the raw copy could be stored: acknowledge anyway, the log keeps the evidence
+                log.error("dead_letter_failed", entry_id=op[6], error=repr(res))
+                self.ops += [("XACK", self.keys.jobs, GROUP, op[6]), ("XDEL", self.keys.jobs, op[6])]
             elif isinstance(res, Exception):
                 raise res
-            elif op[0] == "EVALSHA":
+            elif op[0] == "EVALSHA" and op[1] == scripts.SHA["finalize"]:
                 written = sum(int(x) for x in res)
                 self.finals_written += written
                 self.duplicates += len(res) - written
