@@ -28,7 +28,7 @@ class Intake:
         self.stats = stats  # the worker's per-status counters (heartbeat)
         self.seq = 0
 
-    def parse(self, entries: list, counts: dict[str, int] | None = None) -> list[Tracked]:
+    def parse(self, entries: list, recovered: bool = False) -> list[Tracked]:
         """Validate entries; queue rejections and dead letters; return the jobs to run.
 
         Whatever an entry holds, it ends here as a held job, a rejection or a raw dead letter: any exception
@@ -41,7 +41,7 @@ class Intake:
                 continue
             raw = fields.get(_JOB_FIELD_B, fields.get(JOB_FIELD))
             try:
-                t = self._parse_one(entry_id, raw, (counts or {}).get(entry_id, 1))
+                t = self._parse_one(entry_id, raw, recovered)
             except JobRejected as exc:
                 self.reject_raw(entry_id, raw, str(exc))
                 continue
@@ -52,21 +52,19 @@ class Intake:
                 jobs.append(t)
         return jobs
 
-    def _parse_one(self, entry_id: str, raw: Any, attempts: int) -> Tracked | None:
+    def _parse_one(self, entry_id: str, raw: Any, recovered: bool) -> Tracked:
         if raw is None:
             raise JobRejected(f"stream entry has no {JOB_FIELD!r} field")
         job = parse_job(raw)
         if "id" not in job.model_fields_set:  # a raw XADD without an id: the entry id is its id
             job = job.model_copy(update={"id": entry_id})
-        return self.track(entry_id, job, attempts)
+        return self.track(entry_id, job, recovered)
 
-    def track(self, entry_id: str, job: Any, attempts: int, enqueued_at: float = 0.0) -> Tracked | None:
-        """A held job in read order; None (dead-lettered) once delivered more than max_attempts times."""
+    def track(self, entry_id: str, job: Any, recovered: bool = False, enqueued_at: float = 0.0) -> Tracked:
+        """A held job in read order. A recovered one (its worker died holding it) is a suspect: the worker
+        charges it its lost run and its runs alone (Worker._hold) and runs it alone."""
         self.seq += 1
-        t = Tracked(entry_id, job, attempts=attempts, seq=self.seq, enqueued_at=enqueued_at)
-        if t.attempts > self.settings.max_attempts:
-            self.dead_letter(t, "delivered more often than max_attempts (a worker died or lost it each time)")
-            return None
+        t = Tracked(entry_id, job, seq=self.seq, enqueued_at=enqueued_at, recovered=recovered, suspect=recovered)
         self.publisher.ops.append(("HSET", self.keys.ids, job.id, 1))  # now Client.cancel knows it
         return t
 

@@ -84,11 +84,11 @@ class CeleryIntake:
 
     def _admit_parsed(self, parsed: list[tuple[Any, Context, Any, str | None]]) -> list[Tracked]:
         # One round trip: finished already? (redelivered after a crash between FINALIZE and ack) and
-        # count this delivery (poison messages that kill workers are dead-lettered past max_attempts).
+        # count this delivery (a redelivered job is a suspect: it runs alone, see Worker._hold).
         pipe = self.r.pipeline(transaction=False)
         for _, ctx, _, _ in parsed:
             pipe.get(self.keys.final(ctx.id))
-            pipe.hincrby(self.keys.celery_deliveries, ctx.id, 1)
+            pipe.hincrby(self.keys.celery_deliveries, ctx.id, 1)  # > 1: recovered from a dead worker
         replies = pipe.execute()
         jobs = []
         for i, (message, ctx, job, error) in enumerate(parsed):
@@ -106,9 +106,7 @@ class CeleryIntake:
                 self.publisher.final(record, entry_id)
                 self.intake.stats["rejected"] += 1
             elif old is None:
-                t = self.intake.track(entry_id, job, deliveries, enqueued_at=time.time())
-                if t is not None:
-                    jobs.append(t)
+                jobs.append(self.intake.track(entry_id, job, recovered=deliveries > 1, enqueued_at=time.time()))
         return jobs
 
     def _parse(self, message: Any) -> tuple[Any, Context, Any, str | None] | None:

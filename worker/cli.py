@@ -90,7 +90,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--celery-visibility-timeout", type=float, default=None,
                    help="seconds before an unacked Celery message is redelivered (default 3600); above the longest job")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
-    p.add_argument("--metrics-addr", default=d.metrics_addr)
+    p.add_argument("--metrics-addr", default=d.metrics_addr,
+                   help="address the metrics endpoint binds (default 127.0.0.1; it has no authentication)")
 
 
 def configure_logging(level: str = "info") -> None:

@@ -20,7 +20,7 @@ class WorkerSettings:
     lease_ms: int = 60_000  # a job idle longer than this in a dead worker's pending list is claimed by others
     renew_every_s: float | None = None  # default lease/3
     claim_every_s: float | None = None  # default lease/2
-    max_attempts: int = 3  # deliveries (and in-worker failures) before a job is dead-lettered
+    max_attempts: int = 3  # runs a job gets at most (worker/recovery.py); then it is dead-lettered
     engine_failure_limit: int = 3  # distinct jobs failing alone in a row: the engine is broken, stop (recovery.py)
     result_ttl_s: int = 86_400  # result streams and final records expire after this
     completions_maxlen: int = 100_000  # approximate cap of the shared completions stream
@@ -40,8 +40,12 @@ class WorkerSettings:
     celery_poll_s: float = 0.05  # after an empty poll of the Celery queue, wait this long before the next
     # Prometheus metrics (worker/metrics.py): on when a port is set (0: any free port)
     metrics_port: int | None = None
-    metrics_addr: str = "0.0.0.0"
+    metrics_addr: str = "127.0.0.1"  # no authentication: expose it on purpose (--metrics-addr 0.0.0.0)
     metrics_every_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1 (the runs a job gets), got {self.max_attempts}")
 
     @property
     def renew_interval(self) -> float:

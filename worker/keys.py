@@ -56,6 +56,12 @@ class QueueKeys:
         return f"{self.base}:ids"
 
     @property
+    def runs(self) -> str:
+        """Hash: job id -> times the job was started alone (as a suspect), written before each such run, so
+        a job that kills its worker while alone is charged for it; removed with the final record."""
+        return f"{self.base}:runs"
+
+    @property
     def workers(self) -> str:
         """Sorted set of worker names, scored by their last heartbeat (unix time)."""
         return f"{self.base}:workers"

@@ -2,8 +2,8 @@
 
 A job a worker holds stays "leased" while the worker renews it (XCLAIM JUSTID by the owner resets its
 idle time), so long generations are never stolen. Jobs of a dead worker go idle; after lease_ms any
-worker claims them with XAUTOCLAIM, which counts a delivery: that count is how poison jobs that kill
-their worker are caught (dead-lettered past max_attempts).
+worker claims them with XAUTOCLAIM. Jobs recovered so (or re-read by a restarted worker) are suspects: they
+run alone, each run alone recorded in Redis first, so a job that kills its worker is the only one charged.
 """
 
 from __future__ import annotations
@@ -29,15 +29,6 @@ class Leases:
         except Exception as exc:  # BUSYGROUP: it exists already
             if "BUSYGROUP" not in str(exc):
                 raise
-
-    def delivery_counts(self, entry_ids: list[str]) -> dict[str, int]:
-        """Delivery count of each of our pending entries (one XPENDING range over them)."""
-        if not entry_ids:
-            return {}
-        ordered = sorted(entry_ids, key=_id_key)
-        rows = self.r.xpending_range(self.keys.jobs, GROUP, ordered[0], ordered[-1], len(ordered) * 2 + 10,
-                                     consumername=self.name)
-        return {_s(row["message_id"]): int(row["times_delivered"]) for row in rows}
 
     def read_own_pending(self, count: int = 500) -> list:
         """Entries this consumer had not acknowledged before it stopped (restart recipe: read from 0)."""
@@ -97,11 +88,6 @@ class Heartbeat:
         pipe.delete(self.keys.heartbeat(self.name))
         pipe.zrem(self.keys.workers, self.name)
         pipe.execute()
-
-
-def _id_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 def _s(value: Any) -> str:

@@ -19,7 +19,7 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 
 
 class Metrics:
-    def __init__(self, port: int, queue: str, addr: str = "0.0.0.0") -> None:
+    def __init__(self, port: int, queue: str, addr: str = "127.0.0.1") -> None:
         self.keys = QueueKeys(queue)
         self.registry = reg = CollectorRegistry()
         q = ["queue"]

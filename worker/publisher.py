@@ -92,7 +92,7 @@ class Publisher:
         k = self.keys
         for i in range(0, len(finals), FINALIZE_CHUNK):
             chunk = finals[i:i + FINALIZE_CHUNK]
-            keys, args = [k.jobs, k.completions, k.cancelled, k.dead, k.ids], [GROUP, self.ttl, self.maxlen]
+            keys, args = [k.jobs, k.completions, k.cancelled, k.dead, k.ids, k.runs], [GROUP, self.ttl, self.maxlen]
             for job_id, entry_id, final_json, dead_json in chunk:
                 keys += [k.final(job_id), k.result(job_id)]
                 args += [entry_id, job_id, final_json, dead_json]

@@ -14,14 +14,14 @@ from redis.exceptions import NoScriptError
 # Write each job's final record only if it has none, and acknowledge (and delete) its job entry in the
 # same atomic step: a job is done exactly when its final record exists, and a redelivered copy is just
 # acked. One call finalises a whole step's worth of jobs (fewer commands to encode and parse).
-# KEYS: jobs, completions, cancelled, dead, ids, then per job: final, result
+# KEYS: jobs, completions, cancelled, dead, ids, runs, then per job: final, result
 # ARGV: group, ttl_s, completions_maxlen, then per job: entry_id ('' if none), job_id, final_json, dead_json ('' if none)
 # Returns one 1 (written) or 0 (it had a final record already) per job.
 FINALIZE = """
 local written = {}
 for i = 0, (#ARGV - 3) / 4 - 1 do
   local entry, job_id, final, dead = ARGV[4 + i * 4], ARGV[5 + i * 4], ARGV[6 + i * 4], ARGV[7 + i * 4]
-  local final_key, result_key = KEYS[6 + i * 2], KEYS[7 + i * 2]
+  local final_key, result_key = KEYS[7 + i * 2], KEYS[8 + i * 2]
   local fresh = redis.call('EXISTS', final_key) == 0
   if fresh then
     redis.call('SET', final_key, final, 'EX', ARGV[2])
@@ -34,6 +34,7 @@ for i = 0, (#ARGV - 3) / 4 - 1 do
     redis.call('ZREM', KEYS[3], job_id)
   end
   redis.call('HDEL', KEYS[5], job_id)
+  redis.call('HDEL', KEYS[6], job_id)
   if entry ~= '' then
     redis.call('XACK', KEYS[1], ARGV[1], entry)
     redis.call('XDEL', KEYS[1], entry)

@@ -21,13 +21,15 @@ def entry_time(entry_id: str) -> float:
 class Tracked:
     entry_id: str
     job: Job
-    attempts: int = 1  # deliveries so far plus failures inside this worker
+    attempts: int = 0  # runs started (in any worker); a job recovered from a dead worker counts its lost run
+    runs_alone: int = 0  # of those, runs started alone as a suspect (persisted in the queue's runs hash)
+    recovered: bool = False  # from a dead worker (own pending list at restart, XAUTOCLAIM, Celery redelivery)
     seq: int = 0  # read order, the tie-break after priority
     enqueued_at: float = 0.0
     admitted_at: float | None = None
     first_token_at: float | None = None
     in_engine: bool = False
-    suspect: bool = False  # was in a batch whose step raised: rerun alone to find the culprit
+    suspect: bool = False  # in a batch whose step raised, or recovered from a dead worker: rerun alone
     prompt_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
     text_parts: list[str] = field(default_factory=list)

@@ -100,8 +100,7 @@ class Worker(Recovery):
         self.leases.ensure_group()
         scripts.load_all(self.r)
         entries = self.leases.read_own_pending()
-        counts = self.leases.delivery_counts([_s(e[0]) for e in entries])
-        self._hold(self.intake.parse(entries, counts))
+        self._hold(self.intake.parse(entries, recovered=True))
         self.log.info("worker_started", queue=self.s.queue, recovered=len(entries), burst=self.s.burst,
                       device=self.s.device, model=self.s.model)
         self._beat(time.monotonic())
@@ -208,6 +207,11 @@ class Worker(Recovery):
     # ------------------------------------------------------------------ holding and admitting
     def _hold(self, jobs: list[Tracked], check_cancel: bool = False) -> None:
         jobs = [t for t in jobs if t.entry_id not in self.held]
+        recovered = [t for t in jobs if t.recovered]
+        if recovered:  # charge each its lost run plus the runs alone it was given before
+            for t, runs in zip(recovered, self.r.hmget(self.keys.runs, [t.id for t in recovered])):
+                t.runs_alone = int(runs or 0)
+                t.attempts = 1 + t.runs_alone
         for t in jobs:
             self.held[t.entry_id] = t
             self.backlog.append(t)
@@ -221,6 +225,8 @@ class Worker(Recovery):
     def _admit(self) -> None:
         isolating = any(t.suspect and t.in_engine for t in self.held.values())
         for t in pick(self.backlog, self.engine, self.s.max_waiting, self.waiting_blocks, isolating):
+            if t.suspect and not self._may_run_alone(t):
+                continue
             self.backlog.remove(t)
             if t.job.deadline is not None and time.time() >= t.job.deadline:
                 self._finalize(t, "expired", "deadline passed before the job started")
@@ -241,6 +247,7 @@ class Worker(Recovery):
             self._job_error(t, exc)
             return
         t.in_engine, t.admitted_at = True, time.time()
+        t.attempts += 1
         self.waiting_ids.add(t.entry_id)
         self.waiting_blocks += t.blocks_estimate
 
@@ -353,9 +360,8 @@ class Worker(Recovery):
             self._timers["claim"] = now + self.s.claim_interval
             entries = [e for e in self.leases.claim(self._read_count()) if _s(e[0]) not in self.held]
             if entries:
-                counts = self.leases.delivery_counts([_s(e[0]) for e in entries])
                 self.log.info("jobs_claimed", count=len(entries))
-                self._hold(self.intake.parse(entries, counts), check_cancel=True)
+                self._hold(self.intake.parse(entries, recovered=True), check_cancel=True)
         if now >= self._timers["beat"]:
             self._beat(now)
         if self.celery is not None:

@@ -34,6 +34,7 @@ def test_metrics_endpoint_matches_reality(redis_url, r):
     engine = FaultyEngine(StubEngine(step_delay_s=0.002, num_kv_blocks=512, max_num_seqs=1), "POISON")
     with worker_thread(engine, redis_url, metrics_port=0, metrics_every_s=0.05, max_attempts=1) as worker:
         port = worker.metrics.port
+        assert worker.metrics.server.server_address[0] == "127.0.0.1"  # no authentication: local by default
 
         def settled():
             m = scrape(port)
