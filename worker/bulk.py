@@ -24,24 +24,12 @@ from typing import Any, Iterator
 
 from redis import Redis
 
+from . import scripts
 from .client import make_job
 from .errors import JobRejected
 from .keys import JOB_FIELD, QueueKeys
 from .status import redis_url
 
-# KEYS: jobs, the run's enqueued set; ARGV: ttl_s, job field, then (job_id, job_json) pairs.
-# A job id already in the set was enqueued by an earlier (interrupted) run: it is awaited, not re-sent.
-ENQUEUE = """
-local n = 0
-for i = 3, #ARGV, 2 do
-  if redis.call('SADD', KEYS[2], ARGV[i]) == 1 then
-    redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[i + 1])
-    n = n + 1
-  end
-end
-redis.call('EXPIRE', KEYS[2], ARGV[1])
-return n
-"""
 OPENAI_IGNORED = {"model", "user"}  # the worker serves one model; user is informational
 OPENAI_RENAMED = {"max_completion_tokens": "max_tokens"}
 JOB_FIELDS = {"prompt", "prompt_token_ids", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p",
@@ -190,7 +178,6 @@ class BulkRun:
         self.errors = errors_path or output_path.with_suffix(".errors.jsonl")
         digest, self.total_lines = file_digest(input_path)
         self.run_id = run_id or digest
-        self.enqueue_script = r.register_script(ENQUEUE)
         self.pending: dict[str, tuple[str, int, str]] = {}  # job id -> (custom_id, line number, kind)
         self.counts = {"completed": 0, "errors": 0, "skipped": 0, "enqueued": 0, "awaited": 0, "tokens": 0}
         self.progress = progress
@@ -268,7 +255,8 @@ class BulkRun:
         for line_no, custom_id, job, kind in batch:
             self.pending[job.id] = (custom_id, line_no, kind)
             args += [job.id, job.to_json()]
-        sent = int(self.enqueue_script(keys=[self.keys.jobs, self.keys.bulk_enqueued(self.run_id)], args=args))
+        keys = [self.keys.jobs, self.keys.bulk_enqueued(self.run_id), self.keys.ids]
+        sent = int(scripts.call(self.r, "bulk_enqueue", keys, args))
         self.counts["enqueued"] += sent
         self.counts["awaited"] += len(batch) - sent
 

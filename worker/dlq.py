@@ -14,18 +14,9 @@ from typing import Any
 
 from redis import Redis
 
+from . import scripts
 from .keys import JOB_FIELD, QueueKeys
 from .status import redis_url
-
-# KEYS: dead, jobs, final, result; ARGV: dead entry id, job json. Only the caller that removes the dead
-# entry re-enqueues, so two concurrent retries of one letter enqueue it once.
-RETRY = """
-if redis.call('XDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
-redis.call('DEL', KEYS[3], KEYS[4])
-redis.call('XADD', KEYS[2], '*', ARGV[3], ARGV[2])
-return 1
-"""
-
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["list", "retry", "purge"])
@@ -47,14 +38,14 @@ def dead_letters(r: Redis, queue: str) -> list[dict[str, Any]]:
 
 def retry(r: Redis, queue: str, job_ids: list[str] | None = None) -> list[str]:
     """Re-enqueue dead jobs (all, or those with the given ids); returns the ids re-enqueued."""
-    k, script, done = QueueKeys(queue), r.register_script(RETRY), []
+    k, done = QueueKeys(queue), []
     newest = {letter["id"]: letter for letter in _select(r, queue, job_ids)}  # a job may have died twice
     for letter in newest.values():
         if letter.get("job") is None:  # a raw dead letter (not even a valid job): nothing to re-run
             continue
         job_json = json.dumps(letter["job"])
-        if script(keys=[k.dead, k.jobs, k.final(letter["id"]), k.result(letter["id"])],
-                  args=[letter["dead_id"], job_json, JOB_FIELD]):
+        keys = [k.dead, k.jobs, k.final(letter["id"]), k.result(letter["id"]), k.ids]
+        if scripts.call(r, "dlq_retry", keys, [letter["dead_id"], job_json, JOB_FIELD, letter["id"]]):
             done.append(letter["id"])
     return done
 

@@ -46,7 +46,7 @@ class Leases:
         lost = []
         for i in range(0, len(entry_ids), 1000):
             chunk = entry_ids[i:i + 1000]
-            lost += self.r.evalsha(scripts.SHA["renew"], 1, self.keys.jobs, GROUP, self.name, *chunk)
+            lost += scripts.call(self.r, "renew", [self.keys.jobs], [GROUP, self.name, *chunk])
         return [_s(x) for x in lost]
 
     def claim(self, count: int) -> list:

@@ -1,7 +1,9 @@
 """Lua scripts: the operations that must be atomic (Redis 6.2+ commands only).
 
-Loaded once with SCRIPT LOAD and called by sha inside pipelines (redis-py's Script objects would add a
-SCRIPT EXISTS round trip to every pipeline). Callers reload on NOSCRIPT (e.g. after a Redis restart).
+Every Lua script of pagedq is here. Loaded once with SCRIPT LOAD and called by sha: single calls through
+call()/acall(), which reload on NOSCRIPT (e.g. after a Redis restart); the worker's pipelined FINALIZE and
+DEAD_RAW calls are re-sent on NOSCRIPT by Publisher.check (redis-py's Script objects would add a SCRIPT
+EXISTS round trip to every pipeline).
 """
 
 from __future__ import annotations
@@ -99,7 +101,35 @@ redis.call('XDEL', KEYS[1], ARGV[2])
 return 1
 """
 
-ALL = {"finalize": FINALIZE, "submit": SUBMIT, "renew": RENEW, "cancel": CANCEL, "dead_raw": DEAD_RAW}
+# `pagedq bulk`: enqueue jobs unless an earlier (interrupted) run of the same input already did; a job id
+# already in the run's set is awaited, not re-sent.
+# KEYS: jobs, the run's enqueued set, ids; ARGV: ttl_s, job field, then (job_id, job_json) pairs
+BULK_ENQUEUE = """
+local n = 0
+for i = 3, #ARGV, 2 do
+  if redis.call('SADD', KEYS[2], ARGV[i]) == 1 then
+    redis.call('HSET', KEYS[3], ARGV[i], 1)
+    redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[i + 1])
+    n = n + 1
+  end
+end
+redis.call('EXPIRE', KEYS[2], ARGV[1])
+return n
+"""
+
+# `pagedq dlq retry`: re-enqueue a dead job as a fresh attempt under its id. Only the caller that removes the
+# dead entry re-enqueues, so two concurrent retries of one letter enqueue it once.
+# KEYS: dead, jobs, final, result, ids; ARGV: dead entry id, job json, job field, job id
+DLQ_RETRY = """
+if redis.call('XDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('DEL', KEYS[3], KEYS[4])
+redis.call('HSET', KEYS[5], ARGV[4], 1)
+redis.call('XADD', KEYS[2], '*', ARGV[3], ARGV[2])
+return 1
+"""
+
+ALL = {"finalize": FINALIZE, "submit": SUBMIT, "renew": RENEW, "cancel": CANCEL, "dead_raw": DEAD_RAW,
+       "bulk_enqueue": BULK_ENQUEUE, "dlq_retry": DLQ_RETRY}
 SHA = {name: hashlib.sha1(src.encode()).hexdigest() for name, src in ALL.items()}
 
 

@@ -151,11 +151,14 @@ class Worker(Recovery):
         for op in ops:
             pipe.execute_command(*op)
         job_ids = sorted({t.id for t in self.held.values()}) if self.cancel_possible else []
+        names = ["cancel_count"]  # what each command after the writes answers, in order
         pipe.zcard(self.keys.cancelled)
         if job_ids:
+            names.append("cancel_scores")
             pipe.zmscore(self.keys.cancelled, job_ids)
         check_burst = self.s.burst and idle and not self.stopping
         if check_burst:
+            names.append("pending")
             pipe.xpending(self.keys.jobs, GROUP)
         count = self._read_count()
         if count > 0:
@@ -163,6 +166,7 @@ class Worker(Recovery):
             block = self.s.block_ms if idle and not self.s.burst else None
             if block and self.celery is not None:  # wake up often enough to poll the Celery queue too
                 block = min(block, max(1, int(self.s.celery_poll_s * 1000)))
+            names.append("read")
             pipe.xreadgroup(GROUP, self.s.name, {self.keys.jobs: ">"}, count=count, block=block)
         try:
             results = pipe.execute(raise_on_error=False)
@@ -171,15 +175,15 @@ class Worker(Recovery):
             raise
         self.publisher.check(self.r, ops, results[:len(ops)])
         self._settle()
-        rest = results[len(ops):]
-        for res in rest:
+        replies = dict(zip(names, results[len(ops):], strict=True))
+        for res in replies.values():
             if isinstance(res, Exception):
                 raise res
-        self.cancel_possible = bool(rest.pop(0))
+        self.cancel_possible = bool(replies["cancel_count"])
         if job_ids:
-            self._apply_cancels([j for j, score in zip(job_ids, rest.pop(0)) if score is not None])
-        pending = rest.pop(0)["pending"] if check_burst else None
-        entries = (rest.pop(0) or [[None, []]])[0][1] if count > 0 else []
+            self._apply_cancels([j for j, score in zip(job_ids, replies["cancel_scores"]) if score is not None])
+        pending = replies["pending"]["pending"] if check_burst else None
+        entries = (replies.get("read") or [[None, []]])[0][1]
         if entries:
             self._hold(self.intake.parse(entries), check_cancel=self.cancel_possible)
         elif check_burst and not len(self.publisher) and not self.held:

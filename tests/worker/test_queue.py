@@ -323,3 +323,17 @@ def test_a_raw_job_without_an_id_is_answered_under_its_stream_entry_id(redis_url
     assert json.loads(r.get(KEYS.final(cancelled)))["status"] == "cancelled"
     assert set(finals_by_id(r)) == {entry, cancelled}
     assert_clean_queue(r)
+
+
+def test_scripts_are_reloaded_after_redis_forgets_them(redis_url, r):
+    """SCRIPT FLUSH is what a restarted Redis looks like: every script call reloads and goes on (scripts.call)."""
+    client = Client(redis_url, max_queue_depth=10)
+    r.script_flush()
+    job_id = client.submit(prompt="after a flush", max_tokens=3, temperature=0.0)
+    r.script_flush()
+    assert client.cancel(job_id) is True
+    r.script_flush()
+    run_burst(StubEngine(), redis_url)
+    assert client.result(job_id, timeout=1).status == "cancelled"
+    r.script_flush()
+    assert client.cancel(job_id) is False
