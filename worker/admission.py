@@ -12,7 +12,8 @@ from typing import Any
 
 from .config import WorkerSettings
 from .errors import JobRejected
-from .job import FinalRecord, parse_job, salvage
+from .engine_api import WorkerEngine
+from .job import FinalRecord, Job, parse_job, salvage
 from .keys import GROUP, JOB_FIELD, QueueKeys
 from .publisher import Publisher
 from .tracked import Tracked
@@ -99,7 +100,7 @@ class Intake:
         self.stats["failed"] += 1
 
 
-def pick(backlog: list[Tracked], engine: Any, max_waiting: int, waiting_blocks: int,
+def pick(backlog: list[Tracked], engine: WorkerEngine, max_waiting: int, waiting_blocks: int,
          isolating: bool) -> list[Tracked]:
     """Choose jobs to hand to the engine now: highest priority first, within the waiting-queue cap and
     the free KV blocks not already promised to jobs still waiting in the engine. Suspects (from a step
@@ -129,7 +130,7 @@ def pick(backlog: list[Tracked], engine: Any, max_waiting: int, waiting_blocks: 
     return chosen
 
 
-def engine_prompt(engine: Any, job: Any) -> str | list[int]:
+def engine_prompt(engine: WorkerEngine, job: Job) -> str | list[int]:
     """What the engine gets: the prompt, the token ids, or the messages rendered with the model's chat
     template (`apply_chat_template(..., add_generation_prompt=True)`) and tokenized without special tokens,
     as transformers does: the template writes BOS itself where the model wants one, so encoding the text

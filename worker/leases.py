@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from . import scripts
+from .engine_api import WorkerEngine
 from .keys import GROUP, QueueKeys
 
 
@@ -68,7 +69,7 @@ class Heartbeat:
         self.info = {"worker": name, "host": socket.gethostname(), "pid": os.getpid(), "queue": keys.queue,
                      "started_at": time.time(), **info}
 
-    def beat(self, engine: Any, held: int, stats: dict, state: str = "running") -> None:
+    def beat(self, engine: WorkerEngine, held: int, stats: dict, state: str = "running") -> None:
         now = time.time()
         payload = {
             **self.info, **stats, "state": state, "updated_at": now, "held_jobs": held,

@@ -19,7 +19,7 @@ import structlog
 from . import scripts
 from .admission import Intake, engine_prompt, pick
 from .config import WorkerSettings
-from .engine_api import RequestOutputKind, SamplingParams
+from .engine_api import RequestOutputKind, SamplingParams, WorkerEngine
 from .keys import GROUP, QueueKeys
 from .leases import Heartbeat, Leases
 from .publisher import Publisher, is_celery_entry
@@ -30,7 +30,9 @@ STATUSES = ("completed", "failed", "cancelled", "expired", "rejected")
 
 
 class Worker(Recovery):
-    def __init__(self, engine: Any, redis_client: Any, settings: WorkerSettings) -> None:
+    def __init__(self, engine: WorkerEngine, redis_client: Any, settings: WorkerSettings) -> None:
+        if not isinstance(engine, WorkerEngine):
+            raise TypeError(f"{type(engine).__name__} does not implement worker.engine_api.WorkerEngine")
         self.engine, self.r, self.s = engine, redis_client, settings
         self.keys = QueueKeys(settings.queue)
         self.log = structlog.get_logger("pagedq.worker").bind(worker=settings.name)
