@@ -27,7 +27,7 @@ from redis import Redis
 from . import scripts
 from .client import make_job
 from .errors import JobRejected
-from .keys import JOB_FIELD, QueueKeys
+from .keys import BANDS, JOB_FIELD, QueueKeys, check_band
 from .status import redis_url
 
 OPENAI_IGNORED = {"model", "user"}  # the worker serves one model; user is informational
@@ -51,6 +51,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--errors", type=Path, default=None, help="errors file (default: OUTPUT with .errors.jsonl)")
     p.add_argument("--redis", default=None, help="Redis URL (default: $PAGEDQ_REDIS_URL or redis://localhost:6379/0)")
     p.add_argument("--queue", default="default")
+    p.add_argument("--band", default="bulk", choices=BANDS, help="priority band of the jobs (default bulk)")
     p.add_argument("--window", type=int, default=256, help="jobs in flight at most (backpressure)")
     p.add_argument("--run-id", default=None, help="namespace of the job ids (default: the input's content hash); "
                    "a new one re-runs everything")
@@ -171,9 +172,11 @@ class BulkRun:
     """Enqueue the input's requests within a window of in-flight jobs, write each result as it finishes."""
 
     def __init__(self, r: Redis, input_path: Path, output_path: Path, errors_path: Path | None = None, *,
-                 queue: str = "default", window: int = 256, run_id: str | None = None, ttl_s: int = 86_400,
+                 queue: str = "default", band: str = "bulk", window: int = 256, run_id: str | None = None,
+                 ttl_s: int = 86_400,
                  progress: bool = True, poll_s: float = 0.05) -> None:
         self.r, self.keys, self.window, self.ttl_s, self.poll_s = r, QueueKeys(queue), max(1, window), ttl_s, poll_s
+        self.band = check_band(band)
         self.input, self.output = input_path, output_path
         self.errors = errors_path or output_path.with_suffix(".errors.jsonl")
         digest, self.total_lines = file_digest(input_path)
@@ -255,7 +258,7 @@ class BulkRun:
         for line_no, custom_id, job, kind in batch:
             self.pending[job.id] = (custom_id, line_no, kind)
             args += [job.id, job.to_json()]
-        keys = [self.keys.jobs, self.keys.bulk_enqueued(self.run_id), self.keys.ids]
+        keys = [self.keys.jobs_of(self.band), self.keys.bulk_enqueued(self.run_id), self.keys.ids]
         sent = int(scripts.call(self.r, "bulk_enqueue", keys, args))
         self.counts["enqueued"] += sent
         self.counts["awaited"] += len(batch) - sent
@@ -308,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
     import signal
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    runner = BulkRun(Redis.from_url(redis_url(args.redis)), args.input, args.output, args.errors, queue=args.queue,
+    runner = BulkRun(Redis.from_url(redis_url(args.redis)), args.input, args.output, args.errors, queue=args.queue, band=args.band,
                      window=args.window, run_id=args.run_id, ttl_s=args.ttl, progress=not args.no_progress)
     try:
         counts = runner.run()

@@ -106,7 +106,8 @@ class CeleryIntake:
                 self.publisher.final(record, entry_id)
                 self.intake.stats["rejected"] += 1
             elif old is None:
-                jobs.append(self.intake.track(entry_id, job, recovered=deliveries > 1, enqueued_at=time.time()))
+                jobs.append(self.intake.track(entry_id, job, recovered=deliveries > 1, enqueued_at=time.time(),
+                                              origin="celery"))
         return jobs
 
     def _parse(self, message: Any) -> tuple[Any, Context, Any, str | None] | None:

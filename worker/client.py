@@ -21,7 +21,7 @@ from redis import Redis
 from . import scripts
 from .errors import JobRejected, QueueFullError, ResultTimeout
 from .job import Delta, FinalRecord, Job, build_job
-from .keys import DATA_FIELD, JOB_FIELD, TYPE_FIELD, QueueKeys
+from .keys import BANDS, DATA_FIELD, JOB_FIELD, TYPE_FIELD, QueueKeys, band_for_priority, check_band
 
 POLL_MS = 1_000  # longest single XREAD BLOCK; timeouts are enforced between blocks
 
@@ -56,12 +56,31 @@ def as_job(item: Job | Mapping[str, Any]) -> Job:
     return make_job(**kwargs)
 
 
-def submit_args(keys: QueueKeys, jobs: list[Job], limit: int | None) -> tuple[list[str], list]:
-    """KEYS and ARGV of the SUBMIT script for these jobs (limit None or 0: no depth limit)."""
+def as_banded(item: Job | Mapping[str, Any]) -> tuple[Job, str]:
+    """A job and its band: the mapping's "band" keyword, else the band its priority maps to."""
+    band = None
+    if isinstance(item, Mapping) and "band" in item:
+        item = dict(item)
+        band = item.pop("band")
+    job = as_job(item)
+    return job, _band(band, job)
+
+
+def _band(band: str | None, job: Job) -> str:
+    try:
+        return check_band(band) if band is not None else band_for_priority(job.priority)
+    except ValueError as exc:
+        raise JobRejected(str(exc)) from None
+
+
+def submit_args(keys: QueueKeys, jobs: list[tuple[Job, str]], limit: int | None) -> tuple[list[str], list]:
+    """KEYS and ARGV of the SUBMIT script for these (job, band) pairs (limit None or 0: no depth limit)."""
     args: list = [int(limit or 0), JOB_FIELD]
-    for job in jobs:
+    streams = [keys.ids]
+    for job, band in jobs:
         args += [job.id, job.to_json()]
-    return [keys.jobs, keys.ids], args
+        streams.append(keys.jobs_of(band))
+    return streams, args
 
 
 def cancel_args(keys: QueueKeys, job_id: str) -> tuple[list[str], list]:
@@ -72,7 +91,7 @@ def cancel_args(keys: QueueKeys, job_id: str) -> tuple[list[str], list]:
 def check_submit_reply(reply: list, adding: int, limit: int | None) -> list[str]:
     head = _s(reply[0])
     if head == "FULL":
-        raise QueueFullError(int(_s(reply[1])), int(limit or 0), adding)
+        raise QueueFullError(int(_s(reply[1])), int(limit or 0), adding, stream=_s(reply[2]))
     return [_s(x) for x in reply[1:]]
 
 
@@ -116,21 +135,25 @@ class Client:
         self.close()
 
     # --- producing
-    def submit(self, prompt: str | None = None, **kwargs: Any) -> str:
+    def submit(self, prompt: str | None = None, *, band: str | None = None, **kwargs: Any) -> str:
         """Enqueue one job; returns its id. Keywords: prompt_token_ids, messages (chat: a list of
         {"role", "content"}, rendered by the worker with the model's chat template), max_tokens, temperature,
         top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, logprobs, prompt_logprobs, stream, priority,
-        deadline, metadata, job_id."""
-        return self.submit_many([make_job(prompt, **kwargs)])[0]
+        deadline, metadata, job_id. band: "interactive", "default" or "bulk" (default: from priority, > 0
+        interactive, < 0 bulk)."""
+        job = make_job(prompt, **kwargs)
+        return self._submit([(job, _band(band, job))])[0]
 
     def submit_many(self, jobs: Iterable[Job | Mapping[str, Any]]) -> list[str]:
         """Validate every job, then enqueue all in one round trip (all or none when a depth limit is set)."""
-        built = [as_job(j) for j in jobs]
+        return self._submit([as_banded(j) for j in jobs])
+
+    def _submit(self, built: list[tuple[Job, str]]) -> list[str]:
         if not built:
             return []
         keys, args = submit_args(self.keys, built, self.max_queue_depth)
         check_submit_reply(scripts.call(self.r, "submit", keys, args), len(built), self.max_queue_depth)
-        return [job.id for job in built]
+        return [job.id for job, _ in built]
 
     def cancel(self, job_id: str) -> bool:
         """Ask the workers to cancel a queued or running job; False (and nothing written) if it already has
@@ -138,9 +161,10 @@ class Client:
         keys, args = cancel_args(self.keys, job_id)
         return bool(scripts.call(self.r, "cancel", keys, args))
 
-    def queue_depth(self) -> int:
-        """Jobs not yet finished (waiting plus in flight)."""
-        return int(self.r.xlen(self.keys.jobs))
+    def queue_depth(self, band: str | None = None) -> int:
+        """Jobs not yet finished (waiting plus in flight), of one band or of all."""
+        bands = [band] if band is not None else BANDS
+        return sum(int(self.r.xlen(self.keys.jobs_of(b))) for b in bands)
 
     # --- consuming
     def final(self, job_id: str) -> FinalRecord | None:

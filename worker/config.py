@@ -25,7 +25,9 @@ class WorkerSettings:
     result_ttl_s: int = 86_400  # result streams and final records expire after this
     completions_maxlen: int = 100_000  # approximate cap of the shared completions stream
     block_ms: int = 1_000  # XREADGROUP BLOCK when the engine is idle
-    max_waiting: int = 64  # jobs read ahead into the engine's waiting queue at most
+    max_waiting: int = 64  # jobs read ahead into the engine's waiting queue at most (per band and the bands above)
+    band_min_share: float = 0.1  # starvation guard: a lower band's least share of admissions while higher ones are busy
+    reserve_seqs: int = 2  # engine sequence slots the bulk band leaves free for the bands above it
     drain_timeout_s: float = 30.0  # on SIGTERM: how long in-flight jobs may take to finish
     redis_outage_s: float = 300.0  # keep generating and retrying this long while Redis is unreachable, then exit
     heartbeat_every_s: float = 5.0

@@ -16,51 +16,49 @@ from typing import Any
 
 from . import scripts
 from .engine_api import WorkerEngine
-from .keys import GROUP, QueueKeys
+from .keys import BANDS, GROUP, QueueKeys
 
 
 class Leases:
     def __init__(self, redis_client: Any, keys: QueueKeys, name: str, lease_ms: int) -> None:
         self.r, self.keys, self.name, self.lease_ms = redis_client, keys, name, int(lease_ms)
-        self.cursor = "0-0"
+        self.cursors = {band: "0-0" for band in BANDS}  # XAUTOCLAIM walks each band's pending list
 
     def ensure_group(self) -> None:
-        try:
-            self.r.xgroup_create(self.keys.jobs, GROUP, id="0", mkstream=True)
-        except Exception as exc:  # BUSYGROUP: it exists already
-            if "BUSYGROUP" not in str(exc):
-                raise
+        for band in BANDS:
+            try:
+                self.r.xgroup_create(self.keys.jobs_of(band), GROUP, id="0", mkstream=True)
+            except Exception as exc:  # BUSYGROUP: it exists already
+                if "BUSYGROUP" not in str(exc):
+                    raise
 
-    def read_own_pending(self, count: int = 500) -> list:
-        """Entries this consumer had not acknowledged before it stopped (restart recipe: read from 0)."""
+    def read_own_pending(self, band: str, count: int = 500) -> list:
+        """Entries of a band this consumer had not acknowledged before it stopped (restart recipe: read from 0)."""
         entries, last = [], "0"
         while True:
-            reply = self.r.xreadgroup(GROUP, self.name, {self.keys.jobs: last}, count=count)
+            reply = self.r.xreadgroup(GROUP, self.name, {self.keys.jobs_of(band): last}, count=count)
             batch = reply[0][1] if reply else []
             if not batch:
                 return entries
             entries.extend(batch)
             last = _s(batch[-1][0])
 
-    def renew(self, entry_ids: list[str]) -> list[str]:
-        """Renew our leases; return the entries another worker has claimed meanwhile."""
+    def renew(self, band: str, entry_ids: list[str]) -> list[str]:
+        """Renew our leases on entries of a band; return those another worker has claimed meanwhile."""
         lost = []
         for i in range(0, len(entry_ids), 1000):
             chunk = entry_ids[i:i + 1000]
-            lost += scripts.call(self.r, "renew", [self.keys.jobs], [GROUP, self.name, *chunk])
+            lost += scripts.call(self.r, "renew", [self.keys.jobs_of(band)], [GROUP, self.name, *chunk])
         return [_s(x) for x in lost]
 
-    def claim(self, count: int) -> list:
-        """XAUTOCLAIM up to count entries idle past the lease (walking the pending list with a cursor)."""
+    def claim(self, band: str, count: int) -> list:
+        """XAUTOCLAIM up to count entries of a band idle past the lease (walking its pending list with a cursor)."""
         if count <= 0:
             return []
-        reply = self.r.xautoclaim(self.keys.jobs, GROUP, self.name, self.lease_ms, self.cursor, count=count)
-        self.cursor = _s(reply[0])
+        reply = self.r.xautoclaim(self.keys.jobs_of(band), GROUP, self.name, self.lease_ms, self.cursors[band],
+                                  count=count)
+        self.cursors[band] = _s(reply[0])
         return list(reply[1])
-
-    def has_pending(self) -> bool:
-        summary = self.r.xpending(self.keys.jobs, GROUP)
-        return bool(summary and summary.get("pending"))
 
 
 class Heartbeat:

@@ -16,30 +16,30 @@ from redis.exceptions import NoScriptError
 # Write each job's final record only if it has none, and acknowledge (and delete) its job entry in the
 # same atomic step: a job is done exactly when its final record exists, and a redelivered copy is just
 # acked. One call finalises a whole step's worth of jobs (fewer commands to encode and parse).
-# KEYS: jobs, completions, cancelled, dead, ids, runs, then per job: final, result
+# KEYS: completions, cancelled, ids, runs, then per job: final, result, its band's job stream and dead letters
 # ARGV: group, ttl_s, completions_maxlen, then per job: entry_id ('' if none), job_id, final_json, dead_json ('' if none)
 # Returns one 1 (written) or 0 (it had a final record already) per job.
 FINALIZE = """
 local written = {}
 for i = 0, (#ARGV - 3) / 4 - 1 do
   local entry, job_id, final, dead = ARGV[4 + i * 4], ARGV[5 + i * 4], ARGV[6 + i * 4], ARGV[7 + i * 4]
-  local final_key, result_key = KEYS[7 + i * 2], KEYS[8 + i * 2]
+  local final_key, result_key, jobs_key, dead_key = KEYS[5 + i * 4], KEYS[6 + i * 4], KEYS[7 + i * 4], KEYS[8 + i * 4]
   local fresh = redis.call('EXISTS', final_key) == 0
   if fresh then
     redis.call('SET', final_key, final, 'EX', ARGV[2])
     redis.call('XADD', result_key, '*', 'type', 'final', 'data', final)
     redis.call('EXPIRE', result_key, ARGV[2])
-    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'id', job_id, 'data', final)
+    redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'id', job_id, 'data', final)
     if dead ~= '' then
-      redis.call('XADD', KEYS[4], '*', 'id', job_id, 'data', dead)
+      redis.call('XADD', dead_key, '*', 'id', job_id, 'data', dead)
     end
-    redis.call('ZREM', KEYS[3], job_id)
+    redis.call('ZREM', KEYS[2], job_id)
   end
-  redis.call('HDEL', KEYS[5], job_id)
-  redis.call('HDEL', KEYS[6], job_id)
+  redis.call('HDEL', KEYS[3], job_id)
+  redis.call('HDEL', KEYS[4], job_id)
   if entry ~= '' then
-    redis.call('XACK', KEYS[1], ARGV[1], entry)
-    redis.call('XDEL', KEYS[1], entry)
+    redis.call('XACK', jobs_key, ARGV[1], entry)
+    redis.call('XDEL', jobs_key, entry)
   end
   written[#written + 1] = fresh and 1 or 0
 end
@@ -48,18 +48,24 @@ return written
 
 # Enqueue jobs unless the queue would grow past a limit. The job stream only holds unfinished jobs
 # (finalize deletes entries), so XLEN is the queue depth: waiting plus in flight.
+# Each job goes to its band's stream; the limit holds per band (backpressure per band), all jobs or none.
 # Each job id is recorded in the ids hash (what CANCEL checks). 0 as max_depth: no limit.
-# KEYS: jobs, ids; ARGV: max_depth, field, then (job_id, json) pairs
+# KEYS: ids, then the job stream of each job; ARGV: max_depth, field, then (job_id, json) per job
 SUBMIT = """
-local depth = redis.call('XLEN', KEYS[1])
 local limit = tonumber(ARGV[1])
-if limit > 0 and depth + (#ARGV - 2) / 2 > limit then
-  return {'FULL', tostring(depth)}
+if limit > 0 then
+  local adding = {}
+  for k = 2, #KEYS do adding[KEYS[k]] = (adding[KEYS[k]] or 0) + 1 end
+  for stream, n in pairs(adding) do
+    local depth = redis.call('XLEN', stream)
+    if depth + n > limit then return {'FULL', tostring(depth), stream} end
+  end
 end
 local ids = {'OK'}
-for i = 3, #ARGV, 2 do
-  redis.call('HSET', KEYS[2], ARGV[i], 1)
-  ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[i + 1])
+for k = 2, #KEYS do
+  local i = 3 + (k - 2) * 2
+  redis.call('HSET', KEYS[1], ARGV[i], 1)
+  ids[#ids + 1] = redis.call('XADD', KEYS[k], '*', ARGV[2], ARGV[i + 1])
 end
 return ids
 """

@@ -56,6 +56,8 @@ def test_kill_9_then_restart_and_second_worker(redis_url, r, tmp_path):
     assert pending > 0, "the killed worker should have held unacknowledged jobs"
     # "a" restarts under its name (re-reads its own pending entries); "b" claims whatever stays idle.
     again = start_worker(redis_url, *stub, "--name", "a", "--burst", log=tmp_path / "a2.log")
+    # "b" starts once "a" has re-read its pending list: started together, "b" may claim them all first
+    wait_for(lambda: "worker_started" in (tmp_path / "a2.log").read_text(), timeout=60, what="a restarted")
     second = start_worker(redis_url, *stub, "--name", "b", "--burst", log=tmp_path / "b.log")
     assert again.wait(timeout=90) == 0 and second.wait(timeout=90) == 0
     finals = check_exactly_once(r, client, jobs, 20)
