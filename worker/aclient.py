@@ -6,14 +6,13 @@ import time
 from typing import Any, AsyncIterator, Iterable, Mapping
 
 from redis.asyncio import Redis
-from redis.exceptions import NoScriptError
 
 from . import scripts
-from .client import (DeltaFilter, _block_ms, _s, as_job, check_submit_reply, make_job, parse_result_entry,
-                     submit_args)
+from .client import (DeltaFilter, _band, _block_ms, _s, as_banded, cancel_args, check_submit_reply, make_job,
+                     parse_result_entry, submit_args)
 from .errors import ResultTimeout
 from .job import Delta, FinalRecord, Job
-from .keys import JOB_FIELD, QueueKeys
+from .keys import BANDS, QueueKeys
 
 
 class AsyncClient:
@@ -32,38 +31,27 @@ class AsyncClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def submit(self, prompt: str | None = None, **kwargs: Any) -> str:
-        return (await self.submit_many([make_job(prompt, **kwargs)]))[0]
+    async def submit(self, prompt: str | None = None, *, band: str | None = None, **kwargs: Any) -> str:
+        job = make_job(prompt, **kwargs)
+        return (await self._submit([(job, _band(band, job))]))[0]
 
     async def submit_many(self, jobs: Iterable[Job | Mapping[str, Any]]) -> list[str]:
-        built = [as_job(j) for j in jobs]
+        return await self._submit([as_banded(j) for j in jobs])
+
+    async def _submit(self, built: list[tuple[Job, str]]) -> list[str]:
         if not built:
             return []
-        if self.max_queue_depth:
-            args = submit_args(self.keys, built, self.max_queue_depth)
-            try:
-                reply = await self.r.execute_command(*args)
-            except NoScriptError:
-                await scripts.aload_all(self.r)
-                reply = await self.r.execute_command(*args)
-            check_submit_reply(reply, len(built), self.max_queue_depth)
-        else:
-            pipe = self.r.pipeline(transaction=False)
-            for job in built:
-                pipe.xadd(self.keys.jobs, {JOB_FIELD: job.to_json()})
-            await pipe.execute()
-        return [job.id for job in built]
+        keys, args = submit_args(self.keys, built, self.max_queue_depth)
+        check_submit_reply(await scripts.acall(self.r, "submit", keys, args), len(built), self.max_queue_depth)
+        return [job.id for job, _ in built]
 
     async def cancel(self, job_id: str) -> bool:
-        args = ("EVALSHA", scripts.SHA["cancel"], 2, self.keys.final(job_id), self.keys.cancelled, job_id, time.time())
-        try:
-            return bool(await self.r.execute_command(*args))
-        except NoScriptError:
-            await scripts.aload_all(self.r)
-            return bool(await self.r.execute_command(*args))
+        keys, args = cancel_args(self.keys, job_id)
+        return bool(await scripts.acall(self.r, "cancel", keys, args))
 
-    async def queue_depth(self) -> int:
-        return int(await self.r.xlen(self.keys.jobs))
+    async def queue_depth(self, band: str | None = None) -> int:
+        bands = [band] if band is not None else BANDS
+        return sum([int(await self.r.xlen(self.keys.jobs_of(b))) for b in bands])
 
     async def final(self, job_id: str) -> FinalRecord | None:
         raw = await self.r.get(self.keys.final(job_id))

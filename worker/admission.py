@@ -8,16 +8,20 @@ worker's pending list cannot be taken by an idle worker until their lease lapses
 from __future__ import annotations
 
 import json
+from collections import deque
 from typing import Any
 
+from . import limits
 from .config import WorkerSettings
 from .errors import JobRejected
-from .job import FinalRecord, parse_job, job_id_of
-from .keys import GROUP, JOB_FIELD, QueueKeys
+from .engine_api import WorkerEngine
+from .job import FinalRecord, Job, parse_job, salvage
+from .keys import BANDS, DEFAULT_BAND, GROUP, JOB_FIELD, QueueKeys, band_rank
 from .publisher import Publisher
 from .tracked import Tracked
 
 _JOB_FIELD_B = JOB_FIELD.encode()
+MAX_REASON_CHARS = 2000  # a rejection reason quotes the problem, never the whole entry
 
 
 class Intake:
@@ -27,47 +31,67 @@ class Intake:
         self.stats = stats  # the worker's per-status counters (heartbeat)
         self.seq = 0
 
-    def parse(self, entries: list, counts: dict[str, int] | None = None) -> list[Tracked]:
-        """Validate entries; queue rejections and dead letters; return the jobs to run."""
+    def parse(self, entries: list, recovered: bool = False, band: str = DEFAULT_BAND) -> list[Tracked]:
+        """Validate entries; queue rejections and dead letters; return the jobs to run.
+
+        Whatever an entry holds, it ends here as a held job, a rejection or a raw dead letter: any exception
+        while parsing or rejecting one entry is that entry's fault, never the worker's."""
         jobs = []
         for entry_id, fields in entries:
             entry_id = _s(entry_id)
             if not fields:  # deleted while pending (Redis 6.2 XAUTOCLAIM returns these with nil bodies)
-                self.publisher.ops.append(("XACK", self.keys.jobs, GROUP, entry_id))
+                self.publisher.ops.append(("XACK", self.keys.jobs_of(band), GROUP, entry_id))
                 continue
             raw = fields.get(_JOB_FIELD_B, fields.get(JOB_FIELD))
             try:
-                if raw is None:
-                    raise JobRejected(f"stream entry has no {JOB_FIELD!r} field")
-                job = parse_job(raw)
+                t = self._parse_one(entry_id, raw, recovered, band)
             except JobRejected as exc:
-                self.reject_raw(entry_id, raw, str(exc))
+                self.reject_raw(entry_id, raw, str(exc), band)
                 continue
-            t = self.track(entry_id, job, (counts or {}).get(entry_id, 1))
+            except Exception as exc:
+                self.reject_raw(entry_id, raw, f"cannot parse the job entry: {type(exc).__name__}: {exc}", band)
+                continue
             if t is not None:
                 jobs.append(t)
         return jobs
 
-    def track(self, entry_id: str, job: Any, attempts: int, enqueued_at: float = 0.0) -> Tracked | None:
-        """A held job in read order; None (dead-lettered) once delivered more than max_attempts times."""
+    def _parse_one(self, entry_id: str, raw: Any, recovered: bool, band: str) -> Tracked:
+        if raw is None:
+            raise JobRejected(f"stream entry has no {JOB_FIELD!r} field")
+        job = parse_job(raw)
+        if "id" not in job.model_fields_set:  # a raw XADD without an id: the entry id is its id
+            job = job.model_copy(update={"id": entry_id})
+        return self.track(entry_id, job, recovered, origin=band)
+
+    def track(self, entry_id: str, job: Any, recovered: bool = False, enqueued_at: float = 0.0,
+              origin: str = DEFAULT_BAND) -> Tracked:
+        """A held job in read order. A recovered one (its worker died holding it) is a suspect: the worker
+        charges it its lost run and its runs alone (Worker._hold) and runs it alone."""
         self.seq += 1
-        t = Tracked(entry_id, job, attempts=attempts, seq=self.seq, enqueued_at=enqueued_at)
-        if t.attempts > self.settings.max_attempts:
-            self.dead_letter(t, "delivered more often than max_attempts (a worker died or lost it each time)")
-            return None
+        t = Tracked(entry_id, job, origin=origin, seq=self.seq, enqueued_at=enqueued_at, recovered=recovered,
+                    suspect=recovered)
+        self.publisher.ops.append(("HSET", self.keys.ids, job.id, 1))  # now Client.cancel knows it
         return t
 
-    def reject_raw(self, entry_id: str, raw: Any, reason: str) -> None:
-        job_id = job_id_of(raw) if raw is not None else None
-        record = FinalRecord(id=job_id or entry_id, status="rejected", error=reason,
-                             metadata=_metadata_of(raw), worker=self.settings.name)
-        self.log.warning("job_rejected", job_id=record.id, entry_id=entry_id, error=reason)
-        self.publisher.final(record, entry_id)
-        self.stats["rejected"] += 1
+    def reject_raw(self, entry_id: str, raw: Any, reason: str, band: str = DEFAULT_BAND) -> None:
+        """The one `rejected` final record of an entry that is not a valid job (addressed to its id when it
+        has a readable one, else to the entry id). If even that cannot be built, dead-letter the entry raw."""
+        try:
+            job_id, metadata = salvage(raw)
+            record = FinalRecord(id=job_id or entry_id, status="rejected", error=reason[:MAX_REASON_CHARS],
+                                 metadata=metadata, worker=self.settings.name)
+            self.log.warning("job_rejected", job_id=record.id, entry_id=entry_id, error=record.error)
+            self.publisher.final(record, entry_id, band=band)
+            self.stats["rejected"] += 1
+        except Exception as exc:
+            self.log.error("job_rejection_failed", entry_id=entry_id, reason=reason[:MAX_REASON_CHARS],
+                           error=repr(exc)[:MAX_REASON_CHARS])
+            self.publisher.dead_raw(entry_id, raw, f"{reason} (and the rejection failed: {exc!r})"[:MAX_REASON_CHARS],
+                                    band)
 
     def reject(self, t: Tracked, reason: str) -> None:
         self.log.warning("job_rejected", job_id=t.id, error=reason)
-        self.publisher.final(self.publisher.record(t, "rejected", reason), t.entry_id)
+        self.publisher.final(self.publisher.record(t, "rejected", reason), t.entry_id, band=t.origin)
         self.stats["rejected"] += 1
 
     def dead_letter(self, t: Tracked, error: str) -> None:
@@ -75,31 +99,90 @@ class Intake:
         if t.last_error:
             error += f"; last error: {t.last_error}"
         self.log.error("job_dead_lettered", job_id=t.id, error=error)
-        dead = {"job": json.loads(t.job.to_json()), "entry_id": t.entry_id, "error": error,
+        dead = {"job": json.loads(t.job.to_json()), "entry_id": t.entry_id, "band": t.origin, "error": error,
                 "attempts": t.attempts, "worker": self.settings.name}
-        self.publisher.final(self.publisher.record(t, "failed", error), t.entry_id, dead=dead)
+        self.publisher.final(self.publisher.record(t, "failed", error), t.entry_id, dead=dead, band=t.origin)
         self.stats["failed"] += 1
 
 
-def pick(backlog: list[Tracked], engine: Any, max_waiting: int, waiting_blocks: int,
-         isolating: bool) -> list[Tracked]:
-    """Choose jobs to hand to the engine now: highest priority first, within the waiting-queue cap and
-    the free KV blocks not already promised to jobs still waiting in the engine. Suspects (from a step
-    that raised) run one at a time with nothing beside them, which pins the failure on one job; the least
-    tried first, so every suspect runs once before any is retried (what lets the breaker see a broken engine)."""
+BAND_STRIDE = 2 * limits.MAX_PRIORITY + 1  # engine priority: every job of a band above every job below it
+
+
+def engine_priority(t: Tracked) -> int:
+    """The engine's priority for a held job: its band first, then its own priority (higher is sooner; the
+    engine preempts the lowest when the KV cache runs dry, so an interactive job takes a bulk job's blocks).
+    A job let in by the starvation guard goes to the head of the engine's queue, or the engine's own priority
+    order would put it back behind the busy band."""
+    if t.guarded:
+        return len(BANDS) * BAND_STRIDE
+    return (len(BANDS) - 1 - band_rank(t.band)) * BAND_STRIDE + t.job.priority
+
+
+class Lanes:
+    """Admission across priority bands: highest band first, with two guards.
+
+    - Starvation: while higher bands are busy, a lower band with jobs waiting keeps at least `min_share` of
+      the last WINDOW admissions (its next job goes first whenever it is below that share).
+    - Reserve: the lowest band never holds more than max_num_seqs - `reserve_seqs` of the engine's sequence
+      slots, so a job of a higher band finds a free slot at once instead of waiting for a bulk job to end."""
+
+    WINDOW = 100
+
+    def __init__(self, min_share: float, reserve_seqs: int) -> None:
+        if not 0.0 <= min_share < 1.0:
+            raise ValueError(f"band min share must be in [0, 1), got {min_share}")
+        if reserve_seqs < 0:
+            raise ValueError(f"reserved sequence slots must be >= 0, got {reserve_seqs}")
+        self.min_share, self.reserve_seqs = min_share, reserve_seqs
+        self.recent: deque[str] = deque(maxlen=self.WINDOW)
+
+    def order(self, backlog: list[Tracked]) -> list[Tracked]:
+        backlog.sort(key=lambda t: (band_rank(t.band), -t.job.priority, t.seq))
+        if self.min_share <= 0 or not backlog:
+            return backlog
+        first: list[Tracked] = []
+        for band in BANDS[1:]:
+            head = next((t for t in backlog if t.band == band), None)
+            busy_above = band_rank(backlog[0].band) < band_rank(band)
+            if head is not None and busy_above and self.recent.count(band) < self.min_share * len(self.recent):
+                head.guarded = True
+                first.append(head)
+        return first + [t for t in backlog if t not in first] if first else backlog
+
+    def admitted(self, t: Tracked) -> None:
+        self.recent.append(t.band)
+
+    def lowest_band_cap(self, engine: WorkerEngine) -> int:
+        max_seqs = getattr(engine, "max_num_seqs", None) or getattr(getattr(engine, "config", None),
+                                                                    "max_num_seqs", None)
+        return max(1, int(max_seqs) - self.reserve_seqs) if max_seqs else 1 << 30
+
+
+def pick(backlog: list[Tracked], engine: WorkerEngine, max_waiting: int, waiting_blocks: int,
+         isolating: bool, lanes: Lanes, lowest_in_engine: int) -> list[Tracked]:
+    """Choose jobs to hand to the engine now: by band, then priority (Lanes), within the waiting-queue cap,
+    the lowest band's slot cap and the free KV blocks not already promised to jobs still waiting in the
+    engine. Suspects (from a step that raised, or recovered from a dead worker) run one at a time with
+    nothing beside them, which pins the failure on one job; the least tried first, so every suspect runs
+    once before any is retried (what lets the breaker see a broken engine)."""
     if not backlog or isolating:
         return []
-    backlog.sort(key=lambda t: (-t.job.priority, t.seq))
+    lanes.order(backlog)
     suspects = [t for t in backlog if t.suspect]
     if suspects:  # wait for the engine to empty, then run the next suspect alone
         return [] if engine.has_unfinished_requests() else [min(suspects, key=lambda t: t.attempts)]
     block_size = getattr(engine, "block_size", None) or getattr(getattr(engine, "config", None), "block_size", 16)
     budget = engine.num_free_blocks - waiting_blocks
     room = max_waiting - engine.num_waiting_requests
+    lowest_room = lanes.lowest_band_cap(engine) - lowest_in_engine
     chosen = []
-    for t in backlog:
+    for t in lanes.order(backlog):
         if room <= 0:
             break
+        if t.band == BANDS[-1]:
+            if lowest_room <= 0:
+                continue  # the reserved slots stay free for the bands above
+            lowest_room -= 1
         need = t.estimate_blocks(block_size)
         # Always let one job through when the engine has nothing waiting: it will queue for blocks itself.
         if need > budget and (chosen or engine.num_waiting_requests):
@@ -111,7 +194,7 @@ def pick(backlog: list[Tracked], engine: Any, max_waiting: int, waiting_blocks: 
     return chosen
 
 
-def engine_prompt(engine: Any, job: Any) -> str | list[int]:
+def engine_prompt(engine: WorkerEngine, job: Job) -> str | list[int]:
     """What the engine gets: the prompt, the token ids, or the messages rendered with the model's chat
     template (`apply_chat_template(..., add_generation_prompt=True)`) and tokenized without special tokens,
     as transformers does: the template writes BOS itself where the model wants one, so encoding the text
@@ -128,15 +211,6 @@ def engine_prompt(engine: Any, job: Any) -> str | list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
     except Exception as exc:  # jinja raises for e.g. roles that do not alternate: the job's fault
         raise ValueError(f"the chat template refused the messages: {exc}") from None
-
-
-def _metadata_of(raw: Any) -> dict | None:
-    try:
-        data = json.loads(raw)
-    except (ValueError, TypeError):
-        return None
-    meta = data.get("metadata") if isinstance(data, dict) else None
-    return meta if isinstance(meta, dict) else None
 
 
 def _s(value: Any) -> str:

@@ -102,6 +102,12 @@ def run_bench(args: argparse.Namespace) -> int:
         "machine": f"{platform.machine()} {os.cpu_count()} cpus", "python": platform.python_version(),
     }
     with EmbeddedRedis() as redis_server:
+        if getattr(args, "mixed", False):
+            from .bench_mixed import bench_mixed
+
+            result["mixed"] = bench_mixed(redis_server.url, args)
+            print(json.dumps(result), flush=True)
+            return 0
         result["queue"] = bench_queue(redis_server.url, args.stub_jobs, stream=False)
         result["queue_streamed_4_tokens"] = bench_queue(redis_server.url, max(args.stub_jobs // 4, 1), stream=True)
         if args.e2e_jobs > 0:

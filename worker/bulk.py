@@ -24,24 +24,12 @@ from typing import Any, Iterator
 
 from redis import Redis
 
+from . import scripts
 from .client import make_job
 from .errors import JobRejected
-from .keys import JOB_FIELD, QueueKeys
+from .keys import BANDS, JOB_FIELD, QueueKeys, check_band
 from .status import redis_url
 
-# KEYS: jobs, the run's enqueued set; ARGV: ttl_s, job field, then (job_id, job_json) pairs.
-# A job id already in the set was enqueued by an earlier (interrupted) run: it is awaited, not re-sent.
-ENQUEUE = """
-local n = 0
-for i = 3, #ARGV, 2 do
-  if redis.call('SADD', KEYS[2], ARGV[i]) == 1 then
-    redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[i + 1])
-    n = n + 1
-  end
-end
-redis.call('EXPIRE', KEYS[2], ARGV[1])
-return n
-"""
 OPENAI_IGNORED = {"model", "user"}  # the worker serves one model; user is informational
 OPENAI_RENAMED = {"max_completion_tokens": "max_tokens"}
 JOB_FIELDS = {"prompt", "prompt_token_ids", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p",
@@ -63,6 +51,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--errors", type=Path, default=None, help="errors file (default: OUTPUT with .errors.jsonl)")
     p.add_argument("--redis", default=None, help="Redis URL (default: $PAGEDQ_REDIS_URL or redis://localhost:6379/0)")
     p.add_argument("--queue", default="default")
+    p.add_argument("--band", default="bulk", choices=BANDS, help="priority band of the jobs (default bulk)")
     p.add_argument("--window", type=int, default=256, help="jobs in flight at most (backpressure)")
     p.add_argument("--run-id", default=None, help="namespace of the job ids (default: the input's content hash); "
                    "a new one re-runs everything")
@@ -188,14 +177,15 @@ class BulkRun:
     """Enqueue the input's requests within a window of in-flight jobs, write each result as it finishes."""
 
     def __init__(self, r: Redis, input_path: Path, output_path: Path, errors_path: Path | None = None, *,
-                 queue: str = "default", window: int = 256, run_id: str | None = None, ttl_s: int = 86_400,
+                 queue: str = "default", band: str = "bulk", window: int = 256, run_id: str | None = None,
+                 ttl_s: int = 86_400,
                  progress: bool = True, poll_s: float = 0.05) -> None:
         self.r, self.keys, self.window, self.ttl_s, self.poll_s = r, QueueKeys(queue), max(1, window), ttl_s, poll_s
+        self.band = check_band(band)
         self.input, self.output = input_path, output_path
         self.errors = errors_path or output_path.with_suffix(".errors.jsonl")
         digest, self.total_lines = file_digest(input_path)
         self.run_id = run_id or digest
-        self.enqueue_script = r.register_script(ENQUEUE)
         self.pending: dict[str, tuple[str, int, str]] = {}  # job id -> (custom_id, line number, kind)
         self.counts = {"completed": 0, "errors": 0, "skipped": 0, "enqueued": 0, "awaited": 0, "tokens": 0}
         self.progress = progress
@@ -273,7 +263,8 @@ class BulkRun:
         for line_no, custom_id, job, kind in batch:
             self.pending[job.id] = (custom_id, line_no, kind)
             args += [job.id, job.to_json()]
-        sent = int(self.enqueue_script(keys=[self.keys.jobs, self.keys.bulk_enqueued(self.run_id)], args=args))
+        keys = [self.keys.jobs_of(self.band), self.keys.bulk_enqueued(self.run_id), self.keys.ids]
+        sent = int(scripts.call(self.r, "bulk_enqueue", keys, args))
         self.counts["enqueued"] += sent
         self.counts["awaited"] += len(batch) - sent
 
@@ -325,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
     import signal
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    runner = BulkRun(Redis.from_url(redis_url(args.redis)), args.input, args.output, args.errors, queue=args.queue,
+    runner = BulkRun(Redis.from_url(redis_url(args.redis)), args.input, args.output, args.errors, queue=args.queue, band=args.band,
                      window=args.window, run_id=args.run_id, ttl_s=args.ttl, progress=not args.no_progress)
     try:
         counts = runner.run()

@@ -24,7 +24,7 @@ from kombu.serialization import loads
 
 from .client import make_job
 from .errors import GenerationFailed, JobRejected
-from .job import FinalRecord
+from .job import FinalRecord, valid_job_id
 from .keys import QueueKeys
 from .publisher import CELERY_ENTRY_PREFIX, Publisher
 from .tracked import Tracked
@@ -84,11 +84,11 @@ class CeleryIntake:
 
     def _admit_parsed(self, parsed: list[tuple[Any, Context, Any, str | None]]) -> list[Tracked]:
         # One round trip: finished already? (redelivered after a crash between FINALIZE and ack) and
-        # count this delivery (poison messages that kill workers are dead-lettered past max_attempts).
+        # count this delivery (a redelivered job is a suspect: it runs alone, see Worker._hold).
         pipe = self.r.pipeline(transaction=False)
         for _, ctx, _, _ in parsed:
             pipe.get(self.keys.final(ctx.id))
-            pipe.hincrby(self.keys.celery_deliveries, ctx.id, 1)
+            pipe.hincrby(self.keys.celery_deliveries, ctx.id, 1)  # > 1: recovered from a dead worker
         replies = pipe.execute()
         jobs = []
         for i, (message, ctx, job, error) in enumerate(parsed):
@@ -106,15 +106,17 @@ class CeleryIntake:
                 self.publisher.final(record, entry_id)
                 self.intake.stats["rejected"] += 1
             elif old is None:
-                t = self.intake.track(entry_id, job, deliveries, enqueued_at=time.time())
-                if t is not None:
-                    jobs.append(t)
+                jobs.append(self.intake.track(entry_id, job, recovered=deliveries > 1, enqueued_at=time.time(),
+                                              origin="celery"))
         return jobs
 
     def _parse(self, message: Any) -> tuple[Any, Context, Any, str | None] | None:
         """(message, request context, job or None, rejection reason or None); None for junk (acked)."""
         headers = message.headers or {}
         task_id, task = headers.get("id"), headers.get("task")
+        if task_id and not (isinstance(task_id, str) and valid_job_id(task_id)):
+            self._refuse_task_id(message, task_id, task)
+            return None
         try:
             args, kwargs, embed = loads(message.body, message.content_type, message.content_encoding,
                                         accept=ACCEPT)
@@ -133,6 +135,16 @@ class CeleryIntake:
             return message, ctx, _job_from_task(task, task_id, args, kwargs, headers), None
         except JobRejected as exc:
             return message, ctx, None, str(exc)
+
+    def _refuse_task_id(self, message: Any, task_id: Any, task: Any) -> None:
+        """A task id outside the job id grammar names no pagedq key: fail the task in Celery's backend only."""
+        error = JobRejected(f"invalid task id {str(task_id)[:64]!r}: a job id is [A-Za-z0-9_.:-]{{1,200}}")
+        self.log.warning("job_rejected", job_id=repr(task_id)[:64], error=str(error))
+        try:
+            self.app.backend.mark_as_failure(str(task_id), error, request=Context(id=str(task_id), task=task))
+        except Exception as exc:  # the backend refused the id too: nobody can wait on it anyway
+            self.log.error("celery_result_store_failed", job_id=repr(task_id)[:64], error=repr(exc))
+        message.ack()
 
     # ------------------------------------------------------------------ results
     def settle(self, done: list[tuple[str, str]]) -> None:

@@ -59,6 +59,9 @@ def register_bench(bench_subparsers: Any) -> None:
     p.add_argument("--e2e-jobs", type=int, default=64, help="jobs through the real engine (0 skips it)")
     p.add_argument("--e2e-max-tokens", type=int, default=32)
     p.add_argument("--e2e-repeats", type=int, default=3, help="alternate offline/worker runs; best of each")
+    from .bench_mixed import add_args as add_mixed_args
+
+    add_mixed_args(p)
     p.set_defaults(func=cmd_bench)
     g = bench_subparsers.add_parser("gateway", help="pagedq serve vs the native client on the stub engine (JSON)")
     from .gateway.bench_args import add_args as add_gateway_bench_args
@@ -101,6 +104,10 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="seconds to keep generating and reconnecting while Redis is unreachable before exiting "
                         "with status 4")
     p.add_argument("--max-waiting", type=int, default=d.max_waiting)
+    p.add_argument("--band-min-share", type=float, default=d.band_min_share,
+                   help="starvation guard: least share of admissions a lower band keeps while higher ones are busy")
+    p.add_argument("--reserve-seqs", type=int, default=d.reserve_seqs,
+                   help="engine sequence slots the bulk band leaves free for interactive/default jobs")
     p.add_argument("--block-ms", type=int, default=d.block_ms)
     p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_every_s)
     p.add_argument("--celery", action="store_true", help="also serve the Celery queue of worker.celery_app")
@@ -112,7 +119,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--celery-visibility-timeout", type=float, default=None,
                    help="seconds before an unacked Celery message is redelivered (default 3600); above the longest job")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
-    p.add_argument("--metrics-addr", default=d.metrics_addr)
+    p.add_argument("--metrics-addr", default=d.metrics_addr,
+                   help="address the metrics endpoint binds (default 127.0.0.1; it has no authentication)")
 
 
 def configure_logging(level: str = "info") -> None:
@@ -162,7 +170,7 @@ def settings_from_args(args: argparse.Namespace, device: str, model: str) -> Wor
                        if args.celery else None),
         celery_backend=args.celery_backend, celery_queue=args.celery_queue,
         celery_visibility_timeout_s=args.celery_visibility_timeout, metrics_port=args.metrics_port,
-        metrics_addr=args.metrics_addr,
+        metrics_addr=args.metrics_addr, band_min_share=args.band_min_share, reserve_seqs=args.reserve_seqs,
     )
 
 

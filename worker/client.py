@@ -17,12 +17,11 @@ import time
 from typing import Any, Iterable, Iterator, Mapping
 
 from redis import Redis
-from redis.exceptions import NoScriptError
 
 from . import scripts
 from .errors import JobRejected, QueueFullError, ResultTimeout
 from .job import Delta, FinalRecord, Job, build_job
-from .keys import DATA_FIELD, JOB_FIELD, TYPE_FIELD, QueueKeys
+from .keys import BANDS, DATA_FIELD, JOB_FIELD, TYPE_FIELD, QueueKeys, band_for_priority, check_band
 
 POLL_MS = 1_000  # longest single XREAD BLOCK; timeouts are enforced between blocks
 
@@ -57,14 +56,42 @@ def as_job(item: Job | Mapping[str, Any]) -> Job:
     return make_job(**kwargs)
 
 
-def submit_args(keys: QueueKeys, jobs: list[Job], limit: int | None) -> tuple:
-    return ("EVALSHA", scripts.SHA["submit"], 1, keys.jobs, int(limit or 0), JOB_FIELD, *[j.to_json() for j in jobs])
+def as_banded(item: Job | Mapping[str, Any]) -> tuple[Job, str]:
+    """A job and its band: the mapping's "band" keyword, else the band its priority maps to."""
+    band = None
+    if isinstance(item, Mapping) and "band" in item:
+        item = dict(item)
+        band = item.pop("band")
+    job = as_job(item)
+    return job, _band(band, job)
+
+
+def _band(band: str | None, job: Job) -> str:
+    try:
+        return check_band(band) if band is not None else band_for_priority(job.priority)
+    except ValueError as exc:
+        raise JobRejected(str(exc)) from None
+
+
+def submit_args(keys: QueueKeys, jobs: list[tuple[Job, str]], limit: int | None) -> tuple[list[str], list]:
+    """KEYS and ARGV of the SUBMIT script for these (job, band) pairs (limit None or 0: no depth limit)."""
+    args: list = [int(limit or 0), JOB_FIELD]
+    streams = [keys.ids]
+    for job, band in jobs:
+        args += [job.id, job.to_json()]
+        streams.append(keys.jobs_of(band))
+    return streams, args
+
+
+def cancel_args(keys: QueueKeys, job_id: str) -> tuple[list[str], list]:
+    """KEYS and ARGV of the CANCEL script."""
+    return [keys.final(job_id), keys.cancelled, keys.ids], [job_id, time.time()]
 
 
 def check_submit_reply(reply: list, adding: int, limit: int | None) -> list[str]:
     head = _s(reply[0])
     if head == "FULL":
-        raise QueueFullError(int(_s(reply[1])), int(limit or 0), adding)
+        raise QueueFullError(int(_s(reply[1])), int(limit or 0), adding, stream=_s(reply[2]))
     return [_s(x) for x in reply[1:]]
 
 
@@ -108,45 +135,36 @@ class Client:
         self.close()
 
     # --- producing
-    def submit(self, prompt: str | None = None, **kwargs: Any) -> str:
+    def submit(self, prompt: str | None = None, *, band: str | None = None, **kwargs: Any) -> str:
         """Enqueue one job; returns its id. Keywords: prompt_token_ids, messages (chat: a list of
         {"role", "content"}, rendered by the worker with the model's chat template), max_tokens, temperature,
         top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos, logprobs, prompt_logprobs, stream, priority,
-        deadline, metadata, job_id."""
-        return self.submit_many([make_job(prompt, **kwargs)])[0]
+        deadline, metadata, job_id. band: "interactive", "default" or "bulk" (default: from priority, > 0
+        interactive, < 0 bulk)."""
+        job = make_job(prompt, **kwargs)
+        return self._submit([(job, _band(band, job))])[0]
 
     def submit_many(self, jobs: Iterable[Job | Mapping[str, Any]]) -> list[str]:
         """Validate every job, then enqueue all in one round trip (all or none when a depth limit is set)."""
-        built = [as_job(j) for j in jobs]
+        return self._submit([as_banded(j) for j in jobs])
+
+    def _submit(self, built: list[tuple[Job, str]]) -> list[str]:
         if not built:
             return []
-        if self.max_queue_depth:
-            args = submit_args(self.keys, built, self.max_queue_depth)
-            try:
-                reply = self.r.execute_command(*args)
-            except NoScriptError:
-                scripts.load_all(self.r)
-                reply = self.r.execute_command(*args)
-            check_submit_reply(reply, len(built), self.max_queue_depth)
-        else:
-            pipe = self.r.pipeline(transaction=False)
-            for job in built:
-                pipe.xadd(self.keys.jobs, {JOB_FIELD: job.to_json()})
-            pipe.execute()
-        return [job.id for job in built]
+        keys, args = submit_args(self.keys, built, self.max_queue_depth)
+        check_submit_reply(scripts.call(self.r, "submit", keys, args), len(built), self.max_queue_depth)
+        return [job.id for job, _ in built]
 
     def cancel(self, job_id: str) -> bool:
-        """Ask the workers to cancel a queued or running job; False if it already has its final record."""
-        args = ("EVALSHA", scripts.SHA["cancel"], 2, self.keys.final(job_id), self.keys.cancelled, job_id, time.time())
-        try:
-            return bool(self.r.execute_command(*args))
-        except NoScriptError:
-            scripts.load_all(self.r)
-            return bool(self.r.execute_command(*args))
+        """Ask the workers to cancel a queued or running job; False (and nothing written) if it already has
+        its final record or is unknown: never submitted by a client nor read by a worker yet."""
+        keys, args = cancel_args(self.keys, job_id)
+        return bool(scripts.call(self.r, "cancel", keys, args))
 
-    def queue_depth(self) -> int:
-        """Jobs not yet finished (waiting plus in flight)."""
-        return int(self.r.xlen(self.keys.jobs))
+    def queue_depth(self, band: str | None = None) -> int:
+        """Jobs not yet finished (waiting plus in flight), of one band or of all."""
+        bands = [band] if band is not None else BANDS
+        return sum(int(self.r.xlen(self.keys.jobs_of(b))) for b in bands)
 
     # --- consuming
     def final(self, job_id: str) -> FinalRecord | None:

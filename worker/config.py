@@ -20,12 +20,14 @@ class WorkerSettings:
     lease_ms: int = 60_000  # a job idle longer than this in a dead worker's pending list is claimed by others
     renew_every_s: float | None = None  # default lease/3
     claim_every_s: float | None = None  # default lease/2
-    max_attempts: int = 3  # deliveries (and in-worker failures) before a job is dead-lettered
+    max_attempts: int = 3  # runs a job gets at most (worker/recovery.py); then it is dead-lettered
     engine_failure_limit: int = 3  # distinct jobs failing alone in a row: the engine is broken, stop (recovery.py)
     result_ttl_s: int = 86_400  # result streams and final records expire after this
     completions_maxlen: int = 100_000  # approximate cap of the shared completions stream
     block_ms: int = 1_000  # XREADGROUP BLOCK when the engine is idle
-    max_waiting: int = 64  # jobs read ahead into the engine's waiting queue at most
+    max_waiting: int = 64  # jobs read ahead into the engine's waiting queue at most (per band and the bands above)
+    band_min_share: float = 0.1  # starvation guard: a lower band's least share of admissions while higher ones are busy
+    reserve_seqs: int = 2  # engine sequence slots the bulk band leaves free for the bands above it
     drain_timeout_s: float = 30.0  # on SIGTERM: how long in-flight jobs may take to finish
     redis_outage_s: float = 300.0  # keep generating and retrying this long while Redis is unreachable, then exit
     heartbeat_every_s: float = 5.0
@@ -40,8 +42,12 @@ class WorkerSettings:
     celery_poll_s: float = 0.05  # after an empty poll of the Celery queue, wait this long before the next
     # Prometheus metrics (worker/metrics.py): on when a port is set (0: any free port)
     metrics_port: int | None = None
-    metrics_addr: str = "0.0.0.0"
+    metrics_addr: str = "127.0.0.1"  # no authentication: expose it on purpose (--metrics-addr 0.0.0.0)
     metrics_every_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1 (the runs a job gets), got {self.max_attempts}")
 
     @property
     def renew_interval(self) -> float:

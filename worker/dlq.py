@@ -14,18 +14,9 @@ from typing import Any
 
 from redis import Redis
 
-from .keys import JOB_FIELD, QueueKeys
+from . import scripts
+from .keys import BANDS, JOB_FIELD, QueueKeys
 from .status import redis_url
-
-# KEYS: dead, jobs, final, result; ARGV: dead entry id, job json. Only the caller that removes the dead
-# entry re-enqueues, so two concurrent retries of one letter enqueue it once.
-RETRY = """
-if redis.call('XDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
-redis.call('DEL', KEYS[3], KEYS[4])
-redis.call('XADD', KEYS[2], '*', ARGV[3], ARGV[2])
-return 1
-"""
-
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["list", "retry", "purge"])
@@ -37,30 +28,37 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def dead_letters(r: Redis, queue: str) -> list[dict[str, Any]]:
-    """Every dead letter, oldest first: {"dead_id", "id", "job", "error", "attempts", "worker", ...}."""
+    """Every dead letter of every band, oldest first per band: {"dead_id", "id", "band", "job", "error",
+    "attempts", "worker", ...}."""
     out = []
-    for entry_id, fields in r.xrange(QueueKeys(queue).dead):
-        data = json.loads(fields[b"data"])
-        out.append({"dead_id": _s(entry_id), "id": _s(fields[b"id"]), **data})
+    for band in BANDS:
+        for entry_id, fields in r.xrange(QueueKeys(queue).dead_of(band)):
+            data = json.loads(fields[b"data"])
+            out.append({"dead_id": _s(entry_id), "id": _s(fields[b"id"]), **data, "band": band})
     return out
 
 
 def retry(r: Redis, queue: str, job_ids: list[str] | None = None) -> list[str]:
     """Re-enqueue dead jobs (all, or those with the given ids); returns the ids re-enqueued."""
-    k, script, done = QueueKeys(queue), r.register_script(RETRY), []
+    k, done = QueueKeys(queue), []
     newest = {letter["id"]: letter for letter in _select(r, queue, job_ids)}  # a job may have died twice
     for letter in newest.values():
+        if letter.get("job") is None:  # a raw dead letter (not even a valid job): nothing to re-run
+            continue
         job_json = json.dumps(letter["job"])
-        if script(keys=[k.dead, k.jobs, k.final(letter["id"]), k.result(letter["id"])],
-                  args=[letter["dead_id"], job_json, JOB_FIELD]):
+        band = letter["band"]  # back into the band it came from
+        keys = [k.dead_of(band), k.jobs_of(band), k.final(letter["id"]), k.result(letter["id"]), k.ids]
+        if scripts.call(r, "dlq_retry", keys, [letter["dead_id"], job_json, JOB_FIELD, letter["id"]]):
             done.append(letter["id"])
     return done
 
 
 def purge(r: Redis, queue: str, job_ids: list[str] | None = None) -> int:
     """Delete dead letters (all, or those with the given ids); returns how many."""
-    ids = [letter["dead_id"] for letter in _select(r, queue, job_ids)]
-    return int(r.xdel(QueueKeys(queue).dead, *ids)) if ids else 0
+    k, purged = QueueKeys(queue), 0
+    for letter in _select(r, queue, job_ids):
+        purged += int(r.xdel(k.dead_of(letter["band"]), letter["dead_id"]))
+    return purged
 
 
 def _select(r: Redis, queue: str, job_ids: list[str] | None) -> list[dict[str, Any]]:

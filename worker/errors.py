@@ -17,9 +17,10 @@ class JobRejected(PagedQError, ValueError):
 class QueueFullError(PagedQError):
     """The queue holds at least ``max_queue_depth`` jobs; nothing was enqueued."""
 
-    def __init__(self, depth: int, limit: int, adding: int = 1) -> None:
-        super().__init__(f"queue is full: {depth} jobs queued, limit {limit}, refusing {adding} more")
-        self.depth, self.limit, self.adding = depth, limit, adding
+    def __init__(self, depth: int, limit: int, adding: int = 1, stream: str = "") -> None:
+        where = f" ({stream})" if stream else ""
+        super().__init__(f"queue is full: {depth} jobs queued, limit {limit}, refusing {adding} more{where}")
+        self.depth, self.limit, self.adding, self.stream = depth, limit, adding, stream
 
 
 class ResultTimeout(PagedQError, TimeoutError):

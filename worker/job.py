@@ -5,14 +5,18 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from . import limits
 from .errors import JobFailed, JobRejected
+from .limits import check_metadata
 
 MAX_PROMPT_CHARS = 1_000_000  # a hard cap before tokenisation; the engine also enforces max_model_len
 MAX_JOB_ID_CHARS = 200
+SALVAGE_MAX_DEPTH = 500  # json.loads recurses; this deep is still far from Python's limit
+MAX_ERRORS_SHOWN = 10  # validation errors quoted in a rejection reason
 Status = Literal["completed", "failed", "cancelled", "expired", "rejected"]
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                    "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs")
@@ -24,6 +28,8 @@ MAX_N = 16  # parallel samples per job (they share the prompt's KV blocks)
 
 
 _ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
+TokenId = Annotated[int, Field(ge=0, le=limits.MAX_TOKEN_ID)]
+StopString = Annotated[str, Field(min_length=1, max_length=limits.MAX_STOP_CHARS)]
 
 
 def new_job_id() -> str:
@@ -47,28 +53,30 @@ class Job(BaseModel):
     id: str = Field(default_factory=new_job_id, min_length=1, max_length=MAX_JOB_ID_CHARS,
                     pattern=r"^[A-Za-z0-9_.:\-]+$")
     prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
-    prompt_token_ids: list[int] | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
-    messages: list[ChatMessage] | None = Field(default=None, max_length=10_000)
-    max_tokens: int = Field(default=16, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    seed: int | None = None
-    stop: list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    prompt_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+    messages: list[ChatMessage] | None = Field(default=None, max_length=limits.MAX_MESSAGES)
+    max_tokens: int = Field(default=16, ge=1, le=limits.MAX_TOKENS)
+    temperature: float = Field(default=1.0, ge=0.0, le=limits.MAX_TEMPERATURE, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(default=-1, ge=-1, le=limits.MAX_TOP_K)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    seed: int | None = Field(default=None, ge=limits.SEED_RANGE[0], le=limits.SEED_RANGE[1])
+    stop: list[StopString] | None = Field(default=None, max_length=limits.MAX_STOP_STRINGS)
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=limits.MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # score the prompt (e.g. documents' perplexity)
     stream: bool = False
-    priority: int = 0
-    deadline: float | None = None  # absolute unix time
+    priority: int = Field(default=0, ge=-limits.MAX_PRIORITY, le=limits.MAX_PRIORITY)
+    deadline: float | None = Field(default=None, ge=0.0, le=limits.MAX_DEADLINE, allow_inf_nan=False)  # unix time
     metadata: dict[str, Any] | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)  # parallel samples of one prompt (the engine's, one job)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
     min_tokens: int = Field(default=0, ge=0)
+
+    _metadata_is_json = field_validator("metadata")(check_metadata)
 
     @model_validator(mode="after")
     def _check(self) -> "Job":
@@ -112,9 +120,14 @@ class Job(BaseModel):
 
 
 def parse_job(raw: bytes | str) -> Job:
-    """Validate one job stream entry's JSON; raise JobRejected naming every problem."""
+    """Validate one job stream entry's JSON; raise JobRejected naming every problem (the size and depth
+    limits are checked on the raw bytes first, so no parser recurses through a hostile document)."""
+    raw_bytes = raw.encode() if isinstance(raw, str) else raw
+    problem = limits.entry_problem(raw_bytes)
+    if problem is not None:
+        raise JobRejected(problem)
     try:
-        return Job.model_validate_json(raw)
+        return Job.model_validate_json(raw_bytes)
     except ValidationError as exc:
         raise JobRejected(describe_errors(exc)) from None
 
@@ -127,26 +140,50 @@ def build_job(**fields: Any) -> Job:
         return Job.model_validate(fields)
     except ValidationError as exc:
         raise JobRejected(describe_errors(exc)) from None
+    except RecursionError:  # a self-referencing or absurdly deep Python object among the fields
+        raise JobRejected("invalid job: a field is nested too deeply (or refers to itself)") from None
 
 
 def describe_errors(exc: ValidationError) -> str:
-    parts = []
-    for err in exc.errors(include_url=False):
+    parts, errors = [], exc.errors(include_url=False)
+    for err in errors[:MAX_ERRORS_SHOWN]:  # a million bad token ids must not make a million-line reason
         where = ".".join(str(p) for p in err["loc"]) or "job"
         parts.append(f"{where}: {err['msg']}")
+    if len(errors) > MAX_ERRORS_SHOWN:
+        parts.append(f"and {len(errors) - MAX_ERRORS_SHOWN} more")
     return "invalid job: " + "; ".join(parts)
 
 
-def job_id_of(raw: bytes | str) -> str | None:
-    """Best-effort id of a malformed job, so its rejection can still be addressed to it."""
+def salvage(raw: bytes | str | None) -> tuple[str | None, dict[str, Any] | None]:
+    """Best-effort (id, metadata) of a malformed job, so its rejection can still be addressed to it.
+
+    Never raises: a document too big or too deep to parse safely, or whose metadata is not within the
+    limits, yields (None, None) or (id, None)."""
     try:
-        data = json.loads(raw)
-    except (ValueError, TypeError):
-        return None
-    job_id = data.get("id") if isinstance(data, dict) else None
-    if isinstance(job_id, str) and len(job_id) <= MAX_JOB_ID_CHARS and _ID_RE.match(job_id):
-        return job_id
-    return None
+        raw_bytes = raw.encode() if isinstance(raw, str) else raw
+        if (not isinstance(raw_bytes, bytes) or len(raw_bytes) > limits.MAX_ENTRY_BYTES
+                or limits.json_depth(raw_bytes) > SALVAGE_MAX_DEPTH):
+            return None, None
+        data = json.loads(raw_bytes)
+        if not isinstance(data, dict):
+            return None, None
+        job_id = data.get("id")
+        if not (isinstance(job_id, str) and valid_job_id(job_id)):
+            job_id = None
+        meta = data.get("metadata")
+        try:
+            meta = check_metadata(meta) if isinstance(meta, dict) else None
+        except ValueError:
+            meta = None
+        return job_id, meta
+    except Exception:  # the entry's fault, whatever it is: reject it under its entry id
+        return None, None
+
+
+def valid_job_id(job_id: str) -> bool:
+    """The job id grammar (native jobs, Celery task ids, bulk ids): [A-Za-z0-9_.:-]{1,200}."""
+    # fullmatch, not match: "$" also matches before a final newline
+    return len(job_id) <= MAX_JOB_ID_CHARS and _ID_RE.fullmatch(job_id) is not None
 
 
 class Usage(BaseModel):

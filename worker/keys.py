@@ -13,6 +13,26 @@ GROUP = "workers"  # the consumer group every worker of a queue joins
 JOB_FIELD = "job"  # the job stream entry field holding the job's JSON
 TYPE_FIELD = "type"  # result stream entries: "delta" or "final"
 DATA_FIELD = "data"  # result stream entries: the JSON payload
+# Priority bands, highest first: one job stream each. "default" is the stream queues had before bands
+# (`pagedq:{Q}:jobs`), so jobs already queued there are served as they are.
+BANDS = ("interactive", "default", "bulk")
+DEFAULT_BAND = "default"
+
+
+def band_for_priority(priority: int) -> str:
+    """The band a job's `priority` sends it to when no band is named: > 0 interactive, < 0 bulk."""
+    return "interactive" if priority > 0 else "bulk" if priority < 0 else DEFAULT_BAND
+
+
+def band_rank(band: str) -> int:
+    """0 for the highest band."""
+    return BANDS.index(band)
+
+
+def check_band(band: str) -> str:
+    if band not in BANDS:
+        raise ValueError(f"band must be one of {', '.join(BANDS)}, got {band!r}")
+    return band
 
 
 @dataclass(frozen=True)
@@ -34,6 +54,14 @@ class QueueKeys:
         """Stream of pending jobs (consumer group GROUP). Entries are deleted once acknowledged."""
         return f"{self.base}:jobs"
 
+    def jobs_of(self, band: str) -> str:
+        """The job stream of a band (the default band's is `jobs`, the stream of queues before bands)."""
+        return self.jobs if check_band(band) == DEFAULT_BAND else f"{self.base}:jobs:{band}"
+
+    def dead_of(self, band: str) -> str:
+        """The dead-letter stream of a band (the default band's is `dead`)."""
+        return self.dead if check_band(band) == DEFAULT_BAND else f"{self.base}:dead:{band}"
+
     @property
     def completions(self) -> str:
         """Capped stream of every final record of the queue (MAXLEN ~)."""
@@ -48,6 +76,18 @@ class QueueKeys:
     def cancelled(self) -> str:
         """Sorted set of cancel requests: member job id, score the unix time of the request."""
         return f"{self.base}:cancelled"
+
+    @property
+    def ids(self) -> str:
+        """Hash of unfinished job ids (field: job id), set by Client.submit and by a worker reading the job,
+        removed with the final record: what lets Client.cancel tell an unknown id from a queued one."""
+        return f"{self.base}:ids"
+
+    @property
+    def runs(self) -> str:
+        """Hash: job id -> times the job was started alone (as a suspect), written before each such run, so
+        a job that kills its worker while alone is charged for it; removed with the final record."""
+        return f"{self.base}:runs"
 
     @property
     def workers(self) -> str:

@@ -2,8 +2,8 @@
 
 A job a worker holds stays "leased" while the worker renews it (XCLAIM JUSTID by the owner resets its
 idle time), so long generations are never stolen. Jobs of a dead worker go idle; after lease_ms any
-worker claims them with XAUTOCLAIM, which counts a delivery: that count is how poison jobs that kill
-their worker are caught (dead-lettered past max_attempts).
+worker claims them with XAUTOCLAIM. Jobs recovered so (or re-read by a restarted worker) are suspects: they
+run alone, each run alone recorded in Redis first, so a job that kills its worker is the only one charged.
 """
 
 from __future__ import annotations
@@ -15,60 +15,50 @@ import time
 from typing import Any
 
 from . import scripts
-from .keys import GROUP, QueueKeys
+from .engine_api import WorkerEngine
+from .keys import BANDS, GROUP, QueueKeys
 
 
 class Leases:
     def __init__(self, redis_client: Any, keys: QueueKeys, name: str, lease_ms: int) -> None:
         self.r, self.keys, self.name, self.lease_ms = redis_client, keys, name, int(lease_ms)
-        self.cursor = "0-0"
+        self.cursors = {band: "0-0" for band in BANDS}  # XAUTOCLAIM walks each band's pending list
 
     def ensure_group(self) -> None:
-        try:
-            self.r.xgroup_create(self.keys.jobs, GROUP, id="0", mkstream=True)
-        except Exception as exc:  # BUSYGROUP: it exists already
-            if "BUSYGROUP" not in str(exc):
-                raise
+        for band in BANDS:
+            try:
+                self.r.xgroup_create(self.keys.jobs_of(band), GROUP, id="0", mkstream=True)
+            except Exception as exc:  # BUSYGROUP: it exists already
+                if "BUSYGROUP" not in str(exc):
+                    raise
 
-    def delivery_counts(self, entry_ids: list[str]) -> dict[str, int]:
-        """Delivery count of each of our pending entries (one XPENDING range over them)."""
-        if not entry_ids:
-            return {}
-        ordered = sorted(entry_ids, key=_id_key)
-        rows = self.r.xpending_range(self.keys.jobs, GROUP, ordered[0], ordered[-1], len(ordered) * 2 + 10,
-                                     consumername=self.name)
-        return {_s(row["message_id"]): int(row["times_delivered"]) for row in rows}
-
-    def read_own_pending(self, count: int = 500) -> list:
-        """Entries this consumer had not acknowledged before it stopped (restart recipe: read from 0)."""
+    def read_own_pending(self, band: str, count: int = 500) -> list:
+        """Entries of a band this consumer had not acknowledged before it stopped (restart recipe: read from 0)."""
         entries, last = [], "0"
         while True:
-            reply = self.r.xreadgroup(GROUP, self.name, {self.keys.jobs: last}, count=count)
+            reply = self.r.xreadgroup(GROUP, self.name, {self.keys.jobs_of(band): last}, count=count)
             batch = reply[0][1] if reply else []
             if not batch:
                 return entries
             entries.extend(batch)
             last = _s(batch[-1][0])
 
-    def renew(self, entry_ids: list[str]) -> list[str]:
-        """Renew our leases; return the entries another worker has claimed meanwhile."""
+    def renew(self, band: str, entry_ids: list[str]) -> list[str]:
+        """Renew our leases on entries of a band; return those another worker has claimed meanwhile."""
         lost = []
         for i in range(0, len(entry_ids), 1000):
             chunk = entry_ids[i:i + 1000]
-            lost += self.r.evalsha(scripts.SHA["renew"], 1, self.keys.jobs, GROUP, self.name, *chunk)
+            lost += scripts.call(self.r, "renew", [self.keys.jobs_of(band)], [GROUP, self.name, *chunk])
         return [_s(x) for x in lost]
 
-    def claim(self, count: int) -> list:
-        """XAUTOCLAIM up to count entries idle past the lease (walking the pending list with a cursor)."""
+    def claim(self, band: str, count: int) -> list:
+        """XAUTOCLAIM up to count entries of a band idle past the lease (walking its pending list with a cursor)."""
         if count <= 0:
             return []
-        reply = self.r.xautoclaim(self.keys.jobs, GROUP, self.name, self.lease_ms, self.cursor, count=count)
-        self.cursor = _s(reply[0])
+        reply = self.r.xautoclaim(self.keys.jobs_of(band), GROUP, self.name, self.lease_ms, self.cursors[band],
+                                  count=count)
+        self.cursors[band] = _s(reply[0])
         return list(reply[1])
-
-    def has_pending(self) -> bool:
-        summary = self.r.xpending(self.keys.jobs, GROUP)
-        return bool(summary and summary.get("pending"))
 
 
 class Heartbeat:
@@ -77,7 +67,7 @@ class Heartbeat:
         self.info = {"worker": name, "host": socket.gethostname(), "pid": os.getpid(), "queue": keys.queue,
                      "started_at": time.time(), **info}
 
-    def beat(self, engine: Any, held: int, stats: dict, state: str = "running") -> None:
+    def beat(self, engine: WorkerEngine, held: int, stats: dict, state: str = "running") -> None:
         now = time.time()
         payload = {
             **self.info, **stats, "state": state, "updated_at": now, "held_jobs": held,
@@ -97,11 +87,6 @@ class Heartbeat:
         pipe.delete(self.keys.heartbeat(self.name))
         pipe.zrem(self.keys.workers, self.name)
         pipe.execute()
-
-
-def _id_key(entry_id: str) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
-    return int(ms), int(seq or 0)
 
 
 def _s(value: Any) -> str:

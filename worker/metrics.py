@@ -13,13 +13,13 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from .keys import GROUP, QueueKeys
+from .keys import BANDS, GROUP, QueueKeys
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class Metrics:
-    def __init__(self, port: int, queue: str, addr: str = "0.0.0.0") -> None:
+    def __init__(self, port: int, queue: str, addr: str = "127.0.0.1") -> None:
         self.keys = QueueKeys(queue)
         self.registry = reg = CollectorRegistry()
         q = ["queue"]
@@ -27,11 +27,14 @@ class Metrics:
         def gauge(name: str, doc: str) -> Any:
             return Gauge(name, doc, q, registry=reg).labels(queue)
 
-        self.depth = gauge("pagedq_queue_depth", "Unfinished jobs in the job stream (waiting + in flight)")
-        self.lag = gauge("pagedq_queue_lag", "Jobs in the stream not yet delivered to any worker")
-        self.oldest_age = gauge("pagedq_queue_oldest_job_age_seconds", "Age of the oldest unfinished job")
-        self.pending = gauge("pagedq_pending_jobs", "Jobs delivered to workers and not yet acknowledged")
-        self.dead = gauge("pagedq_dead_letters", "Entries in the dead-letter stream")
+        def per_band(name: str, doc: str) -> Any:  # one series per priority band (label band)
+            return Gauge(name, doc, q + ["band"], registry=reg)
+
+        self.depth = per_band("pagedq_queue_depth", "Unfinished jobs in the band's stream (waiting + in flight)")
+        self.lag = per_band("pagedq_queue_lag", "Jobs in the band's stream not yet delivered to any worker")
+        self.oldest_age = per_band("pagedq_queue_oldest_job_age_seconds", "Age of the band's oldest unfinished job")
+        self.pending = per_band("pagedq_pending_jobs", "Jobs of the band delivered and not yet acknowledged")
+        self.dead = per_band("pagedq_dead_letters", "Entries in the band's dead-letter stream")
         self.celery_depth = gauge("pagedq_celery_queue_depth", "Messages waiting in the Celery queue")
         self.running = gauge("pagedq_running_requests", "Requests this worker's engine is running")
         self.waiting = gauge("pagedq_waiting_requests", "Requests waiting in this worker's engine")
@@ -94,24 +97,27 @@ class Metrics:
             self._seen[name] = value
 
     def _queue_state(self, r: Any) -> None:
-        k = self.keys
+        k, q = self.keys, self.keys.queue
         pipe = r.pipeline(transaction=False)
-        pipe.xlen(k.jobs)
-        pipe.xpending(k.jobs, GROUP)
-        pipe.xlen(k.dead)
-        pipe.xrange(k.jobs, "-", "+", count=1)
-        depth, summary, dead, first = pipe.execute(raise_on_error=False)
-        pending = 0 if isinstance(summary, Exception) else int(summary["pending"])  # NOGROUP before any worker
-        self.depth.set(int(depth))
-        self.dead.set(int(dead))
-        self.pending.set(pending)
-        # Finished jobs are deleted from the stream, so what is in it and not pending was never delivered
-        # (cheaper than XINFO GROUPS, whose lag Redis reports as unknown after some deletions).
-        self.lag.set(max(int(depth) - pending, 0))
-        if first and not isinstance(first, Exception):
-            self.oldest_age.set(max(time.time() - int(_s(first[0][0]).split("-")[0]) / 1000.0, 0.0))
-        else:
-            self.oldest_age.set(0.0)
+        for band in BANDS:
+            pipe.xlen(k.jobs_of(band))
+            pipe.xpending(k.jobs_of(band), GROUP)
+            pipe.xlen(k.dead_of(band))
+            pipe.xrange(k.jobs_of(band), "-", "+", count=1)
+        replies = pipe.execute(raise_on_error=False)
+        for i, band in enumerate(BANDS):
+            depth, summary, dead, first = replies[4 * i:4 * i + 4]
+            pending = 0 if isinstance(summary, Exception) else int(summary["pending"])  # NOGROUP before any worker
+            self.depth.labels(q, band).set(int(depth))
+            self.dead.labels(q, band).set(int(dead))
+            self.pending.labels(q, band).set(pending)
+            # Finished jobs are deleted from the stream, so what is in it and not pending was never delivered
+            # (cheaper than XINFO GROUPS, whose lag Redis reports as unknown after some deletions).
+            self.lag.labels(q, band).set(max(int(depth) - pending, 0))
+            age = 0.0
+            if first and not isinstance(first, Exception):
+                age = max(time.time() - int(_s(first[0][0]).split("-")[0]) / 1000.0, 0.0)
+            self.oldest_age.labels(q, band).set(age)
 
     def close(self) -> None:
         self.server.shutdown()

@@ -10,14 +10,17 @@ import json
 import time
 from typing import Any
 
+import structlog
 from redis.exceptions import NoScriptError, ResponseError
 
 from . import scripts
 from .job import Choice, FinalRecord, Timings, Usage
-from .keys import DATA_FIELD, GROUP, TYPE_FIELD, QueueKeys
+from .keys import BANDS, DATA_FIELD, DEFAULT_BAND, GROUP, TYPE_FIELD, QueueKeys
 from .tracked import Tracked
 
 FINALIZE_CHUNK = 256  # jobs per FINALIZE call: bounds how long one script blocks Redis
+log = structlog.get_logger("pagedq.publisher")
+MAX_DEAD_RAW_BYTES = 1024 * 1024  # of a raw dead letter: enough to see what it was
 CELERY_ENTRY_PREFIX = "celery:"  # held jobs that came from the Celery queue: no stream entry to acknowledge
 
 
@@ -30,7 +33,7 @@ class Publisher:
         self.keys, self.worker_name = keys, worker_name
         self.ttl, self.maxlen = int(result_ttl_s), int(completions_maxlen)
         self.ops: list[tuple[Any, ...]] = []
-        self.finals: list[tuple[str, str, str, str]] = []  # job_id, entry_id, final_json, dead_json
+        self.finals: list[tuple[str, str, str, str, str]] = []  # job_id, entry_id, final_json, dead_json, band
         self.expiring: set[str] = set()  # result streams that already got their TTL
         self.finals_written = 0
         self.duplicates = 0
@@ -56,12 +59,25 @@ class Publisher:
             self.expiring.add(key)
             self.ops.append(("EXPIRE", key, self.ttl))
 
-    def final(self, record: FinalRecord, entry_id: str | None, dead: dict | None = None) -> None:
+    def final(self, record: FinalRecord, entry_id: str | None, dead: dict | None = None,
+              band: str = DEFAULT_BAND) -> None:
+        """Queue a final record; the job entry (of the band's stream) is acknowledged with it."""
         self.expiring.discard(self.keys.result(record.id))
         if entry_id and is_celery_entry(entry_id):
             self.celery_done.append((entry_id, record.id))
             entry_id = None  # acknowledged on the Celery side after FINALIZE, not in the job stream
-        self.finals.append((record.id, entry_id or "", record.model_dump_json(), json.dumps(dead) if dead else ""))
+        self.finals.append((record.id, entry_id or "", record.model_dump_json(), json.dumps(dead) if dead else "",
+                            band if band in BANDS else DEFAULT_BAND))
+
+    def dead_raw(self, entry_id: str, raw: Any, error: str, band: str = DEFAULT_BAND) -> None:
+        """Dead-letter an entry as the bytes it holds (it could not even be rejected) and acknowledge it."""
+        raw_bytes = raw if isinstance(raw, bytes) else str(raw).encode(errors="replace") if raw is not None else b""
+        data = json.dumps({"job": None, "entry_id": entry_id, "band": band, "error": error, "attempts": 1,
+                           "worker": self.worker_name, "raw_bytes": len(raw_bytes)})
+        k = self.keys
+        self.ops.append(("EVALSHA", scripts.SHA["dead_raw"], 2, k.jobs_of(band), k.dead_of(band), GROUP, entry_id,
+                         entry_id, data,
+                         raw_bytes[:MAX_DEAD_RAW_BYTES]))
 
     def record(self, t: Tracked, status: str, error: str | None = None, now: float | None = None) -> FinalRecord:
         """The final record of a held job. Built without re-validation (hot path; every field is ours)."""
@@ -90,9 +106,9 @@ class Publisher:
         k = self.keys
         for i in range(0, len(finals), FINALIZE_CHUNK):
             chunk = finals[i:i + FINALIZE_CHUNK]
-            keys, args = [k.jobs, k.completions, k.cancelled, k.dead], [GROUP, self.ttl, self.maxlen]
-            for job_id, entry_id, final_json, dead_json in chunk:
-                keys += [k.final(job_id), k.result(job_id)]
+            keys, args = [k.completions, k.cancelled, k.ids, k.runs], [GROUP, self.ttl, self.maxlen]
+            for job_id, entry_id, final_json, dead_json, band in chunk:
+                keys += [k.final(job_id), k.result(job_id), k.jobs_of(band), k.dead_of(band)]
                 args += [entry_id, job_id, final_json, dead_json]
             ops.append(("EVALSHA", scripts.SHA["finalize"], len(keys), *keys, *args))
         return ops
@@ -109,9 +125,13 @@ class Publisher:
         for op, res in zip(ops, results):
             if isinstance(res, NoScriptError):
                 retry.append(op)
+            elif isinstance(res, Exception) and op[1] == scripts.SHA["dead_raw"]:
+                # not even the raw copy could be stored: acknowledge anyway, the log keeps the evidence
+                log.error("dead_letter_failed", entry_id=op[6], error=repr(res))
+                self.ops += [("XACK", op[3], GROUP, op[6]), ("XDEL", op[3], op[6])]
             elif isinstance(res, Exception):
                 raise res
-            elif op[0] == "EVALSHA":
+            elif op[0] == "EVALSHA" and op[1] == scripts.SHA["finalize"]:
                 written = sum(int(x) for x in res)
                 self.finals_written += written
                 self.duplicates += len(res) - written

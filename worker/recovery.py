@@ -1,7 +1,12 @@
 """What the worker does when something fails: a poison job, a broken engine, an unreachable Redis.
 
 - A step raises: the culprit is one of the jobs in the batch. All leave the engine; each is rerun alone
-  (a suspect), least tried first, so only the culprit keeps failing, and it is dead-lettered past max_attempts.
+  (a suspect), least tried first, so only the culprit keeps failing, and it is dead-lettered once it has
+  used max_attempts runs (a run in a failed batch counts; no job is condemned without a run alone).
+- A job kills its worker (a segfault, an OOM kill): every job that worker held is recovered (its own pending
+  list at restart, or XAUTOCLAIM by another worker) as a suspect, charged one run for the lost one, and run
+  alone; each run alone is recorded in the queue's runs hash before it starts, so the next crash is charged
+  to the one job that was running. Only that job reaches max_attempts; the others complete.
 - The engine itself is broken (a lost GPU, a CUDA error that poisons the context): then every job fails
   alone, and dead-lettering them in turn would empty the whole queue into the dead-letter stream. Once
   `engine_failure_limit` different jobs have each failed alone with no good step in between, the worker
@@ -98,11 +103,10 @@ class Recovery:
 
     def _job_error(self, t: Tracked, exc: Exception) -> None:
         t.last_error = f"{type(exc).__name__}: {exc}"
-        t.attempts += 1
         self.log.warning("job_attempt_failed", job_id=t.id, attempts=t.attempts, error=t.last_error)
         if self.breaker.job_failed_alone(t.id) and not self._engine_answers_canary():
             self._stop_now("engine_broken", EXIT_ENGINE_BROKEN, exc, failed_alone=self.breaker.num_failed_alone)
-        elif t.attempts > self.s.max_attempts:
+        elif t.attempts >= self.s.max_attempts:
             self.intake.dead_letter(t, "the job failed in the engine")
             self._forget(t)
             return
@@ -110,6 +114,20 @@ class Recovery:
         t.reset_output()
         if t not in self.backlog:
             self.backlog.append(t)
+
+    def _may_run_alone(self, t: Tracked) -> bool:
+        """Before a suspect runs alone: record the run in Redis first (if its worker dies during it, the job
+        is charged), unless it has already used max_attempts runs and has failed alone at least once; then
+        it is dead-lettered. A job is never condemned for a batch it was only part of."""
+        if t.runs_alone > 0 and t.attempts >= self.s.max_attempts:
+            self.backlog.remove(t)
+            self.intake.dead_letter(t, "its worker died each time it ran alone" if t.recovered
+                                    else "the job failed in the engine")
+            self._forget(t)
+            return False
+        self.r.hincrby(self.keys.runs, t.id, 1)  # before the run, so that a crash during it is charged to it
+        t.runs_alone += 1
+        return True
 
     def _engine_answers_canary(self) -> bool:
         """One greedy token for a one-token prompt, alone in the engine (isolation left nothing else in it)."""

@@ -1,38 +1,45 @@
 """Lua scripts: the operations that must be atomic (Redis 6.2+ commands only).
 
-Loaded once with SCRIPT LOAD and called by sha inside pipelines (redis-py's Script objects would add a
-SCRIPT EXISTS round trip to every pipeline). Callers reload on NOSCRIPT (e.g. after a Redis restart).
+Every Lua script of pagedq is here. Loaded once with SCRIPT LOAD and called by sha: single calls through
+call()/acall(), which reload on NOSCRIPT (e.g. after a Redis restart); the worker's pipelined FINALIZE and
+DEAD_RAW calls are re-sent on NOSCRIPT by Publisher.check (redis-py's Script objects would add a SCRIPT
+EXISTS round trip to every pipeline).
 """
 
 from __future__ import annotations
 
 import hashlib
+from typing import Any
+
+from redis.exceptions import NoScriptError
 
 # Write each job's final record only if it has none, and acknowledge (and delete) its job entry in the
 # same atomic step: a job is done exactly when its final record exists, and a redelivered copy is just
 # acked. One call finalises a whole step's worth of jobs (fewer commands to encode and parse).
-# KEYS: jobs, completions, cancelled, dead, then per job: final, result
+# KEYS: completions, cancelled, ids, runs, then per job: final, result, its band's job stream and dead letters
 # ARGV: group, ttl_s, completions_maxlen, then per job: entry_id ('' if none), job_id, final_json, dead_json ('' if none)
 # Returns one 1 (written) or 0 (it had a final record already) per job.
 FINALIZE = """
 local written = {}
 for i = 0, (#ARGV - 3) / 4 - 1 do
   local entry, job_id, final, dead = ARGV[4 + i * 4], ARGV[5 + i * 4], ARGV[6 + i * 4], ARGV[7 + i * 4]
-  local final_key, result_key = KEYS[5 + i * 2], KEYS[6 + i * 2]
+  local final_key, result_key, jobs_key, dead_key = KEYS[5 + i * 4], KEYS[6 + i * 4], KEYS[7 + i * 4], KEYS[8 + i * 4]
   local fresh = redis.call('EXISTS', final_key) == 0
   if fresh then
     redis.call('SET', final_key, final, 'EX', ARGV[2])
     redis.call('XADD', result_key, '*', 'type', 'final', 'data', final)
     redis.call('EXPIRE', result_key, ARGV[2])
-    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'id', job_id, 'data', final)
+    redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '*', 'id', job_id, 'data', final)
     if dead ~= '' then
-      redis.call('XADD', KEYS[4], '*', 'id', job_id, 'data', dead)
+      redis.call('XADD', dead_key, '*', 'id', job_id, 'data', dead)
     end
-    redis.call('ZREM', KEYS[3], job_id)
+    redis.call('ZREM', KEYS[2], job_id)
   end
+  redis.call('HDEL', KEYS[3], job_id)
+  redis.call('HDEL', KEYS[4], job_id)
   if entry ~= '' then
-    redis.call('XACK', KEYS[1], ARGV[1], entry)
-    redis.call('XDEL', KEYS[1], entry)
+    redis.call('XACK', jobs_key, ARGV[1], entry)
+    redis.call('XDEL', jobs_key, entry)
   end
   written[#written + 1] = fresh and 1 or 0
 end
@@ -41,16 +48,24 @@ return written
 
 # Enqueue jobs unless the queue would grow past a limit. The job stream only holds unfinished jobs
 # (finalize deletes entries), so XLEN is the queue depth: waiting plus in flight.
-# KEYS: jobs; ARGV: max_depth, field, json...
+# Each job goes to its band's stream; the limit holds per band (backpressure per band), all jobs or none.
+# Each job id is recorded in the ids hash (what CANCEL checks). 0 as max_depth: no limit.
+# KEYS: ids, then the job stream of each job; ARGV: max_depth, field, then (job_id, json) per job
 SUBMIT = """
-local depth = redis.call('XLEN', KEYS[1])
 local limit = tonumber(ARGV[1])
-if limit > 0 and depth + #ARGV - 2 > limit then
-  return {'FULL', tostring(depth)}
+if limit > 0 then
+  local adding = {}
+  for k = 2, #KEYS do adding[KEYS[k]] = (adding[KEYS[k]] or 0) + 1 end
+  for stream, n in pairs(adding) do
+    local depth = redis.call('XLEN', stream)
+    if depth + n > limit then return {'FULL', tostring(depth), stream} end
+  end
 end
 local ids = {'OK'}
-for i = 3, #ARGV do
-  ids[#ids + 1] = redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[i])
+for k = 2, #KEYS do
+  local i = 3 + (k - 2) * 2
+  redis.call('HSET', KEYS[1], ARGV[i], 1)
+  ids[#ids + 1] = redis.call('XADD', KEYS[k], '*', ARGV[2], ARGV[i + 1])
 end
 return ids
 """
@@ -72,16 +87,76 @@ end
 return lost
 """
 
-# Request cancellation unless the job already has its final record.
-# KEYS: final, cancelled; ARGV: job_id, now
+# Request cancellation of a known, unfinished job: one with no final record whose id a client submitted
+# or a worker has read (the ids hash). An unknown id leaves nothing behind.
+# KEYS: final, cancelled, ids; ARGV: job_id, now
 CANCEL = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 0 then return 0 end
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
 return 1
 """
 
-ALL = {"finalize": FINALIZE, "submit": SUBMIT, "renew": RENEW, "cancel": CANCEL}
+# An entry that could not even be rejected: copy it raw to the dead-letter stream and acknowledge it, in
+# one step (a crash in between would dead-letter it twice or lose it).
+# KEYS: jobs, dead; ARGV: group, entry_id, letter id, data_json, raw
+DEAD_RAW = """
+redis.call('XADD', KEYS[2], '*', 'id', ARGV[3], 'data', ARGV[4], 'raw', ARGV[5])
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+return 1
+"""
+
+# `pagedq bulk`: enqueue jobs unless an earlier (interrupted) run of the same input already did; a job id
+# already in the run's set is awaited, not re-sent.
+# KEYS: jobs, the run's enqueued set, ids; ARGV: ttl_s, job field, then (job_id, job_json) pairs
+BULK_ENQUEUE = """
+local n = 0
+for i = 3, #ARGV, 2 do
+  if redis.call('SADD', KEYS[2], ARGV[i]) == 1 then
+    redis.call('HSET', KEYS[3], ARGV[i], 1)
+    redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[i + 1])
+    n = n + 1
+  end
+end
+redis.call('EXPIRE', KEYS[2], ARGV[1])
+return n
+"""
+
+# `pagedq dlq retry`: re-enqueue a dead job as a fresh attempt under its id. Only the caller that removes the
+# dead entry re-enqueues, so two concurrent retries of one letter enqueue it once.
+# KEYS: dead, jobs, final, result, ids; ARGV: dead entry id, job json, job field, job id
+DLQ_RETRY = """
+if redis.call('XDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('DEL', KEYS[3], KEYS[4])
+redis.call('HSET', KEYS[5], ARGV[4], 1)
+redis.call('XADD', KEYS[2], '*', ARGV[3], ARGV[2])
+return 1
+"""
+
+ALL = {"finalize": FINALIZE, "submit": SUBMIT, "renew": RENEW, "cancel": CANCEL, "dead_raw": DEAD_RAW,
+       "bulk_enqueue": BULK_ENQUEUE, "dlq_retry": DLQ_RETRY}
 SHA = {name: hashlib.sha1(src.encode()).hexdigest() for name, src in ALL.items()}
+
+
+def call(redis_client, name: str, keys: list[str], args: list) -> Any:
+    """Run a script by sha (sync client), loading the scripts once on NOSCRIPT (a restarted Redis)."""
+    command = ("EVALSHA", SHA[name], len(keys), *keys, *args)
+    try:
+        return redis_client.execute_command(*command)
+    except NoScriptError:
+        load_all(redis_client)
+        return redis_client.execute_command(*command)
+
+
+async def acall(redis_client, name: str, keys: list[str], args: list) -> Any:
+    """call() for redis.asyncio clients."""
+    command = ("EVALSHA", SHA[name], len(keys), *keys, *args)
+    try:
+        return await redis_client.execute_command(*command)
+    except NoScriptError:
+        await aload_all(redis_client)
+        return await redis_client.execute_command(*command)
 
 
 def load_all(redis_client) -> None:

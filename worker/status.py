@@ -12,7 +12,7 @@ from typing import Any
 
 from redis import Redis
 
-from .keys import GROUP, PREFIX, QueueKeys
+from .keys import BANDS, GROUP, PREFIX, QueueKeys
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -36,18 +36,26 @@ def queue_status(r: Redis, queue: str, now: float | None = None) -> dict[str, An
     now = time.time() if now is None else now
     k = QueueKeys(queue)
     pipe = r.pipeline(transaction=False)
-    pipe.xlen(k.jobs)
-    pipe.xpending(k.jobs, GROUP)
-    pipe.xlen(k.dead)
+    for band in BANDS:
+        pipe.xlen(k.jobs_of(band))
+        pipe.xpending(k.jobs_of(band), GROUP)
+        pipe.xlen(k.dead_of(band))
     pipe.zcard(k.cancelled)
     pipe.zrange(k.workers, 0, -1, withscores=True)
-    depth, summary, dead, cancels, members = pipe.execute(raise_on_error=False)
-    pending = 0 if isinstance(summary, Exception) else int(summary["pending"])
+    replies = pipe.execute(raise_on_error=False)
+    bands = {}
+    for i, band in enumerate(BANDS):
+        depth, summary, dead = replies[3 * i:3 * i + 3]
+        pending = 0 if isinstance(summary, Exception) else int(summary["pending"])  # NOGROUP before any worker
+        bands[band] = {"depth": int(depth), "pending": pending, "undelivered": max(int(depth) - pending, 0),
+                       "dead_letters": int(dead)}
+    cancels, members = replies[-2:]
     names = [(_s(name), score) for name, score in members]
     beats = r.mget([k.heartbeat(name) for name, _ in names]) if names else []
     workers = [_worker_row(name, score, raw, now) for (name, score), raw in zip(names, beats)]
-    return {"queue": queue, "depth": int(depth), "pending": pending, "undelivered": max(int(depth) - pending, 0),
-            "dead_letters": int(dead), "cancel_requests": int(cancels), "workers": workers}
+    totals = {field: sum(b[field] for b in bands.values()) for field in ("depth", "pending", "undelivered",
+                                                                          "dead_letters")}
+    return {"queue": queue, **totals, "bands": bands, "cancel_requests": int(cancels), "workers": workers}
 
 
 def _worker_row(name: str, last_beat: float, raw: bytes | None, now: float) -> dict[str, Any]:
@@ -68,6 +76,9 @@ def render(statuses: list[dict[str, Any]]) -> str:
     for st in statuses:
         lines.append(f"queue {st['queue']}: depth {st['depth']} (undelivered {st['undelivered']}, pending "
                      f"{st['pending']}), dead letters {st['dead_letters']}, cancel requests {st['cancel_requests']}")
+        for band, b in st["bands"].items():
+            lines.append(f"  band {band}: depth {b['depth']} (undelivered {b['undelivered']}, pending "
+                         f"{b['pending']}), dead letters {b['dead_letters']}")
         header = ["WORKER", "STATE", "BEAT AGE", "DEVICE", "MODEL", "RUNNING", "WAITING", "KV USED", "DONE", "FAILED"]
         rows = [[w["worker"], w["state"], f"{w['heartbeat_age_s']}s", w.get("device") or "-",
                  _short(w.get("model")), _n(w.get("running")), _n(w.get("waiting")),

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from .job import Job
+from .keys import BANDS, DEFAULT_BAND, band_for_priority
 
 
 def entry_time(entry_id: str) -> float:
@@ -30,15 +31,19 @@ class Sample:
 
 @dataclass
 class Tracked:
-    entry_id: str
+    entry_id: str  # unique only within its origin's stream
     job: Job
-    attempts: int = 1  # deliveries so far plus failures inside this worker
+    origin: str = DEFAULT_BAND  # the band whose stream it came from, or "celery"
+    attempts: int = 0  # runs started (in any worker); a job recovered from a dead worker counts its lost run
+    runs_alone: int = 0  # of those, runs started alone as a suspect (persisted in the queue's runs hash)
+    guarded: bool = False  # let in ahead of busier bands by the starvation guard (admission.Lanes)
+    recovered: bool = False  # from a dead worker (own pending list at restart, XAUTOCLAIM, Celery redelivery)
     seq: int = 0  # read order, the tie-break after priority
     enqueued_at: float = 0.0
     admitted_at: float | None = None
     first_token_at: float | None = None
     in_engine: bool = False
-    suspect: bool = False  # was in a batch whose step raised: rerun alone to find the culprit
+    suspect: bool = False  # in a batch whose step raised, or recovered from a dead worker: rerun alone
     prompt_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
     text_parts: list[str] = field(default_factory=list)
@@ -53,6 +58,16 @@ class Tracked:
     def __post_init__(self) -> None:
         if not self.enqueued_at:
             self.enqueued_at = entry_time(self.entry_id)
+
+    @property
+    def key(self) -> str:
+        """The held job's identity in this worker (and its engine request id): origin and entry id."""
+        return f"{self.origin}/{self.entry_id}"
+
+    @property
+    def band(self) -> str:
+        """The priority band it is admitted in: its stream's, or for a Celery job the one its priority maps to."""
+        return self.origin if self.origin in BANDS else band_for_priority(self.job.priority)
 
     @property
     def id(self) -> str:

@@ -17,12 +17,12 @@ from typing import Any
 import structlog
 
 from . import scripts
-from .admission import Intake, engine_prompt, pick
+from .admission import Intake, Lanes, engine_prompt, engine_priority, pick
 from .config import WorkerSettings
-from .engine_api import RequestOutputKind, SamplingParams
-from .keys import GROUP, QueueKeys
+from .engine_api import RequestOutputKind, SamplingParams, WorkerEngine
+from .keys import BANDS, GROUP, QueueKeys, band_rank
 from .leases import Heartbeat, Leases
-from .publisher import Publisher, is_celery_entry
+from .publisher import Publisher
 from .recovery import REDIS_DOWN, EngineBreaker, Recovery
 from .tracked import Sample, Tracked
 
@@ -30,13 +30,16 @@ STATUSES = ("completed", "failed", "cancelled", "expired", "rejected")
 
 
 class Worker(Recovery):
-    def __init__(self, engine: Any, redis_client: Any, settings: WorkerSettings) -> None:
+    def __init__(self, engine: WorkerEngine, redis_client: Any, settings: WorkerSettings) -> None:
+        if not isinstance(engine, WorkerEngine):
+            raise TypeError(f"{type(engine).__name__} does not implement worker.engine_api.WorkerEngine")
         self.engine, self.r, self.s = engine, redis_client, settings
         self.keys = QueueKeys(settings.queue)
         self.log = structlog.get_logger("pagedq.worker").bind(worker=settings.name)
         self.publisher = Publisher(self.keys, settings.name, settings.result_ttl_s, settings.completions_maxlen)
         self.stats = {status: 0 for status in STATUSES}
         self.intake = Intake(self.keys, settings, self.publisher, self.log, self.stats)
+        self.lanes = Lanes(settings.band_min_share, settings.reserve_seqs)
         self.leases = Leases(redis_client, self.keys, settings.name, settings.lease_ms)
         self.celery = None
         if settings.celery_broker:
@@ -54,7 +57,7 @@ class Worker(Recovery):
         self.breaker = EngineBreaker(settings.engine_failure_limit)
         self.exit_code = 0  # set by recovery.py when the worker stops itself (broken engine, Redis lost)
         self.tokens_generated = 0  # counted per step; the metrics timer exports it
-        self.held: dict[str, Tracked] = {}  # by stream entry id (also the engine request id)
+        self.held: dict[str, Tracked] = {}  # by Tracked.key (origin and entry id; also the engine request id)
         self.backlog: list[Tracked] = []
         self.deadlines: dict[str, float] = {}
         self.waiting_blocks = 0  # KV blocks promised to our jobs still in the engine's waiting queue
@@ -99,10 +102,12 @@ class Worker(Recovery):
     def _start(self) -> None:
         self.leases.ensure_group()
         scripts.load_all(self.r)
-        entries = self.leases.read_own_pending()
-        counts = self.leases.delivery_counts([_s(e[0]) for e in entries])
-        self._hold(self.intake.parse(entries, counts))
-        self.log.info("worker_started", queue=self.s.queue, recovered=len(entries), burst=self.s.burst,
+        recovered = 0
+        for band in BANDS:
+            entries = self.leases.read_own_pending(band)
+            recovered += len(entries)
+            self._hold(self.intake.parse(entries, recovered=True, band=band))
+        self.log.info("worker_started", queue=self.s.queue, recovered=recovered, burst=self.s.burst,
                       device=self.s.device, model=self.s.model)
         self._beat(time.monotonic())
 
@@ -139,10 +144,17 @@ class Worker(Recovery):
         if self.engine.has_unfinished_requests():
             self._step()
 
-    def _read_count(self) -> int:
+    def _read_count(self, band: str | None = None) -> int:
+        """Room to read ahead: max_waiting minus the jobs held and not yet running, of this band and the
+        bands above it (so a backlog of bulk jobs never stops interactive ones from being read)."""
         if self.stopping:
             return 0
-        return self.s.max_waiting - self.engine.num_waiting_requests - len(self.backlog)
+        if band is None:
+            return self.s.max_waiting - self.engine.num_waiting_requests - len(self.backlog)
+        rank = band_rank(band)
+        queued = sum(1 for t in self.held.values()
+                     if band_rank(t.band) <= rank and (not t.in_engine or t.key in self.waiting_ids))
+        return self.s.max_waiting - queued
 
     def _sync(self) -> None:
         """One round trip: pending writes, cancel check, new jobs (blocking only when idle)."""
@@ -152,19 +164,30 @@ class Worker(Recovery):
         for op in ops:
             pipe.execute_command(*op)
         job_ids = sorted({t.id for t in self.held.values()}) if self.cancel_possible else []
+        names = ["cancel_count"]  # what each command after the writes answers, in order
         pipe.zcard(self.keys.cancelled)
         if job_ids:
+            names.append("cancel_scores")
             pipe.zmscore(self.keys.cancelled, job_ids)
         check_burst = self.s.burst and idle and not self.stopping
         if check_burst:
-            pipe.xpending(self.keys.jobs, GROUP)
-        count = self._read_count()
-        if count > 0:
-            # burst mode never blocks: it checks the pending count instead (and naps below if others hold jobs)
-            block = self.s.block_ms if idle and not self.s.burst else None
-            if block and self.celery is not None:  # wake up often enough to poll the Celery queue too
+            for band in BANDS:
+                names.append(f"pending:{band}")
+                pipe.xpending(self.keys.jobs_of(band), GROUP)
+        # burst mode never blocks: it checks the pending count instead (and naps below if others hold jobs)
+        block = self.s.block_ms if idle and not self.s.burst and not self.stopping else None
+        if block:  # idle: one blocking read over every band, woken by the first job in any of them
+            if self.celery is not None:  # wake up often enough to poll the Celery queue too
                 block = min(block, max(1, int(self.s.celery_poll_s * 1000)))
-            pipe.xreadgroup(GROUP, self.s.name, {self.keys.jobs: ">"}, count=count, block=block)
+            names.append("read")
+            pipe.xreadgroup(GROUP, self.s.name, {self.keys.jobs_of(b): ">" for b in BANDS},
+                            count=self.s.max_waiting, block=block)
+        else:  # busy: each band read up to its own room, without blocking
+            for band in BANDS:
+                count = self._read_count(band)
+                if count > 0:
+                    names.append(f"read:{band}")
+                    pipe.xreadgroup(GROUP, self.s.name, {self.keys.jobs_of(band): ">"}, count=count)
         try:
             results = pipe.execute(raise_on_error=False)
         except REDIS_DOWN:
@@ -172,18 +195,22 @@ class Worker(Recovery):
             raise
         self.publisher.check(self.r, ops, results[:len(ops)])
         self._settle()
-        rest = results[len(ops):]
-        for res in rest:
+        replies = dict(zip(names, results[len(ops):], strict=True))
+        for res in replies.values():
             if isinstance(res, Exception):
                 raise res
-        self.cancel_possible = bool(rest.pop(0))
+        self.cancel_possible = bool(replies["cancel_count"])
         if job_ids:
-            self._apply_cancels([j for j, score in zip(job_ids, rest.pop(0)) if score is not None])
-        pending = rest.pop(0)["pending"] if check_burst else None
-        entries = (rest.pop(0) or [[None, []]])[0][1] if count > 0 else []
-        if entries:
-            self._hold(self.intake.parse(entries), check_cancel=self.cancel_possible)
-        elif check_burst and not len(self.publisher) and not self.held:
+            self._apply_cancels([j for j, score in zip(job_ids, replies["cancel_scores"]) if score is not None])
+        pending = sum(replies[f"pending:{b}"]["pending"] for b in BANDS) if check_burst else None
+        streams = {self.keys.jobs_of(b): b for b in BANDS}
+        entries = 0
+        for name in names:
+            if name.startswith("read"):
+                for stream, batch in replies[name] or []:
+                    entries += len(batch)
+                    self._hold(self.intake.parse(batch, band=streams[_s(stream)]), check_cancel=self.cancel_possible)
+        if not entries and check_burst and not len(self.publisher) and not self.held:
             if pending:
                 time.sleep(0.05)  # jobs held by other (maybe dead) workers: wait for them or their leases
             else:
@@ -207,12 +234,17 @@ class Worker(Recovery):
 
     # ------------------------------------------------------------------ holding and admitting
     def _hold(self, jobs: list[Tracked], check_cancel: bool = False) -> None:
-        jobs = [t for t in jobs if t.entry_id not in self.held]
+        jobs = [t for t in jobs if t.key not in self.held]
+        recovered = [t for t in jobs if t.recovered]
+        if recovered:  # charge each its lost run plus the runs alone it was given before
+            for t, runs in zip(recovered, self.r.hmget(self.keys.runs, [t.id for t in recovered])):
+                t.runs_alone = int(runs or 0)
+                t.attempts = 1 + t.runs_alone
         for t in jobs:
-            self.held[t.entry_id] = t
+            self.held[t.key] = t
             self.backlog.append(t)
             if t.job.deadline is not None:
-                self.deadlines[t.entry_id] = t.job.deadline
+                self.deadlines[t.key] = t.job.deadline
         if check_cancel and jobs:
             ids = sorted({t.id for t in jobs})
             scores = self.r.zmscore(self.keys.cancelled, ids)
@@ -220,19 +252,24 @@ class Worker(Recovery):
 
     def _admit(self) -> None:
         isolating = any(t.suspect and t.in_engine for t in self.held.values())
-        for t in pick(self.backlog, self.engine, self.s.max_waiting, self.waiting_blocks, isolating):
+        lowest = sum(1 for t in self.held.values() if t.in_engine and t.band == BANDS[-1])
+        for t in pick(self.backlog, self.engine, self.s.max_waiting, self.waiting_blocks, isolating, self.lanes,
+                      lowest):
+            if t.suspect and not self._may_run_alone(t):
+                continue
             self.backlog.remove(t)
             if t.job.deadline is not None and time.time() >= t.job.deadline:
                 self._finalize(t, "expired", "deadline passed before the job started")
                 continue
             self._add_to_engine(t)
+            self.lanes.admitted(t)
 
     def _add_to_engine(self, t: Tracked) -> None:
         job = t.job
         try:
             prompt = engine_prompt(self.engine, job)
             params = SamplingParams(**job.sampling_kwargs(), output_kind=RequestOutputKind.DELTA)
-            self.engine.add_request(t.entry_id, prompt, params, priority=job.priority)
+            self.engine.add_request(t.key, prompt, params, priority=engine_priority(t))
         except ValueError as exc:  # the engine's verdict on bad input (too long, token out of vocab, ...)
             self.intake.reject(t, str(exc))
             self._forget(t)
@@ -241,19 +278,20 @@ class Worker(Recovery):
             self._job_error(t, exc)
             return
         t.in_engine, t.admitted_at = True, time.time()
-        self.waiting_ids.add(t.entry_id)
+        t.attempts += 1
+        self.waiting_ids.add(t.key)
         self.waiting_blocks += t.blocks_estimate
 
     def _leave_engine(self, t: Tracked, abort: bool) -> Any:
         out = None
         if abort and t.in_engine:
             try:
-                out = self.engine.abort_request(t.entry_id)
+                out = self.engine.abort_request(t.key)
             except Exception as exc:
                 self.log.error("abort_failed", job_id=t.id, error=repr(exc))
         t.in_engine = False
-        if t.entry_id in self.waiting_ids:
-            self.waiting_ids.discard(t.entry_id)
+        if t.key in self.waiting_ids:
+            self.waiting_ids.discard(t.key)
             self.waiting_blocks -= t.blocks_estimate
         return out
 
@@ -277,8 +315,8 @@ class Worker(Recovery):
             self._absorb_samples(t, out, now)
             return
         c = out.outputs[0]
-        if t.entry_id in self.waiting_ids:
-            self.waiting_ids.discard(t.entry_id)
+        if t.key in self.waiting_ids:
+            self.waiting_ids.discard(t.key)
             self.waiting_blocks -= t.blocks_estimate
         t.prompt_tokens = len(out.prompt_token_ids or ())
         if c.token_ids and t.first_token_at is None:
@@ -346,8 +384,8 @@ class Worker(Recovery):
         if not self.deadlines:
             return
         now = time.time()
-        for entry_id in [e for e, d in self.deadlines.items() if now >= d]:
-            t = self.held[entry_id]
+        for key in [k for k, d in self.deadlines.items() if now >= d]:
+            t = self.held[key]
             self._stop_early(t, "expired", "deadline passed while running" if t.in_engine
                              else "deadline passed before the job started")
 
@@ -365,7 +403,7 @@ class Worker(Recovery):
 
     def _finalize(self, t: Tracked, status: str, error: str | None = None) -> None:
         record = self.publisher.record(t, status, error)
-        self.publisher.final(record, t.entry_id)
+        self.publisher.final(record, t.entry_id, band=t.origin)
         self.stats[status] += 1
         if self.metrics is not None:
             self.metrics.observe(record)
@@ -377,8 +415,8 @@ class Worker(Recovery):
             log.info("job_finished", status=status, tokens=len(t.token_ids), error=error)
 
     def _forget(self, t: Tracked) -> None:
-        self.held.pop(t.entry_id, None)
-        self.deadlines.pop(t.entry_id, None)
+        self.held.pop(t.key, None)
+        self.deadlines.pop(t.key, None)
         if t in self.backlog:
             self.backlog.remove(t)
 
@@ -386,16 +424,19 @@ class Worker(Recovery):
     def _maintenance(self, now: float) -> None:
         if now >= self._timers["renew"] and self.held:
             self._timers["renew"] = now + self.s.renew_interval
-            lost = self.leases.renew([e for e in self.held if not is_celery_entry(e)])
-            if lost:
-                self.log.warning("lease_lost", entries=lost)  # keep going: the first final record wins
+            for band in BANDS:
+                ids = [t.entry_id for t in self.held.values() if t.origin == band]
+                lost = self.leases.renew(band, ids) if ids else []
+                if lost:
+                    self.log.warning("lease_lost", band=band, entries=lost)  # keep going: the first final wins
         if now >= self._timers["claim"] and not self.stopping:
             self._timers["claim"] = now + self.s.claim_interval
-            entries = [e for e in self.leases.claim(self._read_count()) if _s(e[0]) not in self.held]
-            if entries:
-                counts = self.leases.delivery_counts([_s(e[0]) for e in entries])
-                self.log.info("jobs_claimed", count=len(entries))
-                self._hold(self.intake.parse(entries, counts), check_cancel=True)
+            for band in BANDS:
+                entries = [e for e in self.leases.claim(band, self._read_count(band))
+                           if f"{band}/{_s(e[0])}" not in self.held]
+                if entries:
+                    self.log.info("jobs_claimed", band=band, count=len(entries))
+                    self._hold(self.intake.parse(entries, recovered=True, band=band), check_cancel=True)
         if now >= self._timers["beat"]:
             self._beat(now)
         if self.celery is not None:

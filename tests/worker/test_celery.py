@@ -60,6 +60,17 @@ def test_celery_round_trip_equals_native(redis_url, r, monkeypatch):
                 raise AssertionError(f"{reason}: no failure")
             assert res.state == "FAILURE" and reason in str(res.result)
 
+        # task ids outside the job id grammar: FAILURE, and no pagedq key is ever named after them
+        for task_id in ("k}{z", "line\nbreak", "x" * 201):
+            res = app.send_task("pagedq.generate", kwargs=dict(prompt="x", max_tokens=2), task_id=task_id)
+            try:
+                res.get(timeout=20)
+            except JobRejected as exc:
+                assert "invalid task id" in str(exc)
+            else:
+                raise AssertionError(f"task id {task_id!r} was accepted")
+        assert [k for k in r.keys("pagedq:*") if b"k}{z" in k or b"\n" in k or b"x" * 201 in k] == []
+
         # a group over document chunks: every result, each equal to the engine's answer for its chunk
         chunks = [f"chunk {i} of the document" for i in range(40)]
         results = group(generate.s(prompt=c, max_tokens=5, temperature=0) for c in chunks)().get(timeout=60)

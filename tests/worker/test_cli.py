@@ -54,3 +54,16 @@ def test_worker_start_up_freezes_the_engine_objects(tiny_llama_dir):
     finally:
         gc.unfreeze()
     assert engine.num_total_blocks == 8
+
+
+def test_bench_mixed_reports_both_sides_of_the_comparison():
+    proc = run_cli("bench", "worker", "--mixed", "--mixed-bulk-jobs", "300", "--mixed-bulk-tokens", "8",
+                   "--mixed-web-jobs", "4", "--mixed-web-every", "0.02", "--mixed-step-delay", "0.002",
+                   "--mixed-max-num-seqs", "8", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    mixed = json.loads(proc.stdout.strip().splitlines()[-1])["mixed"]
+    for side in ("interactive_idle", "interactive_behind_backlog"):
+        assert 0 < mixed[side]["ttft_p50_s"] <= mixed[side]["ttft_p99_s"] <= mixed[side]["total_p99_s"]
+    assert mixed["bulk_tokens_per_s_mixed"] > 0 and mixed["bulk_tokens_per_s_bulk_only"] > 0
+    assert mixed["bulk_throughput_ratio"] == round(mixed["bulk_tokens_per_s_mixed"]
+                                                   / mixed["bulk_tokens_per_s_bulk_only"], 3)

@@ -16,6 +16,9 @@ from .conftest import KEYS, run_burst, wait_for, worker_thread
 from .test_cli import run_cli
 
 
+DEFAULT = (("band", "default"),)  # the per-band series of the default band
+
+
 def scrape(port: int) -> dict[tuple[str, tuple], float]:
     """Every sample as {(name, sorted labels without `queue`): value}."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
@@ -34,11 +37,12 @@ def test_metrics_endpoint_matches_reality(redis_url, r):
     engine = FaultyEngine(StubEngine(step_delay_s=0.002, num_kv_blocks=512, max_num_seqs=1), "POISON")
     with worker_thread(engine, redis_url, metrics_port=0, metrics_every_s=0.05, max_attempts=1) as worker:
         port = worker.metrics.port
+        assert worker.metrics.server.server_address[0] == "127.0.0.1"  # no authentication: local by default
 
         def settled():
             m = scrape(port)
             return m if (m.get(("pagedq_jobs_finished_total", (("status", "completed"),))) == 20
-                         and m.get(("pagedq_dead_letters", ())) == 1) else None
+                         and m.get(("pagedq_dead_letters", DEFAULT)) == 1) else None
         m = wait_for(settled, timeout=20, what="20 completed and 1 dead letter in the metrics")
         finals = [client.result(j, timeout=1) for j in ids]
         tokens = sum(f.usage.completion_tokens for f in finals)
@@ -48,7 +52,7 @@ def test_metrics_endpoint_matches_reality(redis_url, r):
         assert m[("pagedq_e2e_latency_seconds_count", ())] == 20
         assert abs(m[("pagedq_e2e_latency_seconds_sum", ())] - sum(f.timings.total for f in finals)) < 1e-3
         assert m[("pagedq_kv_blocks_total", ())] == 512 and m[("pagedq_kv_blocks_free", ())] == 512
-        assert m[("pagedq_queue_depth", ())] == r.xlen(KEYS.jobs) == 0
+        assert m[("pagedq_queue_depth", DEFAULT)] == r.xlen(KEYS.jobs) == 0
         assert m[("pagedq_preemptions_total", ())] == 0
 
         # a long job running (one at a time): gauges follow the engine; jobs behind it show as depth
@@ -58,14 +62,14 @@ def test_metrics_endpoint_matches_reality(redis_url, r):
 
         def busy():
             m = scrape(port)
-            return m if (m[("pagedq_running_requests", ())] == 1 and m[("pagedq_queue_depth", ())] == 4
+            return m if (m[("pagedq_running_requests", ())] == 1 and m[("pagedq_queue_depth", DEFAULT)] == 4
                          and m[("pagedq_held_jobs", ())] == 4) else None
         m = wait_for(busy, timeout=10, what="running job and queue depth in the metrics")
         used = engine.num_total_blocks - engine.num_free_blocks
         assert m[("pagedq_kv_blocks_used", ())] == used > 0  # constant while the one job runs
-        assert m[("pagedq_waiting_requests", ())] == 3 and m[("pagedq_pending_jobs", ())] == 4
-        assert m[("pagedq_pending_jobs", ())] + m[("pagedq_queue_lag", ())] == 4
-        assert m[("pagedq_queue_oldest_job_age_seconds", ())] >= 0
+        assert m[("pagedq_waiting_requests", ())] == 3 and m[("pagedq_pending_jobs", DEFAULT)] == 4
+        assert m[("pagedq_pending_jobs", DEFAULT)] + m[("pagedq_queue_lag", DEFAULT)] == 4
+        assert m[("pagedq_queue_oldest_job_age_seconds", DEFAULT)] >= 0
         assert m[("pagedq_kv_slot_utilization", ())] > 0
         client.cancel(long_id)
         for job_id in held:

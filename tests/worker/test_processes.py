@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import signal
 
+import pytest
+
 from worker import Client
 from worker.engine_api import RequestOutputKind, SamplingParams
 from worker.stub_engine import StubEngine
@@ -54,6 +56,8 @@ def test_kill_9_then_restart_and_second_worker(redis_url, r, tmp_path):
     assert pending > 0, "the killed worker should have held unacknowledged jobs"
     # "a" restarts under its name (re-reads its own pending entries); "b" claims whatever stays idle.
     again = start_worker(redis_url, *stub, "--name", "a", "--burst", log=tmp_path / "a2.log")
+    # "b" starts once "a" has re-read its pending list: started together, "b" may claim them all first
+    wait_for(lambda: "worker_started" in (tmp_path / "a2.log").read_text(), timeout=60, what="a restarted")
     second = start_worker(redis_url, *stub, "--name", "b", "--burst", log=tmp_path / "b.log")
     assert again.wait(timeout=90) == 0 and second.wait(timeout=90) == 0
     finals = check_exactly_once(r, client, jobs, 20)
@@ -96,3 +100,36 @@ def test_two_workers_share_a_queue(redis_url, r, tmp_path):
     for name in ("x", "y"):  # structlog JSON lines with the worker bound (and job_id on job events)
         events = [json.loads(line) for line in (tmp_path / f"{name}.log").read_text().splitlines()]
         assert all(e["worker"] == name for e in events if e["event"].startswith(("worker_", "job_")))
+
+
+@pytest.mark.slow
+def test_a_job_that_kills_its_worker_sinks_only_itself(redis_url, r, tmp_path):
+    """One job kills its worker process (os._exit, as a segfault) whenever it is stepped; it sits among 20
+    good jobs, all read ahead into one batch. The worker is restarted after each crash: only the crasher is
+    dead-lettered (after max_attempts runs, the last 2 alone), the 20 complete exactly, each once."""
+    client = Client(redis_url)
+    good = submit_jobs(client, 10, 12, "before")
+    crasher = client.submit(prompt="this one CRASHES the worker", max_tokens=12, temperature=0.0)
+    good.update(submit_jobs(client, 10, 12, "after"))
+    env = {"PAGEDQ_FAULT_PROMPT": "CRASHES", "PAGEDQ_FAULT_MODE": "exit"}
+    stub = ["--engine", "stub", "--stub-step-delay", "0.01", "--max-num-seqs", "32", "--max-attempts", "3",
+            "--name", "a", "--burst"]
+    codes = []
+    while not codes or codes[-1] != 0:
+        assert len(codes) < 8, f"the worker kept dying: exit codes {codes}"
+        proc = start_worker(redis_url, *stub, log=tmp_path / "a.log", env=env)
+        codes.append(proc.wait(timeout=60))
+    assert codes == [86, 86, 86, 0]  # in the batch, then alone twice; the 4th start dead-letters it unrun
+    res = client.result(crasher, timeout=1)
+    assert res.status == "failed" and res.attempts == 3 and "attempts 3, max_attempts 3" in res.error
+    letters = r.xrange(KEYS.dead)
+    assert [letter[1][b"id"].decode() for letter in letters] == [crasher]
+    finals = finals_by_id(r)
+    del finals[crasher]
+    for job_id, prompt in good.items():
+        record = finals[job_id][0]
+        assert record["status"] == "completed" and record["text"] == expected_text(prompt, 12)
+        assert len(finals[job_id]) == 1
+    assert set(finals) == set(good)
+    assert r.hlen(KEYS.runs) == 0
+    assert_clean_queue(r)

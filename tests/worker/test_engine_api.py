@@ -1,0 +1,27 @@
+"""The worker's engine interface (worker.engine_api.WorkerEngine) is what the engines really offer."""
+
+from __future__ import annotations
+
+import pytest
+from redis import Redis
+
+from engine import LLMEngine
+from worker.engine_api import WorkerEngine
+from worker.faults import FaultyEngine
+from worker.stub_engine import StubEngine
+from worker.worker import Worker
+
+from .conftest import fast_settings
+
+
+def test_every_engine_implements_the_protocol(tiny_llama_dir):
+    real = LLMEngine(str(tiny_llama_dir), num_kv_blocks=32, device="cpu")
+    for engine in (real, StubEngine(), FaultyEngine(StubEngine(), "X"), FaultyEngine(real, "X")):
+        assert isinstance(engine, WorkerEngine), type(engine).__name__
+
+
+def test_the_worker_refuses_an_engine_that_lacks_part_of_it():
+    class NoStep:
+        def add_request(self, *a, **k): ...
+    with pytest.raises(TypeError, match="WorkerEngine"):
+        Worker(NoStep(), Redis(), fast_settings())
