@@ -134,8 +134,18 @@ redis.call('XADD', KEYS[2], '*', ARGV[3], ARGV[2])
 return 1
 """
 
+# The gateway's Batch API output files. KEYS: the batch's answered set, the file's line list; ARGV: answer key, line. Writes each answer once.
+APPEND_ONCE = """
+if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then
+  redis.call('RPUSH', KEYS[2], ARGV[2])
+  return 1
+end
+return 0
+"""
+
 ALL = {"finalize": FINALIZE, "submit": SUBMIT, "renew": RENEW, "cancel": CANCEL, "dead_raw": DEAD_RAW,
-       "bulk_enqueue": BULK_ENQUEUE, "dlq_retry": DLQ_RETRY}
+       "bulk_enqueue": BULK_ENQUEUE, "dlq_retry": DLQ_RETRY,
+       "append_once": APPEND_ONCE}
 SHA = {name: hashlib.sha1(src.encode()).hexdigest() for name, src in ALL.items()}
 
 

@@ -40,7 +40,7 @@ def test_batch_round_trip_with_bad_lines(redis_url, tiny_llama_dir):
         from redis import Redis
 
         r = Redis.from_url(redis_url)
-        queued = wait_for(lambda: r.xrange(QueueKeys().jobs), what="batch jobs enqueued")  # no worker yet
+        queued = wait_for(lambda: r.xrange(QueueKeys().jobs_of("bulk")), what="batch jobs enqueued")  # no worker yet
         engine = LLMEngine(str(tiny_llama_dir), device="cpu", num_kv_blocks=64)
         with worker_thread(engine, redis_url, model=str(tiny_llama_dir)):
             done = wait_for(lambda: (b := sdk.batches.retrieve(batch.id)).status == "completed" and b,
@@ -79,7 +79,7 @@ def test_cancel_a_batch_keeps_what_finished(redis_url):
         done = wait_for(lambda: (b := sdk.batches.retrieve(batch.id)).status == "cancelled" and b, timeout=30,
                         what="batch cancelled")
         errors = [json.loads(x) for x in sdk.files.content(done.error_file_id).text.splitlines()]
-        depth = QueueKeys().jobs
+        depth = QueueKeys().jobs_of("bulk")
         from redis import Redis
 
         left = Redis.from_url(redis_url).xlen(depth)
@@ -98,7 +98,7 @@ def test_a_batch_whose_gateway_went_away_is_finished_by_another(redis_url, tiny_
         sdk = openai.OpenAI(base_url=first, api_key="x")
         upload = sdk.files.create(file=("requests.jsonl", content.encode()), purpose="batch")
         batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
-        wait_for(lambda: r.xlen(QueueKeys().jobs) == 3, what="batch jobs enqueued")  # no worker yet
+        wait_for(lambda: r.xlen(QueueKeys().jobs_of("bulk")) == 3, what="batch jobs enqueued")  # no worker yet
     assert not r.exists(QueueKeys().batch_runner(batch.id))  # the stopped gateway gave its lease up
     engine = LLMEngine(str(tiny_llama_dir), device="cpu", num_kv_blocks=64)
     with worker_thread(engine, redis_url, model=str(tiny_llama_dir)), gateway_thread(redis_url) as second:

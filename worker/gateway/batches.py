@@ -3,7 +3,7 @@
 
 A batch's state is a Redis hash, its output and error files are Redis lists, and the gateway that runs it
 holds a lease: if that gateway dies, the next GET of the batch (on any gateway) takes the run over. The
-rerun enqueues nothing twice (bulk's ENQUEUE script) and writes no line twice (APPEND_ONCE below).
+rerun enqueues nothing twice (bulk's enqueue script) and writes no line twice (worker/scripts.py's append_once).
 Batch jobs run at a low priority (settings.batch_priority), below interactive traffic.
 """
 
@@ -19,7 +19,7 @@ import structlog
 from fastapi import APIRouter
 from pydantic import Field
 
-from .. import bulk
+from .. import bulk, scripts
 from ..aclient import AsyncClient
 from ..client import make_job
 from ..errors import JobRejected
@@ -32,14 +32,6 @@ from .files import FileStore
 from .schemas import Strict
 from .workers import LiveWorkers
 
-# KEYS: the batch's answered set, the file's line list; ARGV: answer key, line. Writes each answer once.
-APPEND_ONCE = """
-if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then
-  redis.call('RPUSH', KEYS[2], ARGV[2])
-  return 1
-end
-return 0
-"""
 LEASE_S = 15
 POLL_S = 0.05
 ACTIVE = ("validating", "in_progress", "cancelling")
@@ -57,8 +49,6 @@ class Batches:
     def __init__(self, client: AsyncClient, files: FileStore, live: LiveWorkers, settings: GatewaySettings) -> None:
         self.client, self.r, self.keys, self.files, self.live, self.s = client, client.r, client.keys, files, live, \
             settings
-        self.enqueue = self.r.register_script(bulk.ENQUEUE)
-        self.append_once = self.r.register_script(APPEND_ONCE)
         self.tasks: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ the batch object
@@ -207,7 +197,8 @@ class BatchRun:
         for custom_id, job, kind, k in batch:
             self.pending[job.id] = (custom_id, kind, k)
             args += [job.id, job.to_json()]
-        await self.b.enqueue(keys=[self.b.keys.jobs, self.b.keys.bulk_enqueued(self.batch_id)], args=args)
+        await scripts.acall(self.b.r, "bulk_enqueue",
+                            [self.b.keys.jobs_of("bulk"), self.b.keys.bulk_enqueued(self.batch_id), self.b.keys.ids], args)
 
     async def _collect(self) -> int:
         ids = list(self.pending)
@@ -236,8 +227,9 @@ class BatchRun:
 
     async def _write(self, which: str, key: str, line: dict[str, Any]) -> None:
         file_id = self.obj["output_file_id" if which == "output" else "error_file_id"]
-        await self.b.append_once(keys=[self.b.keys.batch_answered(self.batch_id), self.b.keys.file_lines(file_id)],
-                                 args=[key, json.dumps(line)])
+        await scripts.acall(self.b.r, "append_once",
+                            [self.b.keys.batch_answered(self.batch_id), self.b.keys.file_lines(file_id)],
+                            [key, json.dumps(line)])
 
 
 def _error_line(custom_id: str | None, line_no: int | None, code: str, message: str,
