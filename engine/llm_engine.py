@@ -19,6 +19,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
+from engine.post_step import PostStep
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -47,6 +48,7 @@ class LLMEngine:
                                    swap)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer)
+        self.post_step = PostStep(self.scheduler, self.beam_search, self.max_model_len)
         self._seed_source = random.Random(self.config.seed)
         self.num_steps = 0
         self._utilization_sum = 0.0
@@ -148,6 +150,7 @@ class LLMEngine:
         started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
+            self.model_runner.drop_requests(scheduler_output.plan.finished_req_ids)
             if self.scheduler.has_unfinished() and not scheduler_output.preempted:
                 # Nothing changed, so the next schedule would be as empty: looping on it would spin forever.
                 raise RuntimeError(f"the scheduler cannot advance any of {self.num_running_requests} running and "
@@ -155,17 +158,17 @@ class LLMEngine:
             return []
         scheduled = time.perf_counter()
         try:
-            runner_output = self.model_runner.execute(scheduler_output)
+            runner_output = self.model_runner.execute(scheduler_output.plan)
         except BaseException:
             self._recover_from_failed_step(scheduler_output)
             raise
         executed = time.perf_counter()
         self._record_step(scheduler_output)
-        advanced = self.scheduler.update_from_output(scheduler_output, runner_output.sampled, self.max_model_len,
-                                                     runner_output.prompt_logprobs)
-        outputs = self.output_processor.process(
-            advanced, lambda request: self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED))
-        outputs += self.beam_search.step()
+        advanced, beam_outputs = self.post_step.run(scheduler_output, runner_output)
+        for request, stop in self.output_processor.find_stop_strings(advanced):
+            request.stop_reason = stop
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        outputs = self.output_processor.report(advanced) + beam_outputs
         clock.add(scheduled - started, executed - scheduled, time.perf_counter() - executed)
         return outputs
 

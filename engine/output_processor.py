@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request
 from engine.sampling_params import RequestOutputKind, SamplingParams
+
+
+class StopEvent(NamedTuple):
+    """A running sequence whose text reached one of its stop strings."""
+
+    request: Request
+    stop: str
 
 
 @dataclass
@@ -60,17 +68,23 @@ class OutputProcessor:
         group.sequences[request.index] = sequence
         return sequence
 
-    def process(self, advanced: list[Request], finish) -> list[RequestOutput]:
-        """Detokenize each advanced sequence's new token; `finish(request)` ends one that hit a stop string."""
-        touched: dict[str, list[int]] = {}
+    def find_stop_strings(self, advanced: list[Request]) -> list[StopEvent]:
+        """Detokenize each advanced sequence's new tokens; the running ones whose text now ends in a stop string
+        (the caller finishes them, then calls `report`)."""
+        events = []
         for request in advanced:
             group = self.groups[request.group_id]
             sequence = group.sequences.get(request.index) or self._track(group, request)
             stop = self._detokenize(sequence)
             if stop is not None and not request.is_finished:
-                request.stop_reason = stop
-                finish(request)
-            touched.setdefault(group.request_id, []).append(request.index)
+                events.append(StopEvent(request, stop))
+        return events
+
+    def report(self, advanced: list[Request]) -> list[RequestOutput]:
+        """One output per group that advanced, per its output kind (the final one for a finished group)."""
+        touched: dict[str, list[int]] = {}
+        for request in advanced:
+            touched.setdefault(request.group_id, []).append(request.index)
         outputs = []
         for group_id, indices in touched.items():
             output = self._report(self.groups[group_id], indices)

@@ -65,6 +65,9 @@ class Request:
     fan_out: int = 0  # extra samples to fork from this sequence when its first token is drawn
     is_beam: bool = False  # beam sequences report candidates instead of appending a token
     beam_candidates: dict[int, float] | None = None  # token -> logprob, set by the step, taken by selection
+    # What the model runner holds of this request (0 tokens: no row there; it is sent in full next time).
+    runner_num_tokens: int = 0
+    runner_num_blocks: int = 0
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
