@@ -14,6 +14,7 @@ as vLLM v1's CPU block table; each step copies its rows' slice to the device onc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -23,6 +24,20 @@ from engine.sampling_params import SamplingParams
 from engine.step_data import CachedRequestData, NewRequestData, StepPlan
 
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+@dataclass
+class SamplingPlan:
+    rows: np.ndarray
+    draw_index: np.ndarray
+    positions: np.ndarray
+    infos: list["RowInfo"]
+    first_draws: np.ndarray  # indices of each row's first draw (the one the request itself keeps)
+    penalised_draws: np.ndarray  # those of rows with penalties: their counts get the drawn token
+    needs_filters: bool
+    all_greedy: bool
+    uses_penalties: bool
+    max_num_logprobs: int | None = None
 
 
 @dataclass
@@ -60,9 +75,14 @@ class BatchState:
         self.uses_penalties = np.zeros(0, dtype=bool)
         self.device_floats = torch.zeros(0, len(_FLOATS), device=device)
         self.device_top_k_seed = torch.zeros(0, 2, dtype=torch.long, device=device)
+        self.last_token = torch.zeros(0, dtype=torch.long, device=device)  # each row's latest draw, on the device
         self.prompt_mask: torch.Tensor | None = None  # [rows, vocab] bool, allocated with the first penalty
         self.output_counts: torch.Tensor | None = None  # [rows, vocab] fp32
+        # Writes to the device tensors above, queued by the host and run first in the next step's device work:
+        # a step still running reads them, so they are ordered after it like any other device work.
+        self._device_ops: list[Callable[[], None]] = []
         self._grow(capacity)
+        self.run_device_ops()
 
     # ---- rows --------------------------------------------------------------------------------------
     def _grow(self, capacity: int) -> None:
@@ -75,11 +95,22 @@ class BatchState:
         self.floats = np.vstack([self.floats, np.zeros((extra, len(_FLOATS)), np.float32)])
         self.top_k_seed = np.vstack([self.top_k_seed, np.zeros((extra, 2), np.int64)])
         self.uses_penalties = np.concatenate([self.uses_penalties, np.zeros(extra, bool)])
-        self.device_floats = _grown(self.device_floats, capacity)
-        self.device_top_k_seed = _grown(self.device_top_k_seed, capacity)
-        if self.prompt_mask is not None:
-            self.prompt_mask, self.output_counts = _grown(self.prompt_mask, capacity), _grown(self.output_counts,
-                                                                                               capacity)
+
+        def grow() -> None:
+            self.device_floats = _grown(self.device_floats, capacity)
+            self.device_top_k_seed = _grown(self.device_top_k_seed, capacity)
+            self.last_token = _grown(self.last_token, capacity)
+            if self.prompt_mask is not None:
+                self.prompt_mask = _grown(self.prompt_mask, capacity)
+                self.output_counts = _grown(self.output_counts, capacity)
+
+        self._device_ops.append(grow)
+
+    def run_device_ops(self) -> None:
+        """Apply the queued device writes (called from the step's device work, in order)."""
+        ops, self._device_ops = self._device_ops, []
+        for op in ops:
+            op()
 
     def _set_blocks(self, row: int, first: int, block_ids: tuple[int, ...]) -> None:
         end = first + len(block_ids)
@@ -101,16 +132,11 @@ class BatchState:
     def apply(self, plan: StepPlan) -> None:
         """Drop the rows of requests that left, add the new requests, patch the held ones."""
         self.drop(plan.finished_req_ids)
-        new_counts: list[tuple[int, int]] = []  # (row, token) output tokens the counts lack
         for chunk in plan.chunks:
             if isinstance(chunk, NewRequestData):
                 self._add(chunk)
             else:
-                self._patch(chunk, new_counts)
-        if new_counts and self.output_counts is not None:
-            rows, tokens = torch.tensor(new_counts, dtype=torch.long, device=self.device).T
-            self.output_counts.index_put_((rows, tokens), torch.ones(len(new_counts), device=self.device),
-                                          accumulate=True)
+                self._patch(chunk)
 
     def _add(self, new: NewRequestData) -> None:
         self.drop((new.req_id,))  # a stale row (its departure named in a plan that never ran)
@@ -126,13 +152,19 @@ class BatchState:
         self.block_table[row, len(new.block_ids):] = 0  # not read (context lengths bound it), but deterministic
         self.floats[row] = [getattr(params, name) for name in _FLOATS]
         self.top_k_seed[row] = (params.top_k if params.top_k > 0 else self.vocab_size, new.sampling_seed)
-        self.device_floats[row] = torch.from_numpy(self.floats[row]).to(self.device)
-        self.device_top_k_seed[row] = torch.from_numpy(self.top_k_seed[row]).to(self.device)
+        floats, top_k_seed = torch.from_numpy(self.floats[row].copy()), torch.from_numpy(self.top_k_seed[row].copy())
         self.uses_penalties[row] = params.needs_penalties
-        if params.needs_penalties:
-            self._init_penalty_row(row, new)
+
+        def write_row() -> None:
+            self.device_floats[row] = floats.to(self.device)
+            self.device_top_k_seed[row] = top_k_seed.to(self.device)
+            if params.needs_penalties:
+                self._init_penalty_row(row, new)
+
+        self._device_ops.append(write_row)
 
     def _init_penalty_row(self, row: int, new: NewRequestData) -> None:
+        """The row's prompt mask and output counts from its tokens (device work; a resumed request has outputs)."""
         if self.prompt_mask is None:
             rows = len(self.info)
             self.prompt_mask = torch.zeros(rows, self.vocab_size, dtype=torch.bool, device=self.device)
@@ -144,11 +176,9 @@ class BatchState:
         self.output_counts[row] = 0
         self.output_counts[row].index_add_(0, outputs, torch.ones(len(outputs), device=self.device))
 
-    def _patch(self, diff: CachedRequestData, new_counts: list[tuple[int, int]]) -> None:
+    def _patch(self, diff: CachedRequestData) -> None:
         row = self.rows[diff.req_id]
         self.info[row].token_ids += diff.new_token_ids
-        if self.uses_penalties[row]:
-            new_counts += [(row, token) for token in diff.new_token_ids]
         if diff.block_ids:
             self._set_blocks(row, diff.block_ids_from, diff.block_ids)
 
@@ -158,27 +188,49 @@ class BatchState:
         width = max(int(self.num_blocks[rows].max(initial=1)), 1)
         return self.block_table[rows, :width]
 
-    def sampling_batch(self, rows: np.ndarray, draw_index: np.ndarray) -> SamplingBatch:
-        """Sampling settings for draws from `rows` (a row repeats for a fan-out; `draw_index` numbers its draws)."""
-        device, vocab = self.device, self.vocab_size
-        index = torch.from_numpy(rows).to(device)
+    def sampling_plan(self, rows: np.ndarray, draw_index: np.ndarray, positions: np.ndarray) -> "SamplingPlan":
+        """Host side of a step's sampling settings for draws from `rows` (a row repeats for a fan-out;
+        `draw_index` numbers its draws; `positions`: the output index each draw is for)."""
+        infos = [self.info[row] for row in rows.tolist()]
+        floats, top_ks = self.floats[rows], self.top_k_seed[rows, 0]
+        first_draws = np.flatnonzero(draw_index == 0)
+        plan = SamplingPlan(rows, draw_index, positions, infos, first_draws,
+                            first_draws[self.uses_penalties[rows[first_draws]]],
+                            needs_filters=bool(((top_ks < self.vocab_size) | (floats[:, 1] < 1)
+                                                | (floats[:, 2] > 0)).any()),
+                            all_greedy=bool((floats[:, 0] == 0).all()),
+                            uses_penalties=bool(self.uses_penalties[rows].any()))
+        if any(info.wants_logprobs for info in infos):
+            plan.max_num_logprobs = max(info.params.logprobs or 0 for info in infos)
+        return plan
+
+    def sampling_batch(self, plan: "SamplingPlan") -> SamplingBatch:
+        """The settings gathered on the device (device work: reads the per-row tensors)."""
+        device = self.device
+        index = torch.from_numpy(plan.rows).to(device)
         temperature, top_p, min_p, repetition, presence, frequency = self.device_floats[index].T
         top_k, seeds = self.device_top_k_seed[index].T
-        infos = [self.info[row] for row in rows.tolist()]
-        num_outputs = np.fromiter((info.num_output_tokens for info in infos), np.int64, len(infos))
-        positions, offsets = torch.from_numpy(np.stack([num_outputs, draw_index])).to(device)
-        floats, top_ks = self.floats[rows], self.top_k_seed[rows, 0]
-        batch = SamplingBatch(
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds + offsets,
-            positions=positions, needs_filters=bool(((top_ks < vocab) | (floats[:, 1] < 1) | (floats[:, 2] > 0)).any()),
-            all_greedy=bool((floats[:, 0] == 0).all()))
-        if any(info.wants_logprobs for info in infos):
-            batch.max_num_logprobs = max(info.params.logprobs or 0 for info in infos)
-        if self.uses_penalties[rows].any():
+        positions, offsets = torch.from_numpy(np.stack([plan.positions, plan.draw_index])).to(device)
+        batch = SamplingBatch(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds + offsets,
+                              positions=positions, needs_filters=plan.needs_filters, all_greedy=plan.all_greedy,
+                              max_num_logprobs=plan.max_num_logprobs)
+        if plan.uses_penalties:
             batch.repetition_penalty, batch.presence_penalty, batch.frequency_penalty = repetition, presence, frequency
             batch.prompt_token_mask, batch.output_token_counts = self.prompt_mask[index], self.output_counts[index]
-        batch.banned_token_mask = self._banned_mask(infos, num_outputs)
+        batch.banned_token_mask = self._banned_mask(plan.infos, plan.positions)
         return batch
+
+    def record_draws(self, plan: "SamplingPlan", token_ids: torch.Tensor) -> None:
+        """Device work after sampling: each row's first draw becomes its latest token (the next step's input if
+        the host does not know it yet) and, for rows with penalties, one more output-token count."""
+        device = self.device
+        first = torch.from_numpy(plan.first_draws).to(device)
+        self.last_token[torch.from_numpy(plan.rows[plan.first_draws]).to(device)] = token_ids[first]
+        if len(plan.penalised_draws):
+            draws = torch.from_numpy(plan.penalised_draws).to(device)
+            rows = torch.from_numpy(plan.rows[plan.penalised_draws]).to(device)
+            self.output_counts.index_put_((rows, token_ids[draws]), torch.ones(len(draws), device=device),
+                                          accumulate=True)
 
     def _banned_mask(self, infos: list[RowInfo], num_outputs: np.ndarray) -> torch.Tensor | None:
         """EOS / stop ids of rows short of min_tokens, as a [B, vocab] mask built on the device."""

@@ -7,6 +7,8 @@ reached its final token is projected to logits and sampled.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 
@@ -15,11 +17,24 @@ from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphRunner
 from engine.models.llama import AttentionMetadata
 from engine.models.loader import load_model
-from engine.batch_state import BatchState
+from engine.async_step import DeviceQueue, DeviceResult, StepHandle
+from engine.batch_state import BatchState, RowInfo, SamplingPlan
 from engine.runner_outputs import prompt_logprobs, sampled_tokens
 from engine.sampler import sample
-from engine.step_data import ModelRunnerOutput, StepPlan
+from engine.step_data import ModelRunnerOutput, ScheduledChunk, StepPlan
 from engine.step_inputs import StepInputs, build_step_inputs
+
+
+@dataclass
+class PreparedStep:
+    """A step's host-side preparation: what its device work reads (nothing the host changes afterwards)."""
+
+    plan: StepPlan
+    ordered: list[ScheduledChunk] = field(default_factory=list)  # decodes first
+    infos: list[RowInfo] = field(default_factory=list)  # their rows
+    inputs: StepInputs | None = None
+    sampling: SamplingPlan | None = None
+    last_index: np.ndarray | None = None  # flat token index whose logits each draw samples
 
 
 class ModelRunner:
@@ -32,6 +47,8 @@ class ModelRunner:
                                  model_config.max_position_embeddings)
         self.model = load_model(model_dir, model_config, config.dtype, config.device)
         self.state = BatchState(model_config.vocab_size, self.device, capacity=config.max_num_seqs)
+        self.device_queue = DeviceQueue(self.device)
+        self.num_device_fed_tokens = 0  # input tokens taken from the previous step's draws on the device (async)
         self.num_blocks = config.num_kv_blocks or self._default_num_blocks()
         # Zeroed, not empty: masked-out slots still meet 0 * value in attention, and garbage could be NaN.
         self.kv_caches = self._allocate_caches(self.num_blocks, self.device, pin=False)
@@ -80,30 +97,62 @@ class ModelRunner:
         """Forget requests that left while no step ran."""
         self.state.drop(req_ids)
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> ModelRunnerOutput:
+        """One step, synchronously."""
+        step = self.prepare(plan)
+        return self.finish(step, self.launch(step))
+
+    def prepare(self, plan: StepPlan) -> PreparedStep:
+        """Host side: patch the persistent batch and build the step's inputs (may run while a step is on the
+        device: nothing here reads or writes device tensors)."""
         self.state.apply(plan)
-        self._move_blocks(plan)
         if not plan.chunks:
-            return ModelRunnerOutput()
+            return PreparedStep(plan)
         ordered = sorted(plan.chunks, key=lambda c: c.num_new_tokens > 1)  # decodes first
         rows = np.fromiter((self.state.rows[c.req_id] for c in ordered), dtype=np.int64, count=len(ordered))
         infos = [self.state.info[row] for row in rows.tolist()]
-        hidden = self._forward(build_step_inputs(ordered, infos, self.state.tables(rows), self.block_size))
-        output = ModelRunnerOutput(prompt_logprobs=prompt_logprobs(ordered, infos, hidden, self.model))
-        sampling = [(i, row) for i, (chunk, row) in enumerate(zip(ordered, rows.tolist())) if chunk.needs_sample]
-        if not sampling:
-            return output
+        inputs = build_step_inputs(ordered, infos, rows, self.state.tables(rows), self.block_size)
+        self.num_device_fed_tokens += len(inputs.placeholders)
         ends = np.cumsum([c.num_new_tokens for c in ordered])
-        # A request about to fork into several samples draws them all from its one row of logits.
-        draws = [(ends[i] - 1, row, d) for i, row in sampling for d in range(1 + self.state.info[row].fan_out)]
-        last_index, draw_rows, draw_index = (np.array(column, dtype=np.int64) for column in zip(*draws))
-        logits = self.model.compute_logits(hidden[torch.from_numpy(last_index).to(self.device)])
-        result = sample(logits, self.state.sampling_batch(draw_rows, draw_index))
-        sampled_tokens([self.state.info[row] for row in draw_rows.tolist()], result, output)
-        for _, row in sampling:
-            self.state.info[row].fan_out = 0
+        draws = []
+        for i, (chunk, info) in enumerate(zip(ordered, infos)):
+            if chunk.needs_sample:
+                position = chunk.start_position + chunk.num_new_tokens - info.num_prompt_tokens
+                # A request about to fork into several samples draws them all from its one row of logits.
+                draws += [(ends[i] - 1, rows[i], d, position) for d in range(1 + info.fan_out)]
+                info.fan_out = 0
+        if not draws:
+            return PreparedStep(plan, ordered, infos, inputs)
+        last_index, draw_rows, draw_index, positions = (np.array(c, dtype=np.int64) for c in zip(*draws))
+        return PreparedStep(plan, ordered, infos, inputs, self.state.sampling_plan(draw_rows, draw_index, positions),
+                            last_index)
+
+    def launch(self, step: PreparedStep) -> StepHandle:
+        """Queue the step's device work: it runs after every step launched before it."""
+        return self.device_queue.submit(lambda: self._device_work(step))
+
+    def finish(self, step: PreparedStep, handle: StepHandle) -> ModelRunnerOutput:
+        """Wait for a launched step; its results keyed by request id."""
+        result = handle.result()
+        output = ModelRunnerOutput(prompt_logprobs=result.extra or {})
+        if result.sampled is not None:
+            sampled_tokens(step.sampling.infos, result.sampled, output)
         return output
+
+    def _device_work(self, step: PreparedStep) -> DeviceResult:
+        """Forward + sampler, and the persistent batch's queued device writes before them (device work only)."""
+        self.state.run_device_ops()
+        self._move_blocks(step.plan)
+        if step.inputs is None:
+            return DeviceResult(None)
+        hidden = self._forward(step.inputs)
+        extra = prompt_logprobs(step.ordered, step.infos, hidden, self.model)
+        if step.sampling is None:
+            return DeviceResult(None, extra)
+        logits = self.model.compute_logits(hidden[torch.from_numpy(step.last_index).to(self.device)])
+        result = sample(logits, self.state.sampling_batch(step.sampling))
+        self.state.record_draws(step.sampling, result.token_ids)
+        return DeviceResult(result, extra)
 
     def _move_blocks(self, plan: StepPlan) -> None:
         """Swap-outs first (their device blocks may be rewritten this step), then swap-ins, then CoW copies."""
@@ -117,9 +166,13 @@ class ModelRunner:
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Final hidden states of the step's tokens: from a CUDA graph for a decode-only step, else eagerly."""
+        token_ids = torch.from_numpy(inputs.token_ids).to(self.device)
+        if len(inputs.placeholders):  # tokens the host has not seen yet: the previous step's draws, on the device
+            rows = torch.from_numpy(inputs.placeholder_rows).to(self.device)
+            token_ids[torch.from_numpy(inputs.placeholders).to(self.device)] = self.state.last_token[rows]
         graphs = self.decode_graphs
         if graphs is not None and inputs.is_decode_only and graphs.can_run(*inputs.block_tables.shape):
-            return graphs.run(inputs.token_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables,
+            return graphs.run(token_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables,
                               inputs.context_lens)
         num_decode, tables, context_lens = inputs.num_decode, inputs.block_tables, inputs.context_lens
         prefill_cu_seqlens = np.concatenate(([0], np.cumsum(inputs.lengths[num_decode:]))).astype(np.int32)
@@ -136,7 +189,7 @@ class ModelRunner:
             prefill_cu_seqlens_q=to_device(prefill_cu_seqlens),
             prefill_context_lens=to_device(context_lens[num_decode:]),
         )
-        return self.model(to_device(inputs.token_ids), to_device(inputs.positions), self.kv_caches, meta)
+        return self.model(token_ids, to_device(inputs.positions), self.kv_caches, meta)
 
 def _copy_between(source: list, target: list, pairs: list[tuple[int, int]]) -> None:
     """Copy blocks (source index, target index) between two sets of per-layer caches, possibly across devices."""

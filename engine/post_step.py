@@ -19,12 +19,15 @@ from engine.step_data import ModelRunnerOutput
 def advance_sequences(scheduler: Scheduler, output: SchedulerOutput, sampled: dict[str, list[SampledToken]],
                       max_model_len: int, prompt_logprobs: dict[str, list[dict[int, float]]] | None = None,
                       ) -> list[Request]:
-    """Apply one step's results to the scheduler's requests; returns every sequence that got a new token
-    (finished and newly forked ones included)."""
+    """Apply one step's results to the scheduler's requests (whose computed counts advanced when scheduled);
+    returns every sequence that got a new token (finished and newly forked ones included)."""
     advanced = []
     for item in output.scheduled:
         request = item.request
-        request.num_computed_tokens += item.num_new_tokens
+        if request.is_finished or request.epoch != item.epoch:
+            continue  # finished, aborted or sent back to recompute while the step ran (async): drop its result
+        request.num_in_flight -= 1
+        request.num_placeholders -= item.needs_sample and not request.is_beam
         if prompt_logprobs and request.request_id in prompt_logprobs:
             request.prompt_logprobs.extend(prompt_logprobs[request.request_id])
         draws = sampled.get(request.request_id)

@@ -68,6 +68,10 @@ class Request:
     # What the model runner holds of this request (0 tokens: no row there; it is sent in full next time).
     runner_num_tokens: int = 0
     runner_num_blocks: int = 0
+    # Async scheduling: tokens sampled by steps still in flight (not yet appended), and those steps' count.
+    num_placeholders: int = 0
+    num_in_flight: int = 0
+    epoch: int = 0  # bumped when its computed state is thrown away (recompute): older step results are stale
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -31,6 +31,7 @@ class ScheduledRequest(NamedTuple):
     num_new_tokens: int
     start_position: int  # the request's num_computed_tokens when scheduled
     needs_sample: bool  # this chunk reaches the request's last token, so its logits yield the next token
+    epoch: int  # the request's epoch when scheduled: a result from before a recompute preemption is stale
 
 
 @dataclass
@@ -56,8 +57,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 swap_space: SwapSpace | None = None) -> None:
+                 swap_space: SwapSpace | None = None, max_model_len: int = 2**62) -> None:
         self.block_manager = block_manager
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.swap_space = swap_space  # None: preemption by recompute
@@ -125,9 +127,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new == 0:  # a beam waiting for its siblings' candidates
-                index += 1
+            num_new = min(request.num_tokens + request.num_placeholders - request.num_computed_tokens, budget)
+            if num_new == 0 or self._waits_for_its_token(request):
+                index += 1  # a beam waiting for its siblings' candidates, or see _waits_for_its_token
                 continue
             num_preempted = len(output.preempted)
             if not self._allocate_or_preempt(request, num_new, output):
@@ -154,7 +156,7 @@ class Scheduler:
         """The runner's copy of the step: new requests in full, the ones it holds as diffs since it last saw them."""
         chunks = []
         size = self.block_manager.block_size
-        for request, num_new, start, needs_sample in output.scheduled:
+        for request, num_new, start, needs_sample, _ in output.scheduled:
             table = self.block_manager.block_table(request.request_id)
             if not request.runner_num_tokens:
                 chunks.append(NewRequestData(
@@ -187,6 +189,16 @@ class Scheduler:
         output.blocks_to_copy += copies
         return True
 
+    def _waits_for_its_token(self, request: Request) -> bool:
+        """Whether a request whose last sample is still in flight (async scheduling) must not run again yet: it
+        has reached its length limit by that token (vLLM's guard: no wasted step), or that token fans out into
+        siblings, which must fork from the state before the next position is computed."""
+        if not request.num_placeholders:
+            return False
+        num_tokens = request.num_tokens + request.num_placeholders
+        return (request.fan_out > 0 or num_tokens - request.num_prompt_tokens >= request.sampling_params.max_tokens
+                or num_tokens >= self.max_model_len)
+
     def _pick_victim(self) -> Request:
         """The lowest-priority running request; among equals the most recently admitted."""
         lowest = min(r.priority for r in self.running)
@@ -199,15 +211,25 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         self._forget_in_runner(request)
+        self._forget_in_flight(request)
         self._push_waiting(request)
+
+    @staticmethod
+    def _forget_in_flight(request: Request) -> None:
+        """Results of steps in flight for a request sent back to recompute will be dropped (their epoch is stale)."""
+        request.num_placeholders = request.num_in_flight = 0
+        request.epoch += 1
 
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         already_scheduled = self._unschedule(request, output)
         self.running.remove(request)
         swapped = None
         # Swap only what holds exactly its computed tokens: not a request scheduled this step (its table has
-        # blocks and copy-on-write targets this step was to fill), not a beam (swapping would unshare its blocks).
-        if self.swap_space is not None and not already_scheduled and not request.is_beam:
+        # blocks and copy-on-write targets this step was to fill), not a beam (swapping would unshare its blocks),
+        # not one whose first token, still in flight, fans out (the fork needs its blocks on the device). A step in
+        # flight for it still lands: its blocks are copied out after that step wrote them, its result is applied.
+        if (self.swap_space is not None and not already_scheduled and not request.is_beam
+                and not (request.num_in_flight and request.fan_out)):
             swapped = self.swap_space.swap_out(request.request_id, self.block_manager.block_table(request.request_id))
         self.block_manager.free(request.request_id)
         self._forget_in_runner(request)
@@ -217,6 +239,7 @@ class Scheduler:
         else:  # recompute (also the fallback when the CPU pool is full)
             request.status = RequestStatus.PREEMPTED
             request.num_computed_tokens = 0
+            self._forget_in_flight(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
         output.preempted.append(request)
@@ -227,6 +250,9 @@ class Scheduler:
         for position, item in enumerate(output.scheduled):
             if item.request is request:
                 del output.scheduled[position]
+                request.num_computed_tokens = item.start_position
+                request.num_in_flight -= 1
+                request.num_placeholders -= item.needs_sample and not request.is_beam
                 self.block_manager.uncache_uncomputed(request.request_id, item.start_position)
                 own = set(self.block_manager.block_table(request.request_id))
                 output.blocks_to_copy = [(src, dst) for src, dst in output.blocks_to_copy if dst not in own]
@@ -291,8 +317,17 @@ class Scheduler:
         return True
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        """Record a request's chunk; its computed count advances now (vLLM v1), so the next step can be scheduled
+        while this one runs, and a token this chunk samples counts as a placeholder until its result is in."""
         start = request.num_computed_tokens
+        end = start + num_new
         # Blocks this step fills are cached now, not after the step: a request admitted later in this same
-        # step may then reuse them, since every layer stores the whole batch's K/V before attending.
-        self.block_manager.cache_full_blocks(request.request_id, request.all_token_ids, start + num_new)
-        return ScheduledRequest(request, num_new, start, needs_sample=start + num_new == request.num_tokens)
+        # step may then reuse them, since every layer stores the whole batch's K/V before attending. Only blocks
+        # of known tokens: one holding a placeholder is hashed once its token is in.
+        self.block_manager.cache_full_blocks(request.request_id, request.all_token_ids,
+                                             min(end, request.num_tokens))
+        needs_sample = end == request.num_tokens + request.num_placeholders
+        request.num_computed_tokens = end
+        request.num_in_flight += 1
+        request.num_placeholders += needs_sample and not request.is_beam
+        return ScheduledRequest(request, num_new, start, needs_sample, request.epoch)
