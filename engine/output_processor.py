@@ -75,6 +75,8 @@ class OutputProcessor:
         for request in advanced:
             group = self.groups[request.group_id]
             sequence = group.sequences.get(request.index) or self._track(group, request)
+            if sequence.detokenizer is None:
+                continue  # no tokenizer (token-id prompts only): no text, no stop strings
             stop = self._detokenize(sequence)
             if stop is not None and not request.is_finished:
                 events.append(StopEvent(request, stop))
@@ -82,12 +84,15 @@ class OutputProcessor:
 
     def report(self, advanced: list[Request]) -> list[RequestOutput]:
         """One output per group that advanced, per its output kind (the final one for a finished group)."""
-        touched: dict[str, list[int]] = {}
+        touched: dict[str, tuple[list[int], bool]] = {}
         for request in advanced:
-            touched.setdefault(request.group_id, []).append(request.index)
+            indices, any_finished = touched.get(request.group_id) or ([], False)
+            indices.append(request.index)
+            touched[request.group_id] = indices, any_finished or request.is_finished
         outputs = []
-        for group_id, indices in touched.items():
-            output = self._report(self.groups[group_id], indices)
+        for group_id, (indices, any_finished) in touched.items():
+            # A group can only have finished this step if one of the sequences that advanced did.
+            output = self._report(self.groups[group_id], indices, any_finished)
             if output is not None:
                 outputs.append(output)
         return outputs
@@ -105,8 +110,8 @@ class OutputProcessor:
         sequence.num_detokenized_tokens = request.num_output_tokens
         return stop
 
-    def _report(self, group: RequestGroup, indices: list[int]) -> RequestOutput | None:
-        if group.finished:
+    def _report(self, group: RequestGroup, indices: list[int], maybe_finished: bool) -> RequestOutput | None:
+        if maybe_finished and group.finished:
             return self.final_output(group.request_id)
         kind = group.params.output_kind
         if kind is RequestOutputKind.FINAL_ONLY:

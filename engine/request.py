@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engine.sampling_params import SamplingParams
 
@@ -31,9 +32,10 @@ class RequestStatus(enum.Enum):
                 or self is RequestStatus.FINISHED_ABORTED)
 
 
-@dataclass(frozen=True)
-class SampledToken:
-    """One token drawn for a sequence, with its log-probability and the top alternatives when asked for."""
+class SampledToken(NamedTuple):
+    """One token drawn for a sequence, with its log-probability and the top alternatives when asked for.
+
+    A NamedTuple (immutable, and several times cheaper to build than a frozen dataclass: one per draw per step)."""
 
     token_id: int
     logprob: float | None = None

@@ -16,6 +16,15 @@ def sampled_tokens(draw_rows: list[RowInfo], result: SamplerOutput, output: Mode
     sampled_lps = result.sampled_logprobs.tolist() if result.sampled_logprobs is not None else None
     top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
     top_ids = result.top_token_ids.tolist() if result.top_token_ids is not None else None
+    sampled = output.sampled
+    if sampled_lps is None:  # the common case, kept lean: it runs for every sequence every step
+        for info, token in zip(draw_rows, token_ids):
+            draws = sampled.get(info.req_id)
+            if draws is None:
+                sampled[info.req_id] = [SampledToken(token)]
+            else:
+                draws.append(SampledToken(token))
+        return
     for i, info in enumerate(draw_rows):
         draw = SampledToken(token_ids[i])
         if info.wants_logprobs and sampled_lps is not None:

@@ -10,14 +10,16 @@ immutable snapshot taken at schedule time: the scheduler's own objects move on w
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engine.request import SampledToken
 from engine.sampling_params import SamplingParams
 
 
-@dataclass(frozen=True)
-class NewRequestData:
-    """A request the runner has no row for: everything it needs to run and sample it from now on."""
+class NewRequestData(NamedTuple):
+    """A request the runner has no row for: everything it needs to run and sample it from now on.
+
+    NamedTuples (immutable, like frozen dataclasses, and 3x cheaper to build: one per request per step)."""
 
     req_id: str
     token_ids: tuple[int, ...]  # prompt + outputs so far
@@ -34,8 +36,7 @@ class NewRequestData:
     num_prompt_logprobs_done: int = 0  # prompt log-probability entries the request already has
 
 
-@dataclass(frozen=True)
-class CachedRequestData:
+class CachedRequestData(NamedTuple):
     """A request the runner holds: what changed since it last saw it."""
 
     req_id: str
