@@ -113,17 +113,10 @@ class ModelRunner:
         infos = [self.state.info[row] for row in rows.tolist()]
         inputs = build_step_inputs(ordered, infos, rows, self.state.tables(rows), self.block_size)
         self.num_device_fed_tokens += len(inputs.placeholders)
-        ends = np.cumsum([c.num_new_tokens for c in ordered])
-        draws = []
-        for i, (chunk, info) in enumerate(zip(ordered, infos)):
-            if chunk.needs_sample:
-                position = chunk.start_position + chunk.num_new_tokens - info.num_prompt_tokens
-                # A request about to fork into several samples draws them all from its one row of logits.
-                draws += [(ends[i] - 1, rows[i], d, position) for d in range(1 + info.fan_out)]
-                info.fan_out = 0
-        if not draws:
+        draws = _draws(ordered, infos, rows, inputs.lengths)
+        if draws is None:
             return PreparedStep(plan, ordered, infos, inputs)
-        last_index, draw_rows, draw_index, positions = (np.array(c, dtype=np.int64) for c in zip(*draws))
+        last_index, draw_rows, draw_index, positions = draws
         return PreparedStep(plan, ordered, infos, inputs, self.state.sampling_plan(draw_rows, draw_index, positions),
                             last_index)
 
@@ -190,6 +183,27 @@ class ModelRunner:
             prefill_context_lens=to_device(context_lens[num_decode:]),
         )
         return self.model(token_ids, to_device(inputs.positions), self.kv_caches, meta)
+
+def _draws(ordered: list[ScheduledChunk], infos: list[RowInfo], rows: np.ndarray, lengths: np.ndarray):
+    """(flat token index whose logits are sampled, batch-state row, draw number, output position) per draw, as
+    arrays, or None when nothing samples. A request about to fork into several samples draws them all from its one
+    row of logits (and forks only once: its fan-out is spent here)."""
+    count = len(ordered)
+    needs = np.fromiter((c.needs_sample for c in ordered), dtype=bool, count=count)
+    chunks = np.flatnonzero(needs)
+    if not len(chunks):
+        return None
+    fan_out = np.fromiter((info.fan_out for info in infos), dtype=np.int64, count=count)[chunks]
+    starts = np.fromiter((c.start_position for c in ordered), dtype=np.int64, count=count)
+    num_prompt = np.fromiter((info.num_prompt_tokens for info in infos), dtype=np.int64, count=count)
+    repeats = 1 + fan_out
+    draw_chunk = np.repeat(chunks, repeats)
+    draw_index = np.arange(len(draw_chunk)) - np.repeat(np.cumsum(repeats) - repeats, repeats)
+    for i in chunks[fan_out > 0].tolist():
+        infos[i].fan_out = 0
+    ends = np.cumsum(lengths)
+    return ends[draw_chunk] - 1, rows[draw_chunk], draw_index, (starts + lengths - num_prompt)[draw_chunk]
+
 
 def _copy_between(source: list, target: list, pairs: list[tuple[int, int]]) -> None:
     """Copy blocks (source index, target index) between two sets of per-layer caches, possibly across devices."""

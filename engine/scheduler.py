@@ -155,7 +155,6 @@ class Scheduler:
     def _plan(self, output: SchedulerOutput) -> StepPlan:
         """The runner's copy of the step: new requests in full, the ones it holds as diffs since it last saw them."""
         chunks = []
-        size = self.block_manager.block_size
         for request, num_new, start, needs_sample, _ in output.scheduled:
             table = self.block_manager.block_table(request.request_id)
             if not request.runner_num_tokens:
@@ -164,9 +163,9 @@ class Scheduler:
                     request.sampling_params, request.sampling_seed, request.eos_token_ids, tuple(table), num_new,
                     start, needs_sample, request.fan_out, request.needs_logprobs, len(request.prompt_logprobs)))
             else:
-                # Entries before the block being written at `start` are full and never change for a running
-                # request; the one at `start` may just have been replaced by copy-on-write.
-                first = min(request.runner_num_blocks, start // size)
+                # Only appended entries, or one copy-on-write replaced (runner_num_blocks was lowered then): every
+                # other entry of a running request's table is fixed. Most decode steps send none.
+                first = request.runner_num_blocks
                 chunks.append(CachedRequestData(
                     request.request_id, tuple(request.all_token_ids[request.runner_num_tokens:]), first,
                     tuple(table[first:]), num_new, start, needs_sample))
@@ -186,6 +185,8 @@ class Scheduler:
                 self._preempt(member, output)
             if request.status is not RequestStatus.RUNNING:
                 return False
+        if copies:  # copy-on-write replaced the entry of the block being written: the runner must hear of it
+            request.runner_num_blocks = min(request.runner_num_blocks, start // self.block_manager.block_size)
         output.blocks_to_copy += copies
         return True
 

@@ -63,3 +63,22 @@ def test_plans_alone_rebuild_every_scheduled_request(seed, swap):
             if request.sampling_params.needs_penalties:
                 assert state.prompt_mask[row].nonzero().flatten().tolist() == sorted(set(request.prompt_token_ids))
     assert new > 0 and cached > 5 * new  # most of the traffic went as diffs
+
+
+def test_penalty_state_of_forks_and_resumed_requests_equals_a_lone_run(tiny_llama_dir):
+    """Penalty counts of a fork start from its tokens, of a resumed request from everything it generated: under
+    preemption, each of n samples with all three penalties equals the same seed run alone, unforked, roomy."""
+    from engine import LLM, SamplingParams
+    from tests.conftest import random_tokens
+
+    prompts = [random_tokens(n, seed=n) for n in (30, 41, 25)]
+    params = SamplingParams(n=3, max_tokens=20, temperature=0.8, seed=7, ignore_eos=True, repetition_penalty=1.4,
+                            presence_penalty=0.7, frequency_penalty=0.5)
+    tight = LLM(tiny_llama_dir, num_kv_blocks=14, block_size=8, enable_prefix_caching=False)
+    outputs = tight.generate(prompts, params)
+    assert tight.stats()["num_preemptions"] > 0
+    roomy = LLM(tiny_llama_dir)
+    for prompt, output in zip(prompts, outputs):
+        for index, completion in enumerate(output.outputs):
+            alone = roomy.generate([prompt], dataclasses.replace(params, n=1, best_of=None, seed=7 + index))
+            assert alone[0].outputs[0].token_ids == completion.token_ids
