@@ -37,6 +37,7 @@ class SamplingPlan:
     needs_filters: bool
     all_greedy: bool
     uses_penalties: bool
+    seeds: np.ndarray  # each draw's row seed, a host copy (for stand-ins of the device: the row may be reused)
     max_num_logprobs: int | None = None
 
 
@@ -106,18 +107,22 @@ class BatchState:
 
         self._device_ops.append(grow)
 
-    def run_device_ops(self) -> None:
-        """Apply the queued device writes (called from the step's device work, in order)."""
+    def take_device_ops(self) -> list[Callable[[], None]]:
+        """The device writes queued since the last call (host side: the step being prepared runs them first)."""
         ops, self._device_ops = self._device_ops, []
-        for op in ops:
+        return ops
+
+    def run_device_ops(self) -> None:
+        """Apply the queued device writes now (for callers without a device queue: tests, start-up)."""
+        for op in self.take_device_ops():
             op()
 
     def _set_blocks(self, row: int, first: int, block_ids: tuple[int, ...]) -> None:
         end = first + len(block_ids)
         if end > self.block_table.shape[1]:
             width = max(end, 2 * self.block_table.shape[1])
-            self.block_table = np.hstack([self.block_table, np.zeros((len(self.info), width - self.block_table.shape[1]),
-                                                                     np.int32)])
+            extra = np.zeros((len(self.info), width - self.block_table.shape[1]), np.int32)
+            self.block_table = np.hstack([self.block_table, extra])
         self.block_table[row, first:end] = block_ids
         self.num_blocks[row] = end
 
@@ -199,7 +204,7 @@ class BatchState:
                             needs_filters=bool(((top_ks < self.vocab_size) | (floats[:, 1] < 1)
                                                 | (floats[:, 2] > 0)).any()),
                             all_greedy=bool((floats[:, 0] == 0).all()),
-                            uses_penalties=bool(self.uses_penalties[rows].any()))
+                            uses_penalties=bool(self.uses_penalties[rows].any()), seeds=self.top_k_seed[rows, 1])
         if any(info.wants_logprobs for info in infos):
             plan.max_num_logprobs = max(info.params.logprobs or 0 for info in infos)
         return plan

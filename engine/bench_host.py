@@ -72,12 +72,13 @@ def stand_in_device(runner, simulated_s: float, timeline: DeviceTimeline):
         from engine.sampler import SamplerOutput
 
         start = time.perf_counter()
-        state.run_device_ops()
+        for op in step.device_ops:
+            op()
         sampled = None
         if step.sampling is not None:
             plan = step.sampling
-            seeds = state.top_k_seed[plan.rows, 1]
-            tokens = torch.from_numpy((seeds + plan.positions * 7919 + plan.draw_index) % (state.vocab_size - 10) + 10)
+            draws = plan.seeds + plan.positions * 7919 + plan.draw_index
+            tokens = torch.from_numpy(draws % (state.vocab_size - 10) + 10)
             state.record_draws(plan, tokens)
             sampled = SamplerOutput(tokens, None, None, None)
         time.sleep(max(0.0, simulated_s - (time.perf_counter() - start)))

@@ -8,6 +8,7 @@ reached its final token is projected to logits and sampled.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -30,6 +31,7 @@ class PreparedStep:
     """A step's host-side preparation: what its device work reads (nothing the host changes afterwards)."""
 
     plan: StepPlan
+    device_ops: list[Callable[[], None]]  # the persistent batch's device writes, run before the forward
     ordered: list[ScheduledChunk] = field(default_factory=list)  # decodes first
     infos: list[RowInfo] = field(default_factory=list)  # their rows
     inputs: StepInputs | None = None
@@ -106,8 +108,10 @@ class ModelRunner:
         """Host side: patch the persistent batch and build the step's inputs (may run while a step is on the
         device: nothing here reads or writes device tensors)."""
         self.state.apply(plan)
+        # Taken here, on the host, and run by this step's device work: the device thread never touches the queue.
+        device_ops = self.state.take_device_ops()
         if not plan.chunks:
-            return PreparedStep(plan)
+            return PreparedStep(plan, device_ops)
         ordered = sorted(plan.chunks, key=lambda c: c.num_new_tokens > 1)  # decodes first
         rows = np.fromiter((self.state.rows[c.req_id] for c in ordered), dtype=np.int64, count=len(ordered))
         infos = [self.state.info[row] for row in rows.tolist()]
@@ -115,10 +119,10 @@ class ModelRunner:
         self.num_device_fed_tokens += len(inputs.placeholders)
         draws = _draws(ordered, infos, rows, inputs.lengths)
         if draws is None:
-            return PreparedStep(plan, ordered, infos, inputs)
+            return PreparedStep(plan, device_ops, ordered, infos, inputs)
         last_index, draw_rows, draw_index, positions = draws
-        return PreparedStep(plan, ordered, infos, inputs, self.state.sampling_plan(draw_rows, draw_index, positions),
-                            last_index)
+        return PreparedStep(plan, device_ops, ordered, infos, inputs,
+                            self.state.sampling_plan(draw_rows, draw_index, positions), last_index)
 
     def launch(self, step: PreparedStep) -> StepHandle:
         """Queue the step's device work: it runs after every step launched before it."""
@@ -134,7 +138,8 @@ class ModelRunner:
 
     def _device_work(self, step: PreparedStep) -> DeviceResult:
         """Forward + sampler, and the persistent batch's queued device writes before them (device work only)."""
-        self.state.run_device_ops()
+        for op in step.device_ops:
+            op()
         self._move_blocks(step.plan)
         if step.inputs is None:
             return DeviceResult(None)
