@@ -127,8 +127,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens + request.num_placeholders - request.num_computed_tokens, budget)
-            if num_new == 0 or self._waits_for_its_token(request):
+            placeholders = request.num_placeholders
+            num_new = min(len(request.all_token_ids) + placeholders - request.num_computed_tokens, budget)
+            if num_new == 0 or (placeholders and self._waits_for_its_token(request)):
                 index += 1  # a beam waiting for its siblings' candidates, or see _waits_for_its_token
                 continue
             num_preempted = len(output.preempted)
@@ -322,13 +323,14 @@ class Scheduler:
         while this one runs, and a token this chunk samples counts as a placeholder until its result is in."""
         start = request.num_computed_tokens
         end = start + num_new
+        num_tokens = len(request.all_token_ids)
         # Blocks this step fills are cached now, not after the step: a request admitted later in this same
         # step may then reuse them, since every layer stores the whole batch's K/V before attending. Only blocks
         # of known tokens: one holding a placeholder is hashed once its token is in.
-        self.block_manager.cache_full_blocks(request.request_id, request.all_token_ids,
-                                             min(end, request.num_tokens))
-        needs_sample = end == request.num_tokens + request.num_placeholders
+        self.block_manager.cache_full_blocks(request.request_id, request.all_token_ids, min(end, num_tokens))
+        needs_sample = end == num_tokens + request.num_placeholders
         request.num_computed_tokens = end
         request.num_in_flight += 1
-        request.num_placeholders += needs_sample and not request.is_beam
+        if needs_sample and not request.is_beam:
+            request.num_placeholders += 1
         return ScheduledRequest(request, num_new, start, needs_sample, request.epoch)
