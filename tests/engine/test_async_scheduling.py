@@ -75,7 +75,7 @@ def _assert_same(a, b) -> None:
 @pytest.mark.parametrize("engine_kwargs", [
     dict(num_kv_blocks=24, max_num_batched_tokens=16),
     dict(num_kv_blocks=24, max_num_batched_tokens=16, preemption_mode="swap", swap_space_gib=0.001),
-    dict(num_kv_blocks=34, max_num_batched_tokens=24, enable_prefix_caching=False, max_num_seqs=5),
+    dict(num_kv_blocks=34, max_num_batched_tokens=24, enable_prefix_caching=False, max_num_seqs=8),
 ], ids=["recompute", "swap", "no-prefix-cache"])
 def test_async_equals_sync_on_random_mixed_traffic_under_pressure(tiny_llama_dir, engine_kwargs):
     """n / best_of, beams, seeds, greedy, penalties, top-k/p, min_tokens, stop ids and strings, logprobs, prompt
