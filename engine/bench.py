@@ -183,12 +183,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="schedule step t+1 while step t runs (default: on)")
 
 
 def engine_kwargs_from(args: argparse.Namespace) -> dict:
     return dict(device=args.device, dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                 gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager)
+                max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
+                async_scheduling=args.async_scheduling)
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -26,6 +26,11 @@ def build_parser() -> argparse.ArgumentParser:
     throughput = benches.add_parser("throughput", help="engine vs transformers generate, output tokens/s")
     bench.add_arguments(throughput)
     throughput.set_defaults(func=bench.main)
+    host = benches.add_parser("host", help="host time the device waits through per decode step, async vs sync")
+    from engine import bench_host
+
+    bench_host.add_arguments(host)
+    host.set_defaults(func=bench_host.main)
     kernels_bench = benches.add_parser("kernels", help="Triton kernels: bandwidth and TFLOP/s (CUDA)")
     kernels_bench.set_defaults(func=_bench_kernels)
 

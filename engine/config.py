@@ -11,6 +11,7 @@ import torch
 from engine.models import registry
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+DEFAULT_ASYNC_SCHEDULING = True  # the tests switch it with PAGEDQ_TEST_SCHEDULING (tests/conftest.py)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16}
 
@@ -34,8 +35,15 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # or "swap": preempted blocks go to a (pinned) CPU pool and back
     swap_space_gib: float = 4.0  # size of that CPU pool
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (engine/cuda_graphs.py)
+    # Schedule and prepare step t+1 while step t runs on the device (engine/async_step.py); outputs are identical
+    # either way. None: DEFAULT_ASYNC_SCHEDULING.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.async_scheduling is None:
+            self.async_scheduling = DEFAULT_ASYNC_SCHEDULING
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

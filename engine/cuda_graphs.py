@@ -113,8 +113,10 @@ class DecodeGraphRunner:
     def _fill(self, token_ids, positions, slot_mapping, block_tables, context_lens, batch: int, width: int) -> None:
         n, w = block_tables.shape
 
-        def put(buffer: torch.Tensor, values: np.ndarray, pad: int) -> None:
-            buffer[:n].copy_(torch.from_numpy(values), non_blocking=True)
+        def put(buffer: torch.Tensor, values: np.ndarray | torch.Tensor, pad: int) -> None:
+            # token ids may already be on the device (async scheduling fills in the previous step's draws there)
+            values = values if isinstance(values, torch.Tensor) else torch.from_numpy(values)
+            buffer[:n].copy_(values, non_blocking=True)
             buffer[n:batch].fill_(pad)
 
         put(self.input_ids, token_ids, 0)

@@ -1,6 +1,7 @@
 """The step-level engine: requests in, one forward pass per step, incremental outputs out.
 
-    step():  schedule -> run the model -> update requests -> detokenize, stop, report
+    step():  schedule -> prepare inputs -> launch on the device -> finish the oldest step in flight
+             -> tokens, fan-outs, beams, token stops -> detokenize, stop strings -> report
 
 This is the API the Redis worker drives; `LLM` wraps it for offline batches.
 """
@@ -9,19 +10,26 @@ from __future__ import annotations
 
 import random
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 from engine.beam_search import BeamSearchManager, BeamSearchParams
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
-from engine.model_runner import ModelRunner
+from engine.async_step import StepHandle
+from engine.model_runner import ModelRunner, PreparedStep
 from engine.output_processor import OutputProcessor
+from engine.post_step import PostStep
 from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.step_data import ModelRunnerOutput
 from engine.swap import SwapSpace
+
+
+InFlightStep = tuple[SchedulerOutput, PreparedStep, StepHandle]
 
 
 class LLMEngine:
@@ -42,15 +50,19 @@ class LLMEngine:
                                           self.config.enable_prefix_caching)
         swap = SwapSpace(self.model_runner.num_host_blocks) if self.config.preemption_mode == "swap" else None
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   swap)
+                                   swap, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer)
+        self.post_step = PostStep(self.scheduler, self.beam_search, self.max_model_len)
         self._seed_source = random.Random(self.config.seed)
         self.num_steps = 0
         self._utilization_sum = 0.0
         self.num_prefilled_tokens = 0
         self.peak_used_blocks = 0
         self.step_seconds = StepTimes()
+        # Steps launched and not yet finished: (scheduler's record, runner's preparation, device handle).
+        self._in_flight: deque[InFlightStep] = deque()
+        self._pipeline_depth = 2 if self.config.async_scheduling else 1
 
     # ---- admission -----------------------------------------------------------------------------
     def add_request(
@@ -143,44 +155,75 @@ class LLMEngine:
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model, update the sequences, report what changed."""
+        """Schedule and launch a step, then finish the oldest step in flight and report what changed.
+
+        With async scheduling two steps are in flight: the one launched here runs on the device while the previous
+        one's tokens are appended, stop-checked and detokenized (one step late, as vLLM and SGLang do: a token
+        drawn past a stop is dropped, never reported). Without it, the step launched is the one finished.
+        """
         clock = self.step_seconds
         started = time.perf_counter()
+        launched = self._schedule_and_launch()
+        if launched is not None:
+            self._in_flight.append(launched)
+        if not self._in_flight or (launched is not None and len(self._in_flight) < self._pipeline_depth):
+            return []  # nothing to finish yet: the pipeline is filling (or the scheduler had nothing to run)
+        prepared = time.perf_counter()
+        scheduler_output, step, handle = self._in_flight.popleft()
+        try:
+            runner_output = self.model_runner.finish(step, handle)
+        except BaseException:
+            self._recover_from_failed_steps(scheduler_output)
+            raise
+        executed = time.perf_counter()
+        outputs = self._process(scheduler_output, runner_output)
+        clock.add(prepared - started, executed - prepared, time.perf_counter() - executed)
+        return outputs
+
+    def _schedule_and_launch(self) -> InFlightStep | None:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            if self.scheduler.has_unfinished() and not scheduler_output.preempted:
+            self.model_runner.drop_requests(scheduler_output.plan.finished_req_ids)
+            if self.scheduler.has_unfinished() and not scheduler_output.preempted and not self._in_flight:
                 # Nothing changed, so the next schedule would be as empty: looping on it would spin forever.
                 raise RuntimeError(f"the scheduler cannot advance any of {self.num_running_requests} running and "
                                    f"{self.num_waiting_requests} waiting requests (an engine bug)")
-            return []
-        scheduled = time.perf_counter()
-        try:
-            runner_output = self.model_runner.execute(scheduler_output)
-        except BaseException:
-            self._recover_from_failed_step(scheduler_output)
-            raise
-        executed = time.perf_counter()
+            return None
         self._record_step(scheduler_output)
-        advanced = self.scheduler.update_from_output(scheduler_output, runner_output.sampled, self.max_model_len,
-                                                     runner_output.prompt_logprobs)
-        outputs = self.output_processor.process(
-            advanced, lambda request: self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED))
-        outputs += self.beam_search.step()
-        clock.add(scheduled - started, executed - scheduled, time.perf_counter() - executed)
-        return outputs
+        step = self.model_runner.prepare(scheduler_output.plan)
+        return scheduler_output, step, self.model_runner.launch(step)
 
-    def _recover_from_failed_step(self, scheduler_output) -> None:
-        """Leave the engine consistent after a forward pass raised: nothing it was to write can be trusted.
+    def _process(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+        """Tokens, fan-outs, token stops and beam selection; then stop strings; then the outputs."""
+        advanced, beam_outputs = self.post_step.run(scheduler_output, runner_output)
+        for request, stop in self.output_processor.find_stop_strings(advanced):
+            request.stop_reason = stop
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        return self.output_processor.report(advanced) + beam_outputs
+
+    def _recover_from_failed_steps(self, failed: SchedulerOutput) -> None:
+        """Leave the engine consistent after a step raised: nothing it (or a step launched after it) was to write
+        can be trusted.
 
         Blocks were registered in the prefix cache when scheduled, and a request admitted in the same step may
         have taken them as computed: unregister them all, then send every scheduled request back to be
         recomputed from scratch (callers decide whether to retry or abort them).
         """
-        for item in scheduler_output.scheduled:
-            self.block_manager.uncache_uncomputed(item.request.request_id, item.start_position)
-        for item in scheduler_output.scheduled:
-            if item.request.status is RequestStatus.RUNNING:
-                self.scheduler.requeue_for_recompute(item.request)
+        outputs = [failed]
+        while self._in_flight:
+            later, step, handle = self._in_flight.popleft()
+            try:
+                handle.result()
+            except BaseException:  # it ran on the same broken state: recovered below like the first
+                pass
+            outputs.append(later)
+        for scheduler_output in outputs:
+            for item in scheduler_output.scheduled:
+                self.block_manager.uncache_uncomputed(item.request.request_id, item.start_position)
+        for scheduler_output in outputs:
+            for item in scheduler_output.scheduled:
+                if item.request.status is RequestStatus.RUNNING:
+                    self.scheduler.requeue_for_recompute(item.request)
 
     def reset_step_stats(self) -> None:
         """Zero the per-step averages (benchmarks call this after their warm-up)."""
@@ -235,6 +278,7 @@ class LLMEngine:
             "mean_kv_slot_utilization": self._utilization_sum / self.num_steps if self.num_steps else 1.0,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
+            "num_device_fed_tokens": self.model_runner.num_device_fed_tokens,
             "num_graph_steps": graphs.num_runs if (graphs := self.model_runner.decode_graphs) else 0,
             "peak_used_blocks": self.peak_used_blocks,
             "num_prefilled_tokens": self.num_prefilled_tokens,

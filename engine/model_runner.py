@@ -7,8 +7,8 @@ reached its final token is projected to logits and sampled.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -17,33 +17,25 @@ from engine.config import EngineConfig, ModelConfig
 from engine.cuda_graphs import DecodeGraphRunner
 from engine.layers import AttentionMetadata
 from engine.models.loader import load_model
-from engine.sampler import SamplingBatch, sample
-from engine.request import Request, SampledToken
-from engine.scheduler import ScheduledRequest, SchedulerOutput
+from engine.async_step import DeviceQueue, DeviceResult, StepHandle
+from engine.batch_state import BatchState, RowInfo, SamplingPlan
+from engine.runner_outputs import prompt_logprobs, sampled_tokens
+from engine.sampler import sample
+from engine.step_data import ModelRunnerOutput, ScheduledChunk, StepPlan
+from engine.step_inputs import StepInputs, build_step_inputs
 
 
 @dataclass
-class StepInputs:
-    """One step's flattened batch on the host, decode tokens first (numpy: built without per-token Python)."""
+class PreparedStep:
+    """A step's host-side preparation: what its device work reads (nothing the host changes afterwards)."""
 
-    token_ids: np.ndarray  # [T] int64
-    positions: np.ndarray  # [T] int64
-    slot_mapping: np.ndarray  # [T] int64: cache slot each token's K/V goes to
-    block_tables: np.ndarray  # [S, M] int32, right-padded
-    context_lens: np.ndarray  # [S] int32: tokens each sequence attends to, this step's included
-    lengths: np.ndarray  # [S] int64: tokens each sequence brings this step
-    num_decode: int  # sequences with a single token (the first num_decode rows)
-
-    @property
-    def is_decode_only(self) -> bool:
-        return self.num_decode == len(self.lengths)
-
-
-@dataclass
-class ModelRunnerOutput:
-    sampled: dict[str, list[SampledToken]] = field(default_factory=dict)  # several draws for a fan-out
-    # the prompt log-probability entries this step computed, in prompt order, per request that asked
-    prompt_logprobs: list[tuple[Request, list[dict[int, float]]]] = field(default_factory=list)
+    plan: StepPlan
+    device_ops: list[Callable[[], None]]  # the persistent batch's device writes, run before the forward
+    ordered: list[ScheduledChunk] = field(default_factory=list)  # decodes first
+    infos: list[RowInfo] = field(default_factory=list)  # their rows
+    inputs: StepInputs | None = None
+    sampling: SamplingPlan | None = None
+    last_index: np.ndarray | None = None  # flat token index whose logits each draw samples
 
 
 class ModelRunner:
@@ -56,6 +48,9 @@ class ModelRunner:
                                  model_config.max_position_embeddings)
         self.model = load_model(model_dir, model_config, config.dtype, config.device)
         self.kernels = self.model.kernels  # bound once, when the model was built
+        self.state = BatchState(model_config.vocab_size, self.device, capacity=config.max_num_seqs)
+        self.device_queue = DeviceQueue(self.device)
+        self.num_device_fed_tokens = 0  # input tokens taken from the previous step's draws on the device (async)
         self.num_blocks = config.num_kv_blocks or self._default_num_blocks()
         # Zeroed, not empty: masked-out slots still meet 0 * value in attention, and garbage could be NaN.
         self.kv_caches = self._allocate_caches(self.num_blocks, self.device, pin=False)
@@ -100,99 +95,82 @@ class ModelRunner:
         return max(1, min(wanted, budget))
 
     # ---- one step ------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self._move_blocks(scheduler_output)
-        if not scheduler_output.scheduled:
-            return ModelRunnerOutput()
-        ordered = sorted(scheduler_output.scheduled, key=lambda s: s.num_new_tokens > 1)  # decodes first
-        hidden = self._forward(self._host_inputs(ordered))
-        prompt_logprobs = self._prompt_logprobs(ordered, hidden)
-        to_sample = [s for s in ordered if s.needs_sample]
-        if not to_sample:
-            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
-        ends = _cumulative([s.num_new_tokens for s in ordered])
-        last_index = [end - 1 for end, s in zip(ends, ordered) if s.needs_sample]
-        # A request about to fork into several samples draws them all from its one row of logits.
-        rows = [(s.request, i) for s in to_sample for i in range(1 + s.request.fan_out)]
-        repeats = torch.tensor([1 + s.request.fan_out for s in to_sample])
-        last_rows = torch.repeat_interleave(torch.tensor(last_index), repeats)
-        logits = self.model.compute_logits(hidden[last_rows.to(self.device)])
-        result = sample(logits, self._sampling_batch(rows, logits.shape[-1]), self.kernels)
-        output = self._to_output(rows, result)
-        output.prompt_logprobs = prompt_logprobs
+    def drop_requests(self, req_ids) -> None:
+        """Forget requests that left while no step ran."""
+        self.state.drop(req_ids)
+
+    def execute(self, plan: StepPlan) -> ModelRunnerOutput:
+        """One step, synchronously."""
+        step = self.prepare(plan)
+        return self.finish(step, self.launch(step))
+
+    def prepare(self, plan: StepPlan) -> PreparedStep:
+        """Host side: patch the persistent batch and build the step's inputs (may run while a step is on the
+        device: nothing here reads or writes device tensors)."""
+        self.state.apply(plan)
+        # Taken here, on the host, and run by this step's device work: the device thread never touches the queue.
+        device_ops = self.state.take_device_ops()
+        if not plan.chunks:
+            return PreparedStep(plan, device_ops)
+        ordered = sorted(plan.chunks, key=lambda c: c.num_new_tokens > 1)  # decodes first
+        rows = np.fromiter((self.state.rows[c.req_id] for c in ordered), dtype=np.int64, count=len(ordered))
+        infos = [self.state.info[row] for row in rows.tolist()]
+        inputs = build_step_inputs(ordered, infos, rows, self.state.tables(rows), self.block_size)
+        self.num_device_fed_tokens += len(inputs.placeholders)
+        draws = _draws(ordered, infos, rows, inputs.lengths)
+        if draws is None:
+            return PreparedStep(plan, device_ops, ordered, infos, inputs)
+        last_index, draw_rows, draw_index, positions = draws
+        return PreparedStep(plan, device_ops, ordered, infos, inputs,
+                            self.state.sampling_plan(draw_rows, draw_index, positions), last_index)
+
+    def launch(self, step: PreparedStep) -> StepHandle:
+        """Queue the step's device work: it runs after every step launched before it."""
+        return self.device_queue.submit(lambda: self._device_work(step))
+
+    def finish(self, step: PreparedStep, handle: StepHandle) -> ModelRunnerOutput:
+        """Wait for a launched step; its results keyed by request id."""
+        result = handle.result()
+        output = ModelRunnerOutput(prompt_logprobs=result.extra or {})
+        if result.sampled is not None:
+            sampled_tokens(step.sampling.infos, result.sampled, output)
         return output
 
-    def _prompt_logprobs(self, ordered: list[ScheduledRequest], hidden: torch.Tensor) -> list:
-        """Entries j = p + 1 of the prompt log-probabilities, from the logits at each prompt position p this step
-        computed that a request still lacks: log_softmax, the prompt's own token and the top-k alternatives."""
-        wanted, rows, offset = [], [], 0
-        for item in ordered:
-            request = item.request
-            if request.needs_prompt_logprobs:
-                first = max(item.start_position, len(request.prompt_logprobs) - 1)
-                last = min(item.start_position + item.num_new_tokens, request.num_prompt_tokens - 1)
-                if first < last:
-                    wanted.append((request, first, last))
-                    rows.extend(range(offset + first - item.start_position, offset + last - item.start_position))
-            offset += item.num_new_tokens
-        if not wanted:
-            return []
-        logprobs = torch.log_softmax(self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]), dim=-1)
-        targets = [t for request, first, last in wanted for t in request.prompt_token_ids[first + 1:last + 1]]
-        target_lps = logprobs.gather(-1, torch.tensor(targets, device=self.device)[:, None])[:, 0].tolist()
-        k = max(request.sampling_params.prompt_logprobs for request, _, _ in wanted)
-        if k:
-            top_lps, top_ids = (t.tolist() for t in logprobs.topk(k, dim=-1))
-        else:
-            top_lps = top_ids = [[]] * len(rows)
-        entries, row = [], 0
-        for request, first, last in wanted:
-            count, k_request = last - first, request.sampling_params.prompt_logprobs
-            per_token = []
-            for i in range(row, row + count):
-                entry = dict(zip(top_ids[i][:k_request], top_lps[i][:k_request]))
-                entry[targets[i]] = target_lps[i]
-                per_token.append(entry)
-            entries.append((request, per_token))
-            row += count
-        return entries
+    def _device_work(self, step: PreparedStep) -> DeviceResult:
+        """Forward + sampler, and the persistent batch's queued device writes before them (device work only)."""
+        for op in step.device_ops:
+            op()
+        self._move_blocks(step.plan)
+        if step.inputs is None:
+            return DeviceResult(None)
+        hidden = self._forward(step.inputs)
+        extra = prompt_logprobs(step.ordered, step.infos, hidden, self.model)
+        if step.sampling is None:
+            return DeviceResult(None, extra)
+        logits = self.model.compute_logits(hidden[torch.from_numpy(step.last_index).to(self.device)])
+        result = sample(logits, self.state.sampling_batch(step.sampling), self.kernels)
+        self.state.record_draws(step.sampling, result.token_ids)
+        return DeviceResult(result, extra)
 
-    def _move_blocks(self, scheduler_output: SchedulerOutput) -> None:
+    def _move_blocks(self, plan: StepPlan) -> None:
         """Swap-outs first (their device blocks may be rewritten this step), then swap-ins, then CoW copies."""
-        if scheduler_output.blocks_to_swap_out:
-            _copy_between(self.kv_caches, self.host_caches, scheduler_output.blocks_to_swap_out)
-        if scheduler_output.blocks_to_swap_in:
-            _copy_between(self.host_caches, self.kv_caches, scheduler_output.blocks_to_swap_in)
-        if scheduler_output.blocks_to_copy:
-            mapping = torch.tensor(scheduler_output.blocks_to_copy, dtype=torch.long, device=self.device)
+        if plan.blocks_to_swap_out:
+            _copy_between(self.kv_caches, self.host_caches, plan.blocks_to_swap_out)
+        if plan.blocks_to_swap_in:
+            _copy_between(self.host_caches, self.kv_caches, plan.blocks_to_swap_in)
+        if plan.blocks_to_copy:
+            mapping = torch.tensor(plan.blocks_to_copy, dtype=torch.long, device=self.device)
             self.kernels.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
-
-    def _host_inputs(self, ordered: list[ScheduledRequest]) -> StepInputs:
-        # numpy, not Python lists or torch.tensor(nested lists): this runs every step on the host while the GPU
-        # waits, and at 256 sequences with ~100-block tables the list version cost several milliseconds.
-        lengths = np.fromiter((s.num_new_tokens for s in ordered), dtype=np.int64, count=len(ordered))
-        starts = np.fromiter((s.start_position for s in ordered), dtype=np.int64, count=len(ordered))
-        token_ids = np.fromiter(
-            itertools.chain.from_iterable(s.request.all_token_ids[s.start_position:s.start_position + s.num_new_tokens]
-                                          for s in ordered),
-            dtype=np.int64, count=int(lengths.sum()))
-        rows = np.repeat(np.arange(len(ordered)), lengths)
-        chunk_offsets = np.arange(len(token_ids)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        positions = starts[rows] + chunk_offsets
-        block_tables = _pad_tables([s.block_table for s in ordered])
-        pages = block_tables[rows, positions // self.block_size].astype(np.int64)
-        return StepInputs(
-            token_ids=token_ids, positions=positions,
-            slot_mapping=pages * self.block_size + positions % self.block_size,
-            block_tables=block_tables, context_lens=(starts + lengths).astype(np.int32), lengths=lengths,
-            num_decode=int(np.count_nonzero(lengths == 1)))
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Final hidden states of the step's tokens: from a CUDA graph for a decode-only step, else eagerly."""
+        token_ids = torch.from_numpy(inputs.token_ids).to(self.device)
+        if len(inputs.placeholders):  # tokens the host has not seen yet: the previous step's draws, on the device
+            rows = torch.from_numpy(inputs.placeholder_rows).to(self.device)
+            token_ids[torch.from_numpy(inputs.placeholders).to(self.device)] = self.state.last_token[rows]
         graphs = self.decode_graphs
         if graphs is not None and inputs.is_decode_only and graphs.can_run(*inputs.block_tables.shape):
-            return graphs.run(inputs.token_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables,
+            return graphs.run(token_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables,
                               inputs.context_lens)
         num_decode, tables, context_lens = inputs.num_decode, inputs.block_tables, inputs.context_lens
         prefill_cu_seqlens = np.concatenate(([0], np.cumsum(inputs.lengths[num_decode:]))).astype(np.int32)
@@ -209,66 +187,27 @@ class ModelRunner:
             prefill_cu_seqlens_q=to_device(prefill_cu_seqlens),
             prefill_context_lens=to_device(context_lens[num_decode:]),
         )
-        return self.model(to_device(inputs.token_ids), to_device(inputs.positions), self.kv_caches, meta)
+        return self.model(token_ids, to_device(inputs.positions), self.kv_caches, meta)
 
-    def _sampling_batch(self, rows: list[tuple[Request, int]], vocab_size: int) -> SamplingBatch:
-        requests = [request for request, _ in rows]
-        params = [r.sampling_params for r in requests]
-        # Two host arrays, two copies to the device (not one per column); rows of [columns, B] stay contiguous.
-        floats = np.array([(p.temperature, p.top_p, p.min_p) for p in params], dtype=np.float32).reshape(-1, 3)
-        ints = np.array([(p.top_k if p.top_k > 0 else vocab_size, r.sampling_seed + i, r.num_output_tokens)
-                         for (r, i), p in zip(rows, params)], dtype=np.int64).reshape(-1, 3)
-        temperature, top_p, min_p = torch.from_numpy(np.ascontiguousarray(floats.T)).to(self.device)
-        top_k, seeds, positions = torch.from_numpy(np.ascontiguousarray(ints.T)).to(self.device)
-        batch = SamplingBatch(
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds, positions=positions,
-            needs_filters=bool(((ints[:, 0] < vocab_size) | (floats[:, 1] < 1) | (floats[:, 2] > 0)).any()),
-            all_greedy=bool((floats[:, 0] == 0).all()),
-        )
-        if any(r.needs_logprobs for r in requests):
-            batch.max_num_logprobs = max(p.logprobs or 0 for p in params)
-        if any(p.needs_penalties for p in params):
-            self._add_penalties(batch, requests, vocab_size)
-        banned = [(i, r) for i, r in enumerate(requests) if r.num_output_tokens < r.sampling_params.min_tokens]
-        if banned:
-            mask = torch.zeros(len(requests), vocab_size, dtype=torch.bool)
-            for row, request in banned:
-                ids = [t for t in (*request.eos_token_ids, *request.sampling_params.stop_token_ids) if t < vocab_size]
-                mask[row, ids] = True
-            batch.banned_token_mask = mask.to(self.device)
-        return batch
-
-    def _add_penalties(self, batch: SamplingBatch, requests, vocab_size: int) -> None:
-        params = [r.sampling_params for r in requests]
-        prompt_mask = torch.zeros(len(requests), vocab_size, dtype=torch.bool)
-        counts = torch.zeros(len(requests), vocab_size, dtype=torch.float32)
-        for row, request in enumerate(requests):
-            prompt_mask[row, request.prompt_token_ids] = True
-            outputs = torch.tensor(request.output_token_ids, dtype=torch.long)
-            counts[row].index_add_(0, outputs, torch.ones(len(outputs)))
-        dev = self.device
-        batch.prompt_token_mask = prompt_mask.to(dev)
-        batch.output_token_counts = counts.to(dev)
-        batch.repetition_penalty = torch.tensor([p.repetition_penalty for p in params], device=dev)
-        batch.presence_penalty = torch.tensor([p.presence_penalty for p in params], device=dev)
-        batch.frequency_penalty = torch.tensor([p.frequency_penalty for p in params], device=dev)
-
-    @staticmethod
-    def _to_output(rows: list[tuple[Request, int]], result) -> ModelRunnerOutput:
-        out = ModelRunnerOutput()
-        token_ids = result.token_ids.tolist()  # the step's one device->host sync
-        sampled_lps = result.sampled_logprobs.tolist() if result.sampled_logprobs is not None else None
-        top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
-        top_ids = result.top_token_ids.tolist() if result.top_token_ids is not None else None
-        for row, (request, _) in enumerate(rows):
-            draw = SampledToken(token_ids[row])
-            if request.needs_logprobs and sampled_lps is not None:
-                k = request.sampling_params.logprobs or 0
-                top = dict(zip(top_ids[row][:k], top_lps[row][:k]))
-                top.setdefault(token_ids[row], sampled_lps[row])
-                draw = SampledToken(token_ids[row], sampled_lps[row], top)
-            out.sampled.setdefault(request.request_id, []).append(draw)
-        return out
+def _draws(ordered: list[ScheduledChunk], infos: list[RowInfo], rows: np.ndarray, lengths: np.ndarray):
+    """(flat token index whose logits are sampled, batch-state row, draw number, output position) per draw, as
+    arrays, or None when nothing samples. A request about to fork into several samples draws them all from its one
+    row of logits (and forks only once: its fan-out is spent here)."""
+    count = len(ordered)
+    needs = np.fromiter((c.needs_sample for c in ordered), dtype=bool, count=count)
+    chunks = np.flatnonzero(needs)
+    if not len(chunks):
+        return None
+    fan_out = np.fromiter((info.fan_out for info in infos), dtype=np.int64, count=count)[chunks]
+    starts = np.fromiter((c.start_position for c in ordered), dtype=np.int64, count=count)
+    num_prompt = np.fromiter((info.num_prompt_tokens for info in infos), dtype=np.int64, count=count)
+    repeats = 1 + fan_out
+    draw_chunk = np.repeat(chunks, repeats)
+    draw_index = np.arange(len(draw_chunk)) - np.repeat(np.cumsum(repeats) - repeats, repeats)
+    for i in chunks[fan_out > 0].tolist():
+        infos[i].fan_out = 0
+    ends = np.cumsum(lengths)
+    return ends[draw_chunk] - 1, rows[draw_chunk], draw_index, (starts + lengths - num_prompt)[draw_chunk]
 
 
 def _copy_between(source: list, target: list, pairs: list[tuple[int, int]]) -> None:
@@ -280,21 +219,3 @@ def _copy_between(source: list, target: list, pairs: list[tuple[int, int]]) -> N
             blocks = src_cache[src.to(src_cache.device)]
             # Only host->device may be asynchronous: a device->host copy must land before the host write reads it.
             dst_cache[dst.to(dst_cache.device)] = blocks.to(dst_cache.device, non_blocking=dst_cache.is_cuda)
-
-
-def _cumulative(lengths: list[int]) -> list[int]:
-    total, out = 0, []
-    for n in lengths:
-        total += n
-        out.append(total)
-    return out
-
-
-def _pad_tables(tables: list[list[int]]) -> np.ndarray:
-    """[len(tables), longest] int32 block tables, right-padded with block 0 (never read: context_lens bound it)."""
-    lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-    width = max(int(lengths.max(initial=0)), 1)
-    values = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lengths.sum()))
-    padded = np.zeros((len(tables), width), dtype=np.int32)
-    padded[np.arange(width)[None, :] < lengths[:, None]] = values
-    return padded

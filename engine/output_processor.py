@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request
 from engine.sampling_params import RequestOutputKind, SamplingParams
+
+
+class StopEvent(NamedTuple):
+    """A running sequence whose text reached one of its stop strings."""
+
+    request: Request
+    stop: str
 
 
 @dataclass
@@ -61,20 +69,31 @@ class OutputProcessor:
         group.sequences[request.index] = sequence
         return sequence
 
-    def process(self, advanced: list[Request], finish) -> list[RequestOutput]:
-        """Detokenize each advanced sequence's new token; `finish(request)` ends one that hit a stop string."""
-        touched: dict[str, list[int]] = {}
+    def find_stop_strings(self, advanced: list[Request]) -> list[StopEvent]:
+        """Detokenize each advanced sequence's new tokens; the running ones whose text now ends in a stop string
+        (the caller finishes them, then calls `report`)."""
+        events = []
         for request in advanced:
             group = self.groups[request.group_id]
             sequence = group.sequences.get(request.index) or self._track(group, request)
+            if sequence.detokenizer is None:
+                continue  # no tokenizer (token-id prompts only): no text, no stop strings
             stop = self._detokenize(sequence)
             if stop is not None and not request.is_finished:
-                request.stop_reason = stop
-                finish(request)
-            touched.setdefault(group.request_id, []).append(request.index)
+                events.append(StopEvent(request, stop))
+        return events
+
+    def report(self, advanced: list[Request]) -> list[RequestOutput]:
+        """One output per group that advanced, per its output kind (the final one for a finished group)."""
+        touched: dict[str, tuple[list[int], bool]] = {}
+        for request in advanced:
+            indices, any_finished = touched.get(request.group_id) or ([], False)
+            indices.append(request.index)
+            touched[request.group_id] = indices, any_finished or request.is_finished
         outputs = []
-        for group_id, indices in touched.items():
-            output = self._report(self.groups[group_id], indices)
+        for group_id, (indices, any_finished) in touched.items():
+            # A group can only have finished this step if one of the sequences that advanced did.
+            output = self._report(self.groups[group_id], indices, any_finished)
             if output is not None:
                 outputs.append(output)
         return outputs
@@ -92,8 +111,8 @@ class OutputProcessor:
         sequence.num_detokenized_tokens = request.num_output_tokens
         return stop
 
-    def _report(self, group: RequestGroup, indices: list[int]) -> RequestOutput | None:
-        if group.finished:
+    def _report(self, group: RequestGroup, indices: list[int], maybe_finished: bool) -> RequestOutput | None:
+        if maybe_finished and group.finished:
             return self.final_output(group.request_id)
         kind = group.params.output_kind
         if kind is RequestOutputKind.FINAL_ONLY:

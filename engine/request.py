@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engine.sampling_params import SamplingParams
 
@@ -31,9 +32,10 @@ class RequestStatus(enum.Enum):
                 or self is RequestStatus.FINISHED_ABORTED)
 
 
-@dataclass(frozen=True)
-class SampledToken:
-    """One token drawn for a sequence, with its log-probability and the top alternatives when asked for."""
+class SampledToken(NamedTuple):
+    """One token drawn for a sequence, with its log-probability and the top alternatives when asked for.
+
+    A NamedTuple (immutable, and several times cheaper to build than a frozen dataclass: one per draw per step)."""
 
     token_id: int
     logprob: float | None = None
@@ -65,6 +67,13 @@ class Request:
     fan_out: int = 0  # extra samples to fork from this sequence when its first token is drawn
     is_beam: bool = False  # beam sequences report candidates instead of appending a token
     beam_candidates: dict[int, float] | None = None  # token -> logprob, set by the step, taken by selection
+    # What the model runner holds of this request (0 tokens: no row there; it is sent in full next time).
+    runner_num_tokens: int = 0
+    runner_num_blocks: int = 0
+    # Async scheduling: tokens sampled by steps still in flight (not yet appended), and those steps' count.
+    num_placeholders: int = 0
+    num_in_flight: int = 0
+    epoch: int = 0  # bumped when its computed state is thrown away (recompute): older step results are stale
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from engine.block_manager import BlockManager
-from engine.request import Request, RequestStatus, SampledToken
+from engine.request import Request, RequestStatus
+from engine.step_data import CachedRequestData, NewRequestData, StepPlan
 from engine.swap import SwapSpace
 
 
 class ScheduledRequest(NamedTuple):
-    """One sequence's share of a step, fixed when scheduled (the request itself moves on afterwards).
+    """One sequence's share of a step, the scheduler's own record of it (the runner gets `SchedulerOutput.plan`).
 
     A NamedTuple rather than a frozen dataclass: one is built per sequence per step, and it is 3x cheaper.
     """
@@ -30,17 +31,21 @@ class ScheduledRequest(NamedTuple):
     request: Request
     num_new_tokens: int
     start_position: int  # the request's num_computed_tokens when scheduled
-    block_table: list[int]
     needs_sample: bool  # this chunk reaches the request's last token, so its logits yield the next token
+    epoch: int  # the request's epoch when scheduled: a result from before a recompute preemption is stale
 
 
 @dataclass
 class SchedulerOutput:
+    """The scheduler's record of a step (live requests, for what happens after it) and `plan`, its data-only
+    copy for the model runner."""
+
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    plan: StepPlan = field(default_factory=StepPlan)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -53,8 +58,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 swap_space: SwapSpace | None = None) -> None:
+                 swap_space: SwapSpace | None = None, max_model_len: int = 2**62) -> None:
         self.block_manager = block_manager
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.swap_space = swap_space  # None: preemption by recompute
@@ -65,6 +71,7 @@ class Scheduler:
         self._push_counter = itertools.count()
         self._admission_counter = itertools.count()
         self.num_preemptions = 0
+        self._left_runner: list[str] = []  # ids whose runner rows must go (named in the next plan)
 
     # ---- queue bookkeeping -------------------------------------------------------------------
     @property
@@ -101,6 +108,12 @@ class Scheduler:
             self.swap_space.discard(request.request_id)
         request.status = status
         self.block_manager.free(request.request_id)
+        self._forget_in_runner(request)
+
+    def _forget_in_runner(self, request: Request) -> None:
+        if request.runner_num_tokens:
+            self._left_runner.append(request.request_id)
+            request.runner_num_tokens = request.runner_num_blocks = 0
 
     def fork(self, parent: Request, child: Request) -> None:
         """Run `child` (a fork of running `parent`) from now on, sharing the parent's blocks."""
@@ -115,9 +128,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new == 0:  # a beam waiting for its siblings' candidates
-                index += 1
+            placeholders = request.num_placeholders
+            num_new = min(len(request.all_token_ids) + placeholders - request.num_computed_tokens, budget)
+            if num_new == 0 or (placeholders and self._waits_for_its_token(request)):
+                index += 1  # a beam waiting for its siblings' candidates, or see _waits_for_its_token
                 continue
             num_preempted = len(output.preempted)
             if not self._allocate_or_preempt(request, num_new, output):
@@ -132,7 +146,34 @@ class Scheduler:
             index += 1
         if not output.preempted:
             self._admit_waiting(budget, output)
+        output.plan = self._plan(output)
         return output
+
+    def take_departures(self) -> tuple[str, ...]:
+        """Ids of requests the runner holds that have left since the last plan (for a step that runs nothing)."""
+        departed, self._left_runner = tuple(self._left_runner), []
+        return departed
+
+    def _plan(self, output: SchedulerOutput) -> StepPlan:
+        """The runner's copy of the step: new requests in full, the ones it holds as diffs since it last saw them."""
+        chunks = []
+        for request, num_new, start, needs_sample, _ in output.scheduled:
+            table = self.block_manager.block_table(request.request_id)
+            if not request.runner_num_tokens:
+                chunks.append(NewRequestData(
+                    request.request_id, tuple(request.all_token_ids), request.num_prompt_tokens,
+                    request.sampling_params, request.sampling_seed, request.eos_token_ids, tuple(table), num_new,
+                    start, needs_sample, request.fan_out, request.needs_logprobs, len(request.prompt_logprobs)))
+            else:
+                # Only appended entries, or one copy-on-write replaced (runner_num_blocks was lowered then): every
+                # other entry of a running request's table is fixed. Most decode steps send none.
+                first = request.runner_num_blocks
+                chunks.append(CachedRequestData(
+                    request.request_id, tuple(request.all_token_ids[request.runner_num_tokens:]), first,
+                    tuple(table[first:]), num_new, start, needs_sample))
+            request.runner_num_tokens, request.runner_num_blocks = request.num_tokens, len(table)
+        return StepPlan(tuple(chunks), self.take_departures(), tuple(output.blocks_to_copy),
+                        tuple(output.blocks_to_swap_out), tuple(output.blocks_to_swap_in))
 
     def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
         """Make room for `num_new` more tokens of a running request, preempting others if needed."""
@@ -146,8 +187,20 @@ class Scheduler:
                 self._preempt(member, output)
             if request.status is not RequestStatus.RUNNING:
                 return False
+        if copies:  # copy-on-write replaced the entry of the block being written: the runner must hear of it
+            request.runner_num_blocks = min(request.runner_num_blocks, start // self.block_manager.block_size)
         output.blocks_to_copy += copies
         return True
+
+    def _waits_for_its_token(self, request: Request) -> bool:
+        """Whether a request whose last sample is still in flight (async scheduling) must not run again yet: it
+        has reached its length limit by that token (vLLM's guard: no wasted step), or that token fans out into
+        siblings, which must fork from the state before the next position is computed."""
+        if not request.num_placeholders:
+            return False
+        num_tokens = request.num_tokens + request.num_placeholders
+        return (request.fan_out > 0 or num_tokens - request.num_prompt_tokens >= request.sampling_params.max_tokens
+                or num_tokens >= self.max_model_len)
 
     def _pick_victim(self) -> Request:
         """The lowest-priority running request; among equals the most recently admitted."""
@@ -160,23 +213,36 @@ class Scheduler:
         self.block_manager.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        self._forget_in_runner(request)
+        self._forget_in_flight(request)
         self._push_waiting(request)
+
+    @staticmethod
+    def _forget_in_flight(request: Request) -> None:
+        """Results of steps in flight for a request sent back to recompute will be dropped (their epoch is stale)."""
+        request.num_placeholders = request.num_in_flight = 0
+        request.epoch += 1
 
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         already_scheduled = self._unschedule(request, output)
         self.running.remove(request)
         swapped = None
         # Swap only what holds exactly its computed tokens: not a request scheduled this step (its table has
-        # blocks and copy-on-write targets this step was to fill), not a beam (swapping would unshare its blocks).
-        if self.swap_space is not None and not already_scheduled and not request.is_beam:
+        # blocks and copy-on-write targets this step was to fill), not a beam (swapping would unshare its blocks),
+        # not one whose first token, still in flight, fans out (the fork needs its blocks on the device). A step in
+        # flight for it still lands: its blocks are copied out after that step wrote them, its result is applied.
+        if (self.swap_space is not None and not already_scheduled and not request.is_beam
+                and not (request.num_in_flight and request.fan_out)):
             swapped = self.swap_space.swap_out(request.request_id, self.block_manager.block_table(request.request_id))
         self.block_manager.free(request.request_id)
+        self._forget_in_runner(request)
         if swapped is not None:
             output.blocks_to_swap_out += swapped
             request.status = RequestStatus.SWAPPED
         else:  # recompute (also the fallback when the CPU pool is full)
             request.status = RequestStatus.PREEMPTED
             request.num_computed_tokens = 0
+            self._forget_in_flight(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
         output.preempted.append(request)
@@ -187,8 +253,11 @@ class Scheduler:
         for position, item in enumerate(output.scheduled):
             if item.request is request:
                 del output.scheduled[position]
+                request.num_computed_tokens = item.start_position
+                request.num_in_flight -= 1
+                request.num_placeholders -= item.needs_sample and not request.is_beam
                 self.block_manager.uncache_uncomputed(request.request_id, item.start_position)
-                own = set(item.block_table)
+                own = set(self.block_manager.block_table(request.request_id))
                 output.blocks_to_copy = [(src, dst) for src, dst in output.blocks_to_copy if dst not in own]
                 return True
         return False
@@ -257,53 +326,18 @@ class Scheduler:
         return True
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        """Record a request's chunk; its computed count advances now (vLLM v1), so the next step can be scheduled
+        while this one runs, and a token this chunk samples counts as a placeholder until its result is in."""
         start = request.num_computed_tokens
+        end = start + num_new
+        num_tokens = len(request.all_token_ids)
         # Blocks this step fills are cached now, not after the step: a request admitted later in this same
-        # step may then reuse them, since every layer stores the whole batch's K/V before attending.
-        self.block_manager.cache_full_blocks(request.request_id, request.all_token_ids, start + num_new)
-        return ScheduledRequest(request, num_new, start, self.block_manager.block_table(request.request_id),
-                                needs_sample=start + num_new == request.num_tokens)
-
-    # ---- after the forward pass -----------------------------------------------------------------
-    def update_from_output(
-        self, output: SchedulerOutput, sampled: dict[str, list[SampledToken]], max_model_len: int,
-        prompt_logprobs: list[tuple[Request, list[dict[int, float]]]] = (),
-    ) -> list[Request]:
-        """Advance computed counts, append sampled tokens (forking fan-outs), finish token-level stops.
-
-        Returns every sequence that got a new token this step (finished and newly forked ones included).
-        """
-        for request, entries in prompt_logprobs:
-            request.prompt_logprobs.extend(entries)
-        advanced = []
-        for item in output.scheduled:
-            request = item.request
-            request.num_computed_tokens += item.num_new_tokens
-            draws = sampled.get(request.request_id)
-            if not draws:
-                continue  # a prefill chunk that did not reach the end of the prompt
-            if request.is_beam:
-                request.beam_candidates = draws[0].top_logprobs
-                continue
-            if len(draws) == 1:
-                request.append_output_token(draws[0])
-                advanced.append(request)
-                continue
-            for sequence, draw in zip(self._fan_out(request, len(draws)), draws):
-                sequence.append_output_token(draw)
-                advanced.append(sequence)
-        for sequence in advanced:
-            stop = sequence.check_token_stop(max_model_len)
-            if stop is not None:
-                self.finish_request(sequence, stop)
-        return advanced
-
-    def _fan_out(self, request: Request, num_draws: int) -> list[Request]:
-        """The request plus the siblings forked from it when its first token brings several draws."""
-        sequences = [request]
-        for index in range(1, num_draws):
-            child = request.fork(f"{request.group_id}#{index}", index, request.sampling_seed + index)
-            self.fork(request, child)
-            sequences.append(child)
-        request.fan_out = 0
-        return sequences
+        # step may then reuse them, since every layer stores the whole batch's K/V before attending. Only blocks
+        # of known tokens: one holding a placeholder is hashed once its token is in.
+        self.block_manager.cache_full_blocks(request.request_id, request.all_token_ids, min(end, num_tokens))
+        needs_sample = end == num_tokens + request.num_placeholders
+        request.num_computed_tokens = end
+        request.num_in_flight += 1
+        if needs_sample and not request.is_beam:
+            request.num_placeholders += 1
+        return ScheduledRequest(request, num_new, start, needs_sample, request.epoch)

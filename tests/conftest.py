@@ -14,6 +14,15 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 VOCAB_SIZE = 512
 
+# PAGEDQ_TEST_SCHEDULING=sync|async (default async, the engine's default) runs every engine built in the tests that
+# way, so the whole suite can run both ways (CI does, for tests/engine).
+_SCHEDULING = os.environ.get("PAGEDQ_TEST_SCHEDULING", "async")
+if _SCHEDULING not in ("async", "sync"):
+    raise ValueError(f"PAGEDQ_TEST_SCHEDULING must be 'async' or 'sync', got {_SCHEDULING!r}")
+import engine.config  # noqa: E402
+
+engine.config.DEFAULT_ASYNC_SCHEDULING = _SCHEDULING == "async"
+
 
 def random_tokens(n: int, seed: int) -> list[int]:
     """A seeded prompt of token ids the tiny checkpoints accept (ids below 3 are the special tokens)."""

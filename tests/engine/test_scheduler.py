@@ -9,6 +9,7 @@ import pytest
 from engine.block_manager import BlockManager
 from engine.request import Request, RequestStatus, SampledToken
 from engine.sampling_params import SamplingParams
+from engine.post_step import advance_sequences
 from engine.scheduler import Scheduler
 from engine.swap import SwapSpace
 
@@ -28,7 +29,7 @@ def run_step(scheduler: Scheduler, token: int = 7):
     output = scheduler.schedule()
     sampled = {s.request.request_id: [SampledToken(token)] for s in output.scheduled if s.needs_sample}
     finished_before = {r.request_id for r in scheduler.running}
-    scheduler.update_from_output(output, sampled, max_model_len=10_000)
+    advance_sequences(scheduler, output, sampled, max_model_len=10_000)
     return output, finished_before
 
 
@@ -179,7 +180,7 @@ def test_a_victim_scheduled_earlier_in_the_step_leaves_the_step(swap):
     assert output.num_batched_tokens == 1 and output.blocks_to_copy == []
     assert low.status is RequestStatus.PREEMPTED and low.num_computed_tokens == 0  # never swapped: recomputed
     assert output.blocks_to_swap_out == []
-    scheduler.update_from_output(output, {"high": [SampledToken(7)]}, max_model_len=10_000)
+    advance_sequences(scheduler, output, {"high": [SampledToken(7)]}, max_model_len=10_000)
     assert low.num_output_tokens == 2 and high.num_output_tokens == 2  # low got nothing from this step
     _check_block_invariants(manager)
 
@@ -216,17 +217,14 @@ def _check_step(manager: BlockManager, output) -> None:
     for item in output.scheduled:
         assert item.request.status is RequestStatus.RUNNING, f"{item.request.request_id} scheduled but preempted"
         end = manager.blocks_for_tokens(item.start_position + item.num_new_tokens)
-        assert item.block_table is manager.block_table(item.request.request_id)
-        assert all(manager.ref_count(b) > 0 for b in item.block_table[:end])
+        assert all(manager.ref_count(b) > 0 for b in manager.block_table(item.request.request_id)[:end])
     targets = [dst for _, dst in output.blocks_to_copy]
     assert all(manager.ref_count(b) > 0 for b in targets), "a copy-on-write target was freed"
 
 
-@pytest.mark.parametrize("swap", [False, True], ids=["recompute", "swap"])
-@pytest.mark.parametrize("seed", range(6))
-def test_random_traffic_keeps_the_pool_consistent(seed, swap):
-    """Random arrivals, shared prefixes, forks, aborts and preemptions: after every step the reference counts
-    match the tables exactly, and when everything is done every block is free again."""
+def random_traffic(seed: int, swap: bool, penalties: bool = False):
+    """Random arrivals, shared prefixes, forks, aborts and preemptions, driven by a fake runner; yields
+    (scheduler, output) after each schedule and (scheduler, None) after each step of the final drain."""
     import random
 
     rng = random.Random(seed)
@@ -238,9 +236,13 @@ def test_random_traffic_keeps_the_pool_consistent(seed, swap):
     for step in range(200):
         if rng.random() < 0.3 and step < 150:
             prompt = rng.choice(prefixes) + [rng.randrange(1, 50) for _ in range(rng.randint(1, 8))]
-            params = SamplingParams(max_tokens=rng.randint(1, 20), ignore_eos=True,
-                                    n=rng.choice([1, 1, 2, 3]))
-            request = Request(f"r{step}", prompt, params, fan_out=params.best_of - 1, priority=rng.randint(-1, 1))
+            max_tokens = rng.randint(1, 20)
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, n=rng.choice([1, 1, 2, 3]),
+                                    repetition_penalty=rng.choice([1.0, 1.3]) if penalties else 1.0,
+                                    min_tokens=min(max_tokens, rng.choice([0, 2])) if penalties else 0,
+                                    stop_token_ids=[3])
+            request = Request(f"r{step}", prompt, params, fan_out=params.best_of - 1, priority=rng.randint(-1, 1),
+                              eos_token_ids=(2,))
             scheduler.add_request(request)
             live.append(request)
         if live and rng.random() < 0.05:
@@ -248,16 +250,28 @@ def test_random_traffic_keeps_the_pool_consistent(seed, swap):
             if not victim.is_finished:
                 scheduler.finish_request(victim, RequestStatus.FINISHED_ABORTED)
         output = scheduler.schedule()
-        _check_step(manager, output)
-        sampled = {s.request.request_id: [SampledToken(rng.randrange(1, 50))
+        yield scheduler, output
+        sampled = {s.request.request_id: [SampledToken(rng.randrange(4, 50))
                                           for _ in range(1 + s.request.fan_out)]
                    for s in output.scheduled if s.needs_sample}
-        advanced = scheduler.update_from_output(output, sampled, max_model_len=10_000)
+        advanced = advance_sequences(scheduler, output, sampled, max_model_len=10_000)
         live += [r for r in advanced if r not in live]
-        _check_block_invariants(manager)
     while scheduler.has_unfinished():
         run_step(scheduler)
+        yield scheduler, None
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["recompute", "swap"])
+@pytest.mark.parametrize("seed", range(6))
+def test_random_traffic_keeps_the_pool_consistent(seed, swap):
+    """After every step the reference counts match the tables exactly, and when everything is done every block
+    is free again."""
+    for scheduler, output in random_traffic(seed, swap):
+        manager = scheduler.block_manager
+        if output is not None:
+            _check_step(manager, output)
         _check_block_invariants(manager)
+    swap_space = scheduler.swap_space
     assert manager.num_free_blocks == manager.num_total_blocks
     assert scheduler.num_preemptions > 0
     if swap:

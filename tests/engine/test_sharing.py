@@ -179,17 +179,18 @@ def test_a_failed_step_leaves_no_unwritten_block_in_the_prefix_cache(tiny_llama_
     expected = LLM(tiny_llama_dir, enable_prefix_caching=False).generate([prompt], params)[0].outputs[0].token_ids
     engine = LLMEngine(tiny_llama_dir, num_kv_blocks=32, block_size=16)
     runner = engine.model_runner
-    real_execute = runner.execute
+    real_device_work = runner._device_work
 
-    def failing_execute(scheduler_output):
+    def failing_device_work(step):
         raise RuntimeError("device error")
 
-    monkeypatch.setattr(runner, "execute", failing_execute)
+    monkeypatch.setattr(runner, "_device_work", failing_device_work)
     engine.add_request("doomed", prompt, params)
     with pytest.raises(RuntimeError, match="device error"):
-        engine.step()  # scheduled (and cached) 4 full blocks that were never written
+        for _ in range(engine._pipeline_depth):  # async: the error surfaces when the step is finished, a call later
+            engine.step()  # scheduled (and cached) 4 full blocks that were never written
     assert engine.num_free_blocks == 32 and engine.num_waiting_requests == 1  # back to be recomputed
-    monkeypatch.setattr(runner, "execute", real_execute)
+    monkeypatch.setattr(runner, "_device_work", real_device_work)
     engine.add_request("again", prompt, params)
     finals = {}
     while engine.has_unfinished_requests():

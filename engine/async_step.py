@@ -1,0 +1,86 @@
+"""The device side of a step, run asynchronously: a queue that orders device work, and a handle on its result.
+
+On CUDA, torch already queues kernels on a stream, so work is launched inline from the engine thread and only the
+result is waited for: the sampled ids (and logprobs) are copied into pinned host memory with non_blocking copies,
+an event is recorded after them, and `StepHandle.result()` waits on that event (vLLM v1's
+AsyncGPUModelRunnerOutput). On CPU, torch ops run on the calling thread, so a dedicated thread plays the stream:
+device work is submitted to it in order and runs while the engine thread schedules and prepares the next step
+(torch releases the GIL inside its ops). Either way the queue is FIFO, which is what makes it safe for the host to
+free, reuse and re-fill blocks and rows of a step still running: everything the next step does on the device runs
+after it.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from engine.sampler import SamplerOutput
+
+
+@dataclass
+class DeviceResult:
+    """What a step's device work hands back: the sampler's tensors and whatever the host side needs with them."""
+
+    sampled: SamplerOutput | None
+    extra: object = None  # e.g. prompt log-probabilities, already on the host
+
+
+class DeviceQueue:
+    """FIFO device work. `busy_seconds` sums the time device work took (on CPU: the thread's run time)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedq-device") \
+            if device.type == "cpu" else None
+
+    def submit(self, work: Callable[[], DeviceResult]) -> "StepHandle":
+        if self._thread is None:
+            return StepHandle.from_cuda(_in_inference_mode(work), self.device)
+        return StepHandle(self._thread.submit(_in_inference_mode, work))
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+
+
+def _in_inference_mode(work: Callable[[], DeviceResult]) -> DeviceResult:
+    with torch.inference_mode():  # thread-local: the device thread enters it itself
+        return work()
+
+
+class StepHandle:
+    """A step launched on the device; `result()` waits for it and returns host copies of its tensors."""
+
+    def __init__(self, future: Future | None = None) -> None:
+        self._future = future
+        self._event = None
+        self._host: DeviceResult | None = None
+
+    @classmethod
+    def from_cuda(cls, result: DeviceResult, device: torch.device) -> "StepHandle":
+        handle = cls()
+        sampled = result.sampled
+        if sampled is not None:
+            sampled = SamplerOutput(*(None if t is None else t.to("cpu", non_blocking=True) for t in
+                                      (sampled.token_ids, sampled.sampled_logprobs, sampled.top_logprobs,
+                                       sampled.top_token_ids)))
+        handle._host = DeviceResult(sampled, result.extra)
+        handle._event = torch.cuda.Event(blocking=True)  # a blocking event: the wait sleeps, not spins
+        handle._event.record(torch.cuda.current_stream(device))
+        return handle
+
+    def done(self) -> bool:
+        if self._future is not None:
+            return self._future.done()
+        return self._event.query()
+
+    def result(self) -> DeviceResult:
+        """Wait for the step (re-raising what its device work raised)."""
+        if self._future is not None:
+            return self._future.result()
+        self._event.synchronize()
+        return self._host

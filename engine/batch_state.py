@@ -1,0 +1,255 @@
+"""The model runner's persistent batch: one row per request it holds, kept across steps, changed only by diffs.
+
+A row is filled when a request arrives in full (`NewRequestData`), patched by each step's diff (appended tokens,
+block-table entries from the first that changed) and freed when the scheduler names the request as gone. What
+sampling reads lives in per-row tensors on the device, written once per admission: temperature / top-p / min-p,
+top-k and seed, the penalties, and, once any request uses penalties, a prompt-token mask and output-token counts
+of [rows, vocab] that only a scatter of each step's new tokens updates (vLLM's model runner V2 keeps
+`prompt_bin_mask` and `output_bin_counts` the same way). So a step gathers its rows on the device and builds
+nothing of size [batch, vocab] on the host. Host numpy mirrors of the columns answer the per-step questions
+(any filters? all greedy?) without a device sync. The block table is a host numpy array patched by the diffs,
+as vLLM v1's CPU block table; each step copies its rows' slice to the device once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from engine.sampler import SamplingBatch
+from engine.sampling_params import SamplingParams
+from engine.step_data import CachedRequestData, NewRequestData, StepPlan
+
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+@dataclass
+class SamplingPlan:
+    rows: np.ndarray
+    draw_index: np.ndarray
+    positions: np.ndarray
+    infos: list["RowInfo"]
+    first_draws: np.ndarray  # indices of each row's first draw (the one the request itself keeps)
+    penalised_draws: np.ndarray  # those of rows with penalties: their counts get the drawn token
+    needs_filters: bool
+    all_greedy: bool
+    uses_penalties: bool
+    seeds: np.ndarray  # each draw's row seed, a host copy (for stand-ins of the device: the row may be reused)
+    max_num_logprobs: int | None = None
+
+
+@dataclass
+class RowInfo:
+    """Per-row facts read as Python objects (token lists for inputs; the rest for logprobs and min_tokens)."""
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    fan_out: int
+    wants_logprobs: bool
+    banned_ids: np.ndarray  # EOS and stop ids, masked until min_tokens outputs exist
+    num_prompt_logprobs_done: int
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and self.num_prompt_logprobs_done < self.num_prompt_tokens
+
+
+class BatchState:
+    def __init__(self, vocab_size: int, device: torch.device, capacity: int = 8) -> None:
+        self.vocab_size, self.device = vocab_size, device
+        self.rows: dict[str, int] = {}
+        self.info: list[RowInfo | None] = []
+        self._free: list[int] = []
+        self.block_table = np.zeros((0, 1), dtype=np.int32)
+        self.num_blocks = np.zeros(0, dtype=np.int64)
+        self.floats = np.zeros((0, len(_FLOATS)), dtype=np.float32)  # host mirror of the device columns
+        self.top_k_seed = np.zeros((0, 2), dtype=np.int64)
+        self.uses_penalties = np.zeros(0, dtype=bool)
+        self.device_floats = torch.zeros(0, len(_FLOATS), device=device)
+        self.device_top_k_seed = torch.zeros(0, 2, dtype=torch.long, device=device)
+        self.last_token = torch.zeros(0, dtype=torch.long, device=device)  # each row's latest draw, on the device
+        self.prompt_mask: torch.Tensor | None = None  # [rows, vocab] bool, allocated with the first penalty
+        self.output_counts: torch.Tensor | None = None  # [rows, vocab] fp32
+        # Writes to the device tensors above, queued by the host and run first in the next step's device work:
+        # a step still running reads them, so they are ordered after it like any other device work.
+        self._device_ops: list[Callable[[], None]] = []
+        self._grow(capacity)
+        self.run_device_ops()
+
+    # ---- rows --------------------------------------------------------------------------------------
+    def _grow(self, capacity: int) -> None:
+        old = len(self.info)
+        extra = capacity - old
+        self.info += [None] * extra
+        self._free += range(capacity - 1, old - 1, -1)
+        self.block_table = np.vstack([self.block_table, np.zeros((extra, self.block_table.shape[1]), np.int32)])
+        self.num_blocks = np.concatenate([self.num_blocks, np.zeros(extra, np.int64)])
+        self.floats = np.vstack([self.floats, np.zeros((extra, len(_FLOATS)), np.float32)])
+        self.top_k_seed = np.vstack([self.top_k_seed, np.zeros((extra, 2), np.int64)])
+        self.uses_penalties = np.concatenate([self.uses_penalties, np.zeros(extra, bool)])
+
+        def grow() -> None:
+            self.device_floats = _grown(self.device_floats, capacity)
+            self.device_top_k_seed = _grown(self.device_top_k_seed, capacity)
+            self.last_token = _grown(self.last_token, capacity)
+            if self.prompt_mask is not None:
+                self.prompt_mask = _grown(self.prompt_mask, capacity)
+                self.output_counts = _grown(self.output_counts, capacity)
+
+        self._device_ops.append(grow)
+
+    def take_device_ops(self) -> list[Callable[[], None]]:
+        """The device writes queued since the last call (host side: the step being prepared runs them first)."""
+        ops, self._device_ops = self._device_ops, []
+        return ops
+
+    def run_device_ops(self) -> None:
+        """Apply the queued device writes now (for callers without a device queue: tests, start-up)."""
+        for op in self.take_device_ops():
+            op()
+
+    def _set_blocks(self, row: int, first: int, block_ids: tuple[int, ...]) -> None:
+        end = first + len(block_ids)
+        if end > self.block_table.shape[1]:
+            width = max(end, 2 * self.block_table.shape[1])
+            extra = np.zeros((len(self.info), width - self.block_table.shape[1]), np.int32)
+            self.block_table = np.hstack([self.block_table, extra])
+        self.block_table[row, first:end] = block_ids
+        self.num_blocks[row] = end
+
+    def drop(self, req_ids) -> None:
+        for req_id in req_ids:
+            row = self.rows.pop(req_id, None)
+            if row is not None:
+                self.info[row] = None
+                self.uses_penalties[row] = False
+                self._free.append(row)
+
+    def apply(self, plan: StepPlan) -> None:
+        """Drop the rows of requests that left, add the new requests, patch the held ones."""
+        self.drop(plan.finished_req_ids)
+        for chunk in plan.chunks:
+            if isinstance(chunk, NewRequestData):
+                self._add(chunk)
+            else:
+                self._patch(chunk)
+
+    def _add(self, new: NewRequestData) -> None:
+        self.drop((new.req_id,))  # a stale row (its departure named in a plan that never ran)
+        if not self._free:
+            self._grow(2 * len(self.info))
+        row = self._free.pop()
+        self.rows[new.req_id] = row
+        params = new.sampling_params
+        banned = np.array([t for t in (*new.eos_token_ids, *params.stop_token_ids) if t < self.vocab_size], np.int64)
+        self.info[row] = RowInfo(new.req_id, list(new.token_ids), new.num_prompt_tokens, params, new.fan_out,
+                                 new.wants_logprobs, banned, new.num_prompt_logprobs_done)
+        self._set_blocks(row, 0, new.block_ids)
+        self.block_table[row, len(new.block_ids):] = 0  # not read (context lengths bound it), but deterministic
+        self.floats[row] = [getattr(params, name) for name in _FLOATS]
+        self.top_k_seed[row] = (params.top_k if params.top_k > 0 else self.vocab_size, new.sampling_seed)
+        floats, top_k_seed = torch.from_numpy(self.floats[row].copy()), torch.from_numpy(self.top_k_seed[row].copy())
+        self.uses_penalties[row] = params.needs_penalties
+
+        def write_row() -> None:
+            self.device_floats[row] = floats.to(self.device)
+            self.device_top_k_seed[row] = top_k_seed.to(self.device)
+            if params.needs_penalties:
+                self._init_penalty_row(row, new)
+
+        self._device_ops.append(write_row)
+
+    def _init_penalty_row(self, row: int, new: NewRequestData) -> None:
+        """The row's prompt mask and output counts from its tokens (device work; a resumed request has outputs)."""
+        if self.prompt_mask is None:
+            rows = len(self.info)
+            self.prompt_mask = torch.zeros(rows, self.vocab_size, dtype=torch.bool, device=self.device)
+            self.output_counts = torch.zeros(rows, self.vocab_size, device=self.device)
+        prompt = torch.tensor(new.token_ids[:new.num_prompt_tokens], dtype=torch.long, device=self.device)
+        outputs = torch.tensor(new.token_ids[new.num_prompt_tokens:], dtype=torch.long, device=self.device)
+        self.prompt_mask[row] = False
+        self.prompt_mask[row, prompt] = True
+        self.output_counts[row] = 0
+        self.output_counts[row].index_add_(0, outputs, torch.ones(len(outputs), device=self.device))
+
+    def _patch(self, diff: CachedRequestData) -> None:
+        row = self.rows[diff.req_id]
+        self.info[row].token_ids += diff.new_token_ids
+        if diff.block_ids:
+            self._set_blocks(row, diff.block_ids_from, diff.block_ids)
+
+    # ---- one step's views ----------------------------------------------------------------------------
+    def tables(self, rows: np.ndarray) -> np.ndarray:
+        """[len(rows), widest] block tables of these rows (entries past a row's length are never read)."""
+        width = max(int(self.num_blocks[rows].max(initial=1)), 1)
+        return self.block_table[rows, :width]
+
+    def sampling_plan(self, rows: np.ndarray, draw_index: np.ndarray, positions: np.ndarray) -> "SamplingPlan":
+        """Host side of a step's sampling settings for draws from `rows` (a row repeats for a fan-out;
+        `draw_index` numbers its draws; `positions`: the output index each draw is for)."""
+        infos = [self.info[row] for row in rows.tolist()]
+        floats, top_ks = self.floats[rows], self.top_k_seed[rows, 0]
+        first_draws = np.flatnonzero(draw_index == 0)
+        plan = SamplingPlan(rows, draw_index, positions, infos, first_draws,
+                            first_draws[self.uses_penalties[rows[first_draws]]],
+                            needs_filters=bool(((top_ks < self.vocab_size) | (floats[:, 1] < 1)
+                                                | (floats[:, 2] > 0)).any()),
+                            all_greedy=bool((floats[:, 0] == 0).all()),
+                            uses_penalties=bool(self.uses_penalties[rows].any()), seeds=self.top_k_seed[rows, 1])
+        if any(info.wants_logprobs for info in infos):
+            plan.max_num_logprobs = max(info.params.logprobs or 0 for info in infos)
+        return plan
+
+    def sampling_batch(self, plan: "SamplingPlan") -> SamplingBatch:
+        """The settings gathered on the device (device work: reads the per-row tensors)."""
+        device = self.device
+        index = torch.from_numpy(plan.rows).to(device)
+        temperature, top_p, min_p, repetition, presence, frequency = self.device_floats[index].T
+        top_k, seeds = self.device_top_k_seed[index].T
+        positions, offsets = torch.from_numpy(np.stack([plan.positions, plan.draw_index])).to(device)
+        batch = SamplingBatch(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds + offsets,
+                              positions=positions, needs_filters=plan.needs_filters, all_greedy=plan.all_greedy,
+                              max_num_logprobs=plan.max_num_logprobs)
+        if plan.uses_penalties:
+            batch.repetition_penalty, batch.presence_penalty, batch.frequency_penalty = repetition, presence, frequency
+            batch.prompt_token_mask, batch.output_token_counts = self.prompt_mask[index], self.output_counts[index]
+        batch.banned_token_mask = self._banned_mask(plan.infos, plan.positions)
+        return batch
+
+    def record_draws(self, plan: "SamplingPlan", token_ids: torch.Tensor) -> None:
+        """Device work after sampling: each row's first draw becomes its latest token (the next step's input if
+        the host does not know it yet) and, for rows with penalties, one more output-token count."""
+        device = self.device
+        first = torch.from_numpy(plan.first_draws).to(device)
+        self.last_token[torch.from_numpy(plan.rows[plan.first_draws]).to(device)] = token_ids[first]
+        if len(plan.penalised_draws):
+            draws = torch.from_numpy(plan.penalised_draws).to(device)
+            rows = torch.from_numpy(plan.rows[plan.penalised_draws]).to(device)
+            self.output_counts.index_put_((rows, token_ids[draws]), torch.ones(len(draws), device=device),
+                                          accumulate=True)
+
+    def _banned_mask(self, infos: list[RowInfo], num_outputs: np.ndarray) -> torch.Tensor | None:
+        """EOS / stop ids of rows short of min_tokens, as a [B, vocab] mask built on the device."""
+        banned = [(i, info.banned_ids) for i, info in enumerate(infos)
+                  if num_outputs[i] < info.params.min_tokens and len(info.banned_ids)]
+        if not banned:
+            return None
+        rows = np.concatenate([np.full(len(ids), i) for i, ids in banned])
+        ids = np.concatenate([ids for _, ids in banned])
+        mask = torch.zeros(len(infos), self.vocab_size, dtype=torch.bool, device=self.device)
+        mask[torch.from_numpy(rows).to(self.device), torch.from_numpy(ids).to(self.device)] = True
+        return mask
+
+
+def _grown(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    extra = torch.zeros(rows - tensor.shape[0], *tensor.shape[1:], dtype=tensor.dtype, device=tensor.device)
+    return torch.cat([tensor, extra])

@@ -1,0 +1,71 @@
+"""After the forward pass, in one explicit stage: draws become tokens, fan-outs fork, beams select, token stops.
+
+    advance_sequences(): computed counts catch up; each draw is appended to its sequence (a request whose first
+                         token brings several draws, n / best_of, forks its siblings here); beams keep their
+                         candidates; EOS, stop ids and length limits finish sequences
+    PostStep.run():      the above, then beam selection for every group whose live beams all hold candidates
+
+Stop strings need text, so they are found later by the output processor, which returns them as stop events.
+"""
+
+from __future__ import annotations
+
+from engine.outputs import RequestOutput
+from engine.request import Request, SampledToken
+from engine.scheduler import Scheduler, SchedulerOutput
+from engine.step_data import ModelRunnerOutput
+
+
+def advance_sequences(scheduler: Scheduler, output: SchedulerOutput, sampled: dict[str, list[SampledToken]],
+                      max_model_len: int, prompt_logprobs: dict[str, list[dict[int, float]]] | None = None,
+                      ) -> list[Request]:
+    """Apply one step's results to the scheduler's requests (whose computed counts advanced when scheduled);
+    returns every sequence that got a new token (finished and newly forked ones included)."""
+    advanced = []
+    for item in output.scheduled:
+        request = item.request
+        if request.is_finished or request.epoch != item.epoch:
+            continue  # finished, aborted or sent back to recompute while the step ran (async): drop its result
+        request.num_in_flight -= 1
+        request.num_placeholders -= item.needs_sample and not request.is_beam
+        if prompt_logprobs and request.request_id in prompt_logprobs:
+            request.prompt_logprobs.extend(prompt_logprobs[request.request_id])
+        draws = sampled.get(request.request_id)
+        if not draws:
+            continue  # a prefill chunk that did not reach the end of the prompt
+        if request.is_beam:
+            request.beam_candidates = draws[0].top_logprobs
+            continue
+        sequences = [request] if len(draws) == 1 else _fan_out(scheduler, request, len(draws))
+        for sequence, draw in zip(sequences, draws):
+            sequence.append_output_token(draw)
+            advanced.append(sequence)
+    for sequence in advanced:
+        stop = sequence.check_token_stop(max_model_len)
+        if stop is not None:
+            scheduler.finish_request(sequence, stop)
+    return advanced
+
+
+def _fan_out(scheduler: Scheduler, request: Request, num_draws: int) -> list[Request]:
+    """The request plus the siblings forked from it when its first token brings several draws."""
+    sequences = [request]
+    for index in range(1, num_draws):
+        child = request.fork(f"{request.group_id}#{index}", index, request.sampling_seed + index)
+        scheduler.fork(request, child)
+        sequences.append(child)
+    request.fan_out = 0
+    return sequences
+
+
+class PostStep:
+    def __init__(self, scheduler: Scheduler, beam_search, max_model_len: int) -> None:
+        self.scheduler = scheduler
+        self.beam_search = beam_search  # engine.beam_search.BeamSearchManager
+        self.max_model_len = max_model_len
+
+    def run(self, output: SchedulerOutput, result: ModelRunnerOutput) -> tuple[list[Request], list[RequestOutput]]:
+        """(sequences that advanced, outputs of beam groups that finished)."""
+        advanced = advance_sequences(self.scheduler, output, result.sampled, self.max_model_len,
+                                     result.prompt_logprobs)
+        return advanced, self.beam_search.step()
