@@ -61,9 +61,9 @@ class BlockManager:
         return sum(len(t) for t in self._block_tables.values()) - self.num_used_blocks
 
     def kv_slot_utilization(self) -> float:
-        """Slots holding tokens / slots in blocks in use (1.0 when none is in use)."""
+        """Slots holding tokens / slots in blocks in use (0.0 when none is in use: an idle cache holds nothing)."""
         used = self.num_used_blocks
-        return self._filled_slots / (used * self.block_size) if used else 1.0
+        return self._filled_slots / (used * self.block_size) if used else 0.0
 
     # ---- allocation ------------------------------------------------------------------------------
     def _take_block(self) -> int:
