@@ -46,17 +46,17 @@ class LineError(ValueError):
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("input", type=Path)
-    p.add_argument("output", type=Path)
+    p.add_argument("input", type=Path, help="JSONL file of requests (OpenAI batch lines or plain job lines)")
+    p.add_argument("output", type=Path, help="JSONL file the results are appended to")
     p.add_argument("--errors", type=Path, default=None, help="errors file (default: OUTPUT with .errors.jsonl)")
     p.add_argument("--redis", default=None, help="Redis URL (default: $PAGEDQ_REDIS_URL or redis://localhost:6379/0)")
-    p.add_argument("--queue", default="default")
+    p.add_argument("--queue", default="default", help="queue name (default: default)")
     p.add_argument("--band", default="bulk", choices=BANDS, help="priority band of the jobs (default bulk)")
     p.add_argument("--window", type=int, default=256, help="jobs in flight at most (backpressure)")
     p.add_argument("--run-id", default=None, help="namespace of the job ids (default: the input's content hash); "
                    "a new one re-runs everything")
     p.add_argument("--ttl", type=int, default=86_400, help="seconds the run's enqueue record is kept")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 # ---------------------------------------------------------------------------------------------- input lines

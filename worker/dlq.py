@@ -19,11 +19,11 @@ from .keys import BANDS, JOB_FIELD, QueueKeys
 from .status import redis_url
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=["list", "retry", "purge"])
+    p.add_argument("action", choices=["list", "retry", "purge"], help="list, retry or purge dead letters")
     p.add_argument("job_ids", nargs="*", help="job ids to retry or purge (default with --all: every dead letter)")
     p.add_argument("--all", action="store_true", help="retry/purge every dead letter")
     p.add_argument("--redis", default=None, help="Redis URL (default: $PAGEDQ_REDIS_URL or redis://localhost:6379/0)")
-    p.add_argument("--queue", default="default")
+    p.add_argument("--queue", default="default", help="queue name (default: default)")
     p.add_argument("--json", action="store_true", help="list: one JSON array of the dead letters ([] when none)")
 
 

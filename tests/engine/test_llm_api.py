@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from engine import LLM, LLMEngine, SamplingParams
@@ -71,3 +73,35 @@ def test_an_idle_engine_reports_no_kv_slot_utilization(tiny_llama_dir):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.kv_slot_utilization == 0.0  # the finished request's blocks are free (cached ones count as free)
+
+
+def _readme_block(heading: str) -> str:
+    """The first ```python block after a README heading."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    after = text[text.index(heading):]
+    start = after.index("```python\n") + len("```python\n")
+    return after[start:after.index("```", start)]
+
+
+def test_readme_memory_sharing_snippet_runs_and_shares(tiny_llama_dir):
+    snippet = _readme_block("### Memory sharing").replace('"path/to/checkpoint"', repr(str(tiny_llama_dir)))
+    namespace: dict = {}
+    exec(compile(snippet, "README.md (memory sharing)", "exec"), namespace)  # it runs as written
+    story, outs = namespace["story"], namespace["outs"]
+    prompt_len = len(outs[0].prompt_token_ids)
+    full_blocks = (prompt_len - 1) // 16  # the cache always leaves the last prompt token to compute
+    assert full_blocks >= 2  # longer than a block: there is something to share
+    assert outs[0].num_cached_tokens == 16 * full_blocks  # the best_of call found the prompt's blocks cached
+    # The snippet's first call, alone, against the same four samples run with nothing shared.
+    params = SamplingParams(n=4, temperature=0.8, seed=1, max_tokens=64)
+    shared = LLM(tiny_llama_dir)
+    samples = shared.generate(story, params)[0].outputs
+    full_blocks = prompt_len // 16  # forked samples share every full block of the prompt
+    alone = LLM(tiny_llama_dir, enable_prefix_caching=False)
+    singles = alone.generate([story] * 4, [SamplingParams(temperature=0.8, seed=1 + i, max_tokens=64)
+                                           for i in range(4)])
+    assert [s.token_ids for s in samples] == [o.outputs[0].token_ids for o in singles]
+    assert shared.stats()["num_prefilled_tokens"] == prompt_len  # once, not 4 times
+    assert alone.stats()["num_prefilled_tokens"] == 4 * prompt_len
+    # the three extra samples reference the prompt's full blocks instead of holding copies
+    assert shared.stats()["peak_used_blocks"] == alone.stats()["peak_used_blocks"] - 3 * full_blocks
