@@ -213,8 +213,3 @@ class BlockManager:
                 del self._block_of_hash[hashes[index]]
         del hashes[keep:]
 
-    def slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
-        """Cache slots of token positions [start, end) of a request."""
-        table = self._block_tables[request_id]
-        size = self.block_size
-        return [table[pos // size] * size + pos % size for pos in range(start, end)]

@@ -127,11 +127,6 @@ class Request:
         return self.all_token_ids[len(self.prompt_token_ids):]
 
     @property
-    def max_num_tokens(self) -> int:
-        """The most tokens this request can ever hold: what admission checks against the cache."""
-        return self.num_prompt_tokens + self.sampling_params.max_tokens
-
-    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 
