@@ -161,7 +161,8 @@ def _range(text: str) -> tuple[int, int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="checkpoint folder (a folder with only config.json: random weights)")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), help="reference workload of shared/anchors")
-    parser.add_argument("--num-prompts", type=int, default=None, help="prompts to run (default: the workload's, else 64)")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="prompts to run (default: the workload's, else 64)")
     parser.add_argument("--input-len", type=_range, default=(128, 1024), metavar="A:B",
                         help="prompt lengths, drawn uniformly from A..B (default 128:1024)")
     parser.add_argument("--output-len", type=_range, default=(64, 512), metavar="C:D",

@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="generate offline for prompts given on the command line")
     generate.add_argument("prompts", nargs="+", help="prompts, one argument each")
     generate.add_argument("--model", default=None, help="checkpoint folder (default: the demo model)")
-    generate.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt at most (default 64)")
+    generate.add_argument("--max-tokens", type=int, default=64,
+                          help="tokens to generate per prompt at most (default 64)")
     generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
     generate.add_argument("--chat", action="store_true", help="apply the checkpoint's chat template")
     bench.add_engine_arguments(generate)

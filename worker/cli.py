@@ -95,7 +95,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default=None, help="consumer name; keep it stable to re-read own pending jobs on restart")
     p.add_argument("--burst", action="store_true", help="exit once nothing is queued, pending or running")
     p.add_argument("--lease-ms", type=int, default=d.lease_ms,
-                   help=f"ms a held job's lease lasts unrenewed before another worker may claim it (default {d.lease_ms})")
+                   help=f"ms a held job's lease lasts unrenewed before another worker may claim it "
+                        f"(default {d.lease_ms})")
     p.add_argument("--max-attempts", type=int, default=d.max_attempts,
                    help=f"deliveries of a job before it is dead-lettered (default {d.max_attempts})")
     p.add_argument("--engine-failure-limit", type=int, default=d.engine_failure_limit,
