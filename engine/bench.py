@@ -161,12 +161,16 @@ def _range(text: str) -> tuple[int, int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="checkpoint folder (a folder with only config.json: random weights)")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), help="reference workload of shared/anchors")
-    parser.add_argument("--num-prompts", type=int, default=None)
-    parser.add_argument("--input-len", type=_range, default=(128, 1024), metavar="A:B")
-    parser.add_argument("--output-len", type=_range, default=(64, 512), metavar="C:D")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--baseline", choices=["hf", "none"], default="none")
-    parser.add_argument("--hf-batch-size", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="prompts to run (default: the workload's, else 64)")
+    parser.add_argument("--input-len", type=_range, default=(128, 1024), metavar="A:B",
+                        help="prompt lengths, drawn uniformly from A..B (default 128:1024)")
+    parser.add_argument("--output-len", type=_range, default=(64, 512), metavar="C:D",
+                        help="output lengths, drawn uniformly from C..D (default 64:512)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and lengths (default 0)")
+    parser.add_argument("--baseline", choices=["hf", "none"], default="none",
+                        help="hf: transformers' generate on the same prompts, in the same run (default none)")
+    parser.add_argument("--hf-batch-size", type=int, default=64, help="batch size of the hf baseline (default 64)")
     parser.add_argument("--sharing", choices=["n4", "prefix", "beam"],
                         help="memory sharing on vs off: 4 samples per prompt, a shared system prompt, or the "
                              "blocks beam search (width 4) shares")
@@ -175,13 +179,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cuda:N or cpu")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float16, bfloat16, float32")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="KV cache blocks (default: sized from --gpu-memory-utilization on CUDA)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="fraction of GPU memory the engine may use, KV cache included (default 0.9)")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once at most (default 256)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                        help="tokens per engine step at most: the prefill chunk budget (default 8192)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="schedule step t+1 while step t runs (default: on)")

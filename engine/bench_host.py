@@ -153,13 +153,15 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-seqs", type=_positive, default=256)
-    parser.add_argument("--sampling", choices=sorted(SAMPLINGS), default="greedy")
-    parser.add_argument("--vocab-size", type=_positive, default=128256)
-    parser.add_argument("--simulated-device-ms", type=float, default=2.0)
-    parser.add_argument("--prompt-len", type=_positive, default=512)
-    parser.add_argument("--output-len", type=_positive, default=64)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-seqs", type=_positive, default=256, help="sequences decoding together (default 256)")
+    parser.add_argument("--sampling", choices=sorted(SAMPLINGS), default="greedy",
+                        help="greedy, or sampling with penalties (more host work per step)")
+    parser.add_argument("--vocab-size", type=_positive, default=128256, help="vocabulary of the stand-in model")
+    parser.add_argument("--simulated-device-ms", type=float, default=2.0,
+                        help="milliseconds the stand-in device takes per step (default 2)")
+    parser.add_argument("--prompt-len", type=_positive, default=512, help="prompt tokens per sequence (default 512)")
+    parser.add_argument("--output-len", type=_positive, default=64, help="tokens generated per sequence (default 64)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts (default 0)")
     parser.add_argument("--device", default="cpu", help="cpu (stand-in device) or cuda (the real model, --model)")
     parser.add_argument("--model", default=None, help="checkpoint folder, for --device cuda")
 

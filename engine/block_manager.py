@@ -61,9 +61,9 @@ class BlockManager:
         return sum(len(t) for t in self._block_tables.values()) - self.num_used_blocks
 
     def kv_slot_utilization(self) -> float:
-        """Slots holding tokens / slots in blocks in use (1.0 when none is in use)."""
+        """Slots holding tokens / slots in blocks in use (0.0 when none is in use: an idle cache holds nothing)."""
         used = self.num_used_blocks
-        return self._filled_slots / (used * self.block_size) if used else 1.0
+        return self._filled_slots / (used * self.block_size) if used else 0.0
 
     # ---- allocation ------------------------------------------------------------------------------
     def _take_block(self) -> int:
@@ -213,8 +213,3 @@ class BlockManager:
                 del self._block_of_hash[hashes[index]]
         del hashes[keep:]
 
-    def slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
-        """Cache slots of token positions [start, end) of a request."""
-        table = self._block_tables[request_id]
-        size = self.block_size
-        return [table[pos // size] * size + pos % size for pos in range(start, end)]

@@ -3,20 +3,39 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
+
+
+class StrictArgumentParser(argparse.ArgumentParser):
+    """Every pagedq parser: abbreviated flags are refused (`--max-token 5` must not pass for `--max-tokens`).
+    Sub-commands inherit the class, since argparse builds subparsers with the type of their parent."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("pagedq")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     from engine import bench
 
-    parser = argparse.ArgumentParser(prog="pagedq", description="LLM inference worker over a paged KV cache")
+    parser = StrictArgumentParser(prog="pagedq", description="LLM inference worker over a paged KV cache")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     generate = commands.add_parser("generate", help="generate offline for prompts given on the command line")
-    generate.add_argument("prompts", nargs="+")
+    generate.add_argument("prompts", nargs="+", help="prompts, one argument each")
     generate.add_argument("--model", default=None, help="checkpoint folder (default: the demo model)")
-    generate.add_argument("--max-tokens", type=int, default=64)
-    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--max-tokens", type=int, default=64,
+                          help="tokens to generate per prompt at most (default 64)")
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
     generate.add_argument("--chat", action="store_true", help="apply the checkpoint's chat template")
     bench.add_engine_arguments(generate)
     generate.set_defaults(func=_generate)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -11,6 +12,9 @@ from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSeq
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
+
+
+ChatMessage = dict[str, str]  # {"role": ..., "content": ...}, what tokenizer.apply_chat_template takes
 
 
 class LLM:
@@ -25,7 +29,9 @@ class LLM:
         self,
         prompts: str | list[int] | Sequence[str | list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
+        """Outputs in input order. `use_tqdm`: a progress bar on stderr (None: only when stderr is a terminal)."""
         prompts = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
@@ -41,12 +47,43 @@ class LLM:
                 final_only = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
                 engine.add_request(request_id, prompt, final_only)
                 request_ids.append(request_id)
-            finished = self._run_until_finished(set(request_ids))
+            finished = self._run_until_finished(set(request_ids), use_tqdm)
         except BaseException:
             for request_id in request_ids:  # leave the engine clean for the next call
                 engine.abort_request(request_id)
             raise
         return [finished[request_id] for request_id in request_ids]
+
+    def chat(
+        self,
+        messages: Sequence[ChatMessage] | Sequence[Sequence[ChatMessage]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them (vLLM's `LLM.chat`).
+
+        Each is rendered with the tokenizer's chat template (or `chat_template`) and tokenized without special
+        tokens, as the worker does for `messages` jobs: the template writes BOS itself where the model wants one.
+        """
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer: this engine was built without one")
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the model has no chat template: pass chat_template=..., or format the prompt "
+                             "yourself and call generate()")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not conversations:
+            raise ValueError("chat needs at least one conversation")
+        prompts: list[str | list[int]] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                list(conversation), chat_template=chat_template, tokenize=False,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
+            prompts.append(tokenizer.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(self, prompts: str | list[int] | Sequence[str | list[int]],
                     params: BeamSearchParams) -> list[BeamSearchOutput]:
@@ -71,12 +108,24 @@ class LLM:
             results.append(BeamSearchOutput(request_id, output.prompt_token_ids, sequences))
         return results
 
-    def _run_until_finished(self, request_ids: set[str]) -> dict[str, RequestOutput]:
+    def _run_until_finished(self, request_ids: set[str], use_tqdm: bool | None = False) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        while len(finished) < len(request_ids):
-            for output in self.llm_engine.step():
-                if output.finished and output.request_id in request_ids:
-                    finished[output.request_id] = output
+        bar = _progress_bar(len(request_ids), use_tqdm)
+        num_output_tokens = 0
+        try:
+            while len(finished) < len(request_ids):
+                for output in self.llm_engine.step():
+                    if output.finished and output.request_id in request_ids:
+                        finished[output.request_id] = output
+                        if bar is not None:
+                            num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
+                            elapsed = bar.format_dict["elapsed"]
+                            bar.set_postfix_str(f"output: {num_output_tokens / max(elapsed, 1e-9):.2f} toks/s",
+                                                refresh=False)
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
         return finished
 
     def stats(self) -> dict[str, float]:
@@ -90,3 +139,17 @@ def _as_prompt_list(prompts) -> list[str | list[int]]:
     if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
         return [prompts]  # a single prompt given as token ids
     return prompts
+
+
+def _progress_bar(total: int, use_tqdm: bool | None):
+    """vLLM's "Processed prompts" bar, or None: off when asked, by default unless stderr is a terminal, and when
+    tqdm is not installed (the engine does not depend on it)."""
+    if use_tqdm is None:
+        use_tqdm = sys.stderr.isatty()
+    if not use_tqdm:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)

@@ -275,7 +275,7 @@ class LLMEngine:
             "num_total_blocks": self.num_total_blocks,
             "num_free_blocks": self.num_free_blocks,
             "kv_slot_utilization": self.kv_slot_utilization,
-            "mean_kv_slot_utilization": self._utilization_sum / self.num_steps if self.num_steps else 1.0,
+            "mean_kv_slot_utilization": self._utilization_sum / self.num_steps if self.num_steps else 0.0,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
             "num_device_fed_tokens": self.model_runner.num_device_fed_tokens,

@@ -153,8 +153,10 @@ class OutputProcessor:
         if group.params.prompt_logprobs is not None and not (delta and group.prompt_logprobs_reported):
             prompt_logprobs = sequences[0].request.prompt_logprobs
             group.prompt_logprobs_reported = True
+        # Forks copy the root's count; a group not admitted yet (or aborted while waiting) has none.
+        num_cached = max(0, max(s.request.num_cached_tokens for s in group.sequences.values()))
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished, metrics,
-                             prompt_logprobs)
+                             prompt_logprobs, num_cached)
 
     @staticmethod
     def _completion(index: int, sequence: _Sequence, delta: bool) -> CompletionOutput:

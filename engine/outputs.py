@@ -33,3 +33,4 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: entry j for prompt token j (None for the first); in the first
     # output of a DELTA stream only.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (vLLM's field), counted at admission

@@ -55,6 +55,7 @@ class Request:
     arrival_index: int = 0  # admission order among equal priorities
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prompt tokens the prefix cache served at first admission (-1: not admitted yet)
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0
@@ -100,7 +101,8 @@ class Request:
                         sampling_params=self.sampling_params, eos_token_ids=self.eos_token_ids, prompt=self.prompt,
                         priority=self.priority, sampling_seed=sampling_seed, arrival_time=self.arrival_time,
                         arrival_index=self.arrival_index, status=self.status,
-                        num_computed_tokens=self.num_computed_tokens, group_id=self.group_id, index=index,
+                        num_computed_tokens=self.num_computed_tokens, num_cached_tokens=self.num_cached_tokens,
+                        group_id=self.group_id, index=index,
                         is_beam=self.is_beam, first_token_time=self.first_token_time)
         child.all_token_ids = list(self.all_token_ids)
         child.cumulative_logprob = self.cumulative_logprob
@@ -123,11 +125,6 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[len(self.prompt_token_ids):]
-
-    @property
-    def max_num_tokens(self) -> int:
-        """The most tokens this request can ever hold: what admission checks against the cache."""
-        return self.num_prompt_tokens + self.sampling_params.max_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -91,10 +91,6 @@ class SamplingParams:
         check(isinstance(self.output_kind, RequestOutputKind), "output_kind", "must be a RequestOutputKind")
 
     @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 

@@ -322,6 +322,8 @@ class Scheduler:
         if swapped:
             table = manager.block_table(request.request_id)
             output.blocks_to_swap_in += self.swap_space.swap_in(request.request_id, table)
+        if request.num_cached_tokens < 0:  # as vLLM: the hits of the first admission (a recompute is not reported)
+            request.num_cached_tokens = start
         output.scheduled.append(self._scheduled(request, num_new))
         return True
 

@@ -36,9 +36,6 @@ class SwapSpace:
         self.num_swapped_in += 1
         return list(zip(host_table, device_table))
 
-    def num_blocks_of(self, request_id: str) -> int:
-        return len(self._tables.get(request_id, ()))
-
     def discard(self, request_id: str) -> None:
         """An aborted swapped-out request: its host blocks go back to the pool."""
         self._free.extend(self._tables.pop(request_id, []))

@@ -21,13 +21,13 @@ from .worker import Worker
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mixed", action="store_true", help="mixed traffic: interactive behind a bulk backlog")
-    p.add_argument("--mixed-bulk-jobs", type=int, default=3000)
-    p.add_argument("--mixed-bulk-tokens", type=int, default=32)
-    p.add_argument("--mixed-web-jobs", type=int, default=20)
-    p.add_argument("--mixed-web-tokens", type=int, default=8)
+    p.add_argument("--mixed-bulk-jobs", type=int, default=3000, help="bulk backlog jobs (default 3000)")
+    p.add_argument("--mixed-bulk-tokens", type=int, default=32, help="tokens per bulk job (default 32)")
+    p.add_argument("--mixed-web-jobs", type=int, default=20, help="interactive jobs (default 20)")
+    p.add_argument("--mixed-web-tokens", type=int, default=8, help="tokens per interactive job (default 8)")
     p.add_argument("--mixed-web-every", type=float, default=0.1, help="seconds between interactive submissions")
     p.add_argument("--mixed-step-delay", type=float, default=0.01, help="stub engine seconds per step")
-    p.add_argument("--mixed-max-num-seqs", type=int, default=32)
+    p.add_argument("--mixed-max-num-seqs", type=int, default=32, help="the stub engine's max_num_seqs (default 32)")
 
 
 def _engine(args: argparse.Namespace) -> StubEngine:

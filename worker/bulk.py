@@ -30,7 +30,7 @@ from .errors import JobRejected
 from .keys import BANDS, JOB_FIELD, QueueKeys, check_band
 from .status import redis_url
 
-OPENAI_IGNORED = {"model", "user"}  # the worker serves one model; user is informational
+OPENAI_IGNORED = {"model", "user"}  # the worker serves one model (model is echoed in the output); user: informational
 OPENAI_RENAMED = {"max_completion_tokens": "max_tokens"}
 JOB_FIELDS = {"prompt", "prompt_token_ids", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p",
               "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "priority", "deadline",
@@ -46,22 +46,28 @@ class LineError(ValueError):
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("input", type=Path)
-    p.add_argument("output", type=Path)
+    p.add_argument("input", type=Path, help="JSONL file of requests (OpenAI batch lines or plain job lines)")
+    p.add_argument("output", type=Path, help="JSONL file the results are appended to")
     p.add_argument("--errors", type=Path, default=None, help="errors file (default: OUTPUT with .errors.jsonl)")
     p.add_argument("--redis", default=None, help="Redis URL (default: $PAGEDQ_REDIS_URL or redis://localhost:6379/0)")
-    p.add_argument("--queue", default="default")
+    p.add_argument("--queue", default="default", help="queue name (default: default)")
     p.add_argument("--band", default="bulk", choices=BANDS, help="priority band of the jobs (default bulk)")
     p.add_argument("--window", type=int, default=256, help="jobs in flight at most (backpressure)")
     p.add_argument("--run-id", default=None, help="namespace of the job ids (default: the input's content hash); "
                    "a new one re-runs everything")
     p.add_argument("--ttl", type=int, default=86_400, help="seconds the run's enqueue record is kept")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
 # ---------------------------------------------------------------------------------------------- input lines
 def parse_line(line: str) -> tuple[str, dict[str, Any], str]:
     """(custom_id, job keywords, "chat" | "completion"); LineError otherwise."""
+    custom_id, fields, kind, _ = parse_request(line)
+    return custom_id, fields, kind
+
+
+def parse_request(line: str) -> tuple[str, dict[str, Any], str, str | None]:
+    """parse_line's answer and the request's `model` (an OpenAI body's, echoed in the output; else None)."""
     try:
         data = json.loads(line)
     except ValueError as exc:
@@ -72,12 +78,14 @@ def parse_line(line: str) -> tuple[str, dict[str, Any], str]:
     if not isinstance(custom_id, str) or not custom_id:
         raise LineError("missing_custom_id", "custom_id (a non-empty string) is required")
     fields = _openai_fields(data) if "body" in data else {k: v for k, v in data.items() if k != "custom_id"}
+    model = data["body"].get("model") if "body" in data else None
     unknown = sorted(set(fields) - JOB_FIELDS)
     if unknown:
         raise LineError("invalid_request", f"unsupported field(s): {', '.join(unknown)}")
     metadata = fields.get("metadata")
     fields["metadata"] = {**(metadata if isinstance(metadata, dict) else {}), "custom_id": custom_id}
-    return custom_id, fields, "chat" if "messages" in fields else "completion"
+    return custom_id, fields, "chat" if "messages" in fields else "completion", \
+        model if isinstance(model, str) else None
 
 
 def _openai_fields(data: dict[str, Any]) -> dict[str, Any]:
@@ -111,19 +119,21 @@ def job_id_for(run_id: str, custom_id: str) -> str:
 
 
 def file_digest(path: Path) -> tuple[str, int]:
-    """Content hash (the run's identity) and line count, in one pass."""
-    h, lines = hashlib.sha256(), 0
+    """Content hash (the run's identity) and line count, in one pass; a last line without "\n" counts too."""
+    h, lines, last = hashlib.sha256(), 0, b"\n"
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
             lines += chunk.count(b"\n")
-    return h.hexdigest()[:16], lines
+            last = chunk[-1:]
+    return h.hexdigest()[:16], lines + (last != b"\n")
 
 
 # ---------------------------------------------------------------------------------------------- output lines
 def output_line(custom_id: str, job_id: str, record: dict[str, Any], kind: str,
-                body: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One output line; `body` replaces the response body built here (the gateway's Batch API passes its own)."""
+                body: dict[str, Any] | None = None, model: str | None = None) -> dict[str, Any]:
+    """One output line; `body` replaces the response body built here (the gateway's Batch API passes its own).
+    `model`: the request's, echoed as OpenAI's batch output does."""
     if body is not None:
         return {"id": f"batch_req_{job_id}", "custom_id": custom_id,
                 "response": {"status_code": 200, "request_id": job_id, "body": body}, "error": None}
@@ -133,7 +143,7 @@ def output_line(custom_id: str, job_id: str, record: dict[str, Any], kind: str,
               {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
     usage = record.get("usage") or {}
     body = {"id": job_id, "object": "chat.completion" if kind == "chat" else "text_completion",
-            "created": int(time.time()), "model": None, "choices": [choice],
+            "created": int(time.time()), "model": model, "choices": [choice],
             "usage": {**usage, "total_tokens": usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)},
             "pagedq": {k: record.get(k) for k in ("status", "stop_reason", "timings", "worker", "attempts", "error")}}
     if record.get("prompt_logprobs") is not None:
@@ -148,7 +158,9 @@ def error_line(custom_id: str | None, line_no: int, code: str, message: str, job
     if record is not None:
         response = {"status_code": 400 if record.get("status") == "rejected" else 500, "request_id": job_id,
                     "body": record}
-    return {"id": f"batch_req_{job_id}" if job_id else None, "custom_id": custom_id, "line": line_no,
+    # A line that never became a job has no job id: its row is named after its line (unique in the file).
+    return {"id": f"batch_req_{job_id}" if job_id else f"batch_req_line_{line_no}", "custom_id": custom_id,
+            "line": line_no,
             "response": response, "error": {"code": code, "message": message}}
 
 
@@ -186,8 +198,13 @@ class BulkRun:
         self.errors = errors_path or output_path.with_suffix(".errors.jsonl")
         digest, self.total_lines = file_digest(input_path)
         self.run_id = run_id or digest
-        self.pending: dict[str, tuple[str, int, str]] = {}  # job id -> (custom_id, line number, kind)
-        self.counts = {"completed": 0, "errors": 0, "skipped": 0, "enqueued": 0, "awaited": 0, "tokens": 0}
+        # job id -> (custom_id, line number, kind, the request's model)
+        self.pending: dict[str, tuple[str, int, str, str | None]] = {}
+        # "tokens": completion tokens of the results written; "run_tokens": of those that finished while this
+        # run watched (what tok/s counts: a resume collects results finished before it in one burst).
+        self.counts = {"completed": 0, "errors": 0, "skipped": 0, "enqueued": 0, "awaited": 0, "tokens": 0,
+                       "run_tokens": 0}
+        self._prior: set[str] = set()  # enqueued by an earlier run and not seen unfinished by this one
         self.progress = progress
         self._started = time.monotonic()
 
@@ -208,7 +225,7 @@ class BulkRun:
                 self.bar.close()
         return self.counts
 
-    def _loop(self, source: Iterator[tuple[int, str, Any, str]]) -> None:
+    def _loop(self, source: Iterator[tuple[int, str, Any, str, str | None]]) -> None:
         exhausted, idle_sleep = False, self.poll_s
         while not exhausted or self.pending:
             batch = []
@@ -226,8 +243,8 @@ class BulkRun:
                 time.sleep(idle_sleep)
                 idle_sleep = min(idle_sleep * 1.5, 0.5)  # long jobs: poll less often
 
-    def _requests(self, done_ids: set[str], done_lines: set[int]) -> Iterator[tuple[int, str, Any, str]]:
-        """(line number, custom_id, Job, kind) of every line still to do; writes line errors as it goes."""
+    def _requests(self, done_ids: set[str], done_lines: set[int]) -> Iterator[tuple[int, str, Any, str, str | None]]:
+        """(line number, custom_id, Job, kind, model) of every line still to do; writes line errors as it goes."""
         seen: set[str] = set()
         with open(self.input, encoding="utf-8") as fh:
             for line_no, text in enumerate(fh, 1):
@@ -237,7 +254,7 @@ class BulkRun:
                 if line_no in done_lines:
                     continue
                 try:
-                    custom_id, fields, kind = parse_line(text)
+                    custom_id, fields, kind, model = parse_request(text)
                     if custom_id in seen:
                         raise LineError("duplicate_custom_id", f"custom_id {custom_id!r} appeared on an earlier line")
                     seen.add(custom_id)
@@ -255,15 +272,17 @@ class BulkRun:
                 except JobRejected as exc:
                     self._write_error(error_line(custom_id, line_no, "invalid_request", str(exc)))
                     continue
-                yield line_no, custom_id, job, kind
+                yield line_no, custom_id, job, kind, model
 
-    def _enqueue(self, batch: list[tuple[int, str, Any, str]]) -> None:
+    def _enqueue(self, batch: list[tuple[int, str, Any, str, str | None]]) -> None:
         """One script call for the batch (pipelined): ids already enqueued by an earlier run are skipped."""
         args: list[Any] = [self.ttl_s, JOB_FIELD]
-        for line_no, custom_id, job, kind in batch:
-            self.pending[job.id] = (custom_id, line_no, kind)
+        for line_no, custom_id, job, kind, model in batch:
+            self.pending[job.id] = (custom_id, line_no, kind, model)
             args += [job.id, job.to_json()]
         keys = [self.keys.jobs_of(self.band), self.keys.bulk_enqueued(self.run_id), self.keys.ids]
+        ids = [item[2].id for item in batch]
+        self._prior.update(i for i, known in zip(ids, self.r.smismember(keys[1], ids)) if known)
         sent = int(scripts.call(self.r, "bulk_enqueue", keys, args))
         self.counts["enqueued"] += sent
         self.counts["awaited"] += len(batch) - sent
@@ -277,20 +296,27 @@ class BulkRun:
                 if raw is not None:
                     self._write_result(job_id, json.loads(raw))
                     finished += 1
+                else:
+                    self._prior.discard(job_id)  # still running: it finishes during this run
         if finished:
             self.out.flush()
             self.err.flush()
             elapsed = max(time.monotonic() - self._started, 1e-9)
             self.bar.set_postfix(done=self.counts["completed"], failed=self.counts["errors"],
-                                 tok_s=f"{self.counts['tokens'] / elapsed:.0f}", refresh=False)
+                                 tok_s=f"{self.counts['run_tokens'] / elapsed:.0f}", refresh=False)
         return finished
 
     def _write_result(self, job_id: str, record: dict[str, Any]) -> None:
-        custom_id, line_no, kind = self.pending.pop(job_id)
+        custom_id, line_no, kind, model = self.pending.pop(job_id)
+        finished_before_this_run = job_id in self._prior
+        self._prior.discard(job_id)
         if record.get("status") == "completed":
-            self.out.write(json.dumps(output_line(custom_id, job_id, record, kind)) + "\n")
+            self.out.write(json.dumps(output_line(custom_id, job_id, record, kind, model=model)) + "\n")
             self.counts["completed"] += 1
-            self.counts["tokens"] += (record.get("usage") or {}).get("completion_tokens", 0)
+            tokens = (record.get("usage") or {}).get("completion_tokens", 0)
+            self.counts["tokens"] += tokens
+            if not finished_before_this_run:
+                self.counts["run_tokens"] += tokens
             self.bar.update(1)
         else:
             self._write_error(error_line(custom_id, line_no, record.get("status", "failed"),
@@ -324,5 +350,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"\ninterrupted with {len(runner.pending)} jobs in flight: they keep running; run the same "
               f"command again to collect them (nothing is enqueued twice)", file=sys.stderr)
         return 130
-    print(json.dumps({"run_id": runner.run_id, "output": str(args.output), "errors": str(runner.errors), **counts}))
+    # Files and counts under separate keys: "errors" is the count, "errors_file" the path.
+    print(json.dumps({"run_id": runner.run_id, "output_file": str(args.output), "errors_file": str(runner.errors),
+                      **counts}))
     return 0

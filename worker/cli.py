@@ -21,7 +21,7 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=cmd_worker)
     d = subparsers.add_parser("demo", help="embedded Redis + worker on the demo model; enqueue a few jobs")
     add_engine_args(d)
-    d.add_argument("--max-tokens", type=int, default=32)
+    d.add_argument("--max-tokens", type=int, default=32, help="tokens per demo answer at most (default 32)")
     d.set_defaults(func=cmd_demo)
     from . import bulk, dlq, status
 
@@ -57,7 +57,7 @@ def register_bench(bench_subparsers: Any) -> None:
     add_engine_args(p)
     p.add_argument("--stub-jobs", type=int, default=20_000, help="jobs through the stub engine (queue layer)")
     p.add_argument("--e2e-jobs", type=int, default=64, help="jobs through the real engine (0 skips it)")
-    p.add_argument("--e2e-max-tokens", type=int, default=32)
+    p.add_argument("--e2e-max-tokens", type=int, default=32, help="tokens per end-to-end job (default 32)")
     p.add_argument("--e2e-repeats", type=int, default=3, help="alternate offline/worker runs; best of each")
     from .bench_mixed import add_args as add_mixed_args
 
@@ -72,44 +72,54 @@ def register_bench(bench_subparsers: Any) -> None:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model folder (default: the demo model)")
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="where the engine runs")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float16, bfloat16, float32")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: sized from GPU memory)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once at most (default 256)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="tokens per engine step at most (default 8192)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     p.add_argument("--engine", default="llm", choices=["llm", "stub"],
                    help="stub: a fake engine that returns at once (queue tests and benchmarks)")
     p.add_argument("--stub-step-delay", type=float, default=0.0, help="seconds per stub engine step")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="level of the JSON log on stderr (default info)")
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     d = WorkerSettings()
     p.add_argument("--redis", default=None, help="Redis URL (default: start a private redis-server)")
-    p.add_argument("--queue", default=d.queue)
+    p.add_argument("--queue", default=d.queue, help=f"queue name (default {d.queue})")
     p.add_argument("--name", default=None, help="consumer name; keep it stable to re-read own pending jobs on restart")
     p.add_argument("--burst", action="store_true", help="exit once nothing is queued, pending or running")
-    p.add_argument("--lease-ms", type=int, default=d.lease_ms)
-    p.add_argument("--max-attempts", type=int, default=d.max_attempts)
+    p.add_argument("--lease-ms", type=int, default=d.lease_ms,
+                   help=f"ms a held job's lease lasts unrenewed before another worker may claim it "
+                        f"(default {d.lease_ms})")
+    p.add_argument("--max-attempts", type=int, default=d.max_attempts,
+                   help=f"deliveries of a job before it is dead-lettered (default {d.max_attempts})")
     p.add_argument("--engine-failure-limit", type=int, default=d.engine_failure_limit,
                    help="distinct jobs failing alone in a row after which the engine counts as broken: the worker "
                         "exits with status 3, leaving its jobs unacknowledged for redelivery")
     p.add_argument("--result-ttl", type=int, default=d.result_ttl_s, help="seconds results are kept")
-    p.add_argument("--completions-maxlen", type=int, default=d.completions_maxlen)
-    p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s)
+    p.add_argument("--completions-maxlen", type=int, default=d.completions_maxlen,
+                   help=f"approximate length cap of the completions stream (default {d.completions_maxlen})")
+    p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
+                   help=f"seconds to finish in-flight jobs after SIGTERM (default {d.drain_timeout_s})")
     p.add_argument("--redis-outage", type=float, default=d.redis_outage_s,
                    help="seconds to keep generating and reconnecting while Redis is unreachable before exiting "
                         "with status 4")
-    p.add_argument("--max-waiting", type=int, default=d.max_waiting)
+    p.add_argument("--max-waiting", type=int, default=d.max_waiting,
+                   help=f"jobs read ahead into the engine's waiting queue at most (default {d.max_waiting})")
     p.add_argument("--band-min-share", type=float, default=d.band_min_share,
                    help="starvation guard: least share of admissions a lower band keeps while higher ones are busy")
     p.add_argument("--reserve-seqs", type=int, default=d.reserve_seqs,
                    help="engine sequence slots the bulk band leaves free for interactive/default jobs")
-    p.add_argument("--block-ms", type=int, default=d.block_ms)
-    p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_every_s)
+    p.add_argument("--block-ms", type=int, default=d.block_ms,
+                   help=f"ms to block on XREADGROUP when the engine is idle (default {d.block_ms})")
+    p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_every_s,
+                   help=f"seconds between heartbeats (default {d.heartbeat_every_s})")
     p.add_argument("--celery", action="store_true", help="also serve the Celery queue of worker.celery_app")
     p.add_argument("--celery-broker", default=None,
                    help="Celery broker URL (default: $CELERY_BROKER_URL, else the --redis URL)")
@@ -228,11 +238,19 @@ def cmd_bench_gateway(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m worker")
+def build_parser() -> argparse.ArgumentParser:
+    """`python -m worker`: the queue commands without the engine's top-level CLI."""
+    from engine.cli import StrictArgumentParser, package_version
+
+    parser = StrictArgumentParser(prog="python -m worker")
+    parser.add_argument("--version", action="version", version=f"pagedq {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     register(sub)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     register_bench(bench)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)

@@ -39,15 +39,15 @@ def run_demo(args: argparse.Namespace) -> int:
         thread = threading.Thread(target=worker.run, daemon=True)
         thread.start()
         try:
-            _produce(Client(server.url), engine.tokenizer, args.max_tokens)
+            _produce(Client(server.url), engine.tokenizer, args.max_tokens, server.url)
         finally:
             worker.request_stop(drain_timeout_s=5)
             thread.join(timeout=30)
     return 0
 
 
-def _produce(client: Client, tokenizer, max_tokens: int) -> None:
-    print(f"redis: {client.r.connection_pool.connection_kwargs.get('port')}  queue: {client.keys.queue}")
+def _produce(client: Client, tokenizer, max_tokens: int, redis_url: str) -> None:
+    print(f"redis: {redis_url}  queue: {client.keys.queue}")  # a URL a second shell can connect to
     streamed = client.submit(prompt=_chat(tokenizer, QUESTIONS[0]), max_tokens=max_tokens, temperature=0.0,
                              stream=True, metadata={"question": QUESTIONS[0]})
     others = client.submit_many([dict(prompt=_chat(tokenizer, q), max_tokens=max_tokens, temperature=0.0,

@@ -19,12 +19,12 @@ from .keys import BANDS, JOB_FIELD, QueueKeys
 from .status import redis_url
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=["list", "retry", "purge"])
+    p.add_argument("action", choices=["list", "retry", "purge"], help="list, retry or purge dead letters")
     p.add_argument("job_ids", nargs="*", help="job ids to retry or purge (default with --all: every dead letter)")
     p.add_argument("--all", action="store_true", help="retry/purge every dead letter")
     p.add_argument("--redis", default=None, help="Redis URL (default: $PAGEDQ_REDIS_URL or redis://localhost:6379/0)")
-    p.add_argument("--queue", default="default")
-    p.add_argument("--json", action="store_true", help="list: one JSON object per line")
+    p.add_argument("--queue", default="default", help="queue name (default: default)")
+    p.add_argument("--json", action="store_true", help="list: one JSON array of the dead letters ([] when none)")
 
 
 def dead_letters(r: Redis, queue: str) -> list[dict[str, Any]]:
@@ -75,8 +75,12 @@ def _select(r: Redis, queue: str, job_ids: list[str] | None) -> list[dict[str, A
 def run(args: argparse.Namespace) -> int:
     r = Redis.from_url(redis_url(args.redis))
     if args.action == "list":
-        for letter in dead_letters(r, args.queue):
-            print(json.dumps(letter) if args.json else _line(letter))
+        letters = dead_letters(r, args.queue)
+        if args.json:  # one document, so an empty queue still parses: []
+            print(json.dumps(letters))
+        else:
+            for letter in letters:
+                print(_line(letter))
         return 0
     if not args.job_ids and not args.all:
         raise SystemExit(f"pagedq dlq {args.action}: give job ids or --all")

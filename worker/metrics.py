@@ -1,4 +1,8 @@
-"""Prometheus metrics of one worker, served by prometheus_client's own HTTP server (`--metrics-port`).
+"""Prometheus metrics of one worker, and its health checks, on one small HTTP server (`--metrics-port`).
+
+GET /metrics: the metrics text (prometheus_client's WSGI app). GET /health: liveness, 200 while the worker
+loop turned within `stale_after_s`, else 503. GET /ready: readiness, 200 once the loop has run with the
+engine loaded and Redis answers a PING now, else 503. Both answer a JSON body saying why. Other paths: 404.
 
 Nothing here runs per token: the worker counts generated tokens in a plain int per step, observes the
 latency histograms once per finished job, and update() (on a timer, default 1 s, in the worker's thread)
@@ -8,14 +12,22 @@ A private registry per worker, so several workers in one process (tests) do not 
 
 from __future__ import annotations
 
+import json
+import threading
 import time
-from typing import Any
+from typing import Any, Callable, Iterable
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
+from redis import ConnectionPool, Redis
 
 from .keys import BANDS, GROUP, QueueKeys
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# The loop turns at least every block_ms (1 s) plus one engine step; a long CPU prefill can take seconds.
+LIVENESS_STALE_S = 30.0
+READY_PING_TIMEOUT_S = 1.0
 
 
 class Metrics:
@@ -41,7 +53,8 @@ class Metrics:
         self.held = gauge("pagedq_held_jobs", "Jobs this worker holds (backlog + engine)")
         self.blocks_used = gauge("pagedq_kv_blocks_used", "KV cache blocks in use")
         self.blocks_free = gauge("pagedq_kv_blocks_free", "KV cache blocks free")
-        self.blocks_total = gauge("pagedq_kv_blocks_total", "KV cache blocks in the pool")
+        # A gauge: no `_total` suffix (Prometheus reserves it for counters).
+        self.blocks_total = gauge("pagedq_kv_blocks", "KV cache blocks in the pool")
         self.slot_util = gauge("pagedq_kv_slot_utilization", "Fraction of KV slots of used blocks holding tokens")
         self.tokens = Counter("pagedq_generated_tokens", "Tokens generated", q, registry=reg).labels(queue)
         self.preemptions = Counter("pagedq_preemptions", "Engine preemptions", q, registry=reg).labels(queue)
@@ -54,12 +67,61 @@ class Metrics:
                              buckets=LATENCY_BUCKETS, registry=reg).labels(queue)
         self._seen = {"tokens": 0, "preemptions": 0, "outages": 0}
         self._seen_status: dict[str, int] = {}
-        self.server, self._thread = start_http_server(port, addr, registry=reg)
+        self.stale_after_s = LIVENESS_STALE_S
+        self.last_turn = time.monotonic()  # of the worker loop's last metrics update (start-up counts as one)
+        self.engine_loaded = False
+        self._probe: Redis | None = None  # its own short-timeout client: a probe must not hang on a dead Redis
+        self._metrics_app = make_wsgi_app(reg)
+        self.server = make_server(addr, port, self._app, ThreadingWSGIServer, handler_class=_QuietHandler)
+        self._thread = threading.Thread(target=self.server.serve_forever, name="pagedq-metrics", daemon=True)
+        self._thread.start()
 
     @property
     def port(self) -> int:
         return int(self.server.server_port)
 
+    # ---- HTTP --------------------------------------------------------------------------------
+    def _app(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO") or "/"
+        if path == "/metrics":
+            return self._metrics_app(environ, start_response)
+        if path == "/health":
+            return _json(start_response, *self.liveness())
+        if path == "/ready":
+            return _json(start_response, *self.readiness())
+        return _json(start_response, False, {"error": f"no such path {path!r}: /metrics, /health, /ready"}, "404")
+
+    def liveness(self) -> tuple[bool, dict]:
+        age = time.monotonic() - self.last_turn
+        alive = age <= self.stale_after_s
+        return alive, {"alive": alive, "last_turn_age_s": round(age, 3), "stale_after_s": self.stale_after_s}
+
+    def readiness(self) -> tuple[bool, dict]:
+        redis_ok, error = False, None
+        if self._probe is not None:
+            try:
+                redis_ok = bool(self._probe.ping())
+            except Exception as exc:  # any failure to answer means not ready; say which
+                error = repr(exc)
+        ready = self.engine_loaded and redis_ok and self.liveness()[0]
+        body = {"ready": ready, "engine_loaded": self.engine_loaded, "redis": redis_ok}
+        if error:
+            body["redis_error"] = error
+        return ready, body
+
+    def _watch(self, worker: Any) -> None:
+        """Called from the worker loop: it turned; the engine is there; a probe client like the worker's."""
+        self.last_turn = time.monotonic()
+        self.engine_loaded = worker.engine is not None
+        self.stale_after_s = max(LIVENESS_STALE_S, 10 * float(worker.s.metrics_every_s))
+        if self._probe is None:
+            pool = worker.r.connection_pool
+            kwargs = {**pool.connection_kwargs, "socket_timeout": READY_PING_TIMEOUT_S,
+                      "socket_connect_timeout": READY_PING_TIMEOUT_S}
+            self._probe = Redis(connection_pool=ConnectionPool(connection_class=pool.connection_class,
+                                                               max_connections=4, **kwargs))
+
+    # ---- metrics -----------------------------------------------------------------------------
     def observe(self, record: Any) -> None:
         """Once per finished job."""
         timings = record.timings
@@ -70,6 +132,7 @@ class Metrics:
 
     def update(self, worker: Any) -> None:
         """On the metrics timer: engine gauges, counter deltas, and the queue's state from Redis."""
+        self._watch(worker)
         engine = worker.engine
         total, free = engine.num_total_blocks, engine.num_free_blocks
         self.blocks_total.set(total)
@@ -122,6 +185,22 @@ class Metrics:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+        if self._probe is not None:
+            self._probe.close()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # scrapes and probes every few seconds: no access log
+        pass
+
+
+def _json(start_response: Callable, ok: bool, body: dict, status: str | None = None) -> list[bytes]:
+    status = status or ("200" if ok else "503")
+    reason = {"200": "OK", "503": "Service Unavailable", "404": "Not Found"}[status]
+    payload = json.dumps(body).encode()
+    start_response(f"{status} {reason}", [("Content-Type", "application/json"),
+                                          ("Content-Length", str(len(payload)))])
+    return [payload]
 
 
 def _s(value: Any) -> str:

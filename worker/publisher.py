@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 import structlog
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError
 
 from . import scripts
 from .job import Choice, FinalRecord, Timings, Usage
@@ -145,7 +145,3 @@ class Publisher:
 
 def _dt(start: float, end: float | None) -> float | None:
     return None if end is None else round(max(end - start, 0.0), 6)
-
-
-def is_busygroup(exc: ResponseError) -> bool:
-    return "BUSYGROUP" in str(exc)

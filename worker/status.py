@@ -66,6 +66,7 @@ def _worker_row(name: str, last_beat: float, raw: bytes | None, now: float) -> d
                    running=hb.get("running"), waiting=hb.get("waiting"), held=hb.get("held_jobs"),
                    kv_utilization=hb.get("kv_utilization"), free_blocks=hb.get("free_blocks"),
                    total_blocks=hb.get("total_blocks"), completed=hb.get("completed"), failed=hb.get("failed"),
+                   rejected=hb.get("rejected"),
                    heartbeat_age_s=round(now - hb.get("updated_at", last_beat), 1), host=hb.get("host"),
                    pid=hb.get("pid"), celery_queue=hb.get("celery_queue"))
     return row
@@ -79,11 +80,12 @@ def render(statuses: list[dict[str, Any]]) -> str:
         for band, b in st["bands"].items():
             lines.append(f"  band {band}: depth {b['depth']} (undelivered {b['undelivered']}, pending "
                          f"{b['pending']}), dead letters {b['dead_letters']}")
-        header = ["WORKER", "STATE", "BEAT AGE", "DEVICE", "MODEL", "RUNNING", "WAITING", "KV USED", "DONE", "FAILED"]
+        header = ["WORKER", "STATE", "BEAT AGE", "DEVICE", "MODEL", "RUNNING", "WAITING", "KV USED", "DONE", "FAILED",
+                  "REJECTED"]
         rows = [[w["worker"], w["state"], f"{w['heartbeat_age_s']}s", w.get("device") or "-",
                  _short(w.get("model")), _n(w.get("running")), _n(w.get("waiting")),
                  "-" if w.get("kv_utilization") is None else f"{100 * w['kv_utilization']:.1f}%",
-                 _n(w.get("completed")), _n(w.get("failed"))] for w in st["workers"]]
+                 _n(w.get("completed")), _n(w.get("failed")), _n(w.get("rejected"))] for w in st["workers"]]
         if not rows:
             lines.append("  (no workers)")
             continue

@@ -143,6 +143,11 @@ def test_shared_system_prompt_is_prefilled_once(tiny_llama_dir):
     assert uncached.stats()["num_prefilled_tokens"] == 4 * 110
     assert cached.stats()["num_prefilled_tokens"] == 110 + 3 * (110 - 96)
     assert cached.stats()["prefix_cache_hit_rate"] == pytest.approx(3 * 96 / 440)
+    # vLLM's RequestOutput.num_cached_tokens: the first computes the system prompt, the other three hit its 6 blocks
+    assert [o.num_cached_tokens for o in with_cache] == [0, 96, 96, 96]
+    assert [o.num_cached_tokens for o in without] == [0, 0, 0, 0]
+    again = cached.generate([prompts[1], system + [7]], params)  # all 6 full blocks (96 tokens) are cached now
+    assert [o.num_cached_tokens for o in again] == [96, 96]
 
 
 def test_eviction_under_pressure_keeps_outputs_exact(tiny_llama_dir):

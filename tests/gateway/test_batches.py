@@ -65,6 +65,8 @@ def test_batch_round_trip_with_bad_lines(redis_url, tiny_llama_dir):
     codes = sorted(e["error"]["code"] for e in errors)
     assert codes == ["duplicate_custom_id", "invalid_json", "invalid_request", "invalid_request"]
     assert all(set(e) == {"id", "custom_id", "response", "error"} for e in errors)
+    ids = [e["id"] for e in errors]  # line-level rows too: named after their line, never null
+    assert all(isinstance(i, str) and i.startswith("batch_req_") for i in ids) and len(set(ids)) == len(ids)
 
 
 def test_cancel_a_batch_keeps_what_finished(redis_url):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -21,6 +22,7 @@ def test_demo_answers_on_the_demo_model(demo_model_dir):
     proc = run_cli("demo", "--device", "cpu", "--max-tokens", "10", timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "(streamed)" in proc.stdout and proc.stdout.count("status=completed") == 3
+    assert re.search(r"^redis: redis://127\.0\.0\.1:\d+/0  queue: default$", proc.stdout, re.M), proc.stdout[:500]
     assert "Paris" in proc.stdout
 
 

@@ -51,7 +51,7 @@ def test_metrics_endpoint_matches_reality(redis_url, r):
         assert m[("pagedq_time_to_first_token_seconds_count", ())] == 20
         assert m[("pagedq_e2e_latency_seconds_count", ())] == 20
         assert abs(m[("pagedq_e2e_latency_seconds_sum", ())] - sum(f.timings.total for f in finals)) < 1e-3
-        assert m[("pagedq_kv_blocks_total", ())] == 512 and m[("pagedq_kv_blocks_free", ())] == 512
+        assert m[("pagedq_kv_blocks", ())] == 512 and m[("pagedq_kv_blocks_free", ())] == 512
         assert m[("pagedq_queue_depth", DEFAULT)] == r.xlen(KEYS.jobs) == 0
         assert m[("pagedq_preemptions_total", ())] == 0
 
@@ -79,10 +79,12 @@ def test_metrics_endpoint_matches_reality(redis_url, r):
 def test_status_against_a_live_worker(redis_url, r):
     client = Client(redis_url)
     long_id = client.submit(prompt="keeps running", max_tokens=1500, temperature=0)
+    client.submit(messages=[{"role": "user", "content": "hi"}], max_tokens=2)  # no chat template: rejected
     engine = StubEngine(step_delay_s=0.005)
     with worker_thread(engine, redis_url, device="cpu", model="stub-model", name="status-w"):
-        wait_for(lambda: (json.loads(r.get(KEYS.heartbeat("status-w")) or b"{}").get("running") == 1),
-                 timeout=10, what="a heartbeat with the job running")
+        wait_for(lambda: (json.loads(r.get(KEYS.heartbeat("status-w")) or b"{}").get("running") == 1
+                          and json.loads(r.get(KEYS.heartbeat("status-w")))["rejected"] == 1),
+                 timeout=10, what="a heartbeat with the job running and one rejected")
         client.submit_many([dict(prompt=f"later {i}", max_tokens=2) for i in range(2)])
         r.xadd(KEYS.dead, {"id": "old-dead", "data": json.dumps({"job": {"id": "old-dead", "prompt": "x"},
                                                                   "error": "boom", "attempts": 4})})
@@ -94,10 +96,13 @@ def test_status_against_a_live_worker(redis_url, r):
         (w,) = queue["workers"]
         assert (w["worker"], w["state"], w["device"], w["model"], w["running"]) == (
             "status-w", "running", "cpu", "stub-model", 1)
-        assert 0 <= w["heartbeat_age_s"] < 3 and 0 < w["kv_utilization"] <= 1
+        assert 0 <= w["heartbeat_age_s"] < 3 and 0 < w["kv_utilization"] <= 1 and w["rejected"] == 1
         table = run_cli("status", "--redis", redis_url, timeout=60)
         assert table.returncode == 0
         assert "status-w" in table.stdout and "stub-model" in table.stdout and "dead letters 1" in table.stdout
+        header, row = (line.split() for line in table.stdout.splitlines() if "WORKER" in line or "status-w" in line)
+        header = [h for h in header if h not in ("AGE", "USED")]  # "BEAT AGE" and "KV USED" are one column each
+        assert dict(zip(header, row))["REJECTED"] == "1"
         client.cancel(long_id)
 
 
@@ -108,7 +113,7 @@ def test_dlq_list_retry_purge(redis_url, r):
     run_burst(FaultyEngine(StubEngine(), "POISON"), redis_url, max_attempts=1)
     assert client.result(poison, timeout=1).status == "failed" and r.xlen(KEYS.dead) == 2
     listed = run_cli("dlq", "list", "--redis", redis_url, "--json", timeout=60)
-    letters = [json.loads(line) for line in listed.stdout.splitlines()]
+    letters = json.loads(listed.stdout)  # one JSON array
     assert {(d["id"], d["job"]["prompt"]) for d in letters} == {(poison, "POISON here"), (other, "POISON too")}
     assert all("injected fault" in d["error"] for d in letters)
     assert run_cli("dlq", "purge", "--redis", redis_url, timeout=60).returncode != 0  # ids or --all required
@@ -120,3 +125,5 @@ def test_dlq_list_retry_purge(redis_url, r):
     assert res.status == "completed" and res.attempts == 1
     purged = run_cli("dlq", "purge", "--all", "--redis", redis_url, timeout=60)
     assert purged.returncode == 0 and "purged 1" in purged.stdout and r.xlen(KEYS.dead) == 0
+    empty = run_cli("dlq", "list", "--redis", redis_url, "--json", timeout=60)
+    assert empty.returncode == 0 and json.loads(empty.stdout) == []

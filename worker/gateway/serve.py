@@ -16,7 +16,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", dest="api_keys", action="append", default=None,
                    help="accepted bearer token (repeat for several; default: $PAGEDQ_API_KEYS, else none: open)")
     p.add_argument("--max-queue-depth", type=int, default=None, help="429 beyond this many unfinished jobs")
-    p.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"],
+                   help="log level (default: the settings' log_level)")
 
 
 def settings_from_args(args: argparse.Namespace) -> GatewaySettings:

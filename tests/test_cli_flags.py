@@ -1,0 +1,59 @@
+"""Every `pagedq` parser: help text on every argument, no abbreviated flags, and --version."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from engine.cli import build_parser as pagedq_parser
+from worker.cli import build_parser as worker_parser
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def walk(parser: argparse.ArgumentParser, path: str):
+    """(command path, parser) for the parser and every sub-command below it."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from walk(sub, f"{path} {name}")
+
+
+@pytest.mark.parametrize("build", [pagedq_parser, worker_parser], ids=["pagedq", "python -m worker"])
+def test_every_argument_has_help_and_no_parser_takes_abbreviations(build):
+    parsers = list(walk(build(), "pagedq"))
+    assert len(parsers) >= 10  # every command and sub-command
+    missing = [(path, action.option_strings or action.dest) for path, parser in parsers
+               for action in parser._actions
+               if not isinstance(action, (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction))
+               and not action.help]
+    assert missing == []
+    assert [path for path, parser in parsers if parser.allow_abbrev] == []
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["generate", "hi", "--max-token", "5"], "--max-token"),
+    (["bulk", "in.jsonl", "out.jsonl", "--no-prog"], "--no-prog"),
+    (["worker", "--metrics-p", "9100"], "--metrics-p"),
+    (["bench", "host", "--num-seq", "4"], "--num-seq"),
+])
+def test_an_abbreviated_flag_is_refused(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        pagedq_parser().parse_args(argv)
+    assert exit_info.value.code == 2
+    assert f"unrecognized arguments: {flag}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", ["engine.cli", "worker"])
+def test_version_prints_the_package_version(module):
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    proc = subprocess.run([sys.executable, "-m", module, "--version"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == f"pagedq {version}"
