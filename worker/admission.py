@@ -14,7 +14,7 @@ from typing import Any
 from . import limits
 from .config import WorkerSettings
 from .errors import JobRejected
-from .engine_api import WorkerEngine
+from .engine_api import RequestOutputKind, SamplingParams, WorkerEngine
 from .job import FinalRecord, Job, parse_job, salvage
 from .keys import BANDS, DEFAULT_BAND, GROUP, JOB_FIELD, QueueKeys, band_rank
 from .publisher import Publisher
@@ -153,16 +153,27 @@ class Lanes:
         self.recent.append(t.band)
 
     def lowest_band_cap(self, engine: WorkerEngine) -> int:
-        max_seqs = getattr(engine, "max_num_seqs", None) or getattr(getattr(engine, "config", None),
-                                                                    "max_num_seqs", None)
-        return max(1, int(max_seqs) - self.reserve_seqs) if max_seqs else 1 << 30
+        return max(1, engine.max_num_seqs - self.reserve_seqs)
 
 
-def pick(backlog: list[HeldJob], engine: WorkerEngine, max_waiting: int, waiting_blocks: int,
-         isolating: bool, lanes: Lanes, lowest_in_engine: int) -> list[HeldJob]:
-    """Choose jobs to hand to the engine now: by band, then priority (Lanes), within the waiting-queue cap,
-    the lowest band's slot cap and the free KV blocks not already promised to jobs still waiting in the
-    engine. Suspects (from a step that raised, or recovered from a dead worker) run one at a time with
+def prepare(engine: WorkerEngine, t: HeldJob) -> None:
+    """Once per held job: the prompt as the engine gets it and the KV blocks it will take there, both from
+    the engine. Raises ValueError (the job is rejected) for input the engine or its tokenizer refuses."""
+    prompt = engine_prompt(engine, t.job)
+    params = sampling_params(t.job)
+    t.blocks_needed = engine.blocks_needed(engine.num_prompt_tokens(prompt), params.max_tokens, params.best_of)
+    t.engine_input = prompt
+
+
+def sampling_params(job: Job) -> SamplingParams:
+    return SamplingParams(**job.sampling_kwargs(), output_kind=RequestOutputKind.DELTA)
+
+
+def pick(backlog: list[HeldJob], engine: WorkerEngine, max_waiting: int, isolating: bool, lanes: Lanes,
+         lowest_in_engine: int) -> list[HeldJob]:
+    """Choose prepared jobs to hand to the engine now: by band, then priority (Lanes), within the
+    waiting-queue cap, the lowest band's slot cap and the free KV blocks the engine's waiting queue will
+    not take (both the engine's own figures). Suspects (from a step that raised, or recovered from a dead worker) run one at a time with
     nothing beside them, which pins the failure on one job; the least tried first, so every suspect runs
     once before any is retried (what lets the breaker see a broken engine)."""
     if not backlog or isolating:
@@ -171,8 +182,7 @@ def pick(backlog: list[HeldJob], engine: WorkerEngine, max_waiting: int, waiting
     suspects = [t for t in backlog if t.state is JobState.SUSPECT]
     if suspects:  # wait for the engine to empty, then run the next suspect alone
         return [] if engine.has_unfinished_requests() else [min(suspects, key=lambda t: t.attempts)]
-    block_size = getattr(engine, "block_size", None) or getattr(getattr(engine, "config", None), "block_size", 16)
-    budget = engine.num_free_blocks - waiting_blocks
+    budget = engine.num_free_blocks - engine.waiting_blocks_needed
     room = max_waiting - engine.num_waiting_requests
     lowest_room = lanes.lowest_band_cap(engine) - lowest_in_engine
     chosen = []
@@ -183,12 +193,10 @@ def pick(backlog: list[HeldJob], engine: WorkerEngine, max_waiting: int, waiting
             if lowest_room <= 0:
                 continue  # the reserved slots stay free for the bands above
             lowest_room -= 1
-        need = t.estimate_blocks(block_size)
         # Always let one job through when the engine has nothing waiting: it will queue for blocks itself.
-        if need > budget and (chosen or engine.num_waiting_requests):
+        if t.blocks_needed > budget and (chosen or engine.num_waiting_requests):
             break
-        t.blocks_estimate = need
-        budget -= need
+        budget -= t.blocks_needed
         room -= 1
         chosen.append(t)
     return chosen

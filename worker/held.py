@@ -12,7 +12,6 @@ alone after a failed step, or recovered from a dead worker) between. Every move 
 from __future__ import annotations
 
 import enum
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, NamedTuple
@@ -99,7 +98,8 @@ class HeldJob:
     prompt_logprobs: list[dict[str, float] | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    blocks_estimate: int = 0
+    engine_input: str | list[int] | None = None  # the prompt as the engine gets it (chat rendered); see prepared
+    blocks_needed: int = 0  # KV blocks it takes in the engine at its longest, by the engine's own count
     last_error: str | None = None
     samples: dict[int, Sample] = field(default_factory=dict)  # n > 1 only, by sample index
 
@@ -113,6 +113,10 @@ class HeldJob:
         self.state = state
         if state is not JobState.IN_ENGINE:
             self.alone = self.started = False
+
+    @property
+    def prepared(self) -> bool:
+        return self.engine_input is not None
 
     @property
     def origin(self) -> str:
@@ -143,16 +147,6 @@ class HeldJob:
     @property
     def text(self) -> str:
         return "".join(self.text_parts)
-
-    def estimate_blocks(self, block_size: int) -> int:
-        # Text prompts are not tokenised here (the engine does it); ~4 bytes per token is a fair guess.
-        job = self.job
-        if job.prompt_token_ids is not None:
-            prompt = len(job.prompt_token_ids)
-        else:  # chat templates add a few dozen tokens of markup per turn
-            text = job.prompt if job.prompt is not None else "".join(m.content for m in job.messages)
-            prompt = len(text.encode()) // 4 + 1 + (32 * len(job.messages) if job.messages else 0)
-        return math.ceil((prompt + job.max_tokens) / max(block_size, 1))
 
     def reset_output(self) -> None:
         """Forget partial output before a rerun (deltas restart at pos 0; consumers dedupe by pos)."""

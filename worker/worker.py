@@ -18,9 +18,9 @@ import structlog
 
 from . import scripts
 from .absorb import absorb, absorb_abort
-from .admission import Intake, Lanes, engine_prompt, engine_priority, pick
+from .admission import Intake, Lanes, engine_priority, pick, prepare, sampling_params
 from .config import WorkerSettings
-from .engine_api import RequestOutput, RequestOutputKind, SamplingParams, WorkerEngine
+from .engine_api import RequestOutput, WorkerEngine
 from .keys import BANDS, GROUP, QueueKeys, band_rank
 from .leases import Heartbeat, Leases
 from .publisher import Publisher
@@ -265,9 +265,8 @@ class Worker(Recovery):
         in_engine = self.held.in_state(JobState.IN_ENGINE)
         isolating = any(t.alone for t in in_engine)
         lowest = sum(1 for t in in_engine if t.band == BANDS[-1])
-        waiting_blocks = sum(t.blocks_estimate for t in in_engine if not t.started)
-        for t in pick(self.held.waiting(), self.engine, self.s.max_waiting, waiting_blocks, isolating, self.lanes,
-                      lowest):
+        ready = [t for t in self.held.waiting() if t.prepared or self._prepare(t)]
+        for t in pick(ready, self.engine, self.s.max_waiting, isolating, self.lanes, lowest):
             alone = t.state is JobState.SUSPECT
             if alone and not self._may_run_alone(t):
                 continue
@@ -277,12 +276,22 @@ class Worker(Recovery):
             self._add_to_engine(t, alone)
             self.lanes.admitted(t)
 
-    def _add_to_engine(self, t: HeldJob, alone: bool) -> None:
-        job = t.job
+    def _prepare(self, t: HeldJob) -> bool:
+        """The engine's view of a job before admission (admission.prepare); False when it was settled instead."""
         try:
-            prompt = engine_prompt(self.engine, job)
-            params = SamplingParams(**job.sampling_kwargs(), output_kind=RequestOutputKind.DELTA)
-            self.engine.add_request(t.request_id, prompt, params, priority=engine_priority(t))
+            prepare(self.engine, t)
+            return True
+        except ValueError as exc:  # the engine's verdict on bad input (too long, token out of vocab, ...)
+            self.intake.reject(t, str(exc))
+            self.held.finish(t)
+        except Exception as exc:
+            self._job_error(t, exc)
+        return False
+
+    def _add_to_engine(self, t: HeldJob, alone: bool) -> None:
+        try:
+            self.engine.add_request(t.request_id, t.engine_input, sampling_params(t.job),
+                                    priority=engine_priority(t))
         except ValueError as exc:  # the engine's verdict on bad input (too long, token out of vocab, ...)
             self.intake.reject(t, str(exc))
             self.held.finish(t)

@@ -125,3 +125,37 @@ def test_moves_outside_the_state_model_are_refused():
     assert JobKey("default", "j") not in held and t.state is JobState.FINAL
     with pytest.raises(IllegalMove, match="final -> in_engine"):
         t.move(JobState.IN_ENGINE)
+
+
+class BudgetWatchingEngine(StubEngine):
+    """The stub engine, noting before each step how many waiting requests the free KV blocks cannot take."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.most_over_budget = 0
+
+    def step(self):
+        free, over = self.num_free_blocks, 0
+        for req in sorted(self._waiting, key=lambda q: (-q.priority, q.seq)):
+            need = self.blocks_needed(len(req.prompt_ids), req.params.max_tokens)
+            if need <= free:
+                free -= need
+            else:
+                over += 1
+        self.most_over_budget = max(self.most_over_budget, over)
+        return super().step()
+
+
+def test_admission_hands_over_only_what_the_free_kv_blocks_take(redis_url, r):
+    """The engine's own block count, not a guess from the prompt's bytes: the stub makes one token per byte,
+    where a 4-bytes-per-token guess let four 9-block jobs into 18 free blocks."""
+    client = Client(redis_url)
+    prompts = [f"{i:03d} " + "x" * 124 for i in range(10)]  # 128 bytes: 128 tokens, 8 blocks + 1 for output
+    ids = client.submit_many([dict(prompt=p, max_tokens=16, temperature=0.0) for p in prompts])
+    engine = BudgetWatchingEngine(num_kv_blocks=18, max_num_seqs=8, step_delay_s=0.002)
+    run_burst(engine, redis_url)
+    # at most the one job let through when nothing else waits (it queues for blocks in the engine)
+    assert engine.most_over_budget <= 1
+    for job_id, prompt in zip(ids, prompts):
+        assert client.result(job_id, timeout=1).text == offline(prompt, max_tokens=16, temperature=0.0)[0]
+    assert_acknowledged(r, "default")
