@@ -173,9 +173,9 @@ def pick(backlog: list[HeldJob], engine: WorkerEngine, max_waiting: int, isolati
          lowest_in_engine: int) -> list[HeldJob]:
     """Choose prepared jobs to hand to the engine now: by band, then priority (Lanes), within the
     waiting-queue cap, the lowest band's slot cap and the free KV blocks the engine's waiting queue will
-    not take (both the engine's own figures). Suspects (from a step that raised, or recovered from a dead worker) run one at a time with
-    nothing beside them, which pins the failure on one job; the least tried first, so every suspect runs
-    once before any is retried (what lets the breaker see a broken engine)."""
+    not take (both the engine's own figures). Suspects (from a step that raised, or recovered from a dead
+    worker) run one at a time with nothing beside them, which pins the failure on one job; the least tried
+    first, so every suspect runs once before any is retried (what lets the breaker see a broken engine)."""
     if not backlog or isolating:
         return []
     lanes.order(backlog)
