@@ -171,20 +171,7 @@ class Worker(Recovery):
             for band in BANDS:
                 names.append(f"pending:{band}")
                 pipe.xpending(self.keys.jobs_of(band), GROUP)
-        # burst mode never blocks: it checks the pending count instead (and naps below if others hold jobs)
-        block = self.s.block_ms if idle and not self.s.burst and not self.stopping else None
-        if block:  # idle: one blocking read over every band, woken by the first job in any of them
-            if self.celery is not None:  # wake up often enough to poll the Celery queue too
-                block = min(block, max(1, int(self.s.celery_poll_s * 1000)))
-            names.append("read")
-            pipe.xreadgroup(GROUP, self.s.name, {self.keys.jobs_of(b): ">" for b in BANDS},
-                            count=self.s.max_waiting, block=block)
-        else:  # busy: each band read up to its own room, without blocking
-            for band in BANDS:
-                count = self._read_count(band)
-                if count > 0:
-                    names.append(f"read:{band}")
-                    pipe.xreadgroup(GROUP, self.s.name, {self.keys.jobs_of(band): ">"}, count=count)
+        names += self._queue_reads(pipe, idle)
         try:
             results = pipe.execute(raise_on_error=False)
         except REDIS_DOWN:
@@ -212,6 +199,24 @@ class Worker(Recovery):
                 time.sleep(0.05)  # jobs held by other (maybe dead) workers: wait for them or their leases
             else:
                 self._burst_done = True
+
+    def _queue_reads(self, pipe: Any, idle: bool) -> list[str]:
+        """The XREADGROUPs of this round trip, added to pipe; their names in the replies."""
+        # burst mode never blocks: it checks the pending count instead (and naps in _sync if others hold jobs)
+        block = self.s.block_ms if idle and not self.s.burst and not self.stopping else None
+        if block:  # idle: one blocking read over every band, woken by the first job in any of them
+            if self.celery is not None:  # wake up often enough to poll the Celery queue too
+                block = min(block, max(1, int(self.s.celery_poll_s * 1000)))
+            pipe.xreadgroup(GROUP, self.s.name, {self.keys.jobs_of(b): ">" for b in BANDS},
+                            count=self.s.max_waiting, block=block)
+            return ["read"]
+        names = []
+        for band in BANDS:  # busy: each band read up to its own room, without blocking
+            count = self._read_count(band)
+            if count > 0:
+                names.append(f"read:{band}")
+                pipe.xreadgroup(GROUP, self.s.name, {self.keys.jobs_of(band): ">"}, count=count)
+        return names
 
     def _flush(self) -> None:
         ops = self.publisher.take()
