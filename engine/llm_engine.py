@@ -150,10 +150,11 @@ class LLMEngine:
         return len(self._tokenize(prompt)[1])
 
     def blocks_needed(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> int:
-        """KV blocks a request of this shape holds at its longest (what admission checks against the cache):
-        with n samples (best_of), the prompt's full blocks once, shared by the samples, the rest per sample."""
+        """KV blocks a request of this shape holds at its longest: every token but the last sampled one (which
+        ends it before its KV is written); with n samples (best_of), the prompt's full blocks once, shared by
+        the samples, the rest per sample."""
         manager = self.block_manager
-        whole = manager.blocks_for_tokens(num_prompt_tokens + max_tokens)
+        whole = manager.blocks_for_tokens(num_prompt_tokens + max(max_tokens, 1) - 1)
         shared = num_prompt_tokens // manager.block_size if n > 1 else 0
         return shared + n * (whole - shared)
 
