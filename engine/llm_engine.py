@@ -144,6 +144,31 @@ class LLMEngine:
             raise ValueError(f"beam search of width {width} over {prompt_len} + {params.max_tokens} tokens needs up "
                              f"to {needed} KV blocks at once but the whole cache has {manager.num_total_blocks}")
 
+    # ---- admission queries (a caller sizing what to hand over next, e.g. the queue worker) -----------
+    def num_prompt_tokens(self, prompt: str | list[int]) -> int:
+        """How many tokens add_request makes of this prompt; ValueError for one add_request would refuse."""
+        return len(self._tokenize(prompt)[1])
+
+    def blocks_needed(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> int:
+        """KV blocks a request of this shape holds at its longest: every token but the last sampled one (which
+        ends it before its KV is written); with n samples (best_of), the prompt's full blocks once, shared by
+        the samples, the rest per sample."""
+        manager = self.block_manager
+        whole = manager.blocks_for_tokens(num_prompt_tokens + max(max_tokens, 1) - 1)
+        shared = num_prompt_tokens // manager.block_size if n > 1 else 0
+        return shared + n * (whole - shared)
+
+    @property
+    def waiting_blocks_needed(self) -> int:
+        """blocks_needed summed over the waiting queue: what it will take from num_free_blocks once admitted
+        (a preempted request counts the tokens it has and the ones it may still generate)."""
+        return sum(self.blocks_needed(r.num_tokens, r.sampling_params.max_tokens - r.num_output_tokens,
+                                      1 + r.fan_out) for r in self.scheduler.waiting)
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.config.max_num_seqs
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks; returns its final (cumulative) output, None if unknown."""
         group = self.output_processor.groups.get(request_id)

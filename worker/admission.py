@@ -14,11 +14,11 @@ from typing import Any
 from . import limits
 from .config import WorkerSettings
 from .errors import JobRejected
-from .engine_api import WorkerEngine
+from .engine_api import RequestOutputKind, SamplingParams, WorkerEngine
 from .job import FinalRecord, Job, parse_job, salvage
 from .keys import BANDS, DEFAULT_BAND, GROUP, JOB_FIELD, QueueKeys, band_rank
 from .publisher import Publisher
-from .tracked import Tracked
+from .held import HeldJob, JobKey, JobState
 
 _JOB_FIELD_B = JOB_FIELD.encode()
 MAX_REASON_CHARS = 2000  # a rejection reason quotes the problem, never the whole entry
@@ -31,7 +31,7 @@ class Intake:
         self.stats = stats  # the worker's per-status counters (heartbeat)
         self.seq = 0
 
-    def parse(self, entries: list, recovered: bool = False, band: str = DEFAULT_BAND) -> list[Tracked]:
+    def parse(self, entries: list, recovered: bool = False, band: str = DEFAULT_BAND) -> list[HeldJob]:
         """Validate entries; queue rejections and dead letters; return the jobs to run.
 
         Whatever an entry holds, it ends here as a held job, a rejection or a raw dead letter: any exception
@@ -55,21 +55,21 @@ class Intake:
                 jobs.append(t)
         return jobs
 
-    def _parse_one(self, entry_id: str, raw: Any, recovered: bool, band: str) -> Tracked:
+    def _parse_one(self, entry_id: str, raw: Any, recovered: bool, band: str) -> HeldJob:
         if raw is None:
             raise JobRejected(f"stream entry has no {JOB_FIELD!r} field")
         job = parse_job(raw)
         if "id" not in job.model_fields_set:  # a raw XADD without an id: the entry id is its id
             job = job.model_copy(update={"id": entry_id})
-        return self.track(entry_id, job, recovered, origin=band)
+        return self.track(band, entry_id, job, recovered)
 
-    def track(self, entry_id: str, job: Any, recovered: bool = False, enqueued_at: float = 0.0,
-              origin: str = DEFAULT_BAND) -> Tracked:
+    def track(self, origin: str, entry_id: str | None, job: Job, recovered: bool = False,
+              enqueued_at: float = 0.0) -> HeldJob:
         """A held job in read order. A recovered one (its worker died holding it) is a suspect: the worker
         charges it its lost run and its runs alone (Worker._hold) and runs it alone."""
         self.seq += 1
-        t = Tracked(entry_id, job, origin=origin, seq=self.seq, enqueued_at=enqueued_at, recovered=recovered,
-                    suspect=recovered)
+        t = HeldJob(JobKey(origin, job.id), job, entry_id=entry_id, seq=self.seq, enqueued_at=enqueued_at,
+                    recovered=recovered, state=JobState.SUSPECT if recovered else JobState.BACKLOG)
         self.publisher.ops.append(("HSET", self.keys.ids, job.id, 1))  # now Client.cancel knows it
         return t
 
@@ -81,7 +81,7 @@ class Intake:
             record = FinalRecord(id=job_id or entry_id, status="rejected", error=reason[:MAX_REASON_CHARS],
                                  metadata=metadata, worker=self.settings.name)
             self.log.warning("job_rejected", job_id=record.id, entry_id=entry_id, error=record.error)
-            self.publisher.final(record, entry_id, band=band)
+            self.publisher.final(record, band, entry_id)
             self.stats["rejected"] += 1
         except Exception as exc:
             self.log.error("job_rejection_failed", entry_id=entry_id, reason=reason[:MAX_REASON_CHARS],
@@ -89,26 +89,26 @@ class Intake:
             self.publisher.dead_raw(entry_id, raw, f"{reason} (and the rejection failed: {exc!r})"[:MAX_REASON_CHARS],
                                     band)
 
-    def reject(self, t: Tracked, reason: str) -> None:
+    def reject(self, t: HeldJob, reason: str) -> None:
         self.log.warning("job_rejected", job_id=t.id, error=reason)
-        self.publisher.final(self.publisher.record(t, "rejected", reason), t.entry_id, band=t.origin)
+        self.publisher.final(self.publisher.record(t, "rejected", reason), t.origin, t.entry_id)
         self.stats["rejected"] += 1
 
-    def dead_letter(self, t: Tracked, error: str) -> None:
+    def dead_letter(self, t: HeldJob, error: str) -> None:
         error = f"{error}; attempts {t.attempts}, max_attempts {self.settings.max_attempts}"
         if t.last_error:
             error += f"; last error: {t.last_error}"
         self.log.error("job_dead_lettered", job_id=t.id, error=error)
         dead = {"job": json.loads(t.job.to_json()), "entry_id": t.entry_id, "band": t.origin, "error": error,
                 "attempts": t.attempts, "worker": self.settings.name}
-        self.publisher.final(self.publisher.record(t, "failed", error), t.entry_id, dead=dead, band=t.origin)
+        self.publisher.final(self.publisher.record(t, "failed", error), t.origin, t.entry_id, dead=dead)
         self.stats["failed"] += 1
 
 
 BAND_STRIDE = 2 * limits.MAX_PRIORITY + 1  # engine priority: every job of a band above every job below it
 
 
-def engine_priority(t: Tracked) -> int:
+def engine_priority(t: HeldJob) -> int:
     """The engine's priority for a held job: its band first, then its own priority (higher is sooner; the
     engine preempts the lowest when the KV cache runs dry, so an interactive job takes a bulk job's blocks).
     A job let in by the starvation guard goes to the head of the engine's queue, or the engine's own priority
@@ -136,11 +136,11 @@ class Lanes:
         self.min_share, self.reserve_seqs = min_share, reserve_seqs
         self.recent: deque[str] = deque(maxlen=self.WINDOW)
 
-    def order(self, backlog: list[Tracked]) -> list[Tracked]:
+    def order(self, backlog: list[HeldJob]) -> list[HeldJob]:
         backlog.sort(key=lambda t: (band_rank(t.band), -t.job.priority, t.seq))
         if self.min_share <= 0 or not backlog:
             return backlog
-        first: list[Tracked] = []
+        first: list[HeldJob] = []
         for band in BANDS[1:]:
             head = next((t for t in backlog if t.band == band), None)
             busy_above = band_rank(backlog[0].band) < band_rank(band)
@@ -149,30 +149,40 @@ class Lanes:
                 first.append(head)
         return first + [t for t in backlog if t not in first] if first else backlog
 
-    def admitted(self, t: Tracked) -> None:
+    def admitted(self, t: HeldJob) -> None:
         self.recent.append(t.band)
 
     def lowest_band_cap(self, engine: WorkerEngine) -> int:
-        max_seqs = getattr(engine, "max_num_seqs", None) or getattr(getattr(engine, "config", None),
-                                                                    "max_num_seqs", None)
-        return max(1, int(max_seqs) - self.reserve_seqs) if max_seqs else 1 << 30
+        return max(1, engine.max_num_seqs - self.reserve_seqs)
 
 
-def pick(backlog: list[Tracked], engine: WorkerEngine, max_waiting: int, waiting_blocks: int,
-         isolating: bool, lanes: Lanes, lowest_in_engine: int) -> list[Tracked]:
-    """Choose jobs to hand to the engine now: by band, then priority (Lanes), within the waiting-queue cap,
-    the lowest band's slot cap and the free KV blocks not already promised to jobs still waiting in the
-    engine. Suspects (from a step that raised, or recovered from a dead worker) run one at a time with
-    nothing beside them, which pins the failure on one job; the least tried first, so every suspect runs
-    once before any is retried (what lets the breaker see a broken engine)."""
+def prepare(engine: WorkerEngine, t: HeldJob) -> None:
+    """Once per held job: the prompt as the engine gets it and the KV blocks it will take there, both from
+    the engine. Raises ValueError (the job is rejected) for input the engine or its tokenizer refuses."""
+    prompt = engine_prompt(engine, t.job)
+    params = sampling_params(t.job)
+    t.blocks_needed = engine.blocks_needed(engine.num_prompt_tokens(prompt), params.max_tokens, params.best_of)
+    t.engine_input = prompt
+
+
+def sampling_params(job: Job) -> SamplingParams:
+    return SamplingParams(**job.sampling_kwargs(), output_kind=RequestOutputKind.DELTA)
+
+
+def pick(backlog: list[HeldJob], engine: WorkerEngine, max_waiting: int, isolating: bool, lanes: Lanes,
+         lowest_in_engine: int) -> list[HeldJob]:
+    """Choose prepared jobs to hand to the engine now: by band, then priority (Lanes), within the
+    waiting-queue cap, the lowest band's slot cap and the free KV blocks the engine's waiting queue will
+    not take (both the engine's own figures). Suspects (from a step that raised, or recovered from a dead
+    worker) run one at a time with nothing beside them, which pins the failure on one job; the least tried
+    first, so every suspect runs once before any is retried (what lets the breaker see a broken engine)."""
     if not backlog or isolating:
         return []
     lanes.order(backlog)
-    suspects = [t for t in backlog if t.suspect]
+    suspects = [t for t in backlog if t.state is JobState.SUSPECT]
     if suspects:  # wait for the engine to empty, then run the next suspect alone
         return [] if engine.has_unfinished_requests() else [min(suspects, key=lambda t: t.attempts)]
-    block_size = getattr(engine, "block_size", None) or getattr(getattr(engine, "config", None), "block_size", 16)
-    budget = engine.num_free_blocks - waiting_blocks
+    budget = engine.num_free_blocks - engine.waiting_blocks_needed
     room = max_waiting - engine.num_waiting_requests
     lowest_room = lanes.lowest_band_cap(engine) - lowest_in_engine
     chosen = []
@@ -183,12 +193,10 @@ def pick(backlog: list[Tracked], engine: WorkerEngine, max_waiting: int, waiting
             if lowest_room <= 0:
                 continue  # the reserved slots stay free for the bands above
             lowest_room -= 1
-        need = t.estimate_blocks(block_size)
         # Always let one job through when the engine has nothing waiting: it will queue for blocks itself.
-        if need > budget and (chosen or engine.num_waiting_requests):
+        if t.blocks_needed > budget and (chosen or engine.num_waiting_requests):
             break
-        t.blocks_estimate = need
-        budget -= need
+        budget -= t.blocks_needed
         room -= 1
         chosen.append(t)
     return chosen

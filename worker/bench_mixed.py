@@ -1,6 +1,7 @@
 """`pagedq bench worker --mixed`: interactive jobs behind a bulk backlog, against the same jobs on an idle
-queue, and the bulk backlog's throughput against a bulk-only run; one worker on the stub engine, all in the
-same run and the same process. Prints one JSON line."""
+queue, and the bulk backlog's throughput against a bulk-only run; one worker on the stub engine (or, with
+`--mixed-engine llm`, the real engine on `--model`, default the demo model), all in the same run and the same
+process. Prints one JSON line."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from redis import Redis
 
 from .client import Client
 from .config import WorkerSettings
+from .engine_api import WorkerEngine
 from .job import FinalRecord
 from .stub_engine import StubEngine
 from .worker import Worker
@@ -28,10 +30,32 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mixed-web-every", type=float, default=0.1, help="seconds between interactive submissions")
     p.add_argument("--mixed-step-delay", type=float, default=0.01, help="stub engine seconds per step")
     p.add_argument("--mixed-max-num-seqs", type=int, default=32, help="the stub engine's max_num_seqs (default 32)")
+    p.add_argument("--mixed-engine", default="stub", choices=["stub", "llm"],
+                   help="llm: the real engine on --model (default: the demo model) with --device, --dtype, "
+                        "--block-size, --num-kv-blocks, --max-num-batched-tokens; a fresh one per run")
 
 
-def _engine(args: argparse.Namespace) -> StubEngine:
-    return StubEngine(max_num_seqs=args.mixed_max_num_seqs, step_delay_s=args.mixed_step_delay)
+def _engine(args: argparse.Namespace) -> WorkerEngine:
+    if args.mixed_engine == "stub":
+        return StubEngine(max_num_seqs=args.mixed_max_num_seqs, step_delay_s=args.mixed_step_delay)
+    from engine import LLMEngine, SamplingParams
+
+    engine = LLMEngine(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                       num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.mixed_max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens)
+    engine.add_request("warm-up", "warm up", SamplingParams(max_tokens=4))  # first-step costs out of the runs
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.reset_step_stats()
+    return engine
+
+
+def _step_s(args: argparse.Namespace, engine: WorkerEngine) -> float:
+    """One engine step: the stub's delay, or the real engine's mean step over the run."""
+    if args.mixed_engine == "stub":
+        return args.mixed_step_delay
+    stats = engine.stats()
+    return sum(stats[f"{phase}_ms_per_step"] for phase in ("schedule", "execute", "postprocess")) / 1e3
 
 
 def _worker(args: argparse.Namespace, url: str, queue: str, burst: bool, **overrides: Any) -> Worker:
@@ -53,7 +77,8 @@ def _latencies(client: Client, ids: list[str]) -> dict[str, float]:
     assert all(r.ok for r in records), [r.error for r in records if not r.ok][:3]
     ttft = np.array([r.timings.ttft for r in records])
     total = np.array([r.timings.total for r in records])
-    return {"ttft_p50_s": round(float(np.percentile(ttft, 50)), 4), "ttft_p99_s": round(float(np.percentile(ttft, 99)), 4),
+    return {"ttft_p50_s": round(float(np.percentile(ttft, 50)), 4),
+            "ttft_p99_s": round(float(np.percentile(ttft, 99)), 4),
             "total_p50_s": round(float(np.percentile(total, 50)), 4),
             "total_p99_s": round(float(np.percentile(total, 99)), 4)}
 
@@ -80,7 +105,7 @@ def idle_run(url: str, args: argparse.Namespace) -> dict[str, float]:
         thread.join(timeout=30)
 
 
-def mixed_run(url: str, args: argparse.Namespace) -> tuple[dict[str, float], float]:
+def mixed_run(url: str, args: argparse.Namespace) -> tuple[dict[str, float], float, float]:
     """Interactive latencies behind the backlog, and the backlog's bulk tokens/s over the whole burst run."""
     client = Client(url, queue="mixed")
     bulk = _bulk(client, args)
@@ -92,23 +117,23 @@ def mixed_run(url: str, args: argparse.Namespace) -> tuple[dict[str, float], flo
         web.extend(_submit_web(client, args))
     thread = threading.Thread(target=web_traffic, daemon=True)
     thread.start()
-    seconds = _timed_burst(args, url, "mixed")
+    seconds, engine = _timed_burst(args, url, "mixed")
     thread.join(timeout=600)
-    return _latencies(client, web), _bulk_tokens(client, bulk) / seconds
+    return _latencies(client, web), _bulk_tokens(client, bulk) / seconds, _step_s(args, engine)
 
 
 def bulk_only_run(url: str, args: argparse.Namespace) -> float:
     client = Client(url, queue="bulkonly")
     bulk = _bulk(client, args)
-    seconds = _timed_burst(args, url, "bulkonly", reserve_seqs=0)  # all slots: what bulk had before bands
+    seconds, _ = _timed_burst(args, url, "bulkonly", reserve_seqs=0)  # all slots: what bulk had before bands
     return _bulk_tokens(client, bulk) / seconds
 
 
-def _timed_burst(args: argparse.Namespace, url: str, queue: str, **overrides: Any) -> float:
+def _timed_burst(args: argparse.Namespace, url: str, queue: str, **overrides: Any) -> tuple[float, WorkerEngine]:
     worker = _worker(args, url, queue, burst=True, **overrides)
     start = time.perf_counter()
     worker.run()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, worker.engine
 
 
 def _bulk_tokens(client: Client, ids: list[str]) -> int:
@@ -121,11 +146,12 @@ def _bulk_tokens(client: Client, ids: list[str]) -> int:
 
 def bench_mixed(url: str, args: argparse.Namespace) -> dict[str, Any]:
     idle = idle_run(url, args)
-    mixed, mixed_tok_s = mixed_run(url, args)
+    mixed, mixed_tok_s, step = mixed_run(url, args)
     only_tok_s = bulk_only_run(url, args)
-    step = args.mixed_step_delay
+    engine = (f"stub, {args.mixed_step_delay} s/step" if args.mixed_engine == "stub"
+              else f"llm {args.model or 'demo model'} on {args.device}, mean step {step:.4f} s (mixed run)")
     return {
-        "engine": f"stub, {args.mixed_step_delay} s/step, max_num_seqs {args.mixed_max_num_seqs}",
+        "engine": f"{engine}, max_num_seqs {args.mixed_max_num_seqs}", "engine_step_s": round(step, 4),
         "bulk_jobs": args.mixed_bulk_jobs, "bulk_tokens": args.mixed_bulk_tokens,
         "interactive_jobs": args.mixed_web_jobs, "interactive_tokens": args.mixed_web_tokens,
         "interactive_idle": idle, "interactive_behind_backlog": mixed,

@@ -26,8 +26,8 @@ from .client import make_job
 from .errors import GenerationFailed, JobRejected
 from .job import FinalRecord, valid_job_id
 from .keys import QueueKeys
-from .publisher import CELERY_ENTRY_PREFIX, Publisher
-from .tracked import Tracked
+from .held import CELERY_ORIGIN, HeldJob
+from .publisher import Publisher
 
 TASK_NAME = "pagedq.generate"
 ACCEPT = {"application/json"}  # never unpickle what comes off the broker
@@ -47,7 +47,7 @@ class CeleryIntake:
         self.visibility_timeout = float(self.channel.visibility_timeout)
         self.restore_every_s = min(max(self.visibility_timeout / 4, 0.25), 30.0)
         self.poll_interval_s = poll_interval_s
-        self.pending: dict[str, tuple[Any, Context]] = {}  # entry id -> (kombu message, request context)
+        self.pending: dict[str, tuple[Any, Context]] = {}  # job id -> (kombu message, request context)
         self._next_poll = 0.0
         self._next_restore = 0.0
 
@@ -67,7 +67,7 @@ class CeleryIntake:
         return self.queue.name
 
     # ------------------------------------------------------------------ intake
-    def poll(self, count: int) -> list[Tracked]:
+    def poll(self, count: int) -> list[HeldJob]:
         """Up to count new jobs, without blocking. After an empty poll, wait poll_interval_s before the next."""
         now = time.monotonic()
         if count <= 0 or now < self._next_poll:
@@ -82,7 +82,7 @@ class CeleryIntake:
         parsed = [p for p in (self._parse(m) for m in messages) if p is not None]
         return self._admit_parsed(parsed) if parsed else []
 
-    def _admit_parsed(self, parsed: list[tuple[Any, Context, Any, str | None]]) -> list[Tracked]:
+    def _admit_parsed(self, parsed: list[tuple[Any, Context, Any, str | None]]) -> list[HeldJob]:
         # One round trip: finished already? (redelivered after a crash between FINALIZE and ack) and
         # count this delivery (a redelivered job is a suspect: it runs alone, see Worker._hold).
         pipe = self.r.pipeline(transaction=False)
@@ -93,21 +93,20 @@ class CeleryIntake:
         jobs = []
         for i, (message, ctx, job, error) in enumerate(parsed):
             final, deliveries = replies[2 * i], int(replies[2 * i + 1])
-            entry_id = CELERY_ENTRY_PREFIX + ctx.id
-            old = self.pending.get(entry_id)
+            old = self.pending.get(ctx.id)
             if old is not None:  # a redelivery of a job we hold (visibility timeout passed): keep running,
                 old[0].ack()    # answer through the newest delivery (restore dropped the old tag)
-            self.pending[entry_id] = (message, ctx)
+            self.pending[ctx.id] = (message, ctx)
             if final is not None:
-                self.settle([(entry_id, ctx.id)])
+                self.settle([ctx.id])
             elif error is not None:
                 record = FinalRecord(id=ctx.id, status="rejected", error=error, worker=self.intake.settings.name)
                 self.log.warning("job_rejected", job_id=ctx.id, error=error)
-                self.publisher.final(record, entry_id)
+                self.publisher.final(record, CELERY_ORIGIN, None)
                 self.intake.stats["rejected"] += 1
             elif old is None:
-                jobs.append(self.intake.track(entry_id, job, recovered=deliveries > 1, enqueued_at=time.time(),
-                                              origin="celery"))
+                jobs.append(self.intake.track(CELERY_ORIGIN, None, job, recovered=deliveries > 1,
+                                              enqueued_at=time.time()))
         return jobs
 
     def _parse(self, message: Any) -> tuple[Any, Context, Any, str | None] | None:
@@ -147,18 +146,18 @@ class CeleryIntake:
         message.ack()
 
     # ------------------------------------------------------------------ results
-    def settle(self, done: list[tuple[str, str]]) -> None:
+    def settle(self, done: list[str]) -> None:
         """Report finished jobs to Celery (result backend, chords, callbacks), then ack their messages.
         The final record in Redis is authoritative: the first one written wins over a rerun's."""
         if not done:
             return
         pipe = self.r.pipeline(transaction=False)
-        for _, job_id in done:
+        for job_id in done:
             pipe.get(self.keys.final(job_id))
         finals = pipe.execute()
         settled = []
-        for (entry_id, job_id), raw in zip(done, finals):
-            message, ctx = self.pending.pop(entry_id, (None, None))
+        for job_id, raw in zip(done, finals):
+            message, ctx = self.pending.pop(job_id, (None, None))
             if message is None:
                 continue
             try:

@@ -9,17 +9,21 @@ from __future__ import annotations
 from engine.outputs import CompletionOutput, RequestOutput  # noqa: F401
 from engine.sampling_params import RequestOutputKind, SamplingParams  # noqa: F401
 
-from typing import Any, Protocol, runtime_checkable  # noqa: E402
+from typing import Protocol, runtime_checkable  # noqa: E402
 
 
 @runtime_checkable
 class WorkerEngine(Protocol):
     """What the worker drives between its Redis round trips: engine.LLMEngine, worker.stub_engine.StubEngine
     and worker.faults.FaultyEngine (around either) implement it. Optional extras the worker reads when
-    present: `tokenizer` (chat templates), `block_size`, `kv_slot_utilization`, `stats()`."""
+    present: `tokenizer` (chat templates), `kv_slot_utilization`, `stats()`.
+
+    Admission asks the engine instead of mirroring its state: how many tokens a prompt is, how many KV
+    blocks a request of that shape takes, and how many its waiting queue will take (num_free_blocks minus
+    that is what is left for new requests)."""
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0) -> Any: ...
+                    priority: int = 0) -> None: ...
 
     def abort_request(self, request_id: str) -> RequestOutput | None: ...
 
@@ -41,3 +45,13 @@ class WorkerEngine(Protocol):
 
     @property
     def num_total_blocks(self) -> int: ...
+
+    @property
+    def max_num_seqs(self) -> int: ...
+
+    def num_prompt_tokens(self, prompt: str | list[int]) -> int: ...
+
+    def blocks_needed(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> int: ...
+
+    @property
+    def waiting_blocks_needed(self) -> int: ...

@@ -36,6 +36,17 @@ class FaultyEngine:
         self._live.discard(request_id)
         return self._engine.abort_request(request_id)
 
+    # the admission queries of the WorkerEngine protocol: the wrapped engine's answers
+    def num_prompt_tokens(self, prompt: str | list[int]) -> int:
+        return self._engine.num_prompt_tokens(prompt)
+
+    def blocks_needed(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> int:
+        return self._engine.blocks_needed(num_prompt_tokens, max_tokens, n)
+
+    @property
+    def waiting_blocks_needed(self) -> int:
+        return self._engine.waiting_blocks_needed
+
     def step(self) -> list:
         if self._live or self.broken:
             if self._mode == "exit":

@@ -16,17 +16,11 @@ from redis.exceptions import NoScriptError
 from . import scripts
 from .job import Choice, FinalRecord, Timings, Usage
 from .keys import BANDS, DATA_FIELD, DEFAULT_BAND, GROUP, TYPE_FIELD, QueueKeys
-from .tracked import Tracked
+from .held import CELERY_ORIGIN, HeldJob
 
 FINALIZE_CHUNK = 256  # jobs per FINALIZE call: bounds how long one script blocks Redis
 log = structlog.get_logger("pagedq.publisher")
 MAX_DEAD_RAW_BYTES = 1024 * 1024  # of a raw dead letter: enough to see what it was
-CELERY_ENTRY_PREFIX = "celery:"  # held jobs that came from the Celery queue: no stream entry to acknowledge
-
-
-def is_celery_entry(entry_id: str) -> bool:
-    return entry_id.startswith(CELERY_ENTRY_PREFIX)
-
 
 class Publisher:
     def __init__(self, keys: QueueKeys, worker_name: str, result_ttl_s: int, completions_maxlen: int) -> None:
@@ -38,10 +32,10 @@ class Publisher:
         self.finals_written = 0
         self.duplicates = 0
         # Celery-delivered jobs finalised but not yet reported to Celery's result backend and acked:
-        # (entry_id, job_id). take() moves them to `settling`; the worker settles them once the
-        # FINALIZE calls of the same take() have succeeded.
-        self.celery_done: list[tuple[str, str]] = []
-        self.settling: list[tuple[str, str]] = []
+        # their job ids. take() moves them to `settling`; the worker settles them once the FINALIZE calls
+        # of the same take() have succeeded.
+        self.celery_done: list[str] = []
+        self.settling: list[str] = []
 
     def __len__(self) -> int:
         return len(self.ops) + len(self.finals) + len(self.celery_done)
@@ -59,15 +53,17 @@ class Publisher:
             self.expiring.add(key)
             self.ops.append(("EXPIRE", key, self.ttl))
 
-    def final(self, record: FinalRecord, entry_id: str | None, dead: dict | None = None,
-              band: str = DEFAULT_BAND) -> None:
-        """Queue a final record; the job entry (of the band's stream) is acknowledged with it."""
+    def final(self, record: FinalRecord, origin: str, entry_id: str | None, dead: dict | None = None) -> None:
+        """Queue a final record. A stream job's entry (in its band's stream) is acknowledged with it; a Celery
+        job is acknowledged on the Celery side once FINALIZE has run."""
         self.expiring.discard(self.keys.result(record.id))
-        if entry_id and is_celery_entry(entry_id):
-            self.celery_done.append((entry_id, record.id))
-            entry_id = None  # acknowledged on the Celery side after FINALIZE, not in the job stream
+        if origin == CELERY_ORIGIN:
+            self.celery_done.append(record.id)
+            entry_id = None
+        elif origin not in BANDS:
+            raise ValueError(f"unknown origin {origin!r}")
         self.finals.append((record.id, entry_id or "", record.model_dump_json(), json.dumps(dead) if dead else "",
-                            band if band in BANDS else DEFAULT_BAND))
+                            origin if origin in BANDS else DEFAULT_BAND))
 
     def dead_raw(self, entry_id: str, raw: Any, error: str, band: str = DEFAULT_BAND) -> None:
         """Dead-letter an entry as the bytes it holds (it could not even be rejected) and acknowledge it."""
@@ -79,7 +75,7 @@ class Publisher:
                          entry_id, data,
                          raw_bytes[:MAX_DEAD_RAW_BYTES]))
 
-    def record(self, t: Tracked, status: str, error: str | None = None, now: float | None = None) -> FinalRecord:
+    def record(self, t: HeldJob, status: str, error: str | None = None, now: float | None = None) -> FinalRecord:
         """The final record of a held job. Built without re-validation (hot path; every field is ours)."""
         now = now or time.time()
         timings = Timings.model_construct(queue_wait=_dt(t.enqueued_at, t.admitted_at),

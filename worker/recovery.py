@@ -32,7 +32,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import scripts
 from .engine_api import SamplingParams
-from .tracked import Tracked
+from .held import HeldJob, JobState
 
 EXIT_ENGINE_BROKEN = 3  # process status when the breaker stopped the worker: restart it
 EXIT_REDIS_LOST = 4  # process status when Redis stayed unreachable past redis_outage_s
@@ -89,41 +89,37 @@ class Recovery:
 
     def _on_step_error(self, exc: Exception) -> None:
         """A step raised: with one job in the batch it is the culprit, otherwise every job becomes a suspect."""
-        batch = [t for t in self.held.values() if t.in_engine]
+        batch = self.held.in_state(JobState.IN_ENGINE)
         self.log.error("engine_step_failed", error=repr(exc), batch=len(batch))
         for t in batch:
-            self._leave_engine(t, abort=True)
+            self._leave_engine(t)
         if len(batch) == 1:
             self._job_error(batch[0], exc)
             return
         for t in batch:
-            t.suspect = True
+            t.move(JobState.SUSPECT)
             t.reset_output()
-            self.backlog.append(t)
 
-    def _job_error(self, t: Tracked, exc: Exception) -> None:
+    def _job_error(self, t: HeldJob, exc: Exception) -> None:
         t.last_error = f"{type(exc).__name__}: {exc}"
         self.log.warning("job_attempt_failed", job_id=t.id, attempts=t.attempts, error=t.last_error)
         if self.breaker.job_failed_alone(t.id) and not self._engine_answers_canary():
             self._stop_now("engine_broken", EXIT_ENGINE_BROKEN, exc, failed_alone=self.breaker.num_failed_alone)
         elif t.attempts >= self.s.max_attempts:
             self.intake.dead_letter(t, "the job failed in the engine")
-            self._forget(t)
+            self.held.finish(t)
             return
-        t.suspect = True
+        t.move(JobState.SUSPECT)
         t.reset_output()
-        if t not in self.backlog:
-            self.backlog.append(t)
 
-    def _may_run_alone(self, t: Tracked) -> bool:
+    def _may_run_alone(self, t: HeldJob) -> bool:
         """Before a suspect runs alone: record the run in Redis first (if its worker dies during it, the job
         is charged), unless it has already used max_attempts runs and has failed alone at least once; then
         it is dead-lettered. A job is never condemned for a batch it was only part of."""
         if t.runs_alone > 0 and t.attempts >= self.s.max_attempts:
-            self.backlog.remove(t)
             self.intake.dead_letter(t, "its worker died each time it ran alone" if t.recovered
                                     else "the job failed in the engine")
-            self._forget(t)
+            self.held.finish(t)
             return False
         self.r.hincrby(self.keys.runs, t.id, 1)  # before the run, so that a crash during it is charged to it
         t.runs_alone += 1

@@ -150,6 +150,18 @@ class StubEngine:
                 outputs.append(self._output(req, cumulative=kind != RequestOutputKind.DELTA))
         return outputs
 
+    # --- admission queries (the WorkerEngine protocol)
+    def num_prompt_tokens(self, prompt: str | list[int]) -> int:
+        return len(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else len(prompt)
+
+    def blocks_needed(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> int:
+        """What _schedule reserves for a request (the stub runs one sample whatever n is)."""
+        return self._blocks_for(num_prompt_tokens + max_tokens)
+
+    @property
+    def waiting_blocks_needed(self) -> int:
+        return sum(self.blocks_needed(len(r.prompt_ids), r.params.max_tokens) for r in self._waiting)
+
     # --- internals
     def _blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_size)
@@ -158,7 +170,7 @@ class StubEngine:
         self._waiting.sort(key=lambda r: (-r.priority, r.seq))
         while self._waiting and len(self._running) < self.max_num_seqs:
             req = self._waiting[0]
-            need = self._blocks_for(len(req.prompt_ids) + req.params.max_tokens)
+            need = self.blocks_needed(len(req.prompt_ids), req.params.max_tokens)
             if need > self.num_free_blocks:
                 break
             self._waiting.pop(0)

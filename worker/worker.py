@@ -17,14 +17,15 @@ from typing import Any
 import structlog
 
 from . import scripts
-from .admission import Intake, Lanes, engine_prompt, engine_priority, pick
+from .absorb import absorb, absorb_abort
+from .admission import Intake, Lanes, engine_priority, pick, prepare, sampling_params
 from .config import WorkerSettings
-from .engine_api import RequestOutputKind, SamplingParams, WorkerEngine
+from .engine_api import RequestOutput, WorkerEngine
 from .keys import BANDS, GROUP, QueueKeys, band_rank
 from .leases import Heartbeat, Leases
 from .publisher import Publisher
 from .recovery import REDIS_DOWN, EngineBreaker, Recovery
-from .tracked import Sample, Tracked
+from .held import HeldJob, HeldJobs, JobState
 
 STATUSES = ("completed", "failed", "cancelled", "expired", "rejected")
 
@@ -57,11 +58,7 @@ class Worker(Recovery):
         self.breaker = EngineBreaker(settings.engine_failure_limit)
         self.exit_code = 0  # set by recovery.py when the worker stops itself (broken engine, Redis lost)
         self.tokens_generated = 0  # counted per step; the metrics timer exports it
-        self.held: dict[str, Tracked] = {}  # by Tracked.key (origin and entry id; also the engine request id)
-        self.backlog: list[Tracked] = []
-        self.deadlines: dict[str, float] = {}
-        self.waiting_blocks = 0  # KV blocks promised to our jobs still in the engine's waiting queue
-        self.waiting_ids: set[str] = set()
+        self.held = HeldJobs()  # every job this worker holds, by JobKey, each with its JobState
         self.cancel_possible = True  # the cancel set was non-empty at the last look
         self.stopping = False
         self.stop_by = math.inf
@@ -117,8 +114,8 @@ class Worker(Recovery):
         return self._burst_done
 
     def _shutdown(self) -> None:
-        for t in [t for t in self.held.values() if t.in_engine]:
-            self._leave_engine(t, abort=True)  # drain timed out: left unacknowledged for redelivery
+        for t in self.held.in_state(JobState.IN_ENGINE):
+            self._leave_engine(t)  # drain timed out: left unacknowledged for redelivery
         try:
             self._flush()
             self.heartbeat.remove()
@@ -150,20 +147,20 @@ class Worker(Recovery):
         if self.stopping:
             return 0
         if band is None:
-            return self.s.max_waiting - self.engine.num_waiting_requests - len(self.backlog)
+            return self.s.max_waiting - self.engine.num_waiting_requests - len(self.held.waiting())
         rank = band_rank(band)
-        queued = sum(1 for t in self.held.values()
-                     if band_rank(t.band) <= rank and (not t.in_engine or t.key in self.waiting_ids))
+        queued = sum(1 for t in self.held
+                     if band_rank(t.band) <= rank and (not t.in_engine or t.waiting_in_engine))
         return self.s.max_waiting - queued
 
     def _sync(self) -> None:
         """One round trip: pending writes, cancel check, new jobs (blocking only when idle)."""
-        idle = not self.engine.has_unfinished_requests() and not self.backlog
+        idle = not self.engine.has_unfinished_requests() and not self.held.waiting()
         ops = self.publisher.take()
         pipe = self.r.pipeline(transaction=False)
         for op in ops:
             pipe.execute_command(*op)
-        job_ids = sorted({t.id for t in self.held.values()}) if self.cancel_possible else []
+        job_ids = self.held.job_ids() if self.cancel_possible else []
         names = ["cancel_count"]  # what each command after the writes answers, in order
         pipe.zcard(self.keys.cancelled)
         if job_ids:
@@ -174,20 +171,7 @@ class Worker(Recovery):
             for band in BANDS:
                 names.append(f"pending:{band}")
                 pipe.xpending(self.keys.jobs_of(band), GROUP)
-        # burst mode never blocks: it checks the pending count instead (and naps below if others hold jobs)
-        block = self.s.block_ms if idle and not self.s.burst and not self.stopping else None
-        if block:  # idle: one blocking read over every band, woken by the first job in any of them
-            if self.celery is not None:  # wake up often enough to poll the Celery queue too
-                block = min(block, max(1, int(self.s.celery_poll_s * 1000)))
-            names.append("read")
-            pipe.xreadgroup(GROUP, self.s.name, {self.keys.jobs_of(b): ">" for b in BANDS},
-                            count=self.s.max_waiting, block=block)
-        else:  # busy: each band read up to its own room, without blocking
-            for band in BANDS:
-                count = self._read_count(band)
-                if count > 0:
-                    names.append(f"read:{band}")
-                    pipe.xreadgroup(GROUP, self.s.name, {self.keys.jobs_of(band): ">"}, count=count)
+        names += self._queue_reads(pipe, idle)
         try:
             results = pipe.execute(raise_on_error=False)
         except REDIS_DOWN:
@@ -216,6 +200,24 @@ class Worker(Recovery):
             else:
                 self._burst_done = True
 
+    def _queue_reads(self, pipe: Any, idle: bool) -> list[str]:
+        """The XREADGROUPs of this round trip, added to pipe; their names in the replies."""
+        # burst mode never blocks: it checks the pending count instead (and naps in _sync if others hold jobs)
+        block = self.s.block_ms if idle and not self.s.burst and not self.stopping else None
+        if block:  # idle: one blocking read over every band, woken by the first job in any of them
+            if self.celery is not None:  # wake up often enough to poll the Celery queue too
+                block = min(block, max(1, int(self.s.celery_poll_s * 1000)))
+            pipe.xreadgroup(GROUP, self.s.name, {self.keys.jobs_of(b): ">" for b in BANDS},
+                            count=self.s.max_waiting, block=block)
+            return ["read"]
+        names = []
+        for band in BANDS:  # busy: each band read up to its own room, without blocking
+            count = self._read_count(band)
+            if count > 0:
+                names.append(f"read:{band}")
+                pipe.xreadgroup(GROUP, self.s.name, {self.keys.jobs_of(band): ">"}, count=count)
+        return names
+
     def _flush(self) -> None:
         ops = self.publisher.take()
         if ops:
@@ -233,67 +235,86 @@ class Worker(Recovery):
                 self.celery.settle(done)
 
     # ------------------------------------------------------------------ holding and admitting
-    def _hold(self, jobs: list[Tracked], check_cancel: bool = False) -> None:
-        jobs = [t for t in jobs if t.key not in self.held]
+    def _hold(self, jobs: list[HeldJob], check_cancel: bool = False) -> None:
+        new = []
+        for t in jobs:  # one at a time: a batch may hold two entries of one job
+            if self._is_new(t):
+                self.held.add(t)
+                new.append(t)
+        jobs = new
         recovered = [t for t in jobs if t.recovered]
         if recovered:  # charge each its lost run plus the runs alone it was given before
             for t, runs in zip(recovered, self.r.hmget(self.keys.runs, [t.id for t in recovered])):
                 t.runs_alone = int(runs or 0)
                 t.attempts = 1 + t.runs_alone
-        for t in jobs:
-            self.held[t.key] = t
-            self.backlog.append(t)
-            if t.job.deadline is not None:
-                self.deadlines[t.key] = t.job.deadline
         if check_cancel and jobs:
             ids = sorted({t.id for t in jobs})
             scores = self.r.zmscore(self.keys.cancelled, ids)
             self._apply_cancels([j for j, score in zip(ids, scores) if score is not None])
 
+    def _is_new(self, t: HeldJob) -> bool:
+        """False for a job already held under the same key: the same entry read again (a claim of our own
+        entry) is skipped; another entry of the same job id in the same band is acknowledged, because the
+        held one answers for that id."""
+        held = self.held.get(t.key)
+        if held is None:
+            return True
+        if t.entry_id and t.entry_id != held.entry_id:
+            self.log.warning("duplicate_job_entry", job_id=t.id, band=t.origin, entry_id=t.entry_id,
+                             held_entry_id=held.entry_id)
+            stream = self.keys.jobs_of(t.origin)
+            self.publisher.ops += [("XACK", stream, GROUP, t.entry_id), ("XDEL", stream, t.entry_id)]
+        return False
+
     def _admit(self) -> None:
-        isolating = any(t.suspect and t.in_engine for t in self.held.values())
-        lowest = sum(1 for t in self.held.values() if t.in_engine and t.band == BANDS[-1])
-        for t in pick(self.backlog, self.engine, self.s.max_waiting, self.waiting_blocks, isolating, self.lanes,
-                      lowest):
-            if t.suspect and not self._may_run_alone(t):
+        in_engine = self.held.in_state(JobState.IN_ENGINE)
+        isolating = any(t.alone for t in in_engine)
+        lowest = sum(1 for t in in_engine if t.band == BANDS[-1])
+        ready = [t for t in self.held.waiting() if t.prepared or self._prepare(t)]
+        for t in pick(ready, self.engine, self.s.max_waiting, isolating, self.lanes, lowest):
+            alone = t.state is JobState.SUSPECT
+            if alone and not self._may_run_alone(t):
                 continue
-            self.backlog.remove(t)
             if t.job.deadline is not None and time.time() >= t.job.deadline:
                 self._finalize(t, "expired", "deadline passed before the job started")
                 continue
-            self._add_to_engine(t)
+            self._add_to_engine(t, alone)
             self.lanes.admitted(t)
 
-    def _add_to_engine(self, t: Tracked) -> None:
-        job = t.job
+    def _prepare(self, t: HeldJob) -> bool:
+        """The engine's view of a job before admission (admission.prepare); False when it was settled instead."""
         try:
-            prompt = engine_prompt(self.engine, job)
-            params = SamplingParams(**job.sampling_kwargs(), output_kind=RequestOutputKind.DELTA)
-            self.engine.add_request(t.key, prompt, params, priority=engine_priority(t))
+            prepare(self.engine, t)
+            return True
         except ValueError as exc:  # the engine's verdict on bad input (too long, token out of vocab, ...)
             self.intake.reject(t, str(exc))
-            self._forget(t)
+            self.held.finish(t)
+        except Exception as exc:
+            self._job_error(t, exc)
+        return False
+
+    def _add_to_engine(self, t: HeldJob, alone: bool) -> None:
+        try:
+            self.engine.add_request(t.request_id, t.engine_input, sampling_params(t.job),
+                                    priority=engine_priority(t))
+        except ValueError as exc:  # the engine's verdict on bad input (too long, token out of vocab, ...)
+            self.intake.reject(t, str(exc))
+            self.held.finish(t)
             return
         except Exception as exc:
             self._job_error(t, exc)
             return
-        t.in_engine, t.admitted_at = True, time.time()
+        t.move(JobState.IN_ENGINE)
+        t.alone, t.admitted_at = alone, time.time()
         t.attempts += 1
-        self.waiting_ids.add(t.key)
-        self.waiting_blocks += t.blocks_estimate
 
-    def _leave_engine(self, t: Tracked, abort: bool) -> Any:
-        out = None
-        if abort and t.in_engine:
-            try:
-                out = self.engine.abort_request(t.key)
-            except Exception as exc:
-                self.log.error("abort_failed", job_id=t.id, error=repr(exc))
-        t.in_engine = False
-        if t.key in self.waiting_ids:
-            self.waiting_ids.discard(t.key)
-            self.waiting_blocks -= t.blocks_estimate
-        return out
+    def _leave_engine(self, t: HeldJob) -> RequestOutput | None:
+        """Abort t in the engine; its state is the caller's to set next."""
+        try:
+            return self.engine.abort_request(t.request_id)
+        except Exception as exc:
+            self.log.error("abort_failed", job_id=t.id, error=repr(exc))
+            return None
 
     # ------------------------------------------------------------------ stepping
     def _step(self) -> None:
@@ -306,134 +327,54 @@ class Worker(Recovery):
         now = time.time()
         for out in outputs:
             self.tokens_generated += sum(len(c.token_ids) for c in out.outputs)
-            t = self.held.get(out.request_id)
-            if t is not None:
-                self._absorb(t, out, now)
-
-    def _absorb(self, t: Tracked, out: Any, now: float) -> None:
-        if t.job.n > 1:
-            self._absorb_samples(t, out, now)
-            return
-        c = out.outputs[0]
-        if t.key in self.waiting_ids:
-            self.waiting_ids.discard(t.key)
-            self.waiting_blocks -= t.blocks_estimate
-        t.prompt_tokens = len(out.prompt_token_ids or ())
-        if c.token_ids and t.first_token_at is None:
-            t.first_token_at = now
-        pos = len(t.token_ids)
-        t.token_ids.extend(c.token_ids)
-        t.text_parts.append(c.text)
-        lps = [{str(k): float(v) for k, v in d.items()} for d in c.logprobs] if c.logprobs else None
-        if getattr(out, "prompt_logprobs", None):  # the first output brings them (JSON keys are strings)
-            t.prompt_logprobs = [None if d is None else {str(k): float(v) for k, v in d.items()}
-                                 for d in out.prompt_logprobs]
-        if lps:
-            t.logprobs = (t.logprobs or []) + lps
-        if t.job.stream and (c.token_ids or c.text):
-            self.publisher.delta(t.id, c.text, list(c.token_ids), pos, lps)
-        if out.finished:
-            t.finish_reason, t.stop_reason = c.finish_reason, c.stop_reason
-            t.in_engine = False
-            if c.finish_reason == "abort":
-                self._finalize(t, "failed", "the engine aborted the request")
-            else:
-                self._finalize(t, "completed")
-
-    def _absorb_samples(self, t: Tracked, out: Any, now: float) -> None:
-        """A job with n > 1: the engine's parallel samples, each kept (and streamed) under its index."""
-        if t.entry_id in self.waiting_ids:
-            self.waiting_ids.discard(t.entry_id)
-            self.waiting_blocks -= t.blocks_estimate
-        t.prompt_tokens = len(out.prompt_token_ids or ())
-        for c in out.outputs:
-            s = t.samples.setdefault(c.index, Sample())
-            if c.token_ids and t.first_token_at is None:
-                t.first_token_at = now
-            pos = len(s.token_ids)
-            s.token_ids.extend(c.token_ids)
-            s.text_parts.append(c.text)
-            lps = [{str(k): float(v) for k, v in d.items()} for d in c.logprobs] if c.logprobs else None
-            if lps:
-                s.logprobs = (s.logprobs or []) + lps
-            if t.job.stream and (c.token_ids or c.text):
-                self.publisher.delta(t.id, c.text, list(c.token_ids), pos, lps, index=c.index)
-            if c.finish_reason is not None:
-                s.finish_reason, s.stop_reason = c.finish_reason, c.stop_reason
-        if out.finished:
-            t.in_engine = False
-            self._adopt_first_sample(t)
-            aborted = any(s.finish_reason == "abort" for s in t.samples.values())
-            self._finalize(t, "failed" if aborted else "completed",
-                           "the engine aborted the request" if aborted else None)
-
-    @staticmethod
-    def _adopt_first_sample(t: Tracked) -> None:
-        """The record's top-level output is sample 0's, so consumers that predate n > 1 still read one."""
-        first = t.samples.get(0) or Sample()
-        t.token_ids, t.text_parts, t.logprobs = first.token_ids, first.text_parts, first.logprobs
-        t.finish_reason, t.stop_reason = first.finish_reason, first.stop_reason
+            t = self.held.by_request_id(out.request_id)
+            if t is not None and t.in_engine:
+                settled = absorb(t, out, now, self.publisher)
+                if settled is not None:
+                    self._finalize(t, *settled)
 
     # ------------------------------------------------------------------ cancel, deadlines, final records
     def _apply_cancels(self, job_ids: list[str]) -> None:
-        wanted = set(job_ids)
-        for t in [t for t in self.held.values() if t.id in wanted]:
+        for t in self.held.with_job_ids(set(job_ids)):
             self._stop_early(t, "cancelled", "cancelled by request")
 
     def _enforce_deadlines(self) -> None:
-        if not self.deadlines:
-            return
-        now = time.time()
-        for key in [k for k, d in self.deadlines.items() if now >= d]:
-            t = self.held[key]
+        for t in self.held.past_deadline(time.time()):
             self._stop_early(t, "expired", "deadline passed while running" if t.in_engine
                              else "deadline passed before the job started")
 
-    def _stop_early(self, t: Tracked, status: str, reason: str) -> None:
+    def _stop_early(self, t: HeldJob, status: str, reason: str) -> None:
         """Cancel or expire a queued or running job; a running one keeps its partial output."""
-        out = self._leave_engine(t, abort=True)
-        if out is not None and out.outputs and t.job.n > 1:
-            t.samples = {c.index: Sample(list(c.token_ids), [c.text], finish_reason="abort") for c in out.outputs}
-            self._adopt_first_sample(t)
-        elif out is not None and out.outputs:
-            c = out.outputs[0]  # abort returns the cumulative output: authoritative over our deltas
-            t.token_ids, t.text_parts = list(c.token_ids), [c.text]
-            t.finish_reason = "abort"
+        if t.in_engine:
+            absorb_abort(t, self._leave_engine(t))
         self._finalize(t, status, reason)
 
-    def _finalize(self, t: Tracked, status: str, error: str | None = None) -> None:
+    def _finalize(self, t: HeldJob, status: str, error: str | None = None) -> None:
         record = self.publisher.record(t, status, error)
-        self.publisher.final(record, t.entry_id, band=t.origin)
+        self.publisher.final(record, t.origin, t.entry_id)
         self.stats[status] += 1
         if self.metrics is not None:
             self.metrics.observe(record)
-        self._forget(t)
+        self.held.finish(t)
         log = self.log.bind(job_id=t.id)
         if status == "completed":
             log.debug("job_finished", status=status, tokens=len(t.token_ids))
         else:
             log.info("job_finished", status=status, tokens=len(t.token_ids), error=error)
 
-    def _forget(self, t: Tracked) -> None:
-        self.held.pop(t.key, None)
-        self.deadlines.pop(t.key, None)
-        if t in self.backlog:
-            self.backlog.remove(t)
-
     # ------------------------------------------------------------------ timers
     def _maintenance(self, now: float) -> None:
         if now >= self._timers["renew"] and self.held:
             self._timers["renew"] = now + self.s.renew_interval
             for band in BANDS:
-                ids = [t.entry_id for t in self.held.values() if t.origin == band]
+                ids = self.held.entry_ids(band)
                 lost = self.leases.renew(band, ids) if ids else []
                 if lost:
                     self.log.warning("lease_lost", band=band, entries=lost)  # keep going: the first final wins
         if now >= self._timers["claim"] and not self.stopping:
             self._timers["claim"] = now + self.s.claim_interval
             for band in BANDS:
-                entries = [e for e in self.leases.claim(band, self._read_count(band))
-                           if f"{band}/{_s(e[0])}" not in self.held]
+                entries = self.leases.claim(band, self._read_count(band))  # _hold skips those we hold
                 if entries:
                     self.log.info("jobs_claimed", band=band, count=len(entries))
                     self._hold(self.intake.parse(entries, recovered=True, band=band), check_cancel=True)

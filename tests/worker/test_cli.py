@@ -9,6 +9,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from .conftest import REPO
 
 
@@ -69,3 +71,19 @@ def test_bench_mixed_reports_both_sides_of_the_comparison():
     assert mixed["bulk_tokens_per_s_mixed"] > 0 and mixed["bulk_tokens_per_s_bulk_only"] > 0
     assert mixed["bulk_throughput_ratio"] == round(mixed["bulk_tokens_per_s_mixed"]
                                                    / mixed["bulk_tokens_per_s_bulk_only"], 3)
+
+
+@pytest.mark.slow
+def test_bench_mixed_runs_on_the_real_engine(tiny_llama_dir):
+    proc = run_cli("bench", "worker", "--mixed", "--mixed-engine", "llm", "--model", str(tiny_llama_dir),
+                   "--device", "cpu", "--mixed-bulk-jobs", "40", "--mixed-bulk-tokens", "4", "--mixed-web-jobs", "3",
+                   "--mixed-web-every", "0.02", "--mixed-max-num-seqs", "8", timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    mixed = json.loads(proc.stdout.strip().splitlines()[-1])["mixed"]
+    assert mixed["engine"].startswith(f"llm {tiny_llama_dir} on cpu, mean step ")
+    step = mixed["engine_step_s"]
+    assert step > 0 and abs(mixed["interactive_p99_target_s"] - (2 * mixed["interactive_idle"]["total_p99_s"]
+                                                                  + step)) < 1e-3
+    for side in ("interactive_idle", "interactive_behind_backlog"):
+        assert 0 < mixed[side]["ttft_p50_s"] <= mixed[side]["ttft_p99_s"] <= mixed[side]["total_p99_s"]
+    assert mixed["bulk_tokens_per_s_mixed"] > 0 and mixed["bulk_tokens_per_s_bulk_only"] > 0
