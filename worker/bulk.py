@@ -28,7 +28,7 @@ from . import scripts
 from .client import make_job
 from .errors import JobRejected
 from .keys import BANDS, JOB_FIELD, QueueKeys, check_band
-from .status import redis_url
+from .settings import redis_url
 
 OPENAI_IGNORED = {"model", "user"}  # the worker serves one model (model is echoed in the output); user: informational
 OPENAI_RENAMED = {"max_completion_tokens": "max_tokens"}

@@ -90,7 +90,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def add_worker_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     d = WorkerSettings()
-    p.add_argument("--redis", default=None, help="Redis URL (default: start a private redis-server)")
+    p.add_argument("--redis", default=None,
+                   help="Redis URL (default: $PAGEDQ_REDIS_URL, else a private redis-server is started)")
     p.add_argument("--queue", default=d.queue, help=f"queue name (default {d.queue})")
     p.add_argument("--name", default=None, help="consumer name; keep it stable to re-read own pending jobs on restart")
     p.add_argument("--burst", action="store_true", help="exit once nothing is queued, pending or running")
@@ -190,15 +191,18 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     from .embedded_redis import EmbeddedRedis
     from .faults import wrap_from_env
+    from .settings import configured_redis_url
     from .worker import Worker
 
     configure_logging(args.log_level)
     log = structlog.get_logger("pagedq.worker")
     embedded = None
+    args.redis = configured_redis_url(args.redis)
     if args.redis is None:
         embedded = EmbeddedRedis().start()
         args.redis = embedded.url
-        log.info("embedded_redis_started", url=embedded.url)
+        log.info("embedded_redis_started", url=embedded.url,
+                 reason="no Redis configured (neither --redis nor PAGEDQ_REDIS_URL): started a private redis-server")
     try:
         engine, model = build_engine(args)
         device = _engine_device(engine, args.device)

@@ -19,13 +19,15 @@ from redis import Redis
 from . import scripts
 from .client_core import ClientCore, DeltaFilter, Entry, as_banded, as_job, make_job  # noqa: F401 (re-exported)
 from .job import Delta, FinalRecord, Job
+from .settings import redis_url
 
 
 class Client(ClientCore):
-    def __init__(self, url: str = "redis://localhost:6379/0", queue: str = "default", *,
+    def __init__(self, url: str | None = None, queue: str = "default", *,
                  max_queue_depth: int | None = None, redis: Redis | None = None) -> None:
         super().__init__(queue, max_queue_depth)
-        self.r = redis if redis is not None else Redis.from_url(url)
+        # url None: PAGEDQ_REDIS_URL, else a local Redis (worker/settings.py)
+        self.r = redis if redis is not None else Redis.from_url(redis_url(url))
 
     def close(self) -> None:
         self.r.close()

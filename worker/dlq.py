@@ -16,7 +16,7 @@ from redis import Redis
 
 from . import scripts
 from .keys import BANDS, JOB_FIELD, QueueKeys
-from .status import redis_url
+from .settings import redis_url
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["list", "retry", "purge"], help="list, retry or purge dead letters")

@@ -20,6 +20,20 @@ class QueueSettings(BaseSettings):
     queue: str = Field(default="default", min_length=1, max_length=100, pattern=r"^[^{}:\s]+$")
 
 
+def configured_redis_url(explicit: str | None = None) -> str | None:
+    """The Redis URL a command was given: its flag, else PAGEDQ_REDIS_URL; None when neither is set (the worker
+    then starts a private redis-server)."""
+    if explicit:
+        return explicit
+    settings = QueueSettings()
+    return settings.redis_url if "redis_url" in settings.model_fields_set else None
+
+
+def redis_url(explicit: str | None = None) -> str:
+    """configured_redis_url, falling back to QueueSettings' default (a local Redis): what producers connect to."""
+    return configured_redis_url(explicit) or QueueSettings.model_fields["redis_url"].default
+
+
 class GatewaySettings(QueueSettings):
     """`pagedq serve`: the OpenAI-compatible HTTP gateway (worker/gateway/)."""
 

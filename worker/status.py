@@ -13,6 +13,7 @@ from typing import Any
 from redis import Redis
 
 from .keys import BANDS, GROUP, PREFIX, QueueKeys
+from .settings import redis_url
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -102,10 +103,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def redis_url(url: str | None) -> str:
-    import os
-
-    return url or os.environ.get("PAGEDQ_REDIS_URL") or "redis://localhost:6379/0"
 
 
 def _short(model: str | None, width: int = 40) -> str:

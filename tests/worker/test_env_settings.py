@@ -1,0 +1,60 @@
+"""PAGEDQ_REDIS_URL configures every command and client that talks to Redis (worker/settings.py), and the worker
+starts a private redis-server only when nothing configures one, saying so in its log."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+from redis import Redis
+
+from worker import AsyncClient, Client
+from worker.keys import QueueKeys
+
+from .conftest import REPO
+
+
+def _worker(env_url: str | None, tmp_path, *args: str) -> subprocess.CompletedProcess:
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/local/bin:/usr/bin:/bin"}
+    if env_url is not None:
+        env["PAGEDQ_REDIS_URL"] = env_url
+    return subprocess.run([sys.executable, "-m", "worker", "worker", "--engine", "stub", "--burst", "--block-ms", "100",
+                           *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_clients_connect_to_the_url_in_the_environment(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PAGEDQ_REDIS_URL", redis_url)
+    with Client() as client:
+        job_id = client.submit(prompt="hello", max_tokens=2)
+
+    async def submit_async() -> str:
+        async with AsyncClient() as aclient:
+            return await aclient.submit(prompt="hello again", max_tokens=2)
+
+    async_id = asyncio.run(submit_async())
+    queued = [json.loads(f[b"job"])["id"] for _, f in Redis.from_url(redis_url).xrange(QueueKeys().jobs)]
+    assert queued == [job_id, async_id]
+
+
+def test_the_worker_serves_the_redis_of_the_environment(redis_url: str, tmp_path) -> None:
+    with Client(redis_url) as client:
+        job_id = client.submit(prompt="served through the environment's Redis", max_tokens=3)
+    proc = _worker(redis_url, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "embedded_redis_started" not in proc.stderr + proc.stdout
+    with Client(redis_url) as client:
+        record = client.result(job_id, timeout=10)
+    assert record.status == "completed" and len(record.token_ids) == 3
+
+
+def test_the_worker_says_why_it_starts_a_private_redis(tmp_path) -> None:
+    proc = _worker(None, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    started = [json.loads(line) for line in (proc.stderr + proc.stdout).splitlines()
+               if "embedded_redis_started" in line]
+    assert len(started) == 1
+    assert "neither --redis nor PAGEDQ_REDIS_URL" in started[0]["reason"]
+    assert started[0]["url"].startswith("redis://127.0.0.1:")
