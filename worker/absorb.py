@@ -11,53 +11,42 @@ ABORTED = "the engine aborted the request"
 
 def absorb(t: HeldJob, out: RequestOutput, now: float, publisher: Publisher) -> tuple[str, str | None] | None:
     """Add one step's output to t (and queue its deltas when it streams). Once the engine is done with it:
-    the (status, error) of its final record; None while it runs."""
+    the (status, error) of its final record; None while it runs.
+
+    A job with n > 1 keeps each of the engine's parallel samples under its index (its deltas carry it); a job
+    with one sample keeps it on the job itself, so its records keep their original shape."""
     t.started = True  # output came: it has left the engine's waiting queue
     t.prompt_tokens = len(out.prompt_token_ids or ())
-    if t.job.n > 1:
-        return _absorb_samples(t, out, now, publisher)
-    c = out.outputs[0]
-    if c.token_ids and t.first_token_at is None:
-        t.first_token_at = now
-    pos = len(t.token_ids)
-    t.token_ids.extend(c.token_ids)
-    t.text_parts.append(c.text)
-    lps = _logprobs(c)
     if getattr(out, "prompt_logprobs", None):  # the first output brings them (JSON keys are strings)
         t.prompt_logprobs = [None if d is None else {str(k): float(v) for k, v in d.items()}
                              for d in out.prompt_logprobs]
-    if lps:
-        t.logprobs = (t.logprobs or []) + lps
-    if t.job.stream and (c.token_ids or c.text):
-        publisher.delta(t.id, c.text, list(c.token_ids), pos, lps)
-    if not out.finished:
-        return None
-    t.finish_reason, t.stop_reason = c.finish_reason, c.stop_reason
-    return ("failed", ABORTED) if c.finish_reason == "abort" else ("completed", None)
-
-
-def _absorb_samples(t: HeldJob, out: RequestOutput, now: float,
-                    publisher: Publisher) -> tuple[str, str | None] | None:
-    """A job with n > 1: the engine's parallel samples, each kept (and streamed) under its index."""
+    several = t.job.n > 1
     for c in out.outputs:
-        s = t.samples.setdefault(c.index, Sample())
-        if c.token_ids and t.first_token_at is None:
-            t.first_token_at = now
-        pos = len(s.token_ids)
-        s.token_ids.extend(c.token_ids)
-        s.text_parts.append(c.text)
-        lps = _logprobs(c)
-        if lps:
-            s.logprobs = (s.logprobs or []) + lps
-        if t.job.stream and (c.token_ids or c.text):
-            publisher.delta(t.id, c.text, list(c.token_ids), pos, lps, index=c.index)
-        if c.finish_reason is not None:
-            s.finish_reason, s.stop_reason = c.finish_reason, c.stop_reason
+        sample = t.samples.setdefault(c.index, Sample()) if several else t
+        _fold(t, sample, c, now, publisher, c.index if several else None)
     if not out.finished:
         return None
-    adopt_first_sample(t)
-    aborted = any(s.finish_reason == "abort" for s in t.samples.values())
+    if several:
+        adopt_first_sample(t)
+    aborted = any(s.finish_reason == "abort" for s in (t.samples.values() if several else [t]))
     return ("failed", ABORTED) if aborted else ("completed", None)
+
+
+def _fold(t: HeldJob, sample: HeldJob | Sample, c: CompletionOutput, now: float, publisher: Publisher,
+          index: int | None) -> None:
+    """One sample's new tokens, text and logprobs; its delta when the job streams; its finish once it has one."""
+    if c.token_ids and t.first_token_at is None:
+        t.first_token_at = now
+    pos = len(sample.token_ids)
+    sample.token_ids.extend(c.token_ids)
+    sample.text_parts.append(c.text)
+    lps = _logprobs(c)
+    if lps:
+        sample.logprobs = (sample.logprobs or []) + lps
+    if t.job.stream and (c.token_ids or c.text):
+        publisher.delta(t.id, c.text, list(c.token_ids), pos, lps, index=index)
+    if c.finish_reason is not None:
+        sample.finish_reason, sample.stop_reason = c.finish_reason, c.stop_reason
 
 
 def absorb_abort(t: HeldJob, out: RequestOutput | None) -> None:
