@@ -12,9 +12,9 @@ after it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -26,7 +26,7 @@ class DeviceResult:
     """What a step's device work hands back: the sampler's tensors and whatever the host side needs with them."""
 
     sampled: SamplerOutput | None
-    extra: object = None  # e.g. prompt log-probabilities, already on the host
+    extra: dict[str, list[dict[int, float]]] | None = None  # prompt log-probabilities, already on the host
 
 
 class DeviceQueue:
@@ -37,7 +37,7 @@ class DeviceQueue:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedq-device") \
             if device.type == "cpu" else None
 
-    def submit(self, work: Callable[[], DeviceResult]) -> "StepHandle":
+    def submit(self, work: Callable[[], DeviceResult]) -> StepHandle:
         if self._thread is None:
             return StepHandle.from_cuda(_in_inference_mode(work), self.device)
         return StepHandle(self._thread.submit(_in_inference_mode, work))
@@ -57,30 +57,43 @@ class StepHandle:
 
     def __init__(self, future: Future | None = None) -> None:
         self._future = future
-        self._event = None
+        self._event: torch.cuda.Event | None = None
         self._host: DeviceResult | None = None
 
     @classmethod
-    def from_cuda(cls, result: DeviceResult, device: torch.device) -> "StepHandle":
+    def from_cuda(cls, result: DeviceResult, device: torch.device) -> StepHandle:
         handle = cls()
         sampled = result.sampled
         if sampled is not None:
-            sampled = SamplerOutput(*(None if t is None else t.to("cpu", non_blocking=True) for t in
-                                      (sampled.token_ids, sampled.sampled_logprobs, sampled.top_logprobs,
-                                       sampled.top_token_ids)))
+            sampled = SamplerOutput(_to_host(sampled.token_ids), *(None if t is None else _to_host(t) for t in
+                                    (sampled.sampled_logprobs, sampled.top_logprobs, sampled.top_token_ids)))
         handle._host = DeviceResult(sampled, result.extra)
-        handle._event = torch.cuda.Event(blocking=True)  # a blocking event: the wait sleeps, not spins
-        handle._event.record(torch.cuda.current_stream(device))
+        event = torch.cuda.Event(blocking=True)  # a blocking event: the wait sleeps, not spins
+        event.record(torch.cuda.current_stream(device))
+        handle._event = event
         return handle
 
     def done(self) -> bool:
         if self._future is not None:
             return self._future.done()
-        return self._event.query()
+        return self._cuda_event().query()
 
     def result(self) -> DeviceResult:
         """Wait for the step (re-raising what its device work raised)."""
         if self._future is not None:
             return self._future.result()
-        self._event.synchronize()
+        self._cuda_event().synchronize()
+        if self._host is None:
+            raise RuntimeError("a CUDA step handle without its host copies")
         return self._host
+
+    def _cuda_event(self) -> torch.cuda.Event:
+        """The event of a handle made by from_cuda (a handle has a future or an event)."""
+        if self._event is None:
+            raise RuntimeError("a step handle with neither a future nor a CUDA event")
+        return self._event
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """Start the copy to host memory; the step's event says when it has landed."""
+    return tensor.to("cpu", non_blocking=True)

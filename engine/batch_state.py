@@ -13,8 +13,8 @@ as vLLM v1's CPU block table; each step copies its rows' slice to the device onc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -31,7 +31,7 @@ class SamplingPlan:
     rows: np.ndarray
     draw_index: np.ndarray
     positions: np.ndarray
-    infos: list["RowInfo"]
+    infos: list[RowInfo]
     first_draws: np.ndarray  # indices of each row's first draw (the one the request itself keeps)
     penalised_draws: np.ndarray  # those of rows with penalties: their counts get the drawn token
     needs_filters: bool
@@ -101,7 +101,7 @@ class BatchState:
             self.device_floats = _grown(self.device_floats, capacity)
             self.device_top_k_seed = _grown(self.device_top_k_seed, capacity)
             self.last_token = _grown(self.last_token, capacity)
-            if self.prompt_mask is not None:
+            if self.prompt_mask is not None and self.output_counts is not None:
                 self.prompt_mask = _grown(self.prompt_mask, capacity)
                 self.output_counts = _grown(self.output_counts, capacity)
 
@@ -176,14 +176,24 @@ class BatchState:
             self.output_counts = torch.zeros(rows, self.vocab_size, device=self.device)
         prompt = torch.tensor(new.token_ids[:new.num_prompt_tokens], dtype=torch.long, device=self.device)
         outputs = torch.tensor(new.token_ids[new.num_prompt_tokens:], dtype=torch.long, device=self.device)
-        self.prompt_mask[row] = False
-        self.prompt_mask[row, prompt] = True
-        self.output_counts[row] = 0
-        self.output_counts[row].index_add_(0, outputs, torch.ones(len(outputs), device=self.device))
+        prompt_mask, output_counts = self._penalty_state()
+        prompt_mask[row] = False
+        prompt_mask[row, prompt] = True
+        output_counts[row] = 0
+        output_counts[row].index_add_(0, outputs, torch.ones(len(outputs), device=self.device))
+
+    def _penalty_state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt masks and output counts, which the first request with penalties allocates."""
+        if self.prompt_mask is None or self.output_counts is None:
+            raise RuntimeError("penalty state used before any request with penalties allocated it")
+        return self.prompt_mask, self.output_counts
 
     def _patch(self, diff: CachedRequestData) -> None:
         row = self.rows[diff.req_id]
-        self.info[row].token_ids += diff.new_token_ids
+        info = self.info[row]
+        if info is None:
+            raise RuntimeError(f"request {diff.req_id} holds row {row}, which is free")
+        info.token_ids.extend(diff.new_token_ids)
         if diff.block_ids:
             self._set_blocks(row, diff.block_ids_from, diff.block_ids)
 
@@ -193,7 +203,7 @@ class BatchState:
         width = max(int(self.num_blocks[rows].max(initial=1)), 1)
         return self.block_table[rows, :width]
 
-    def sampling_plan(self, rows: np.ndarray, draw_index: np.ndarray, positions: np.ndarray) -> "SamplingPlan":
+    def sampling_plan(self, rows: np.ndarray, draw_index: np.ndarray, positions: np.ndarray) -> SamplingPlan:
         """Host side of a step's sampling settings for draws from `rows` (a row repeats for a fan-out;
         `draw_index` numbers its draws; `positions`: the output index each draw is for)."""
         infos = [self.info[row] for row in rows.tolist()]
@@ -209,7 +219,7 @@ class BatchState:
             plan.max_num_logprobs = max(info.params.logprobs or 0 for info in infos)
         return plan
 
-    def sampling_batch(self, plan: "SamplingPlan") -> SamplingBatch:
+    def sampling_batch(self, plan: SamplingPlan) -> SamplingBatch:
         """The settings gathered on the device (device work: reads the per-row tensors)."""
         device = self.device
         index = torch.from_numpy(plan.rows).to(device)
@@ -221,11 +231,12 @@ class BatchState:
                               max_num_logprobs=plan.max_num_logprobs)
         if plan.uses_penalties:
             batch.repetition_penalty, batch.presence_penalty, batch.frequency_penalty = repetition, presence, frequency
-            batch.prompt_token_mask, batch.output_token_counts = self.prompt_mask[index], self.output_counts[index]
+            prompt_mask, output_counts = self._penalty_state()
+            batch.prompt_token_mask, batch.output_token_counts = prompt_mask[index], output_counts[index]
         batch.banned_token_mask = self._banned_mask(plan.infos, plan.positions)
         return batch
 
-    def record_draws(self, plan: "SamplingPlan", token_ids: torch.Tensor) -> None:
+    def record_draws(self, plan: SamplingPlan, token_ids: torch.Tensor) -> None:
         """Device work after sampling: each row's first draw becomes its latest token (the next step's input if
         the host does not know it yet) and, for rows with penalties, one more output-token count."""
         device = self.device
@@ -234,8 +245,8 @@ class BatchState:
         if len(plan.penalised_draws):
             draws = torch.from_numpy(plan.penalised_draws).to(device)
             rows = torch.from_numpy(plan.rows[plan.penalised_draws]).to(device)
-            self.output_counts.index_put_((rows, token_ids[draws]), torch.ones(len(draws), device=device),
-                                          accumulate=True)
+            self._penalty_state()[1].index_put_((rows, token_ids[draws]), torch.ones(len(draws), device=device),
+                                                accumulate=True)
 
     def _banned_mask(self, infos: list[RowInfo], num_outputs: np.ndarray) -> torch.Tensor | None:
         """EOS / stop ids of rows short of min_tokens, as a [B, vocab] mask built on the device."""

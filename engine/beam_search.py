@@ -110,7 +110,7 @@ class BeamSearchManager:
         width, params = group.params.beam_width, group.params
         candidates = sorted(((beam.cumulative_logprob + logprob, index, token)
                              for index, beam in enumerate(group.live)
-                             for token, logprob in beam.beam_candidates.items()),
+                             for token, logprob in _candidates(beam).items()),
                             key=lambda c: (-c[0], c[1], c[2]))[: group.num_candidates]
         length = group.live[0].num_output_tokens + 1  # generated length after this token
         ends = [(not params.ignore_eos and token in group.eos_token_ids) or length >= params.max_tokens
@@ -119,7 +119,7 @@ class BeamSearchManager:
         if can_finish:
             for rank, ((score, index, token), end) in enumerate(zip(candidates, ends)):
                 if rank < width and end:
-                    tokens = group.live[index].output_token_ids + [token]
+                    tokens = [*group.live[index].output_token_ids, token]
                     reason = "length" if length >= params.max_tokens else "stop"
                     group.finished.append(BeamSearchSequence(tokens, score, score / length**params.length_penalty,
                                                              finish_reason=reason))
@@ -179,3 +179,10 @@ class BeamSearchManager:
             completions.append(CompletionOutput(rank, sequence.text, sequence.token_ids, sequence.cumulative_logprob,
                                                 finish_reason=finish_reason or sequence.finish_reason))
         return RequestOutput(group.request_id, None, group.prompt_token_ids, completions, finished=True)
+
+
+def _candidates(beam: Request) -> dict[int, float]:
+    """A live beam's next-token candidates, which every step that samples it sets."""
+    if beam.beam_candidates is None:
+        raise RuntimeError(f"beam {beam.request_id} reached selection without candidates from its step")
+    return beam.beam_candidates

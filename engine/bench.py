@@ -15,19 +15,26 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypedDict
 
 import torch
 
+
 # Reference workloads (shared/anchors/README.md): Llama-3.2-1B and Llama-3-8B shapes, random weights.
-WORKLOADS = {
-    "W1": dict(shape=dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096,
-                          rope_theta=500000.0, tie_word_embeddings=True),
-               num_prompts=256),
-    "W8": dict(shape=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096,
-                          rope_theta=500000.0, tie_word_embeddings=False),
-               num_prompts=128),
+class WorkloadSpec(TypedDict):
+    shape: dict[str, float]  # config.json fields of a model shape (ints and bools are floats to a type checker)
+    num_prompts: int
+
+
+WORKLOADS: dict[str, WorkloadSpec] = {
+    "W1": {"shape": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096,
+                         rope_theta=500000.0, tie_word_embeddings=True),
+           "num_prompts": 256},
+    "W8": {"shape": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096,
+                         rope_theta=500000.0, tie_word_embeddings=False),
+           "num_prompts": 128},
 }
 
 
@@ -107,7 +114,8 @@ def run_hf(model_dir: str, workload: Workload, batch_size: int, device: str, dty
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     if any(Path(model_dir).glob("*.safetensors")) or any(Path(model_dir).glob("pytorch_model*.bin")):
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        # transformers types PreTrainedModel.to through a wrapper whose first parameter is the model, not the device
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
     else:  # a config-only folder (a model shape): random weights, as the engine gets
         from transformers import AutoConfig
 
@@ -218,9 +226,11 @@ def run(args: argparse.Namespace) -> dict:
 
         return run_sharing(args.sharing, model_dir, vocab, args, engine_kwargs_from(args))
     workload = draw_workload(num_prompts, args.input_len, args.output_len, vocab, args.seed)
-    result = {"bench": "throughput", "date": time.strftime("%Y-%m-%d"), "workload": args.workload or "custom",
-              "num_prompts": num_prompts, "input_len": list(args.input_len), "output_len": list(args.output_len),
-              "output_tokens": workload.num_output_tokens, "torch": torch.__version__}
+    # one JSON record: its values are whatever the runs report
+    result: dict[str, Any] = {
+        "bench": "throughput", "date": time.strftime("%Y-%m-%d"), "workload": args.workload or "custom",
+        "num_prompts": num_prompts, "input_len": list(args.input_len), "output_len": list(args.output_len),
+        "output_tokens": workload.num_output_tokens, "torch": torch.__version__}
     result.update(run_engine(model_dir, workload, engine_kwargs_from(args)))
     if args.baseline == "hf":
         from engine.config import resolve_dtype

@@ -16,12 +16,12 @@ step's device work on the compute stream, read once at the end.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 SAMPLINGS = {
@@ -44,7 +44,7 @@ class DeviceTimeline:
             raise ValueError("fewer than two decode steps: raise --output-len")
         wall = decode[-1][1] - decode[0][0]
         busy = sum(end - start for start, end in decode)
-        gaps = [max(0.0, start - previous_end) for (_, previous_end), (start, _) in zip(decode, decode[1:])]
+        gaps = [max(0.0, start - previous_end) for (_, previous_end), (start, _) in itertools.pairwise(decode)]
         return {"num_decode_steps": len(decode), "device_busy_fraction": busy / wall,
                 "host_ms_per_step": 1e3 * sum(gaps) / len(gaps), "decode_wall_s": wall}
 

@@ -103,7 +103,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
-    def from_pretrained(cls, folder: str | Path) -> "ModelConfig":
+    def from_pretrained(cls, folder: str | Path) -> ModelConfig:
         from transformers import AutoConfig
 
         folder = Path(folder)

@@ -22,11 +22,15 @@ everything here but the capture and replay calls themselves.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from engine.layers import AttentionMetadata
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE  # torch's own type for graph pools (private, but what its API is typed with)
 
 # vLLM's capture sizes: small powers of two, then every 16 up to the largest batch.
 SMALL_BATCH_SIZES = (1, 2, 4, 8)
@@ -38,7 +42,7 @@ WIDTH_GROWTH = 4
 def batch_buckets(max_num_seqs: int) -> list[int]:
     sizes = [b for b in SMALL_BATCH_SIZES if b < max_num_seqs]
     sizes += list(range(BATCH_SIZE_STEP, max_num_seqs, BATCH_SIZE_STEP))
-    return sorted(set(sizes + [max_num_seqs]))
+    return sorted(set([*sizes, max_num_seqs]))
 
 
 def bucket_for(value: int, buckets: list[int]) -> int:
@@ -51,7 +55,7 @@ def width_buckets(max_blocks_per_seq: int, block_size: int, first_tokens: int = 
     while width < max_blocks_per_seq:
         widths.append(width)
         width *= WIDTH_GROWTH
-    return widths + [max_blocks_per_seq]
+    return [*widths, max_blocks_per_seq]
 
 
 class DecodeGraphRunner:
@@ -73,7 +77,7 @@ class DecodeGraphRunner:
         self._no_prefill = (buffer(0, width, dtype=torch.int32), buffer(1, dtype=torch.int32),
                             buffer(0, dtype=torch.int32))
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = None
+        self.pool: _POOL_HANDLE | None = None  # the graphs' shared memory pool, from the first capture
         self.num_runs = 0  # decode steps served (replayed, or run padded when not capturing)
 
     def capture_all(self) -> float:
@@ -93,7 +97,7 @@ class DecodeGraphRunner:
     def can_run(self, num_seqs: int, table_width: int) -> bool:
         return 0 < num_seqs <= self.batch_sizes[-1] and table_width <= self.widths[-1]
 
-    def run(self, token_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
+    def run(self, token_ids: np.ndarray | torch.Tensor, positions: np.ndarray, slot_mapping: np.ndarray,
             block_tables: np.ndarray, context_lens: np.ndarray) -> torch.Tensor:
         """Hidden states [num_seqs, hidden] of one decode token per sequence (host arrays in, device out)."""
         num_seqs, table_width = block_tables.shape

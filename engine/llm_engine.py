@@ -8,26 +8,26 @@ This is the API the Redis worker drives; `LLM` wraps it for offline batches.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.async_step import StepHandle
 from engine.beam_search import BeamSearchManager, BeamSearchParams
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, ModelConfig
-from engine.async_step import StepHandle
 from engine.model_runner import ModelRunner, PreparedStep
 from engine.output_processor import OutputProcessor
-from engine.post_step import PostStep
 from engine.outputs import RequestOutput
+from engine.post_step import PostStep
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.step_data import ModelRunnerOutput
 from engine.swap import SwapSpace
-
 
 InFlightStep = tuple[SchedulerOutput, PreparedStep, StepHandle]
 
@@ -72,7 +72,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if params.best_of > self.config.max_num_seqs:
+        if params.num_samples > self.config.max_num_seqs:
             raise ValueError(f"n ({params.n}) / best_of ({params.best_of}) exceeds max_num_seqs "
                              f"({self.config.max_num_seqs}): all {params.best_of} samples run at once")
         text, token_ids = self._validate_new(request_id, prompt, params.max_tokens)
@@ -80,7 +80,7 @@ class LLMEngine:
         request = Request(
             request_id=request_id, prompt_token_ids=token_ids, sampling_params=params, prompt=text,
             eos_token_ids=self.model_config.eos_token_ids, priority=int(priority),
-            sampling_seed=seed & (2**62 - 1), fan_out=params.best_of - 1,
+            sampling_seed=seed & (2**62 - 1), fan_out=params.num_samples - 1,
         )
         self.output_processor.add(request)
         self.scheduler.add_request(request)
@@ -236,11 +236,10 @@ class LLMEngine:
         """
         outputs = [failed]
         while self._in_flight:
-            later, step, handle = self._in_flight.popleft()
-            try:
+            later, _step, handle = self._in_flight.popleft()
+            # it ran on the same broken state: whatever it raised, it is recovered below like the first
+            with contextlib.suppress(BaseException):
                 handle.result()
-            except BaseException:  # it ran on the same broken state: recovered below like the first
-                pass
             outputs.append(later)
         for scheduler_output in outputs:
             for item in scheduler_output.scheduled:

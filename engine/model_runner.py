@@ -7,18 +7,18 @@ reached its final token is projected to logits and sampled.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import torch
 
-from engine.config import EngineConfig, ModelConfig
+from engine.async_step import DeviceQueue, DeviceResult, StepHandle
+from engine.batch_state import BatchState, RowInfo, SamplingPlan
+from engine.config import EngineConfig, ModelConfig, resolve_dtype
 from engine.cuda_graphs import DecodeGraphRunner
 from engine.layers import AttentionMetadata
 from engine.models.loader import load_model
-from engine.async_step import DeviceQueue, DeviceResult, StepHandle
-from engine.batch_state import BatchState, RowInfo, SamplingPlan
 from engine.runner_outputs import prompt_logprobs, sampled_tokens
 from engine.sampler import sample
 from engine.step_data import ModelRunnerOutput, ScheduledChunk, StepPlan
@@ -46,7 +46,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  model_config.max_position_embeddings)
-        self.model = load_model(model_dir, model_config, config.dtype, config.device)
+        self.dtype = resolve_dtype(config.dtype, config.device)  # as EngineConfig resolved it (typed for mypy)
+        self.model = load_model(model_dir, model_config, self.dtype, config.device)
         self.kernels = self.model.kernels  # bound once, when the model was built
         self.state = BatchState(model_config.vocab_size, self.device, capacity=config.max_num_seqs)
         self.device_queue = DeviceQueue(self.device)
@@ -75,14 +76,14 @@ class ModelRunner:
         shape = (num_blocks, self.block_size, self.model_config.num_kv_heads, self.model_config.head_dim)
 
         def make() -> torch.Tensor:
-            return torch.zeros(shape, dtype=self.config.dtype, device=device, pin_memory=pin)
+            return torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin)
 
         return [(make(), make()) for _ in range(self.model_config.num_layers)]
 
     @property
     def bytes_per_block(self) -> int:
         mc = self.model_config
-        element = torch.tensor([], dtype=self.config.dtype).element_size()
+        element = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim * element
 
     def _default_num_blocks(self) -> int:
@@ -90,7 +91,7 @@ class ModelRunner:
             from engine.profiling import profile_num_blocks
 
             return profile_num_blocks(self)
-        wanted = self.config.max_num_seqs * -(-self.config.max_model_len // self.block_size)
+        wanted = self.config.max_num_seqs * -(-(self.config.max_model_len or self.max_model_len) // self.block_size)
         budget = int(self.config.cpu_kv_cache_gib * 2**30) // self.bytes_per_block
         return max(1, min(wanted, budget))
 
@@ -132,7 +133,7 @@ class ModelRunner:
         """Wait for a launched step; its results keyed by request id."""
         result = handle.result()
         output = ModelRunnerOutput(prompt_logprobs=result.extra or {})
-        if result.sampled is not None:
+        if result.sampled is not None and step.sampling is not None:  # sampled only with a sampling plan
             sampled_tokens(step.sampling.infos, result.sampled, output)
         return output
 
@@ -210,7 +211,7 @@ def _draws(ordered: list[ScheduledChunk], infos: list[RowInfo], rows: np.ndarray
     return ends[draw_chunk] - 1, rows[draw_chunk], draw_index, (starts + lengths - num_prompt)[draw_chunk]
 
 
-def _copy_between(source: list, target: list, pairs: list[tuple[int, int]]) -> None:
+def _copy_between(source: list, target: list, pairs: Sequence[tuple[int, int]]) -> None:
     """Copy blocks (source index, target index) between two sets of per-layer caches, possibly across devices."""
     src = torch.tensor([a for a, _ in pairs], dtype=torch.long)
     dst = torch.tensor([b for _, b in pairs], dtype=torch.long)

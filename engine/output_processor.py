@@ -42,7 +42,7 @@ class RequestGroup:
 
     @property
     def finished(self) -> bool:
-        return len(self.sequences) == self.params.best_of and all(
+        return len(self.sequences) == self.params.num_samples and all(
             s.request.is_finished for s in self.sequences.values())
 
     def live_requests(self) -> list[Request]:
@@ -132,7 +132,7 @@ class OutputProcessor:
             if sequence.detokenizer is not None:
                 stopped_by_string = isinstance(sequence.request.stop_reason, str)
                 sequence.detokenizer.finalize(sequence.request.output_token_ids, stopped_by_string)
-        if group.params.best_of > group.params.n:  # keep the n most likely samples, best first
+        if group.params.num_samples > group.params.n:  # keep the n most likely samples, best first
             sequences.sort(key=lambda s: s.request.cumulative_logprob, reverse=True)
         else:
             sequences.sort(key=lambda s: s.request.index)

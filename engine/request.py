@@ -93,9 +93,9 @@ class Request:
     def needs_logprobs(self) -> bool:
         """Whether the sampler must return this request's log-probabilities (asked for, or needed for ranking)."""
         params = self.sampling_params
-        return params.logprobs is not None or params.best_of > params.n or self.is_beam
+        return params.logprobs is not None or params.num_samples > params.n or self.is_beam
 
-    def fork(self, request_id: str, index: int, sampling_seed: int) -> "Request":
+    def fork(self, request_id: str, index: int, sampling_seed: int) -> Request:
         """A sibling sequence with the same tokens so far (its blocks are forked by the block manager)."""
         child = Request(request_id=request_id, prompt_token_ids=self.prompt_token_ids,
                         sampling_params=self.sampling_params, eos_token_ids=self.eos_token_ids, prompt=self.prompt,

@@ -27,7 +27,8 @@ def sampled_tokens(draw_rows: list[RowInfo], result: SamplerOutput, output: Mode
         return
     for i, info in enumerate(draw_rows):
         draw = SampledToken(token_ids[i])
-        if info.wants_logprobs and sampled_lps is not None:
+        # the sampler returns the three together (or none)
+        if info.wants_logprobs and sampled_lps is not None and top_lps is not None and top_ids is not None:
             k = info.params.logprobs or 0
             top = dict(zip(top_ids[i][:k], top_lps[i][:k]))
             top.setdefault(token_ids[i], sampled_lps[i])
@@ -39,7 +40,9 @@ def prompt_logprobs(ordered: list[ScheduledChunk], infos: list[RowInfo], hidden:
                     ) -> dict[str, list[dict[int, float]]]:
     """Entries j = p + 1 of the prompt log-probabilities, from the logits at each prompt position p this step
     computed that a request still lacks: log_softmax, the prompt's own token and the top-k alternatives."""
-    wanted, rows, offset = [], [], 0
+    wanted: list[tuple[RowInfo, int, int]] = []
+    rows: list[int] = []
+    offset = 0
     for chunk, info in zip(ordered, infos):
         if info.needs_prompt_logprobs:
             first = max(chunk.start_position, info.num_prompt_logprobs_done - 1)
@@ -53,7 +56,7 @@ def prompt_logprobs(ordered: list[ScheduledChunk], infos: list[RowInfo], hidden:
     logprobs = torch.log_softmax(model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)]), dim=-1)
     targets = [t for info, first, last in wanted for t in info.token_ids[first + 1:last + 1]]
     target_lps = logprobs.gather(-1, torch.tensor(targets, device=hidden.device)[:, None])[:, 0].tolist()
-    k = max(info.params.prompt_logprobs for info, _, _ in wanted)
+    k = max(info.params.prompt_logprobs or 0 for info, _, _ in wanted)  # set: they need prompt logprobs
     if k:
         top_lps, top_ids = (t.tolist() for t in logprobs.topk(k, dim=-1))
     else:

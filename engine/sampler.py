@@ -15,6 +15,7 @@ import torch
 
 import kernels
 
+
 @dataclass
 class SamplingBatch:
     """Per-row sampling settings, already on the logits' device."""
@@ -75,15 +76,18 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, ops: kernels.KernelSet | 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Repetition penalty over prompt+output tokens (as transformers), presence/frequency over outputs (as OpenAI)."""
-    if batch.repetition_penalty is None:
+    # built together, or none of them when no row uses penalties
+    repetition, presence, frequency = batch.repetition_penalty, batch.presence_penalty, batch.frequency_penalty
+    counts, prompt_mask = batch.output_token_counts, batch.prompt_token_mask
+    if repetition is None or presence is None or frequency is None or counts is None or prompt_mask is None:
         return logits
-    counts = batch.output_token_counts
-    seen = batch.prompt_token_mask | (counts > 0)
-    penalty = batch.repetition_penalty[:, None]
+    occurs = counts > 0
+    seen = prompt_mask | occurs
+    penalty = repetition[:, None]
     penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
     logits = torch.where(seen, penalised, logits)
-    logits = logits - batch.frequency_penalty[:, None] * counts
-    return logits - batch.presence_penalty[:, None] * (counts > 0).float()
+    logits = logits - frequency[:, None] * counts
+    return logits - presence[:, None] * occurs.float()
 
 
 def apply_filters(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TypeGuard
 
 # Upper bounds: every count and id must fit the int32/int64 tensors the sampler builds each step, and every
 # float must be finite; out of range is refused here, never found as an OverflowError inside a step.
@@ -36,8 +37,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     seed: int | None = None
-    stop: list[str] | str | None = None
-    stop_token_ids: list[int] | None = None
+    # A single string or None is accepted too (the wire format allows both): __post_init__ makes it a list.
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)  # None is accepted too, as for stop
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # per prompt token: its log-probability and the top-k alternatives
@@ -91,11 +93,16 @@ class SamplingParams:
         check(isinstance(self.output_kind, RequestOutputKind), "output_kind", "must be a RequestOutputKind")
 
     @property
+    def num_samples(self) -> int:
+        """How many sequences are sampled: best_of, which __post_init__ sets to n when it was not given."""
+        return self.n if self.best_of is None else self.best_of
+
+    @property
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

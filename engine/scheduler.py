@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from engine.block_manager import BlockManager
 from engine.request import Request, RequestStatus
-from engine.step_data import CachedRequestData, NewRequestData, StepPlan
+from engine.step_data import CachedRequestData, NewRequestData, ScheduledChunk, StepPlan
 from engine.swap import SwapSpace
 
 
@@ -105,7 +105,7 @@ class Scheduler:
             self._waiting = [item for item in self._waiting if item[-1] is not request]
             heapq.heapify(self._waiting)
         if request.status is RequestStatus.SWAPPED:
-            self.swap_space.discard(request.request_id)
+            self._swap_space().discard(request.request_id)
         request.status = status
         self.block_manager.free(request.request_id)
         self._forget_in_runner(request)
@@ -149,6 +149,12 @@ class Scheduler:
         output.plan = self._plan(output)
         return output
 
+    def _swap_space(self) -> SwapSpace:
+        """The swap space a SWAPPED request implies (only preemption by swapping makes one)."""
+        if self.swap_space is None:
+            raise RuntimeError("a request is SWAPPED but this scheduler has no swap space")
+        return self.swap_space
+
     def take_departures(self) -> tuple[str, ...]:
         """Ids of requests the runner holds that have left since the last plan (for a step that runs nothing)."""
         departed, self._left_runner = tuple(self._left_runner), []
@@ -156,7 +162,7 @@ class Scheduler:
 
     def _plan(self, output: SchedulerOutput) -> StepPlan:
         """The runner's copy of the step: new requests in full, the ones it holds as diffs since it last saw them."""
-        chunks = []
+        chunks: list[ScheduledChunk] = []
         for request, num_new, start, needs_sample, _ in output.scheduled:
             table = self.block_manager.block_table(request.request_id)
             if not request.runner_num_tokens:
@@ -321,7 +327,7 @@ class Scheduler:
         output.blocks_to_copy += copies
         if swapped:
             table = manager.block_table(request.request_id)
-            output.blocks_to_swap_in += self.swap_space.swap_in(request.request_id, table)
+            output.blocks_to_swap_in += self._swap_space().swap_in(request.request_id, table)
         if request.num_cached_tokens < 0:  # as vLLM: the hits of the first admission (a recompute is not reported)
             request.num_cached_tokens = start
         output.scheduled.append(self._scheduled(request, num_new))

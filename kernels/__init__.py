@@ -12,8 +12,8 @@ call: for tests and one-off use.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -62,7 +62,7 @@ def bind(device: torch.device | str) -> KernelSet:
     if missing:
         raise NotImplementedError(f"the Triton kernel backend has no {', '.join(missing)}: implement it in "
                                   f"kernels.triton_ops, or run with PAGEDQ_KERNELS=reference")
-    return KernelSet(backend, **impls)
+    return KernelSet(backend, **{name: impl for name, impl in impls.items() if impl is not None})
 
 
 def _dispatch(name: str) -> Callable:

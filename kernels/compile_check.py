@@ -14,8 +14,8 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from contextlib import contextmanager
-from typing import Callable
 
 import torch
 import triton
@@ -196,7 +196,7 @@ def _ptx_ok(kernel_name: str, ptx: str) -> bool:
 
 def _launch_and_record(module, kernel_names: list[str], launch: Callable[[], object]):
     """Run the launcher with every named kernel swapped for a recorder; returns [(kernel, args, kwargs)]."""
-    recorders = {}
+    recorders: dict[str, _LaunchRecorder] = {}
     with _recording_all(module, kernel_names, recorders):
         launch()
     return [(recorders[name].kernel, *call) for name in kernel_names for call in recorders[name].calls]

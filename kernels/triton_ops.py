@@ -16,13 +16,13 @@ from kernels.rotary import rotary_embedding
 from kernels.sampling import gumbel_argmax
 
 __all__ = [
-    "store_kv_cache",
+    "copy_blocks",
+    "gumbel_argmax",
+    "head_rms_norm",
     "paged_decode_attention",
     "paged_prefill_attention",
     "rms_norm",
-    "head_rms_norm",
     "rotary_embedding",
     "silu_and_mul",
-    "copy_blocks",
-    "gumbel_argmax",
+    "store_kv_cache",
 ]

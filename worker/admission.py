@@ -13,12 +13,12 @@ from typing import Any
 
 from . import limits
 from .config import WorkerSettings
-from .errors import JobRejected
 from .engine_api import RequestOutputKind, SamplingParams, WorkerEngine
+from .errors import JobRejected
+from .held import HeldJob, JobKey, JobState
 from .job import FinalRecord, Job, parse_job, salvage
 from .keys import BANDS, DEFAULT_BAND, GROUP, JOB_FIELD, QueueKeys, band_rank
 from .publisher import Publisher
-from .held import HeldJob, JobKey, JobState
 
 _JOB_FIELD_B = JOB_FIELD.encode()
 MAX_REASON_CHARS = 2000  # a rejection reason quotes the problem, never the whole entry

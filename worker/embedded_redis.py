@@ -55,7 +55,7 @@ class EmbeddedRedis:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
+    def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         self._tmp = tempfile.TemporaryDirectory(prefix="pagedq-redis-")
         for _ in range(5):  # the free port can be taken between probing and binding: retry
             self.port = free_port()
@@ -69,7 +69,7 @@ class EmbeddedRedis:
             self.proc.kill()
             self.proc.wait()
 
-    def relaunch(self, timeout_s: float = 10.0) -> "EmbeddedRedis":
+    def relaunch(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         """Start again on the same port and folder after `kill`: whatever it persisted comes back."""
         if not self._launch(timeout_s):
             raise RuntimeError(f"redis-server did not restart on port {self.port}: {self._log_tail()}")
@@ -78,9 +78,9 @@ class EmbeddedRedis:
     def _launch(self, timeout_s: float) -> bool:
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self._tmp.name,
                 "--save", "", "--appendonly", "no", "--protected-mode", "no", *self.extra_args]
-        log = open(os.path.join(self._tmp.name, "redis.log"), "ab")
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        log.close()
+        # the child keeps its own copy of the log's descriptor: ours can close once it is started
+        with open(os.path.join(self._tmp.name, "redis.log"), "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         if self._wait_ready(timeout_s):
             return True
         self.proc.kill()
@@ -122,7 +122,7 @@ class EmbeddedRedis:
             self._tmp.cleanup()
             self._tmp = None
 
-    def __enter__(self) -> "EmbeddedRedis":
+    def __enter__(self) -> EmbeddedRedis:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 from .job import Job
 from .keys import BANDS, band_for_priority
@@ -31,7 +32,7 @@ class JobKey(NamedTuple):
         return f"{self.origin}/{self.job_id}"
 
     @classmethod
-    def parse(cls, request_id: str) -> "JobKey":
+    def parse(cls, request_id: str) -> JobKey:
         origin, _, job_id = request_id.partition("/")
         return cls(origin, job_id)
 

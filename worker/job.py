@@ -79,7 +79,7 @@ class Job(BaseModel):
     _metadata_is_json = field_validator("metadata")(check_metadata)
 
     @model_validator(mode="after")
-    def _check(self) -> "Job":
+    def _check(self) -> Job:
         given = [self.prompt, self.prompt_token_ids, self.messages]
         if sum(x is not None for x in given) != 1:
             raise ValueError("exactly one of prompt, prompt_token_ids or messages must be given")
@@ -236,7 +236,7 @@ class FinalRecord(BaseModel):
     def ok(self) -> bool:
         return self.status == "completed"
 
-    def raise_for_status(self) -> "FinalRecord":
+    def raise_for_status(self) -> FinalRecord:
         if not self.ok:
             raise JobFailed(self)
         return self

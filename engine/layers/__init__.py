@@ -7,4 +7,4 @@ from engine.layers.mlp import MLP
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import rope_cos_sin_cache
 
-__all__ = ["Attention", "AttentionMetadata", "MLP", "PackedLinear", "RMSNorm", "paged_attention", "rope_cos_sin_cache"]
+__all__ = ["MLP", "Attention", "AttentionMetadata", "PackedLinear", "RMSNorm", "paged_attention", "rope_cos_sin_cache"]

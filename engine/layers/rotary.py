@@ -12,9 +12,10 @@ def rope_cos_sin_cache(config: ModelConfig) -> torch.Tensor:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     hf = config.hf_config
-    rope_type = (getattr(hf, "rope_parameters", None) or {}).get("rope_type", "default")
+    rope_parameters = getattr(hf, "rope_parameters", None) or {}
+    rope_type = rope_parameters.get("rope_type", "default")
     if rope_type == "default":
-        base = hf.rope_parameters["rope_theta"]
+        base = rope_parameters["rope_theta"]
         exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float, device="cpu") / config.head_dim
         inv_freq = 1.0 / (base**exponents)
         scaling = 1.0

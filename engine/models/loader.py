@@ -8,8 +8,9 @@ weights (for benchmarks of a model shape without its weights).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -18,6 +19,9 @@ import kernels
 from engine.config import ModelConfig
 from engine.layers import PackedLinear
 from engine.models.registry import model_class
+
+if TYPE_CHECKING:
+    from engine.models.llama import LlamaForCausalLM
 
 # checkpoint projection name -> (our packed module name, shard index)
 _PACKED_SHARDS = {
@@ -31,7 +35,7 @@ _PACKED_NAME = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(we
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
 
-def load_model(folder: str | Path, config: ModelConfig, dtype: torch.dtype, device: str) -> nn.Module:
+def load_model(folder: str | Path, config: ModelConfig, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
     # Built on the target device: random init of a large shape on the CPU would take minutes.
     ops = kernels.bind(device)  # the backend is chosen here, once, for the model's lifetime
     with torch.device(device):
@@ -58,13 +62,13 @@ def _iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             from safetensors import safe_open
 
             with safe_open(str(path), framework="pt") as handle:
-                for name in handle.keys():
+                for name in handle.keys():  # noqa: SIM118  (safe_open handles have keys() but do not iterate)
                     yield name, handle.get_tensor(name)
         else:
             yield from torch.load(path, map_location="cpu", weights_only=True).items()
 
 
-def _load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+def _load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     loaded: set[str] = set()
@@ -91,7 +95,7 @@ def _load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]])
     _check_complete(model, loaded)
 
 
-def _check_complete(model: nn.Module, loaded: set[str]) -> None:
+def _check_complete(model: LlamaForCausalLM, loaded: set[str]) -> None:
     missing = []
     for module_name, module in model.named_modules():
         for kind in ("weight", "bias"):

@@ -7,8 +7,10 @@ Classes are imported only when a model is built, so reading this table needs no 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:  # for the annotation only: the table stays readable without model code
+    from engine.models.llama import LlamaForCausalLM
 
 # architecture name -> (module, class): Mistral, Qwen2 and Qwen3 share the Llama module tree (their differences,
 # qkv bias and per-head q/k norm, are ModelConfig flags the shared layers read).
@@ -30,8 +32,9 @@ def check_supported(architecture: str) -> None:
         raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(_MODELS)}")
 
 
-def model_class(architecture: str) -> type[nn.Module]:
-    """The class to build for `architecture`."""
+def model_class(architecture: str) -> type[LlamaForCausalLM]:
+    """The class to build for `architecture` (every architecture here runs on the Llama module tree; a family
+    that does not would make this return a Protocol of what the runner calls)."""
     check_supported(architecture)
     module, name = _MODELS[architecture]
     return getattr(importlib.import_module(module), name)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from engine import LLMEngine, RequestOutputKind, SamplingParams
+from engine import LLMEngine, RequestOutputKind
 from tests.engine.test_sharing import _random_traffic
 
 

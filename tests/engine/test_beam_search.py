@@ -23,7 +23,8 @@ def _hf_beams(model, prompt: list[int], width: int, eos: int | None, early_stopp
               length_penalty: float) -> tuple[list, list]:
     out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                          num_beams=width, num_return_sequences=width, do_sample=False, max_new_tokens=MAX_TOKENS,
-                         early_stopping=early_stopping, length_penalty=length_penalty, eos_token_id=eos, pad_token_id=eos if eos is not None else 0,
+                         early_stopping=early_stopping, length_penalty=length_penalty, eos_token_id=eos,
+                         pad_token_id=eos if eos is not None else 0,
                          return_dict_in_generate=True, output_scores=True)
     beams = []
     for sequence in out.sequences:

@@ -27,7 +27,7 @@ def test_the_registry_serves_every_supported_architecture():
     assert set(registry.supported_architectures()) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                                        "Qwen3ForCausalLM"}
     assert all(registry.model_class(name) is LlamaForCausalLM for name in registry.supported_architectures())
-    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'.*LlamaForCausalLM"):
+    with pytest.raises(ValueError, match=r"unsupported architecture 'GPT2LMHeadModel'.*LlamaForCausalLM"):
         registry.model_class("GPT2LMHeadModel")
 
 

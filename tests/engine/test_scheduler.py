@@ -7,9 +7,9 @@ import itertools
 import pytest
 
 from engine.block_manager import BlockManager
+from engine.post_step import advance_sequences
 from engine.request import Request, RequestStatus, SampledToken
 from engine.sampling_params import SamplingParams
-from engine.post_step import advance_sequences
 from engine.scheduler import Scheduler
 from engine.swap import SwapSpace
 
@@ -22,7 +22,7 @@ _distinct = itertools.count(1000)
 def make_request(request_id: str, prompt_len: int, max_tokens: int = 8, priority: int = 0) -> Request:
     """Prompts start with a token of their own, so no two share a cached prefix by accident."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    return Request(request_id, [next(_distinct)] + list(range(1, prompt_len)), params, priority=priority)
+    return Request(request_id, [next(_distinct), *list(range(1, prompt_len))], params, priority=priority)
 
 
 def run_step(scheduler: Scheduler, token: int = 7):

@@ -35,7 +35,7 @@ def test_prefix_cache_reuses_full_blocks_and_evicts_least_recently_used():
     manager.cache_full_blocks("a", prompt, 10)
     manager.free("a")
     assert manager.num_free_blocks == 4  # cached blocks count as free
-    assert manager.match_prefix("b", prompt + [7]) == 8
+    assert manager.match_prefix("b", [*prompt, 7]) == 8
     assert manager.block_table("b") == manager.block_table("b")[:2] and manager.num_free_blocks == 2
     manager.free("b")
     manager.allocate_slots("x", 0, 16)  # needs all 4 blocks: the cached ones are evicted
@@ -146,7 +146,7 @@ def test_shared_system_prompt_is_prefilled_once(tiny_llama_dir):
     # vLLM's RequestOutput.num_cached_tokens: the first computes the system prompt, the other three hit its 6 blocks
     assert [o.num_cached_tokens for o in with_cache] == [0, 96, 96, 96]
     assert [o.num_cached_tokens for o in without] == [0, 0, 0, 0]
-    again = cached.generate([prompts[1], system + [7]], params)  # all 6 full blocks (96 tokens) are cached now
+    again = cached.generate([prompts[1], [*system, 7]], params)  # all 6 full blocks (96 tokens) are cached now
     assert [o.num_cached_tokens for o in again] == [96, 96]
 
 

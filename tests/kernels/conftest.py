@@ -11,12 +11,12 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from kernels import triton_ops  # noqa: E402
-from kernels.triton_common import runs_in_interpreter  # noqa: E402
-from kernels.kv_cache import _store_kv_cache_kernel  # noqa: E402
+from kernels import triton_ops
+from kernels.kv_cache import _store_kv_cache_kernel
+from kernels.triton_common import runs_in_interpreter
 
 
 def _kernel_device() -> str:

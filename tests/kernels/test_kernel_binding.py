@@ -10,13 +10,18 @@ from engine import LLM, SamplingParams
 from kernels import reference, triton_ops
 
 
+def _spy(calls: dict[str, int], name: str, impl):
+    """impl, counting its calls in calls[name]."""
+    def spy(*args, **kwargs):
+        calls[name] = calls.get(name, 0) + 1
+        return impl(*args, **kwargs)
+    return spy
+
+
 def _count_triton_calls(monkeypatch) -> dict[str, int]:
     calls: dict[str, int] = {}
     for name in triton_ops.__all__:
-        def spy(*args, _name=name, _impl=getattr(triton_ops, name), **kwargs):
-            calls[_name] = calls.get(_name, 0) + 1
-            return _impl(*args, **kwargs)
-        monkeypatch.setattr(triton_ops, name, spy)
+        monkeypatch.setattr(triton_ops, name, _spy(calls, name, getattr(triton_ops, name)))
     return calls
 
 

@@ -16,7 +16,8 @@ def _nbytes(*tensors: torch.Tensor) -> int:
 def test_copy_and_sampling_bytes_match_the_tensors_touched():
     pairs, caches, block = 5, 6, torch.empty(16, 2, 64, dtype=torch.bfloat16)
     mapping = torch.empty(pairs, 2, dtype=torch.int64)
-    assert bench.copy_blocks_bytes(pairs, caches, block.numel(), 2) == 2 * pairs * caches * _nbytes(block) + _nbytes(mapping)
+    expected = 2 * pairs * caches * _nbytes(block) + _nbytes(mapping)
+    assert bench.copy_blocks_bytes(pairs, caches, block.numel(), 2) == expected
     rows, vocab = 3, 1000
     logits, temps = torch.empty(rows, vocab), torch.empty(rows)
     seeds, positions, out = (torch.empty(rows, dtype=torch.int64) for _ in range(3))

@@ -9,6 +9,14 @@ from kernels import triton_ops
 from tests.conftest import VOCAB_SIZE
 
 
+def _spy(calls: dict[str, int], name: str, impl):
+    """impl, counting its calls in calls[name]."""
+    def spy(*args, **kwargs):
+        calls[name] = calls.get(name, 0) + 1
+        return impl(*args, **kwargs)
+    return spy
+
+
 def test_engine_on_triton_kernels_matches_reference(checkpoint_factory, monkeypatch):
     folder = checkpoint_factory("qwen3")  # Qwen3 also exercises the per-head q/k norm
     rng = random.Random(9)
@@ -22,10 +30,7 @@ def test_engine_on_triton_kernels_matches_reference(checkpoint_factory, monkeypa
     monkeypatch.setenv("PAGEDQ_KERNELS", "triton")
     calls: dict[str, int] = {}
     for name in triton_ops.__all__:  # count calls, so the test proves the Triton path really ran
-        def spy(*args, _name=name, _impl=getattr(triton_ops, name), **kwargs):
-            calls[_name] = calls.get(_name, 0) + 1
-            return _impl(*args, **kwargs)
-        monkeypatch.setattr(triton_ops, name, spy)
+        monkeypatch.setattr(triton_ops, name, _spy(calls, name, getattr(triton_ops, name)))
     got = LLM(folder, **engine_kwargs).generate(prompts, params)
     # copy_blocks and gumbel_argmax need forks and sampling: test_triton_engine_sampling covers them
     assert set(calls) == set(triton_ops.__all__) - {"copy_blocks", "gumbel_argmax"}, calls

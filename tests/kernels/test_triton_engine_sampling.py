@@ -10,6 +10,14 @@ from kernels import triton_ops
 from tests.conftest import VOCAB_SIZE
 
 
+def _spy(calls: dict[str, int], name: str, impl):
+    """impl, counting its calls in calls[name]."""
+    def spy(*args, **kwargs):
+        calls[name] = calls.get(name, 0) + 1
+        return impl(*args, **kwargs)
+    return spy
+
+
 def test_engine_sampling_with_forks_on_triton_matches_reference(checkpoint_factory, monkeypatch):
     folder = checkpoint_factory("qwen3")
     rng = random.Random(11)
@@ -26,10 +34,7 @@ def test_engine_sampling_with_forks_on_triton_matches_reference(checkpoint_facto
     monkeypatch.setenv("PAGEDQ_KERNELS", "triton")
     calls: dict[str, int] = {}
     for name in ("copy_blocks", "gumbel_argmax"):
-        def spy(*args, _name=name, _impl=getattr(triton_ops, name), **kwargs):
-            calls[_name] = calls.get(_name, 0) + 1
-            return _impl(*args, **kwargs)
-        monkeypatch.setattr(triton_ops, name, spy)
+        monkeypatch.setattr(triton_ops, name, _spy(calls, name, getattr(triton_ops, name)))
     got = LLM(folder, **engine_kwargs).generate(prompts, params)
     assert set(calls) == {"copy_blocks", "gumbel_argmax"}, calls
     tokens = [[c.token_ids for c in o.outputs] for o in got]

@@ -97,7 +97,8 @@ def test_prefill_strided_query_view(ops, device):
     ],
 )
 def test_prefill_rejects_bad_arguments(ops, device, mutate, message):
-    query, k_cache, v_cache, tables, cu_seqlens, lens = _prefill_inputs([(0, 3), (2, 2)], 2, 64, 16, torch.float32, device)
+    inputs = _prefill_inputs([(0, 3), (2, 2)], 2, 64, 16, torch.float32, device)
+    query, k_cache, v_cache, tables, cu_seqlens, lens = inputs
     args = dict(query=query, k_cache=k_cache, v_cache=v_cache, block_tables=tables, cu_seqlens_q=cu_seqlens,
                 context_lens=lens)  # fmt: skip
     mutate(args)

@@ -14,7 +14,8 @@ INF_SEED, INF_POSITION, INF_TOKEN = 3060, 0, 949
 
 
 def _rows(num_rows, device):
-    seeds = torch.cat([torch.tensor([0, -1, 2**40 + 7, -(2**62), 2**63 - 1]), torch.randint(-(2**62), 2**62, (num_rows,))])
+    edge_seeds = torch.tensor([0, -1, 2**40 + 7, -(2**62), 2**63 - 1])
+    seeds = torch.cat([edge_seeds, torch.randint(-(2**62), 2**62, (num_rows,))])
     positions = torch.cat([torch.tensor([0, 2**33 + 1, 5, 2**31, 7]), torch.randint(0, 2**40, (num_rows,))])
     return seeds[:num_rows].to(device), positions[:num_rows].to(device)
 
@@ -86,7 +87,8 @@ def test_greedy_ties_and_all_filtered_rows(device):
     temperature = torch.tensor([0.0, 0.0, 1.0, 1.0])
     seeds, positions = _rows(4, "cpu")
     for splits in (1, 3):
-        got = gumbel_argmax_split(logits.to(device), temperature.to(device), seeds.to(device), positions.to(device), splits)
+        got = gumbel_argmax_split(logits.to(device), temperature.to(device), seeds.to(device), positions.to(device),
+                                  splits)
         assert got.tolist() == [100, 0, 0, VOCAB - 1]
 
 

@@ -13,7 +13,8 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Any, Iterator, Literal
+from collections.abc import Iterator
+from typing import Any, Literal
 
 import structlog
 from fastapi import APIRouter
@@ -197,8 +198,8 @@ class BatchRun:
         for custom_id, job, kind, k in batch:
             self.pending[job.id] = (custom_id, kind, k)
             args += [job.id, job.to_json()]
-        await scripts.acall(self.b.r, "bulk_enqueue",
-                            [self.b.keys.jobs_of("bulk"), self.b.keys.bulk_enqueued(self.batch_id), self.b.keys.ids], args)
+        keys = [self.b.keys.jobs_of("bulk"), self.b.keys.bulk_enqueued(self.batch_id), self.b.keys.ids]
+        await scripts.acall(self.b.r, "bulk_enqueue", keys, args)
 
     async def _collect(self) -> int:
         ids = list(self.pending)
