@@ -17,9 +17,10 @@ def absorb(t: HeldJob, out: RequestOutput, now: float, publisher: Publisher) -> 
     with one sample keeps it on the job itself, so its records keep their original shape."""
     t.started = True  # output came: it has left the engine's waiting queue
     t.prompt_tokens = len(out.prompt_token_ids or ())
-    if getattr(out, "prompt_logprobs", None):  # the first output brings them (JSON keys are strings)
+    prompt_logprobs = getattr(out, "prompt_logprobs", None)
+    if prompt_logprobs:  # the first output brings them (JSON keys are strings)
         t.prompt_logprobs = [None if d is None else {str(k): float(v) for k, v in d.items()}
-                             for d in out.prompt_logprobs]
+                             for d in prompt_logprobs]
     several = t.job.n > 1
     for c in out.outputs:
         sample = t.samples.setdefault(c.index, Sample()) if several else t

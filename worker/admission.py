@@ -161,7 +161,7 @@ def prepare(engine: WorkerEngine, t: HeldJob) -> None:
     the engine. Raises ValueError (the job is rejected) for input the engine or its tokenizer refuses."""
     prompt = engine_prompt(engine, t.job)
     params = sampling_params(t.job)
-    t.blocks_needed = engine.blocks_needed(engine.num_prompt_tokens(prompt), params.max_tokens, params.best_of)
+    t.blocks_needed = engine.blocks_needed(engine.num_prompt_tokens(prompt), params.max_tokens, params.num_samples)
     t.engine_input = prompt
 
 
@@ -185,7 +185,7 @@ def pick(backlog: list[HeldJob], engine: WorkerEngine, max_waiting: int, isolati
     budget = engine.num_free_blocks - engine.waiting_blocks_needed
     room = max_waiting - engine.num_waiting_requests
     lowest_room = lanes.lowest_band_cap(engine) - lowest_in_engine
-    chosen = []
+    chosen: list[HeldJob] = []
     for t in lanes.order(backlog):
         if room <= 0:
             break
@@ -209,7 +209,11 @@ def engine_prompt(engine: WorkerEngine, job: Job) -> str | list[int]:
     with special tokens would double it. Raises ValueError (the job is rejected) when the model has no chat
     template or the template refuses."""
     if job.messages is None:
-        return job.prompt if job.prompt is not None else job.prompt_token_ids
+        if job.prompt is not None:
+            return job.prompt
+        if job.prompt_token_ids is not None:
+            return job.prompt_token_ids
+        raise ValueError("the job has none of prompt, prompt_token_ids and messages")
     tokenizer = getattr(engine, "tokenizer", None)
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ValueError("the model has no chat template: send the conversation as a formatted `prompt` "

@@ -75,24 +75,32 @@ class EmbeddedRedis:
             raise RuntimeError(f"redis-server did not restart on port {self.port}: {self._log_tail()}")
         return self
 
+    def _folder(self) -> str:
+        """The server's scratch folder, made by `start`."""
+        if self._tmp is None:
+            raise RuntimeError("EmbeddedRedis: call start() first")
+        return self._tmp.name
+
     def _launch(self, timeout_s: float) -> bool:
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self._tmp.name,
+        folder = self._folder()
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", folder,
                 "--save", "", "--appendonly", "no", "--protected-mode", "no", *self.extra_args]
         # the child keeps its own copy of the log's descriptor: ours can close once it is started
-        with open(os.path.join(self._tmp.name, "redis.log"), "ab") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        if self._wait_ready(timeout_s):
+        with open(os.path.join(folder, "redis.log"), "ab") as log:
+            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.proc = proc
+        if self._wait_ready(proc, timeout_s):
             return True
-        self.proc.kill()
-        self.proc.wait()
+        proc.kill()
+        proc.wait()
         return False
 
-    def _wait_ready(self, timeout_s: float) -> bool:
+    def _wait_ready(self, proc: subprocess.Popen, timeout_s: float) -> bool:
         end = time.monotonic() + timeout_s
         client = Redis(port=self.port, socket_connect_timeout=0.5)
         try:
             while time.monotonic() < end:
-                if self.proc.poll() is not None:
+                if proc.poll() is not None:
                     return False
                 try:
                     if client.ping():
@@ -105,7 +113,7 @@ class EmbeddedRedis:
 
     def _log_tail(self) -> str:
         try:
-            return Path(self._tmp.name, "redis.log").read_text()[-2000:]
+            return Path(self._folder(), "redis.log").read_text()[-2000:]
         except Exception:
             return "(no log)"
 

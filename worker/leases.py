@@ -34,7 +34,8 @@ class Leases:
 
     def read_own_pending(self, band: str, count: int = 500) -> list:
         """Entries of a band this consumer had not acknowledged before it stopped (restart recipe: read from 0)."""
-        entries, last = [], "0"
+        entries: list = []  # (entry id, fields) pairs as redis-py returns them
+        last = "0"
         while True:
             reply = self.r.xreadgroup(GROUP, self.name, {self.keys.jobs_of(band): last}, count=count)
             batch = reply[0][1] if reply else []

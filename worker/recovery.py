@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -33,6 +34,18 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from . import scripts
 from .engine_api import SamplingParams
 from .held import HeldJob, JobState
+
+if TYPE_CHECKING:
+    from redis import Redis
+    from structlog.typing import FilteringBoundLogger
+
+    from .admission import Intake
+    from .config import WorkerSettings
+    from .engine_api import RequestOutput, WorkerEngine
+    from .held import HeldJobs
+    from .keys import QueueKeys
+    from .leases import Leases
+    from .publisher import Publisher
 
 EXIT_ENGINE_BROKEN = 3  # process status when the breaker stopped the worker: restart it
 EXIT_REDIS_LOST = 4  # process status when Redis stayed unreachable past redis_outage_s
@@ -86,6 +99,26 @@ def wait_for_redis(redis_client: Any, step: Callable[[], bool], give_up_at: Call
 class Recovery:
     """The Worker's failure handling (a mixin: it uses the Worker's engine, held jobs, backlog, intake,
     publisher, leases, breaker, settings and logger)."""
+
+    # What the mixin uses of the Worker, declared for the type checker (worker.py sets and defines them all).
+    engine: WorkerEngine
+    r: Redis
+    s: WorkerSettings
+    keys: QueueKeys
+    log: FilteringBoundLogger
+    held: HeldJobs
+    intake: Intake
+    publisher: Publisher
+    leases: Leases
+    breaker: EngineBreaker
+    exit_code: int
+    num_redis_outages: int
+    stopping: bool
+    stop_by: float
+
+    if TYPE_CHECKING:
+        def _leave_engine(self, t: HeldJob) -> RequestOutput | None: ...
+        def _step(self) -> None: ...
 
     def _on_step_error(self, exc: Exception) -> None:
         """A step raised: with one job in the batch it is the culprit, otherwise every job becomes a suspect."""

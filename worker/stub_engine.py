@@ -30,7 +30,7 @@ class StubTokenizer:
         self.chat_template = chat_template  # a jinja template, as in a checkpoint's tokenizer_config.json
 
     def apply_chat_template(self, messages: list[dict], tokenize: bool = False,
-                            add_generation_prompt: bool = False) -> str:
+                            add_generation_prompt: bool = False) -> str | list[int]:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
         import jinja2

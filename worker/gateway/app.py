@@ -45,7 +45,7 @@ class Gateway:
         self.batches = Batches(self.client, self.files, self.live, settings)
 
     async def generate(self, endpoint: CompletionEndpoint, request: Request) -> Response:
-        body = endpoint.body
+        body = endpoint.request_body()
         endpoint.model = await check_model(self.live, body.model, self.settings.queue)
         job = build(endpoint.job_fields(self.settings))
         job_id = await submit(self.client, job, self.settings.retry_after_s)

@@ -57,16 +57,16 @@ class Batches:
         content = await self.files.content(req.input_file_id)
         batch_id = f"batch_{uuid.uuid4().hex}"
         now = int(time.time())
+        output_file_id, error_file_id = f"file-{batch_id}-output", f"file-{batch_id}-errors"
         obj = {"id": batch_id, "object": "batch", "endpoint": req.endpoint, "errors": None,
                "input_file_id": req.input_file_id, "completion_window": req.completion_window,
-               "status": "validating", "output_file_id": f"file-{batch_id}-output",
-               "error_file_id": f"file-{batch_id}-errors", "created_at": now, "in_progress_at": None,
+               "status": "validating", "output_file_id": output_file_id,
+               "error_file_id": error_file_id, "created_at": now, "in_progress_at": None,
                "expires_at": now + 86_400, "finalizing_at": None, "completed_at": None, "failed_at": None,
                "expired_at": None, "cancelling_at": None, "cancelled_at": None, "metadata": req.metadata,
                "total": sum(1 for line in content.splitlines() if line.strip())}
-        for kind in ("output", "errors"):
-            await self.files.declare_lines(obj[f"{'output' if kind == 'output' else 'error'}_file_id"],
-                                           f"{batch_id}_{kind}.jsonl", "batch_output")
+        for kind, file_id in (("output", output_file_id), ("errors", error_file_id)):
+            await self.files.declare_lines(file_id, f"{batch_id}_{kind}.jsonl", "batch_output")
         await self.r.hset(self.keys.batch(batch_id), mapping={k: json.dumps(v) for k, v in obj.items()})
         await self.r.expire(self.keys.batch(batch_id), self.s.file_ttl_s)
         self._start(batch_id)
@@ -76,7 +76,7 @@ class Batches:
         raw = await self.r.hgetall(self.keys.batch(batch_id))
         if not raw:
             raise OpenAIError(404, f"no batch {batch_id!r}", param="batch_id", code="batch_not_found")
-        obj = {k.decode(): json.loads(v) for k, v in raw.items()}
+        obj = {_text(k): json.loads(v) for k, v in raw.items()}
         completed = await self.r.llen(self.keys.file_lines(obj["output_file_id"]))
         failed = await self.r.llen(self.keys.file_lines(obj["error_file_id"]))
         obj["request_counts"] = {"total": obj.pop("total"), "completed": completed, "failed": failed}
@@ -126,7 +126,7 @@ class BatchRun:
         self.model = ""  # what the live workers serve, looked up once the first job has finished
         if obj["status"] == "validating":
             await b._set(batch_id, status="in_progress", in_progress_at=int(time.time()))
-        answered = {a.decode() for a in await b.r.smembers(b.keys.batch_answered(batch_id))}
+        answered = {_text(a) for a in await b.r.smembers(b.keys.batch_answered(batch_id))}
         try:
             content = (await b.files.content(obj["input_file_id"])).decode("utf-8")
         except (UnicodeDecodeError, OpenAIError) as exc:  # not UTF-8, or the input file expired
@@ -137,22 +137,28 @@ class BatchRun:
             return
         source = self._requests(content, answered)
         await self._loop(source)
-        status = json.loads(await b.r.hget(b.keys.batch(batch_id), "status"))
+        status = await self._status()
         now = int(time.time())
         if status == "cancelling":
             await b._set(batch_id, status="cancelled", cancelled_at=now)
         else:
             await b._set(batch_id, status="completed", finalizing_at=now, completed_at=now)
 
+    async def _status(self) -> str:
+        raw = await self.b.r.hget(self.b.keys.batch(self.batch_id), "status")
+        if raw is None:  # its hash expired (file_ttl_s) under the runner
+            raise RuntimeError(f"batch {self.batch_id} is gone: its record expired while it ran")
+        return json.loads(raw)
+
     async def _loop(self, source: Iterator) -> None:
         exhausted = False
         while not exhausted or self.pending:
             await self.b.r.expire(self.lease, LEASE_S)
-            if json.loads(await self.b.r.hget(self.b.keys.batch(self.batch_id), "status")) == "cancelling":
+            if await self._status() == "cancelling":
                 exhausted = True  # take nothing more; cancel what is in flight and collect its records
                 for job_id in self.pending:
                     await self.b.client.cancel(job_id)
-            batch = []
+            batch: list[tuple] = []
             while not exhausted and len(self.pending) + len(batch) < self.b.s.batch_window:
                 item = next(source, None)
                 if item is None:
@@ -258,3 +264,8 @@ def router(batches: Batches, auth: Any) -> APIRouter:
         return await batches.cancel(batch_id)
 
     return api
+
+
+def _text(value: bytes | str) -> str:
+    """A Redis reply as text (this client returns bytes)."""
+    return value.decode() if isinstance(value, bytes) else value

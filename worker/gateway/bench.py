@@ -90,22 +90,24 @@ async def _drive(redis_url: str, base: str, args: argparse.Namespace, gateway_pi
         start = time.perf_counter()
         job_id = await native.submit(prompt=f"s {i}", max_tokens=args.stream_tokens, temperature=0.0, stream=True,
                                      ignore_eos=True)
-        first, chunks = None, 0
+        first: float | None = None
+        chunks = 0
         async for _ in native.stream(job_id, timeout=60):
             first = first or time.perf_counter() - start
             chunks += 1
-        return first, chunks
+        return _first_chunk(first), chunks
 
     async def stream_gateway(i: int) -> tuple[float, int]:
         start = time.perf_counter()
-        first, chunks = None, 0
+        first: float | None = None
+        chunks = 0
         payload = {**body, "prompt": f"s {i}", "max_tokens": args.stream_tokens, "stream": True, "ignore_eos": True}
         async with http.stream("POST", "/completions", json=payload) as response:
             async for line in response.aiter_lines():
                 if line.startswith("data: {") and '"text":""' not in line:
                     first = first or time.perf_counter() - start
                     chunks += 1
-        return first, chunks
+        return _first_chunk(first), chunks
 
     warm = min(8, args.concurrency)  # warm-up: connections, scripts, code paths
     await _throughput(via_native, 200, warm)
@@ -114,20 +116,20 @@ async def _drive(redis_url: str, base: str, args: argparse.Namespace, gateway_pi
     for name, call in (("native", via_native), ("gateway", via_gateway)):
         cpu_before = cpu_seconds(gateway_pid)
         result[f"{name}_requests_per_s"] = await _throughput(call, args.requests, args.concurrency)
-        if name == "gateway" and cpu_before is not None:
+        cpu_after = cpu_seconds(gateway_pid)
+        if name == "gateway" and cpu_before is not None and cpu_after is not None:
             # the gateway process's own CPU per request: 1000 / this = requests/s one free core would carry
-            result["gateway_cpu_ms_per_request"] = round((cpu_seconds(gateway_pid) - cpu_before) * 1000
-                                                         / args.requests, 3)
-    lat = {"native": [], "gateway": []}
+            result["gateway_cpu_ms_per_request"] = round((cpu_after - cpu_before) * 1000 / args.requests, 3)
+    lat: dict[str, list[float]] = {"native": [], "gateway": []}
     for _ in range(3):  # interleaved blocks: drift on a shared machine hits both alike
         for name, call in (("native", via_native), ("gateway", via_gateway)):
             lat[name] += await _latencies(call, args.latency_requests // 3)
     result["native_latency"], result["gateway_latency"] = _ms(lat["native"]), _ms(lat["gateway"])
     result["added_latency_p50_ms"] = round(result["gateway_latency"]["p50_ms"] - result["native_latency"]["p50_ms"], 3)
     result["added_latency_p99_ms"] = round(result["gateway_latency"]["p99_ms"] - result["native_latency"]["p99_ms"], 3)
-    for name, call in (("native", stream_native), ("gateway", stream_gateway)):
+    for name, stream_call in (("native", stream_native), ("gateway", stream_gateway)):
         start = time.perf_counter()
-        runs = [await call(i) for i in range(args.stream_requests)]
+        runs = [await stream_call(i) for i in range(args.stream_requests)]
         elapsed = time.perf_counter() - start
         result[f"{name}_stream"] = {"first_chunk": _ms([r[0] for r in runs]),
                                     "chunks_per_s": round(sum(r[1] for r in runs) / elapsed, 1),
@@ -179,3 +181,10 @@ def _wait_ready(base: str, timeout: float = 60.0) -> None:
             pass
         time.sleep(0.1)
     raise RuntimeError("the gateway or the stub worker did not come up")
+
+
+def _first_chunk(seconds: float | None) -> float:
+    """Time to a stream's first chunk; a stream that sent none is a failed run, not a number."""
+    if seconds is None:
+        raise RuntimeError("a benchmark stream ended without a single chunk")
+    return seconds

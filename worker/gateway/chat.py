@@ -16,13 +16,19 @@ class ChatEndpoint(CompletionEndpoint):
     object_name = "chat.completion"
     id_prefix = "chatcmpl-"
 
-    def __init__(self, body: ChatCompletionRequest | None, model: str, created: int,  # type: ignore[override]
+    def __init__(self, body: ChatCompletionRequest | None, model: str, created: int,
                  k: int | None = None) -> None:
         self.body, self.model, self.created = body, model, created
         self.k = ((body.top_logprobs or 0) if body.logprobs else None) if body is not None else k
 
+    def chat_body(self) -> ChatCompletionRequest:
+        body = self.request_body()
+        if not isinstance(body, ChatCompletionRequest):
+            raise TypeError(f"a chat endpoint got a {type(body).__name__}")
+        return body
+
     def job_fields(self, settings: GatewaySettings) -> dict[str, Any]:
-        body = self.body
+        body = self.chat_body()
         fields = sampling_fields(body, settings, body.max_completion_tokens or body.max_tokens)
         fields["messages"] = [{"role": m.role, "content": m.text()} for m in body.messages]
         if self.k is not None:
@@ -42,7 +48,7 @@ class ChatEndpoint(CompletionEndpoint):
 
     def opening(self, job_id: str) -> list[dict[str, Any]]:
         return [self.chunk(job_id, [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                     "finish_reason": None} for i in range(self.body.n)])]
+                                     "finish_reason": None} for i in range(self.request_body().n)])]
 
     def delta_chunk(self, job_id: str, delta: Delta) -> dict[str, Any]:
         lps = chat_logprobs(delta.token_ids, delta.logprobs, self.k) if self.k is not None else None

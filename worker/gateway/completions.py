@@ -9,21 +9,31 @@ from ..settings import GatewaySettings
 from .errors import OpenAIError
 from .jobs import sampling_fields
 from .render import choices_of, completion_logprobs, usage
-from .schemas import CompletionRequest
+from .schemas import CompletionRequest, SamplingBody
 
 
 class CompletionEndpoint:
     object_name = "text_completion"
     id_prefix = "cmpl-"
+    body: SamplingBody | None  # each endpoint's own request type; None: only rendering records
 
     def __init__(self, body: CompletionRequest | None, model: str, created: int, k: int | None = None) -> None:
         """body None: only rendering a record (the Batch API), with `k` log-probabilities per token."""
         self.body, self.model, self.created = body, model, created
         self.k = body.logprobs if body is not None else k
 
+    def request_body(self) -> SamplingBody:
+        """The request being served (an endpoint made only to render records has none)."""
+        if self.body is None:
+            raise RuntimeError(f"{type(self).__name__} was made to render records: it has no request")
+        return self.body
+
     def job_fields(self, settings: GatewaySettings) -> dict[str, Any]:
-        fields = sampling_fields(self.body, settings, self.body.max_tokens)
-        prompt = self.body.prompt
+        body = self.request_body()
+        if not isinstance(body, CompletionRequest):
+            raise TypeError(f"a completion endpoint got a {type(body).__name__}")
+        fields = sampling_fields(body, settings, body.max_tokens)
+        prompt = body.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):  # a list of prompts
             if len(prompt) != 1:
                 raise OpenAIError(400, "one prompt per request (send several requests, or use the Batch API)",
