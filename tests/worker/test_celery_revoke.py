@@ -26,8 +26,8 @@ KEYS = QueueKeys("default")
 class RecordingEngine(StubEngine):
     """The stub engine, remembering every request it was given (a revoked job must never get here)."""
 
-    def __init__(self, step_delay_s: float = 0.0) -> None:
-        super().__init__(step_delay_s=step_delay_s)
+    def __init__(self, step_delay_s: float = 0.0, max_num_seqs: int = 256) -> None:
+        super().__init__(step_delay_s=step_delay_s, max_num_seqs=max_num_seqs)
         self.added: list[str] = []
 
     def add_request(self, request_id, *args, **kwargs):
@@ -83,6 +83,23 @@ def test_revoke_stops_a_running_job(redis_url, r, terminate):
     assert record["status"] == "cancelled" and record["error"] == "cancelled by request"
     assert 0 < len(record["token_ids"]) < 1500 and took < 2.0, (len(record["token_ids"]), took)
     assert after["text"] == offline("next", max_tokens=3, temperature=0.0)[0]  # the worker keeps serving
+    assert_clean_celery(r)
+
+
+def test_revoke_of_a_job_waiting_behind_another(redis_url, r):
+    app = make_app(redis_url)
+    generate = app.tasks["pagedq.generate"]
+    engine = RecordingEngine(step_delay_s=0.01, max_num_seqs=1)  # one at a time: the second one waits
+    with worker_thread(engine, redis_url, celery_broker=redis_url, celery_poll_s=0.01) as worker:
+        first = generate.apply_async(kwargs=dict(prompt="first in line", max_tokens=60, temperature=0))
+        second = generate.apply_async(kwargs=dict(prompt="second in line", max_tokens=60))
+        wait_for(lambda: len(worker.held) == 2, what="both read by the worker")
+        second.revoke()
+        assert_revoked(second, "revoked")
+        answer = first.get(timeout=20)
+    assert final_record(r, second.id)["token_ids"] == []  # revoked while waiting: nothing generated
+    assert answer["status"] == "completed"  # the job ahead of it is untouched
+    assert answer["text"] == offline("first in line", max_tokens=60, temperature=0.0)[0]
     assert_clean_celery(r)
 
 
