@@ -6,12 +6,20 @@
 
 `pagedq worker --celery` consumes the Celery queue itself (worker/celery_intake.py): messages join the
 same continuous-batching admission as native jobs, and each one is acknowledged only after its result is
-in the result backend. Do not start a Celery worker (`celery -A ... worker`) for this queue: the task
-body below only explains that.
+in the result backend. `AsyncResult.revoke()` cancels the job, queued or running (state REVOKED; so does
+an `expires` that passes: worker/celery_control.py). Do not start a Celery worker (`celery -A ... worker`)
+for this queue: the task body below only explains that.
 
 Configuration (environment, read when this module is imported; make_app() takes explicit values):
 CELERY_BROKER_URL / CELERY_RESULT_BACKEND, else PAGEDQ_REDIS_URL, else redis://localhost:6379/0 for both;
-PAGEDQ_CELERY_QUEUE (default "pagedq"); PAGEDQ_CELERY_VISIBILITY_TIMEOUT (seconds, default 3600).
+PAGEDQ_CELERY_QUEUE (default "pagedq"; a comma list names the queues a worker serves, the first is where
+this app routes the task); PAGEDQ_CELERY_VISIBILITY_TIMEOUT (seconds, default 3600).
+
+A producer with an app of its own routes the task to the worker's queue (Celery's default queue is
+`celery`, which the worker serves only when told to: `--celery-queue pagedq,celery`):
+
+    producer = Celery("x", broker=URL, backend=URL, task_routes={"pagedq.generate": {"queue": "pagedq"}})
+    producer.send_task("pagedq.generate", kwargs={"prompt": "Hi", "max_tokens": 16}).get(timeout=60)
 """
 
 from __future__ import annotations
@@ -32,12 +40,23 @@ def default_broker_url() -> str:
             or "redis://localhost:6379/0")
 
 
+def parse_queues(value: str | None) -> list[str]:
+    """The Celery queue names of a `-Q`-style comma list (default: PAGEDQ_CELERY_QUEUE, else "pagedq")."""
+    value = value or os.environ.get("PAGEDQ_CELERY_QUEUE") or DEFAULT_QUEUE
+    names = [name.strip() for name in value.split(",")]
+    if not all(names):
+        raise ValueError(f"Celery queue list {value!r} has an empty name: give names separated by commas")
+    if len(set(names)) != len(names):
+        raise ValueError(f"Celery queue list {value!r} names a queue twice")
+    return names
+
+
 def make_app(broker_url: str | None = None, *, backend_url: str | None = None, queue: str | None = None,
              visibility_timeout_s: float | None = None) -> Celery:
     """A Celery app for the pagedq queue with the `pagedq.generate` task registered."""
     broker = broker_url or default_broker_url()
     backend = backend_url or os.environ.get("CELERY_RESULT_BACKEND") or broker
-    queue = queue or os.environ.get("PAGEDQ_CELERY_QUEUE") or DEFAULT_QUEUE
+    queue = parse_queues(queue)[0]
     if visibility_timeout_s is None:
         visibility_timeout_s = float(os.environ.get("PAGEDQ_CELERY_VISIBILITY_TIMEOUT") or DEFAULT_VISIBILITY_TIMEOUT_S)
     app = Celery("pagedq", broker=broker, backend=backend, set_as_current=False)

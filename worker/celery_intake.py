@@ -4,7 +4,12 @@ Each turn the worker polls the Celery queue without blocking (kombu `basic_get`:
 enters kombu's `unacked` hash), turns each `pagedq.generate` message into a held job (the task id is the
 job id) and admits it with the native jobs. When a job is finished its final record goes through the same
 FINALIZE script as any job; then `settle()` stores the result in Celery's result backend
-(`mark_as_done` / `mark_as_failure`, which also completes chords) and only then acks the message.
+(`mark_as_done`, `mark_as_failure`, or `mark_as_revoked` for a cancelled or expired job, as Celery's
+worker stores revoked and expired tasks; these also complete chords) and only then acks the message.
+Revokes arrive as Celery broadcast control messages: worker/celery_control.py.
+
+A worker may serve several Celery queues (`--celery-queue a,b`, like `celery worker -Q a,b`); it owns
+every message on them, as a Celery worker does: a task it does not know fails (FAILURE, acked).
 
 Why basic_get rather than a BRPOP consumer: a BRPOP left in flight when the worker stops pops a message
 nobody reads. With basic_get a message is always in the list or in the unacked hash (kombu's own
@@ -22,11 +27,12 @@ from typing import Any
 from celery.app.task import Context
 from kombu.serialization import loads
 
+from .celery_control import ControlListener
 from .client import make_job
 from .errors import GenerationFailed, JobRejected
+from .held import CELERY_ORIGIN, HeldJob
 from .job import FinalRecord, valid_job_id
 from .keys import QueueKeys
-from .held import CELERY_ORIGIN, HeldJob
 from .publisher import Publisher
 
 TASK_NAME = "pagedq.generate"
@@ -35,15 +41,17 @@ ACCEPT = {"application/json"}  # never unpickle what comes off the broker
 
 class CeleryIntake:
     def __init__(self, app: Any, redis_client: Any, keys: QueueKeys, publisher: Publisher, intake: Any,
-                 log: Any, queue: str | None = None, poll_interval_s: float = 0.05) -> None:
+                 log: Any, queues: list[str] | None = None, poll_interval_s: float = 0.05) -> None:
         self.app, self.r, self.keys, self.publisher, self.intake = app, redis_client, keys, publisher, intake
         from .celery_app import queue_of
 
-        self.queue = app.amqp.queues[queue or queue_of(app)]
-        self.log = log.bind(celery_queue=self.queue.name)
+        self.queues = [app.amqp.queues[name] for name in queues or [queue_of(app)]]
+        self.log = log.bind(celery_queue=self.name)
         self.conn = app.connection_for_read()
         self.channel = self.conn.default_channel
-        self.queue(self.channel).declare()  # the exchange binding producers route through
+        for queue in self.queues:
+            queue(self.channel).declare()  # the exchange binding producers route through
+        self.control = ControlListener(app, redis_client, keys, f"pagedq@{intake.settings.name}", self.log)
         self.visibility_timeout = float(self.channel.visibility_timeout)
         self.restore_every_s = min(max(self.visibility_timeout / 4, 0.25), 30.0)
         self.poll_interval_s = poll_interval_s
@@ -52,19 +60,21 @@ class CeleryIntake:
         self._next_restore = 0.0
 
     @classmethod
-    def for_worker(cls, worker: Any) -> "CeleryIntake":
+    def for_worker(cls, worker: Any) -> CeleryIntake:
         """The intake of a Worker, from its settings (broker, backend, queue, visibility timeout)."""
-        from .celery_app import make_app
+        from .celery_app import make_app, parse_queues
 
         s = worker.s
-        app = make_app(s.celery_broker, backend_url=s.celery_backend, queue=s.celery_queue,
+        queues = parse_queues(s.celery_queue)
+        app = make_app(s.celery_broker, backend_url=s.celery_backend, queue=queues[0],
                        visibility_timeout_s=s.celery_visibility_timeout_s)
-        return cls(app, worker.r, worker.keys, worker.publisher, worker.intake, worker.log,
+        return cls(app, worker.r, worker.keys, worker.publisher, worker.intake, worker.log, queues=queues,
                    poll_interval_s=s.celery_poll_s)
 
     @property
     def name(self) -> str:
-        return self.queue.name
+        """The queues served, as `-Q` takes them."""
+        return ",".join(queue.name for queue in self.queues)
 
     # ------------------------------------------------------------------ intake
     def poll(self, count: int) -> list[HeldJob]:
@@ -72,13 +82,15 @@ class CeleryIntake:
         now = time.monotonic()
         if count <= 0 or now < self._next_poll:
             return []
-        messages = []
-        while len(messages) < count:
-            message = self.channel.basic_get(self.queue.name, no_ack=False)
-            if message is None:
-                self._next_poll = now + self.poll_interval_s
-                break
-            messages.append(message)
+        messages: list[Any] = []
+        for queue in self.queues:  # in the order given, like a Celery worker's -Q
+            while len(messages) < count:
+                message = self.channel.basic_get(queue.name, no_ack=False)
+                if message is None:
+                    break
+                messages.append(message)
+        if len(messages) < count:  # every queue is empty
+            self._next_poll = now + self.poll_interval_s
         parsed = [p for p in (self._parse(m) for m in messages) if p is not None]
         return self._admit_parsed(parsed) if parsed else []
 
@@ -179,7 +191,11 @@ class CeleryIntake:
             backend.mark_as_failure(ctx.id, JobRejected(record["error"]), request=ctx)
         elif record["status"] == "failed":
             backend.mark_as_failure(ctx.id, GenerationFailed(record["error"]), request=ctx)
-        else:  # completed, or cancelled/expired with their partial output (the record's status says which)
+        elif record["status"] in ("cancelled", "expired"):  # Celery's words for a revoked / an expired task
+            # (the partial output stays in the pagedq final record: Client.result(task_id))
+            backend.mark_as_revoked(ctx.id, "revoked" if record["status"] == "cancelled" else "expired",
+                                    request=ctx)
+        else:
             backend.mark_as_done(ctx.id, record, request=ctx)
             self._follow_up(ctx, record)
 
@@ -193,19 +209,22 @@ class CeleryIntake:
                                                         root_id=ctx.root_id or ctx.id)
 
     # ------------------------------------------------------------------ timers, shutdown
-    def maintain(self, now: float) -> None:
-        """Put messages unacked past the visibility timeout (their worker died) back on the queue."""
+    def maintain(self, now: float) -> bool:
+        """Handle control messages (revokes); put messages unacked past the visibility timeout (their
+        worker died) back on the queue. True if a revoke came in: the cancel set has new ids."""
         if now >= self._next_restore:
             self._next_restore = now + self.restore_every_s
             self.channel.qos.restore_visible(num=1000, interval=1)
+        return self.control.drain()
 
     def depth(self) -> int:
-        """Messages waiting in the Celery queue (all priority levels)."""
+        """Messages waiting in the Celery queues (all priority levels)."""
         # kombu's own size (LLEN over the priority lists); a passive queue_declare 404s on an empty queue
-        return int(self.channel._size(self.queue.name))
+        return sum(int(self.channel._size(queue.name)) for queue in self.queues)
 
     def close(self) -> None:
         """Closing the channel puts every message still unacked (not finished) back on the queue at once."""
+        self.control.close()
         try:
             self.conn.release()
         except Exception as exc:

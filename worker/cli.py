@@ -126,7 +126,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="Celery broker URL (default: $CELERY_BROKER_URL, else the --redis URL)")
     p.add_argument("--celery-backend", default=None, help="result backend URL (default: $CELERY_RESULT_BACKEND, "
                    "else the broker)")
-    p.add_argument("--celery-queue", default=None, help="Celery queue (default: $PAGEDQ_CELERY_QUEUE or pagedq)")
+    p.add_argument("--celery-queue", default=None, help="Celery queue(s) to serve, a comma list like celery's -Q "
+                   "(default: $PAGEDQ_CELERY_QUEUE or pagedq; add celery to serve producers without task_routes)")
     p.add_argument("--celery-visibility-timeout", type=float, default=None,
                    help="seconds before an unacked Celery message is redelivered (default 3600); above the longest job")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")

@@ -380,8 +380,8 @@ class Worker(Recovery):
                     self._hold(self.intake.parse(entries, recovered=True, band=band), check_cancel=True)
         if now >= self._timers["beat"]:
             self._beat(now)
-        if self.celery is not None:
-            self.celery.maintain(now)
+        if self.celery is not None and self.celery.maintain(now):
+            self.cancel_possible = True  # a Celery revoke: check held jobs and the next ones read at once
         if self.metrics is not None and now >= self._timers["metrics"]:
             self._timers["metrics"] = now + self.s.metrics_every_s
             try:
