@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from engine.cli import build_parser as engine_parser
 from engine.options import engine_options

@@ -54,6 +54,7 @@ def test_code_that_builds_worker_settings_reads_no_environment(monkeypatch: pyte
     ({"PAGEDQ_LEASE_MS": "5"}, ["worker", "--metrics-port", "70000"],
      "--metrics-port='70000': Input should be less than or equal to 65535"),
     ({"PAGEDQ_PREEMPTION_MODE": "drop"}, ["worker"], "PAGEDQ_PREEMPTION_MODE='drop': Input should be 'recompute'"),
+    ({}, ["worker", "--engine", "gpt"], "--engine='gpt': Input should be 'llm' or 'stub'"),
     ({"PAGEDQ_PORT": "99999"}, ["serve"], "PAGEDQ_PORT='99999': Input should be less than or equal to 65535"),
     ({"PAGEDQ_WINDOW": "-1"}, ["bulk", "in.jsonl", "out.jsonl"], "PAGEDQ_WINDOW='-1'"),
     ({"PAGEDQ_REQUESTS": "many"}, ["bench", "gateway"], "PAGEDQ_REQUESTS='many'"),

@@ -121,8 +121,8 @@ def add_options(parser: argparse.ArgumentParser, options: Sequence[Option]) -> N
             kwargs["action"] = argparse.BooleanOptionalAction if opt.negatable else "store_true"
         elif opt.append:
             kwargs["action"] = "append"
-        else:  # pydantic converts and checks the value, so a flag and a variable fail the same way
-            kwargs.update(metavar=opt.name.upper(), choices=opt.choices)
+        else:  # pydantic converts and checks the value (choices too), so a flag and a variable fail the same way
+            kwargs["metavar"] = "{" + ",".join(opt.choices) + "}" if opt.choices else opt.name.upper()
         parser.add_argument(opt.flag, **kwargs)  # type: ignore[arg-type]
     known = getattr(parser, "pagedq_options", ())
     parser.pagedq_options = (*known, *options)  # type: ignore[attr-defined]
