@@ -40,7 +40,6 @@ def _engine(args: argparse.Namespace) -> WorkerEngine:
     if args.mixed_engine == "stub":
         return StubEngine(max_num_seqs=args.mixed_max_num_seqs, step_delay_s=args.mixed_step_delay)
     from engine import LLMEngine, SamplingParams
-
     from engine.options import engine_kwargs_from
 
     engine = LLMEngine(args.model, **{**engine_kwargs_from(args), "max_num_seqs": args.mixed_max_num_seqs})

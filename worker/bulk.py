@@ -25,7 +25,7 @@ from typing import Any, Iterator
 from redis import Redis
 
 from . import scripts
-from .cli_options import Option, add_options
+from .cli_options import Option, add_options, queue_option
 from .client import make_job
 from .errors import JobRejected
 from .keys import BANDS, JOB_FIELD, QueueKeys, check_band
@@ -48,7 +48,7 @@ class LineError(ValueError):
 
 OPTIONS = (
     Option("errors", Path, None, "errors file (default: OUTPUT with .errors.jsonl)", nullable=True),
-    Option("queue", str, "default", "queue name"),
+    queue_option(),
     Option("band", str, "bulk", "priority band of the jobs", choices=tuple(BANDS)),
     Option("window", int, 256, "jobs in flight at most (backpressure)", bounds={"ge": 1, "le": 100_000}),
     Option("run_id", str, None, "namespace of the job ids (default: the input's content hash); a new one re-runs "

@@ -5,9 +5,10 @@ OPTIONS); from it come the argparse flag, its help (with the default and the var
 model that validates. Precedence: flag > environment > default. The environment is read only while a command line
 is parsed (`SettingsParser`), never when code builds WorkerSettings(...) itself.
 
-(pydantic-settings' CliSettingsSource was the first choice; it drops env_prefix for any field with an alias, so
-`--redis`/`--result-ttl` could not keep their spellings next to PAGEDQ_REDIS_URL/PAGEDQ_RESULT_TTL, and it cannot
-mix with the existing positional and append arguments of bulk/dlq/status. The mapping here is that part only.)
+(pydantic-settings' CliSettingsSource was tried first: it takes a field's CLI name from its alias, and an alias
+also replaces the env name without the prefix, so `--redis`/`--result-ttl` could not sit next to
+PAGEDQ_REDIS_URL/PAGEDQ_RESULT_TTL without renaming WorkerSettings fields all over worker/ and the tests; its
+help shows `{str,null}`-style metavars. What is kept of it: BaseSettings reads and validates the environment.)
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Literal, cast
 
-from pydantic import BeforeValidator, Field, ValidationError, create_model
+from pydantic import BeforeValidator, Field, StringConstraints, ValidationError, create_model
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engine.cli import StrictArgumentParser
 from engine.options import engine_options
+
+from .config import QUEUE_PATTERN
 
 ENV_PREFIX = "PAGEDQ_"
 
@@ -41,6 +44,7 @@ class Option:
     nullable: bool = False  # None allowed (the default means "unset")
     negatable: bool = False  # a bool as --x/--no-x; else --x sets True
     append: bool = False  # a list: the flag repeats, the variable is comma-separated
+    pattern: str | None = None  # a str value (each, for a list) must match
     target: str | None = None  # the WorkerSettings field it fills, when its name differs
 
     @property
@@ -52,9 +56,9 @@ class Option:
         return ENV_PREFIX + self.name.upper()
 
 
-def option(help: str, name: str | None = None, **kwargs: object) -> dict[str, object]:
-    """Dataclass field metadata that makes the field a flag; `name` when the flag is not the field's name."""
-    return {"option": {"help": help, "name": name, **kwargs}}
+def queue_option(help: str = "queue name", default: str | None = "default", append: bool = False) -> Option:
+    """--queue / PAGEDQ_QUEUE, with the queue-name rule of worker/config.py."""
+    return Option("queue", str, default, help, nullable=default is None, append=append, pattern=QUEUE_PATTERN)
 
 
 def dataclass_options(cls: type) -> tuple[Option, ...]:
@@ -89,7 +93,8 @@ def _split(value: object) -> object:
 
 def _annotation(opt: Option) -> object:
     if opt.append:
-        return Annotated[list[opt.type] | None, NoDecode, BeforeValidator(_split)]  # type: ignore[name-defined]
+        item = Annotated[opt.type, StringConstraints(pattern=opt.pattern)] if opt.pattern else opt.type
+        return Annotated[list[item] | None, NoDecode, BeforeValidator(_split)]  # type: ignore[valid-type]
     base: object = Literal[opt.choices] if opt.choices else opt.type
     return base | None if opt.nullable else base  # type: ignore[operator]
 
@@ -99,8 +104,9 @@ def settings_model(name: str, options: Sequence[Option]) -> type[BaseSettings]:
     fields: dict[str, object] = {}
     for o in options:
         bounds: dict[str, float | None] = {"ge": None, "gt": None, "le": None, "lt": None, **o.bounds}
+        pattern = None if o.append else o.pattern
         fields[o.name] = (_annotation(o), Field(default=o.default, ge=bounds["ge"], gt=bounds["gt"], le=bounds["le"],
-                                                lt=bounds["lt"]))
+                                                lt=bounds["lt"], pattern=pattern))
     config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
     base = cast(type[BaseSettings], type(f"{name}Base", (BaseSettings,), {"model_config": config}))
     with warnings.catch_warnings():  # a flag named like a BaseModel method (--json): the field still wins on reads

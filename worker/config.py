@@ -14,9 +14,14 @@ def default_worker_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-def _flag(default: object, help: str, name: str | None = None, **bounds: float) -> Any:
+# A queue name goes inside a Redis Cluster hash tag (pagedq:{Q}:...): no braces, colons or spaces.
+QUEUE_PATTERN = r"^[^{}:\s]{1,100}$"
+
+
+def _flag(default: object, help: str, name: str | None = None, pattern: str | None = None, **bounds: float) -> Any:
     """A field that is also a `pagedq worker` flag and PAGEDQ_* variable (worker/cli_options.py reads this)."""
-    return field(default=default, metadata={"option": {"help": help, "name": name, "bounds": bounds}})
+    return field(default=default, metadata={"option": {"help": help, "name": name, "bounds": bounds,
+                                                       "pattern": pattern}})
 
 
 @dataclass
@@ -24,11 +29,11 @@ class WorkerSettings:
     """What one Worker runs with. Fields declared with _flag are `pagedq worker` flags (--name-in-kebab-case, or the
     name given) and PAGEDQ_* variables; the CLI fills them, tests pass keywords (no environment is read here)."""
 
-    queue: str = _flag("default", "queue name")
+    queue: str = _flag("default", "queue name", pattern=QUEUE_PATTERN)
     # hostname alone is stable across container restarts; the pid keeps two workers on one host apart.
     name: str = field(default_factory=default_worker_name, metadata={"option": {
         "help": "consumer name; keep it stable to re-read own pending jobs on restart (default: hostname-pid)",
-        "name": None, "bounds": {}}})
+        "name": None, "bounds": {}, "pattern": None}})
     # a job idle longer than this in a dead worker's pending list is claimed by others
     lease_ms: int = _flag(60_000, "ms a held job's lease lasts unrenewed before another worker may claim it", ge=1)
     renew_every_s: float | None = None  # default lease/3

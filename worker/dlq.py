@@ -15,12 +15,12 @@ from typing import Any
 from redis import Redis
 
 from . import scripts
-from .cli_options import Option, add_options
+from .cli_options import Option, add_options, queue_option
 from .keys import BANDS, JOB_FIELD, QueueKeys
 from .settings import redis_url
 
 OPTIONS = (
-    Option("queue", str, "default", "queue name"),
+    queue_option(),
     Option("json", bool, False, "list: one JSON array of the dead letters ([] when none)"),
 )
 

@@ -12,6 +12,8 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from .config import QUEUE_PATTERN
+
 
 class RedisSettings(BaseSettings):
     """PAGEDQ_REDIS_URL alone, so resolving the URL never trips over another variable (e.g. status' PAGEDQ_QUEUE)."""
@@ -22,7 +24,7 @@ class RedisSettings(BaseSettings):
 
 
 class QueueSettings(RedisSettings):
-    queue: str = Field(default="default", min_length=1, max_length=100, pattern=r"^[^{}:\s]+$")
+    queue: str = Field(default="default", pattern=QUEUE_PATTERN)  # 1-100 characters, no braces, colons, spaces
 
 
 def configured_redis_url(explicit: str | None = None) -> str | None:

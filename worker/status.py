@@ -12,13 +12,12 @@ from typing import Any
 
 from redis import Redis
 
-from .cli_options import Option, add_options
+from .cli_options import Option, add_options, queue_option
 from .keys import BANDS, GROUP, PREFIX, QueueKeys
 from .settings import redis_url
 
 OPTIONS = (
-    Option("queue", str, None, "queue to show (repeatable; the variable: comma-separated; default: all)",
-           nullable=True, append=True),
+    queue_option("queue to show (repeatable; the variable: comma-separated; default: all)", None, append=True),
     Option("json", bool, False, "print one JSON object instead of tables"),
 )
 

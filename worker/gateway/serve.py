@@ -21,8 +21,9 @@ def _options() -> tuple[Option, ...]:
         annotation = info.annotation
         choices = tuple(get_args(annotation)) if get_origin(annotation) is Literal else None
         bounds = {key: getattr(m, key) for m in info.metadata for key in ("ge", "gt", "le", "lt") if hasattr(m, key)}
+        pattern = next((m.pattern for m in info.metadata if getattr(m, "pattern", None)), None)
         out.append(Option(name, str if choices else cast(type, annotation), info.default, info.description or name,
-                          choices=choices, bounds=bounds))
+                          choices=choices, bounds=bounds, pattern=pattern))
     return tuple(out)
 
 
