@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,10 +19,14 @@ def default_worker_name() -> str:
 QUEUE_PATTERN = r"^[^{}:\s]{1,100}$"
 
 
-def _flag(default: object, help: str, name: str | None = None, pattern: str | None = None, **bounds: float) -> Any:
-    """A field that is also a `pagedq worker` flag and PAGEDQ_* variable (worker/cli_options.py reads this)."""
-    return field(default=default, metadata={"option": {"help": help, "name": name, "bounds": bounds,
-                                                       "pattern": pattern}})
+def _flag(default: object, help: str, name: str | None = None, pattern: str | None = None,
+          factory: Callable[[], object] | None = None, **bounds: float) -> Any:
+    """A field that is also a `pagedq worker` flag and PAGEDQ_* variable (worker/cli_options.py reads this); `name`
+    when the flag is not the field's name, `factory` for a default computed per instance (the flag's is None)."""
+    metadata = {"option": {"help": help, "name": name, "bounds": bounds, "pattern": pattern}}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -31,9 +36,8 @@ class WorkerSettings:
 
     queue: str = _flag("default", "queue name", pattern=QUEUE_PATTERN)
     # hostname alone is stable across container restarts; the pid keeps two workers on one host apart.
-    name: str = field(default_factory=default_worker_name, metadata={"option": {
-        "help": "consumer name; keep it stable to re-read own pending jobs on restart (default: hostname-pid)",
-        "name": None, "bounds": {}, "pattern": None}})
+    name: str = _flag(None, "consumer name; keep it stable to re-read own pending jobs on restart (default: "
+                            "hostname-pid)", factory=default_worker_name)
     # a job idle longer than this in a dead worker's pending list is claimed by others
     lease_ms: int = _flag(60_000, "ms a held job's lease lasts unrenewed before another worker may claim it", ge=1)
     renew_every_s: float | None = None  # default lease/3
