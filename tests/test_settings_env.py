@@ -32,6 +32,7 @@ def test_a_variable_fills_a_worker_flag_and_reaches_the_stub_engine(monkeypatch:
     assert (settings.lease_ms, settings.result_ttl_s, settings.burst) == (1234, 99, True)
     engine, _ = build_engine(args)
     assert engine.max_num_seqs == 7
+    assert build_engine(parse("worker", "--engine", "stub", "--max-model-len", "64"))[0].max_model_len == 64
 
 
 def test_a_flag_beats_the_variable_and_the_default_fills_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:

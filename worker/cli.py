@@ -114,10 +114,12 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
     if args.engine == "stub":
         from .stub_engine import StubEngine
 
+        limits = {"max_model_len": args.max_model_len} if args.max_model_len else {}
         engine = StubEngine(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                            max_num_seqs=args.max_num_seqs, step_delay_s=args.stub_step_delay)
+                            max_num_seqs=args.max_num_seqs, step_delay_s=args.stub_step_delay, **limits)
         return engine, "stub"
     from engine import LLMEngine
+    from engine.options import engine_kwargs_from
     from engine.startup import freeze_startup_objects
 
     model = args.model
@@ -125,8 +127,6 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
         from engine.demo_model import demo_model_path
 
         model = str(demo_model_path())
-    from engine.options import engine_kwargs_from
-
     engine = LLMEngine(model, **engine_kwargs_from(args))
     freeze_startup_objects()  # a long-lived worker: keep the engine's start-up objects out of the cyclic GC
     return engine, str(model)

@@ -62,11 +62,10 @@ def queue_option(help: str = "queue name", default: str | None = "default", appe
 
 
 def dataclass_options(cls: type) -> tuple[Option, ...]:
-    """The fields of a settings dataclass whose metadata declares a flag (see `option`)."""
+    """The fields of a settings dataclass whose metadata declares a flag (worker/config.py's `_flag`)."""
     out = []
-    hints = {f.name: f for f in dataclasses.fields(cls)}
-    for name, f in hints.items():
-        spec = f.metadata.get("option")
+    for f in dataclasses.fields(cls):
+        name, spec = f.name, f.metadata.get("option")
         if spec is None:
             continue
         annotation = str(f.type)
