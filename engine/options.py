@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import typing
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,19 +65,21 @@ class EngineOption:
         return self.default is None
 
 
-_TYPES = {"str": str, "int": int, "float": float, "bool": bool}
+def value_type(hint: object) -> type:
+    """int for `int` and `int | None`: the type a flag's text converts to."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    found = args[0] if args else hint
+    if not isinstance(found, type):
+        raise TypeError(f"a flag needs a plain type or one `| None`, got {hint!r}")
+    return found
 
 
 def engine_options(exclude: Iterable[str] = ()) -> tuple[EngineOption, ...]:
     skip = set(exclude)
-    out = []
-    for f in dataclasses.fields(EngineOptions):
-        if f.name in skip:
-            continue
-        base = str(f.type).split("|")[0].strip()  # "int | None" -> int (annotations are strings here)
-        out.append(EngineOption(f.name, _TYPES[base], f.default, f.metadata["help"], f.metadata["choices"],
-                                f.metadata["negatable"]))
-    return tuple(out)
+    hints = typing.get_type_hints(EngineOptions)
+    return tuple(EngineOption(f.name, value_type(hints[f.name]), f.default, f.metadata["help"],
+                              f.metadata["choices"], f.metadata["negatable"])
+                 for f in dataclasses.fields(EngineOptions) if f.name not in skip)
 
 
 def flag_help(option: EngineOption) -> str:

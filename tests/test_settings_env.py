@@ -168,3 +168,16 @@ def test_python_m_engine_generates_without_the_queue_stack(tiny_llama_dir) -> No
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "### Hi" in proc.stdout and "2 tokens]" in proc.stdout
+
+
+def test_every_engine_config_knob_comes_from_the_flag_spec() -> None:
+    """A knob added to EngineConfig itself (not to EngineOptions) would have no flag: refuse that here."""
+    import dataclasses
+
+    from engine.config import EngineConfig
+    from engine.options import EngineOptions, engine_options
+
+    config_fields = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"]
+    assert config_fields == [f.name for f in dataclasses.fields(EngineOptions)] == [o.name for o in engine_options()]
+    assert {o.name: o.default for o in engine_options()} == {
+        f.name: f.default for f in dataclasses.fields(EngineConfig) if f.name != "model"}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import typing
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from pydantic import BeforeValidator, Field, StringConstraints, ValidationError,
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engine.cli import StrictArgumentParser
-from engine.options import engine_options
+from engine.options import engine_options, value_type
 
 from .config import QUEUE_PATTERN
 
@@ -64,20 +65,17 @@ def queue_option(help: str = "queue name", default: str | None = "default", appe
 def dataclass_options(cls: type) -> tuple[Option, ...]:
     """The fields of a settings dataclass whose metadata declares a flag (worker/config.py's `_flag`)."""
     out = []
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         name, spec = f.name, f.metadata.get("option")
         if spec is None:
             continue
-        annotation = str(f.type)
-        base = annotation.split("|")[0].strip()
         default = None if f.default is dataclasses.MISSING else f.default
         extra = {k: v for k, v in spec.items() if k not in ("help", "name")}
-        out.append(Option(spec["name"] or name, _TYPES[base], default, spec["help"],
-                          nullable="None" in annotation or default is None, target=name, **extra))
+        nullable = type(None) in typing.get_args(hints[name]) or default is None
+        out.append(Option(spec["name"] or name, value_type(hints[name]), default, spec["help"], nullable=nullable,
+                          target=name, **extra))
     return tuple(out)
-
-
-_TYPES: dict[str, type] = {"str": str, "int": int, "float": float, "bool": bool}
 
 
 def engine_flag_options(exclude: Iterable[str] = ()) -> tuple[Option, ...]:
