@@ -19,23 +19,9 @@ from typing import Any, TypedDict
 
 import torch
 
-
-# Reference workloads (shared/anchors/README.md): Llama-3.2-1B and Llama-3-8B shapes, random weights.
-class WorkloadSpec(TypedDict):
-    shape: dict[str, float]  # config.json fields of a model shape (ints and bools are floats to a type checker)
-    num_prompts: int
-
-
-WORKLOADS: dict[str, WorkloadSpec] = {
-    "W1": {"shape": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096,
-                         rope_theta=500000.0, tie_word_embeddings=True),
-           "num_prompts": 256},
-    "W8": {"shape": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096,
-                         rope_theta=500000.0, tie_word_embeddings=False),
-           "num_prompts": 128},
-}
+from engine.bench_args import OWN_FLAGS, WORKLOADS
+from engine.bench_args import add_throughput_arguments as add_arguments  # noqa: F401  (the CLI's name)
+from engine.options import engine_kwargs_from
 
 
 @dataclass
@@ -158,55 +144,9 @@ def _peak_memory_gb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # process peak RSS (KiB on Linux)
 
 
-def _range(text: str) -> tuple[int, int]:
-    low, _, high = text.partition(":")
-    low_value, high_value = int(low), int(high or low)
-    if not 1 <= low_value <= high_value:
-        raise argparse.ArgumentTypeError(f"expected A:B with 1 <= A <= B, got {text!r}")
-    return low_value, high_value
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="checkpoint folder (a folder with only config.json: random weights)")
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), help="reference workload of shared/anchors")
-    parser.add_argument("--num-prompts", type=int, default=None,
-                        help="prompts to run (default: the workload's, else 64)")
-    parser.add_argument("--input-len", type=_range, default=(128, 1024), metavar="A:B",
-                        help="prompt lengths, drawn uniformly from A..B (default 128:1024)")
-    parser.add_argument("--output-len", type=_range, default=(64, 512), metavar="C:D",
-                        help="output lengths, drawn uniformly from C..D (default 64:512)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and lengths (default 0)")
-    parser.add_argument("--baseline", choices=["hf", "none"], default="none",
-                        help="hf: transformers' generate on the same prompts, in the same run (default none)")
-    parser.add_argument("--hf-batch-size", type=int, default=64, help="batch size of the hf baseline (default 64)")
-    parser.add_argument("--sharing", choices=["n4", "prefix", "beam"],
-                        help="memory sharing on vs off: 4 samples per prompt, a shared system prompt, or the "
-                             "blocks beam search (width 4) shares")
-    parser.add_argument("--prefix-len", type=int, default=512, help="system prompt length for --sharing prefix")
-    add_engine_arguments(parser)
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cuda:N or cpu")
-    parser.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float16, bfloat16, float32")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
-    parser.add_argument("--num-kv-blocks", type=int, default=None,
-                        help="KV cache blocks (default: sized from --gpu-memory-utilization on CUDA)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="fraction of GPU memory the engine may use, KV cache included (default 0.9)")
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once at most (default 256)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                        help="tokens per engine step at most: the prefill chunk budget (default 8192)")
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                        help="schedule step t+1 while step t runs (default: on)")
-
-
-def engine_kwargs_from(args: argparse.Namespace) -> dict:
-    return dict(device=args.device, dtype=args.dtype, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
-                async_scheduling=args.async_scheduling)
+def bench_engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine's keywords: every engine flag but --seed, which here seeds the workload."""
+    return engine_kwargs_from(args, exclude=OWN_FLAGS)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -224,14 +164,14 @@ def run(args: argparse.Namespace) -> dict:
     if args.sharing:
         from engine.bench_sharing import run_sharing
 
-        return run_sharing(args.sharing, model_dir, vocab, args, engine_kwargs_from(args))
+        return run_sharing(args.sharing, model_dir, vocab, args, bench_engine_kwargs(args))
     workload = draw_workload(num_prompts, args.input_len, args.output_len, vocab, args.seed)
     # one JSON record: its values are whatever the runs report
     result: dict[str, Any] = {
         "bench": "throughput", "date": time.strftime("%Y-%m-%d"), "workload": args.workload or "custom",
         "num_prompts": num_prompts, "input_len": list(args.input_len), "output_len": list(args.output_len),
         "output_tokens": workload.num_output_tokens, "torch": torch.__version__}
-    result.update(run_engine(model_dir, workload, engine_kwargs_from(args)))
+    result.update(run_engine(model_dir, workload, bench_engine_kwargs(args)))
     if args.baseline == "hf":
         from engine.config import resolve_dtype
 

@@ -24,10 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-SAMPLINGS = {
-    "greedy": dict(temperature=0.0),
-    "penalties": dict(temperature=0.8, top_p=0.9, top_k=50, repetition_penalty=1.1),
-}
+from engine.bench_args import SAMPLINGS
+from engine.bench_args import add_host_arguments as add_arguments  # noqa: F401  (the CLI's name)
+
 _STAND_IN_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                        num_key_value_heads=4, max_position_embeddings=8192, tie_word_embeddings=True)
 
@@ -150,27 +149,6 @@ def run(args: argparse.Namespace) -> dict:
             else None, "prompt_len": args.prompt_len, "output_len": args.output_len, "torch": torch.__version__,
             **{f"{mode}_{key}": value for mode, result in results.items() for key, value in result.items()},
             "tokens_identical": True}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-seqs", type=_positive, default=256, help="sequences decoding together (default 256)")
-    parser.add_argument("--sampling", choices=sorted(SAMPLINGS), default="greedy",
-                        help="greedy, or sampling with penalties (more host work per step)")
-    parser.add_argument("--vocab-size", type=_positive, default=128256, help="vocabulary of the stand-in model")
-    parser.add_argument("--simulated-device-ms", type=float, default=2.0,
-                        help="milliseconds the stand-in device takes per step (default 2)")
-    parser.add_argument("--prompt-len", type=_positive, default=512, help="prompt tokens per sequence (default 512)")
-    parser.add_argument("--output-len", type=_positive, default=64, help="tokens generated per sequence (default 64)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts (default 0)")
-    parser.add_argument("--device", default="cpu", help="cpu (stand-in device) or cuda (the real model, --model)")
-    parser.add_argument("--model", default=None, help="checkpoint folder, for --device cuda")
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def main(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""The `pagedq` command. Engine commands need only the engine's dependencies; queue commands come from worker/."""
+"""The engine's commands (`python -m engine generate|bench ...`): they need only the engine's dependencies and import
+nothing of worker/. The `pagedq` command (worker/cli.py) registers them next to the queue's commands."""
 
 from __future__ import annotations
 
@@ -23,12 +24,11 @@ def package_version() -> str:
         return "unknown (not installed)"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from engine import bench
-
-    parser = StrictArgumentParser(prog="pagedq", description="LLM inference worker over a paged KV cache")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
-    commands = parser.add_subparsers(dest="command", required=True)
+def register_commands(commands: argparse._SubParsersAction) -> argparse._SubParsersAction:
+    """Add `generate` and `bench throughput|host|kernels` to a command group; returns the `bench` group, where
+    the queue's CLI (worker/cli.py) adds its own benches."""
+    from engine.bench_args import add_host_arguments, add_throughput_arguments
+    from engine.options import add_engine_arguments
 
     generate = commands.add_parser("generate", help="generate offline for prompts given on the command line")
     generate.add_argument("prompts", nargs="+", help="prompts, one argument each")
@@ -37,45 +37,33 @@ def build_parser() -> argparse.ArgumentParser:
                           help="tokens to generate per prompt at most (default 64)")
     generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
     generate.add_argument("--chat", action="store_true", help="apply the checkpoint's chat template")
-    bench.add_engine_arguments(generate)
+    add_engine_arguments(generate)
     generate.set_defaults(func=_generate)
 
     bench_parser = commands.add_parser("bench", help="benchmarks against baselines measured in the same run")
     benches = bench_parser.add_subparsers(dest="bench", required=True)
     throughput = benches.add_parser("throughput", help="engine vs transformers generate, output tokens/s")
-    bench.add_arguments(throughput)
-    throughput.set_defaults(func=bench.main)
+    add_throughput_arguments(throughput)
+    throughput.set_defaults(func=_bench_throughput)
     host = benches.add_parser("host", help="host time the device waits through per decode step, async vs sync")
-    from engine import bench_host
-
-    bench_host.add_arguments(host)
-    host.set_defaults(func=bench_host.main)
+    add_host_arguments(host)
+    host.set_defaults(func=_bench_host)
     kernels_bench = benches.add_parser("kernels", help="Triton kernels: bandwidth and TFLOP/s (CUDA)")
     kernels_bench.set_defaults(func=_bench_kernels)
+    return benches
 
-    try:
-        from worker import cli as worker_cli
-    except ImportError as error:  # the engine must work without the queue stack installed
-        _register_missing_worker(commands, benches, error)
-    else:
-        worker_cli.register(commands)
-        worker_cli.register_bench(benches)
+
+def build_parser(prog: str = "python -m engine") -> argparse.ArgumentParser:
+    """The engine's own commands, for a GPU box without the queue stack (the `pagedq` command adds the queue's)."""
+    parser = StrictArgumentParser(prog=prog, description="paged-KV LLM engine: offline generation and benchmarks")
+    parser.add_argument("--version", action="version", version=f"pagedq {package_version()}")
+    register_commands(parser.add_subparsers(dest="command", required=True))
     return parser
-
-
-def _register_missing_worker(commands, benches, error: ImportError) -> None:
-    def explain(_args) -> int:
-        print(f"this command needs the worker extras (pip install 'pagedq[worker]'): {error}", file=sys.stderr)
-        return 2
-
-    for name in ("worker", "demo", "bulk", "status", "dlq"):
-        commands.add_parser(name, help="(needs pagedq[worker])").set_defaults(func=explain)
-    benches.add_parser("worker", help="(needs pagedq[worker])").set_defaults(func=explain)
 
 
 def _generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
-    from engine.bench import engine_kwargs_from
+    from engine.options import engine_kwargs_from
     from engine.startup import freeze_startup_objects
 
     llm = LLM(args.model, **engine_kwargs_from(args))
@@ -92,19 +80,35 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_throughput(args: argparse.Namespace) -> int:
+    from engine import bench  # torch: only once a bench runs, so building the parser stays torch-free
+
+    return bench.main(args)
+
+
+def _bench_host(args: argparse.Namespace) -> int:
+    from engine import bench_host
+
+    return bench_host.main(args)
+
+
 def _bench_kernels(args: argparse.Namespace) -> int:
     from kernels import bench as kernels_bench
 
     return kernels_bench.main([])
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run_command(args: argparse.Namespace) -> int:
+    """Run a parsed command; the errors a bad setting raises become one line and exit status 2."""
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError) as error:
         print(f"pagedq: error: {error}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

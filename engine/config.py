@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from engine.models import registry
+from engine.options import EngineOptions
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 DEFAULT_ASYNC_SCHEDULING = True  # the tests switch it with PAGEDQ_TEST_SCHEDULING (tests/conftest.py)
@@ -17,27 +18,13 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 @dataclass
-class EngineConfig:
-    """Knobs of one engine instance; names and defaults follow vLLM."""
+class EngineConfig(EngineOptions):
+    """Knobs of one engine instance: the fields (defaults and help) are EngineOptions' (engine/options.py, torch-free,
+    where the CLIs derive their flags from); this adds the checkpoint and validates."""
 
-    model: str
-    dtype: str | torch.dtype = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None
-    seed: int = 0
-    cpu_kv_cache_gib: float = 1.0  # default KV budget on CPU when num_kv_blocks is not given
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"  # or "swap": preempted blocks go to a (pinned) CPU pool and back
-    swap_space_gib: float = 4.0  # size of that CPU pool
-    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (engine/cuda_graphs.py)
-    # Schedule and prepare step t+1 while step t runs on the device (engine/async_step.py); outputs are identical
-    # either way. None: DEFAULT_ASYNC_SCHEDULING.
-    async_scheduling: bool | None = None
+    model: str = field(kw_only=True)
+    # a torch.dtype once resolved (EngineOptions, torch-free, can only say str)
+    dtype: str | torch.dtype = EngineOptions.dtype  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         if self.async_scheduling is None:

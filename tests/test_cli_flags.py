@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
-from engine.cli import build_parser as pagedq_parser
-from worker.cli import build_parser as worker_parser
+from engine.cli import build_parser as engine_parser
+from engine.options import engine_options
+from worker.cli import build_parser as pagedq_parser
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,10 +26,10 @@ def walk(parser: argparse.ArgumentParser, path: str):
                 yield from walk(sub, f"{path} {name}")
 
 
-@pytest.mark.parametrize("build", [pagedq_parser, worker_parser], ids=["pagedq", "python -m worker"])
-def test_every_argument_has_help_and_no_parser_takes_abbreviations(build):
+@pytest.mark.parametrize("build, least", [(pagedq_parser, 14), (engine_parser, 6)], ids=["pagedq", "python -m engine"])
+def test_every_argument_has_help_and_no_parser_takes_abbreviations(build, least):
     parsers = list(walk(build(), "pagedq"))
-    assert len(parsers) >= 10  # every command and sub-command
+    assert len(parsers) >= least  # every command and sub-command
     missing = [(path, action.option_strings or action.dest) for path, parser in parsers
                for action in parser._actions
                if not isinstance(action, (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction))
@@ -50,10 +51,30 @@ def test_an_abbreviated_flag_is_refused(argv, flag, capsys):
     assert f"unrecognized arguments: {flag}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("module", ["engine.cli", "worker"])
+@pytest.mark.parametrize("module", ["engine", "worker"])
 def test_version_prints_the_package_version(module):
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
     proc = subprocess.run([sys.executable, "-m", module, "--version"], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == f"pagedq {version}"
+
+
+def test_the_pagedq_script_is_the_services_entry_point():
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"pagedq": "worker.cli:main"}
+
+
+@pytest.mark.parametrize("command", ["generate", "bench throughput", "bench worker", "demo", "worker"])
+def test_every_engine_knob_is_a_flag_of_every_engine_command(command):
+    parsers = dict(walk(pagedq_parser(), "pagedq"))
+    flags = {flag for action in parsers[f"pagedq {command}"]._actions for flag in action.option_strings}
+    shadowed = {"seed"} if command == "bench throughput" else set()  # its --seed seeds the workload
+    knobs = {o.flag for o in engine_options(shadowed)}
+    assert len(knobs) >= 14 and knobs <= flags
+    assert "--no-enable-prefix-caching" in flags and "--no-async-scheduling" in flags
+
+
+def test_engine_commands_are_the_same_in_both_parsers():
+    engine_paths = {path for path, _ in walk(engine_parser(), "pagedq")}
+    assert engine_paths <= {path for path, _ in walk(pagedq_parser(), "pagedq")}

@@ -59,6 +59,7 @@ def bench_e2e(url: str, args: argparse.Namespace) -> dict:
     """Output tokens/s of the real engine fed through Redis vs LLM.generate on the same engine and prompts.
     Alternates the two `repeats` times and compares the best of each (shared machines are noisy)."""
     from engine import LLM, SamplingParams
+    from engine.options import engine_kwargs_from
     from engine.startup import freeze_startup_objects
 
     model = args.model
@@ -66,9 +67,7 @@ def bench_e2e(url: str, args: argparse.Namespace) -> dict:
         from engine.demo_model import demo_model_path
 
         model = str(demo_model_path())
-    llm = LLM(model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-              num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM(model, **engine_kwargs_from(args))
     freeze_startup_objects()  # as the worker does, so both sides run with the same GC state
     n, max_tokens = args.e2e_jobs, args.e2e_max_tokens
     prompts = [f"Request {i}: write a short note about queues and caches number {i}." for i in range(n)]

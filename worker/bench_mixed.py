@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 from redis import Redis
 
+from .cli_options import Option
 from .client import Client
 from .config import WorkerSettings
 from .engine_api import WorkerEngine
@@ -20,29 +21,28 @@ from .job import FinalRecord
 from .stub_engine import StubEngine
 from .worker import Worker
 
-
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mixed", action="store_true", help="mixed traffic: interactive behind a bulk backlog")
-    p.add_argument("--mixed-bulk-jobs", type=int, default=3000, help="bulk backlog jobs (default 3000)")
-    p.add_argument("--mixed-bulk-tokens", type=int, default=32, help="tokens per bulk job (default 32)")
-    p.add_argument("--mixed-web-jobs", type=int, default=20, help="interactive jobs (default 20)")
-    p.add_argument("--mixed-web-tokens", type=int, default=8, help="tokens per interactive job (default 8)")
-    p.add_argument("--mixed-web-every", type=float, default=0.1, help="seconds between interactive submissions")
-    p.add_argument("--mixed-step-delay", type=float, default=0.01, help="stub engine seconds per step")
-    p.add_argument("--mixed-max-num-seqs", type=int, default=32, help="the stub engine's max_num_seqs (default 32)")
-    p.add_argument("--mixed-engine", default="stub", choices=["stub", "llm"],
-                   help="llm: the real engine on --model (default: the demo model) with --device, --dtype, "
-                        "--block-size, --num-kv-blocks, --max-num-batched-tokens; a fresh one per run")
+OPTIONS: tuple[Option, ...] = (
+    Option("mixed", bool, False, "mixed traffic: interactive behind a bulk backlog"),
+    Option("mixed_bulk_jobs", int, 3000, "bulk backlog jobs", bounds={"ge": 1}),
+    Option("mixed_bulk_tokens", int, 32, "tokens per bulk job", bounds={"ge": 1}),
+    Option("mixed_web_jobs", int, 20, "interactive jobs", bounds={"ge": 1}),
+    Option("mixed_web_tokens", int, 8, "tokens per interactive job", bounds={"ge": 1}),
+    Option("mixed_web_every", float, 0.1, "seconds between interactive submissions", bounds={"ge": 0}),
+    Option("mixed_step_delay", float, 0.01, "stub engine seconds per step", bounds={"ge": 0}),
+    Option("mixed_max_num_seqs", int, 32, "the stub engine's max_num_seqs", bounds={"ge": 1}),
+    Option("mixed_engine", str, "stub", "llm: the real engine on --model (default: the demo model) with --device, "
+           "--dtype, --block-size, --num-kv-blocks, --max-num-batched-tokens; a fresh one per run",
+           choices=("stub", "llm")),
+)
 
 
 def _engine(args: argparse.Namespace) -> WorkerEngine:
     if args.mixed_engine == "stub":
         return StubEngine(max_num_seqs=args.mixed_max_num_seqs, step_delay_s=args.mixed_step_delay)
     from engine import LLMEngine, SamplingParams
+    from engine.options import engine_kwargs_from
 
-    engine = LLMEngine(args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                       num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.mixed_max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens)
+    engine = LLMEngine(args.model, **{**engine_kwargs_from(args), "max_num_seqs": args.mixed_max_num_seqs})
     engine.add_request("warm-up", "warm up", SamplingParams(max_tokens=4))  # first-step costs out of the runs
     while engine.has_unfinished_requests():
         engine.step()

@@ -25,6 +25,7 @@ from typing import Any, Iterator
 from redis import Redis
 
 from . import scripts
+from .cli_options import Option, add_options, queue_option
 from .client import make_job
 from .errors import JobRejected
 from .keys import BANDS, JOB_FIELD, QueueKeys, check_band
@@ -45,19 +46,23 @@ class LineError(ValueError):
         self.code = code
 
 
+OPTIONS = (
+    Option("errors", Path, None, "errors file (default: OUTPUT with .errors.jsonl)", nullable=True),
+    queue_option(),
+    Option("band", str, "bulk", "priority band of the jobs", choices=tuple(BANDS)),
+    Option("window", int, 256, "jobs in flight at most (backpressure)", bounds={"ge": 1, "le": 100_000}),
+    Option("run_id", str, None, "namespace of the job ids (default: the input's content hash); a new one re-runs "
+           "everything", nullable=True),
+    Option("ttl", int, 86_400, "seconds the run's enqueue record is kept", bounds={"ge": 1}),
+    Option("no_progress", bool, False, "no progress bar on stderr"),
+)
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("input", type=Path, help="JSONL file of requests (OpenAI batch lines or plain job lines)")
     p.add_argument("output", type=Path, help="JSONL file the results are appended to")
-    p.add_argument("--errors", type=Path, default=None, help="errors file (default: OUTPUT with .errors.jsonl)")
     p.add_argument("--redis", default=None, help="Redis URL (default: $PAGEDQ_REDIS_URL or redis://localhost:6379/0)")
-    p.add_argument("--queue", default="default", help="queue name (default: default)")
-    p.add_argument("--band", default="bulk", choices=BANDS, help="priority band of the jobs (default bulk)")
-    p.add_argument("--window", type=int, default=256, help="jobs in flight at most (backpressure)")
-    p.add_argument("--run-id", default=None, help="namespace of the job ids (default: the input's content hash); "
-                   "a new one re-runs everything")
-    p.add_argument("--ttl", type=int, default=86_400, help="seconds the run's enqueue record is kept")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-
+    add_options(p, OPTIONS)
 
 # ---------------------------------------------------------------------------------------------- input lines
 def parse_line(line: str) -> tuple[str, dict[str, Any], str]:

@@ -1,6 +1,8 @@
-"""CLI wiring: `pagedq worker`, `demo`, `bulk`, `status`, `dlq`, `serve`, `bench worker` (registered by engine/cli.py).
+"""The `pagedq` command: the queue's commands (`worker`, `demo`, `bulk`, `status`, `dlq`, `serve`, `bench worker`,
+`bench gateway`) next to the engine's (`generate`, `bench throughput|host|kernels`, from engine/cli.py).
 
-Also runnable without the top-level CLI: ``python -m worker worker --engine stub ...``.
+Every flag of the queue's commands is also a PAGEDQ_* variable (worker/cli_options.py); `python -m worker ...` is the
+same command. Building the parser imports neither torch nor the engine's modules beyond engine/options.py.
 """
 
 from __future__ import annotations
@@ -11,17 +13,40 @@ import os
 import sys
 from typing import Any
 
-from .config import WorkerSettings, default_worker_name
+from engine.cli import package_version, register_commands, run_command
+
+from .cli_options import Option, SettingsParser, add_options, dataclass_options, engine_flag_options
+from .config import WorkerSettings
+
+# The engine a worker, demo or bench runs: the engine's knobs (engine/options.py) and the queue-side choices.
+ENGINE_OPTIONS: tuple[Option, ...] = (
+    Option("model", str, None, "model folder (default: the demo model)", nullable=True),
+    *engine_flag_options(),
+    Option("engine", str, "llm", "stub: a fake engine that returns at once (queue tests and benchmarks)",
+           choices=("llm", "stub")),
+    Option("stub_step_delay", float, 0.0, "seconds per stub engine step", bounds={"ge": 0}),
+    Option("log_level", str, "info", "level of the JSON log on stderr", choices=("debug", "info", "warning", "error")),
+)
+WORKER_OPTIONS: tuple[Option, ...] = (
+    *dataclass_options(WorkerSettings),
+    Option("celery", bool, False, "also serve the Celery queue of worker.celery_app"),
+)
+DEMO_OPTIONS = (Option("max_tokens", int, 32, "tokens per demo answer at most", bounds={"ge": 1}),)
+BENCH_OPTIONS = (
+    Option("stub_jobs", int, 20_000, "jobs through the stub engine (queue layer)", bounds={"ge": 1}),
+    Option("e2e_jobs", int, 64, "jobs through the real engine (0 skips it)", bounds={"ge": 0}),
+    Option("e2e_max_tokens", int, 32, "tokens per end-to-end job", bounds={"ge": 1}),
+    Option("e2e_repeats", int, 3, "alternate offline/worker runs; best of each", bounds={"ge": 1}),
+)
 
 
-def register(subparsers: Any) -> None:
-    """Add the top-level commands `worker` and `demo`."""
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the top-level queue commands."""
     p = subparsers.add_parser("worker", help="serve generation jobs from a Redis queue")
     add_worker_args(p)
     p.set_defaults(func=cmd_worker)
     d = subparsers.add_parser("demo", help="embedded Redis + worker on the demo model; enqueue a few jobs")
-    add_engine_args(d)
-    d.add_argument("--max-tokens", type=int, default=32, help="tokens per demo answer at most (default 32)")
+    add_options(d, (*ENGINE_OPTIONS, *DEMO_OPTIONS))
     d.set_defaults(func=cmd_demo)
     from . import bulk, dlq, status
 
@@ -51,17 +76,12 @@ class _LazyServe:
         return run(args)
 
 
-def register_bench(bench_subparsers: Any) -> None:
-    """Add `bench worker` under the `bench` group."""
+def register_bench(bench_subparsers: argparse._SubParsersAction) -> None:
+    """Add `bench worker` and `bench gateway` under the `bench` group."""
     p = bench_subparsers.add_parser("worker", help="queue-layer and end-to-end worker throughput (one JSON line)")
-    add_engine_args(p)
-    p.add_argument("--stub-jobs", type=int, default=20_000, help="jobs through the stub engine (queue layer)")
-    p.add_argument("--e2e-jobs", type=int, default=64, help="jobs through the real engine (0 skips it)")
-    p.add_argument("--e2e-max-tokens", type=int, default=32, help="tokens per end-to-end job (default 32)")
-    p.add_argument("--e2e-repeats", type=int, default=3, help="alternate offline/worker runs; best of each")
-    from .bench_mixed import add_args as add_mixed_args
+    from .bench_mixed import OPTIONS as MIXED_OPTIONS
 
-    add_mixed_args(p)
+    add_options(p, (*ENGINE_OPTIONS, *BENCH_OPTIONS, *MIXED_OPTIONS))
     p.set_defaults(func=cmd_bench)
     g = bench_subparsers.add_parser("gateway", help="pagedq serve vs the native client on the stub engine (JSON)")
     from .gateway.bench_args import add_args as add_gateway_bench_args
@@ -70,69 +90,10 @@ def register_bench(bench_subparsers: Any) -> None:
     g.set_defaults(func=cmd_bench_gateway)
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model folder (default: the demo model)")
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="where the engine runs")
-    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float16, bfloat16, float32")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: sized from GPU memory)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="sequences running at once at most (default 256)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                   help="tokens per engine step at most (default 8192)")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    p.add_argument("--engine", default="llm", choices=["llm", "stub"],
-                   help="stub: a fake engine that returns at once (queue tests and benchmarks)")
-    p.add_argument("--stub-step-delay", type=float, default=0.0, help="seconds per stub engine step")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                   help="level of the JSON log on stderr (default info)")
-
-
 def add_worker_args(p: argparse.ArgumentParser) -> None:
-    add_engine_args(p)
-    d = WorkerSettings()
     p.add_argument("--redis", default=None,
                    help="Redis URL (default: $PAGEDQ_REDIS_URL, else a private redis-server is started)")
-    p.add_argument("--queue", default=d.queue, help=f"queue name (default {d.queue})")
-    p.add_argument("--name", default=None, help="consumer name; keep it stable to re-read own pending jobs on restart")
-    p.add_argument("--burst", action="store_true", help="exit once nothing is queued, pending or running")
-    p.add_argument("--lease-ms", type=int, default=d.lease_ms,
-                   help=f"ms a held job's lease lasts unrenewed before another worker may claim it "
-                        f"(default {d.lease_ms})")
-    p.add_argument("--max-attempts", type=int, default=d.max_attempts,
-                   help=f"deliveries of a job before it is dead-lettered (default {d.max_attempts})")
-    p.add_argument("--engine-failure-limit", type=int, default=d.engine_failure_limit,
-                   help="distinct jobs failing alone in a row after which the engine counts as broken: the worker "
-                        "exits with status 3, leaving its jobs unacknowledged for redelivery")
-    p.add_argument("--result-ttl", type=int, default=d.result_ttl_s, help="seconds results are kept")
-    p.add_argument("--completions-maxlen", type=int, default=d.completions_maxlen,
-                   help=f"approximate length cap of the completions stream (default {d.completions_maxlen})")
-    p.add_argument("--drain-timeout", type=float, default=d.drain_timeout_s,
-                   help=f"seconds to finish in-flight jobs after SIGTERM (default {d.drain_timeout_s})")
-    p.add_argument("--redis-outage", type=float, default=d.redis_outage_s,
-                   help="seconds to keep generating and reconnecting while Redis is unreachable before exiting "
-                        "with status 4")
-    p.add_argument("--max-waiting", type=int, default=d.max_waiting,
-                   help=f"jobs read ahead into the engine's waiting queue at most (default {d.max_waiting})")
-    p.add_argument("--band-min-share", type=float, default=d.band_min_share,
-                   help="starvation guard: least share of admissions a lower band keeps while higher ones are busy")
-    p.add_argument("--reserve-seqs", type=int, default=d.reserve_seqs,
-                   help="engine sequence slots the bulk band leaves free for interactive/default jobs")
-    p.add_argument("--block-ms", type=int, default=d.block_ms,
-                   help=f"ms to block on XREADGROUP when the engine is idle (default {d.block_ms})")
-    p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_every_s,
-                   help=f"seconds between heartbeats (default {d.heartbeat_every_s})")
-    p.add_argument("--celery", action="store_true", help="also serve the Celery queue of worker.celery_app")
-    p.add_argument("--celery-broker", default=None,
-                   help="Celery broker URL (default: $CELERY_BROKER_URL, else the --redis URL)")
-    p.add_argument("--celery-backend", default=None, help="result backend URL (default: $CELERY_RESULT_BACKEND, "
-                   "else the broker)")
-    p.add_argument("--celery-queue", default=None, help="Celery queue(s) to serve, a comma list like celery's -Q "
-                   "(default: $PAGEDQ_CELERY_QUEUE or pagedq; add celery to serve producers without task_routes)")
-    p.add_argument("--celery-visibility-timeout", type=float, default=None,
-                   help="seconds before an unacked Celery message is redelivered (default 3600); above the longest job")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
-    p.add_argument("--metrics-addr", default=d.metrics_addr,
-                   help="address the metrics endpoint binds (default 127.0.0.1; it has no authentication)")
+    add_options(p, (*ENGINE_OPTIONS, *WORKER_OPTIONS))
 
 
 def configure_logging(level: str = "info") -> None:
@@ -153,10 +114,12 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
     if args.engine == "stub":
         from .stub_engine import StubEngine
 
+        limits = {"max_model_len": args.max_model_len} if args.max_model_len else {}
         engine = StubEngine(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                            max_num_seqs=args.max_num_seqs, step_delay_s=args.stub_step_delay)
+                            max_num_seqs=args.max_num_seqs, step_delay_s=args.stub_step_delay, **limits)
         return engine, "stub"
     from engine import LLMEngine
+    from engine.options import engine_kwargs_from
     from engine.startup import freeze_startup_objects
 
     model = args.model
@@ -164,26 +127,20 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
         from engine.demo_model import demo_model_path
 
         model = str(demo_model_path())
-    engine = LLMEngine(model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-                       num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager)
+    engine = LLMEngine(model, **engine_kwargs_from(args))
     freeze_startup_objects()  # a long-lived worker: keep the engine's start-up objects out of the cyclic GC
     return engine, str(model)
 
 
 def settings_from_args(args: argparse.Namespace, device: str, model: str) -> WorkerSettings:
-    return WorkerSettings(
-        queue=args.queue, name=args.name or default_worker_name(), lease_ms=args.lease_ms,
-        max_attempts=args.max_attempts, engine_failure_limit=args.engine_failure_limit, result_ttl_s=args.result_ttl, completions_maxlen=args.completions_maxlen,
-        block_ms=args.block_ms, max_waiting=args.max_waiting, drain_timeout_s=args.drain_timeout,
-        redis_outage_s=args.redis_outage,
-        heartbeat_every_s=args.heartbeat_interval, burst=args.burst, device=device, model=model,
-        celery_broker=((args.celery_broker or os.environ.get("CELERY_BROKER_URL") or args.redis)
-                       if args.celery else None),
-        celery_backend=args.celery_backend, celery_queue=args.celery_queue,
-        celery_visibility_timeout_s=args.celery_visibility_timeout, metrics_port=args.metrics_port,
-        metrics_addr=args.metrics_addr, band_min_share=args.band_min_share, reserve_seqs=args.reserve_seqs,
-    )
+    """WorkerSettings from the parsed flags (each flagged field by its option's name)."""
+    values = {o.target or o.name: getattr(args, o.name) for o in dataclass_options(WorkerSettings)}
+    if values["name"] is None:
+        del values["name"]  # the field's default: hostname-pid
+    # --celery turns the Celery front door on; its broker defaults to $CELERY_BROKER_URL, else the worker's Redis
+    values["celery_broker"] = ((args.celery_broker or os.environ.get("CELERY_BROKER_URL") or args.redis)
+                               if args.celery else None)
+    return WorkerSettings(**values, device=device, model=model)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -243,19 +200,16 @@ def cmd_bench_gateway(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """`python -m worker`: the queue commands without the engine's top-level CLI."""
-    from engine.cli import StrictArgumentParser, package_version
-
-    parser = StrictArgumentParser(prog="python -m worker")
+def build_parser(prog: str = "pagedq") -> argparse.ArgumentParser:
+    """The `pagedq` command (also `python -m worker`): the engine's commands and the queue's."""
+    parser = SettingsParser(prog=prog, description="LLM inference worker over a paged KV cache")
     parser.add_argument("--version", action="version", version=f"pagedq {package_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    register(sub)
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
-    register_bench(bench)
+    commands = parser.add_subparsers(dest="command", required=True)
+    benches = register_commands(commands)
+    register(commands)
+    register_bench(benches)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    return run_command(build_parser().parse_args(argv))

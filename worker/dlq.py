@@ -15,16 +15,23 @@ from typing import Any
 from redis import Redis
 
 from . import scripts
+from .cli_options import Option, add_options, queue_option
 from .keys import BANDS, JOB_FIELD, QueueKeys
 from .settings import redis_url
+
+OPTIONS = (
+    queue_option(),
+    Option("json", bool, False, "list: one JSON array of the dead letters ([] when none)"),
+)
+
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=["list", "retry", "purge"], help="list, retry or purge dead letters")
     p.add_argument("job_ids", nargs="*", help="job ids to retry or purge (default with --all: every dead letter)")
+    # a flag only, never a variable: an environment must not turn a retry or purge of some jobs into one of all
     p.add_argument("--all", action="store_true", help="retry/purge every dead letter")
     p.add_argument("--redis", default=None, help="Redis URL (default: $PAGEDQ_REDIS_URL or redis://localhost:6379/0)")
-    p.add_argument("--queue", default="default", help="queue name (default: default)")
-    p.add_argument("--json", action="store_true", help="list: one JSON array of the dead letters ([] when none)")
+    add_options(p, OPTIONS)
 
 
 def dead_letters(r: Redis, queue: str) -> list[dict[str, Any]]:

@@ -12,14 +12,19 @@ from typing import Any
 
 from redis import Redis
 
+from .cli_options import Option, add_options, queue_option
 from .keys import BANDS, GROUP, PREFIX, QueueKeys
 from .settings import redis_url
+
+OPTIONS = (
+    queue_option("queue to show (repeatable; the variable: comma-separated; default: all)", None, append=True),
+    Option("json", bool, False, "print one JSON object instead of tables"),
+)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis", default=None, help="Redis URL (default: $PAGEDQ_REDIS_URL or redis://localhost:6379/0)")
-    p.add_argument("--queue", action="append", default=None, help="queue to show (repeatable; default: all)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    add_options(p, OPTIONS)
 
 
 def discover_queues(r: Redis) -> list[str]:

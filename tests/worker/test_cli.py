@@ -46,8 +46,7 @@ def test_worker_start_up_freezes_the_engine_objects(tiny_llama_dir):
     """The worker, a long-lived process, moves its engine's start-up objects out of the cyclic GC (LLMEngine does not)."""
     import gc
 
-    from engine.cli import build_parser
-    from worker.cli import build_engine
+    from worker.cli import build_engine, build_parser
 
     args = build_parser().parse_args(["worker", "--model", str(tiny_llama_dir), "--device", "cpu",
                                       "--num-kv-blocks", "8"])

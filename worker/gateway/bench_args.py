@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import argparse
 
+from ..cli_options import Option, add_options
+
+OPTIONS: tuple[Option, ...] = (
+    Option("requests", int, 3000, "requests per throughput run", bounds={"ge": 1}),
+    Option("concurrency", int, 16, "requests in flight in the throughput runs", bounds={"ge": 1}),
+    Option("latency_requests", int, 300, "requests, one at a time, per latency run", bounds={"ge": 1}),
+    Option("stream_requests", int, 300, "streamed requests per side", bounds={"ge": 1}),
+    Option("stream_tokens", int, 32, "tokens per streamed request", bounds={"ge": 1}),
+)
+
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=int, default=3000, help="requests per throughput run")
-    p.add_argument("--concurrency", type=int, default=16, help="requests in flight in the throughput runs")
-    p.add_argument("--latency-requests", type=int, default=300, help="requests, one at a time, per latency run")
-    p.add_argument("--stream-requests", type=int, default=300, help="streamed requests per side (default 300)")
-    p.add_argument("--stream-tokens", type=int, default=32, help="tokens per streamed request")
+    add_options(p, OPTIONS)
