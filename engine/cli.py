@@ -100,8 +100,15 @@ def _bench_kernels(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    func = args.func
+    try:  # with the queue stack installed, start-up mistakes read as one line plus a JSON log line
+        from worker.startup_errors import with_readable_errors
+    except ImportError:  # engine only: the plain fallback below
+        pass
+    else:
+        func = with_readable_errors(func)
     try:
-        return int(args.func(args) or 0)
+        return int(func(args) or 0)
     except (ValueError, FileNotFoundError) as error:
         print(f"pagedq: error: {error}", file=sys.stderr)
         return 2

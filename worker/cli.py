@@ -12,17 +12,18 @@ import sys
 from typing import Any
 
 from .config import WorkerSettings, default_worker_name
+from .startup_errors import with_readable_errors
 
 
 def register(subparsers: Any) -> None:
     """Add the top-level commands `worker` and `demo`."""
     p = subparsers.add_parser("worker", help="serve generation jobs from a Redis queue")
     add_worker_args(p)
-    p.set_defaults(func=cmd_worker)
+    p.set_defaults(func=with_readable_errors(cmd_worker))
     d = subparsers.add_parser("demo", help="embedded Redis + worker on the demo model; enqueue a few jobs")
     add_engine_args(d)
     d.add_argument("--max-tokens", type=int, default=32, help="tokens per demo answer at most (default 32)")
-    d.set_defaults(func=cmd_demo)
+    d.set_defaults(func=with_readable_errors(cmd_demo))
     from . import bulk, dlq, status
 
     for name, module, help_text in (
@@ -32,7 +33,7 @@ def register(subparsers: Any) -> None:
             ("serve", _LazyServe, "OpenAI-compatible HTTP gateway over the queue (completions, chat, batches)")):
         sub = subparsers.add_parser(name, help=help_text)
         module.add_args(sub)
-        sub.set_defaults(func=module.run)
+        sub.set_defaults(func=with_readable_errors(module.run))
 
 
 class _LazyServe:
@@ -62,12 +63,12 @@ def register_bench(bench_subparsers: Any) -> None:
     from .bench_mixed import add_args as add_mixed_args
 
     add_mixed_args(p)
-    p.set_defaults(func=cmd_bench)
+    p.set_defaults(func=with_readable_errors(cmd_bench))
     g = bench_subparsers.add_parser("gateway", help="pagedq serve vs the native client on the stub engine (JSON)")
     from .gateway.bench_args import add_args as add_gateway_bench_args
 
     add_gateway_bench_args(g)
-    g.set_defaults(func=cmd_bench_gateway)
+    g.set_defaults(func=with_readable_errors(cmd_bench_gateway))
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
