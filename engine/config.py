@@ -111,7 +111,7 @@ class ModelConfig:
 
         folder = Path(folder)
         if not (folder / "config.json").is_file():
-            what = "no config.json in it" if folder.is_dir() else "no such folder"
+            what = "no config.json in it" if folder.is_dir() else "a file" if folder.exists() else "no such folder"
             raise FileNotFoundError(f"{folder} is not a checkpoint folder ({what}); {LOCAL_CHECKPOINTS_ONLY}")
         hf = AutoConfig.from_pretrained(folder)
         architecture = (getattr(hf, "architectures", None) or ["?"])[0]

@@ -107,8 +107,7 @@ def _redis_problem(exc: BaseException, args: argparse.Namespace) -> StartupProbl
         if url.startswith(f"{CLUSTER_SCHEME}://"):
             return StartupProblem("redis_cluster", f"the Redis cluster at {shown} is not serving: {reply}", fields)
         return StartupProblem("redis_cluster", f"Redis at {shown} ({source}) is a cluster node (it answered "
-                                               f"{reply}): this is a cluster: use {CLUSTER_SCHEME}://HOST:PORT",
-                              fields)
+                                               f"{reply}): this is a cluster: use {_cluster_url(shown)}", fields)
     # RedisClusterException: what a cluster client says when no node of the cluster answers.
     if isinstance(exc, (RedisConnectionError, RedisTimeoutError, RedisClusterException)):
         return StartupProblem("redis_unreachable", f"cannot reach Redis at {shown} ({source}): "
@@ -124,6 +123,15 @@ def _redis_problem(exc: BaseException, args: argparse.Namespace) -> StartupProbl
 def _cluster_reply(exc: ResponseError) -> bool:
     code = getattr(exc, "status_code", None) or str(exc).split(" ", 1)[0]
     return code in _CLUSTER_REPLIES
+
+
+def _cluster_url(shown: str) -> str:
+    """The redis+cluster:// URL of the node a plain (already redacted) URL named; a cluster has no db number."""
+    try:
+        netloc = urlsplit(shown).netloc
+    except ValueError:
+        netloc = ""
+    return f"{CLUSTER_SCHEME}://{netloc or 'HOST:PORT'}"
 
 
 def _redis_source(args: argparse.Namespace) -> tuple[str, str]:

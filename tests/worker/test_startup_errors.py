@@ -139,7 +139,15 @@ def cluster_node() -> Iterator[str]:
 
 def test_plain_url_at_a_cluster_node_says_use_the_cluster_scheme(tmp_path: Path, cluster_node: str) -> None:
     result = run_cli(["worker", "--redis", cluster_node, "--engine", "stub", "--burst"], tmp_path)
-    assert_readable(result, "redis_cluster", "MOVED", "this is a cluster: use redis+cluster://HOST:PORT")
+    port = cluster_node.rsplit(":", 1)[1].split("/")[0]
+    assert_readable(result, "redis_cluster", "MOVED", f"this is a cluster: use redis+cluster://127.0.0.1:{port}")
+
+
+def test_cluster_node_serving_no_slots_says_use_the_cluster_scheme(tmp_path: Path) -> None:
+    with EmbeddedRedis(extra_args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")) as node:
+        result = run_cli(["worker", "--redis", node.url, "--engine", "stub", "--burst"], tmp_path)
+    hint = f"this is a cluster: use redis+cluster://127.0.0.1:{node.port}"
+    assert_readable(result, "redis_cluster", "CLUSTERDOWN", hint)
 
 
 def test_worker_model_that_is_not_a_checkpoint_folder(tmp_path: Path) -> None:
@@ -172,3 +180,4 @@ def test_redact_hides_only_the_password() -> None:
     assert redact("rediss://:pw@h:1") == "rediss://:***@h:1"
     assert redact("redis://h:1/0") == "redis://h:1/0"
     assert redact("redis://:pw@[bad") == "redis://..."
+
