@@ -13,6 +13,9 @@ from engine.options import EngineOptions
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 DEFAULT_ASYNC_SCHEDULING = True  # the tests switch it with PAGEDQ_TEST_SCHEDULING (tests/conftest.py)
+# Said wherever a model path is not a checkpoint: a hub id like meta-llama/Llama-3.2-1B looks like a path here.
+LOCAL_CHECKPOINTS_ONLY = ("pagedq loads local checkpoint folders only; no model hub is reachable: "
+                          "download it elsewhere and pass the folder")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16}
 
@@ -95,7 +98,8 @@ class ModelConfig:
 
         folder = Path(folder)
         if not (folder / "config.json").is_file():
-            raise FileNotFoundError(f"{folder} is not a checkpoint folder: no config.json")
+            what = "no config.json in it" if folder.is_dir() else "a file" if folder.exists() else "no such folder"
+            raise FileNotFoundError(f"{folder} is not a checkpoint folder ({what}); {LOCAL_CHECKPOINTS_ONLY}")
         hf = AutoConfig.from_pretrained(folder)
         architecture = (getattr(hf, "architectures", None) or ["?"])[0]
         registry.check_supported(architecture)

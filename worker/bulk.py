@@ -347,7 +347,9 @@ def run(args: argparse.Namespace) -> int:
     import signal
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    runner = BulkRun(Redis.from_url(redis_url(args.redis)), args.input, args.output, args.errors, queue=args.queue, band=args.band,
+    r = Redis.from_url(redis_url(args.redis))
+    r.ping()  # an unreachable Redis fails here, before any output file exists (worker/startup_errors.py words it)
+    runner = BulkRun(r, args.input, args.output, args.errors, queue=args.queue, band=args.band,
                      window=args.window, run_id=args.run_id, ttl_s=args.ttl, progress=not args.no_progress)
     try:
         counts = runner.run()

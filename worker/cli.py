@@ -17,6 +17,7 @@ from engine.cli import package_version, register_commands, run_command
 
 from .cli_options import Option, SettingsParser, add_options, dataclass_options, engine_flag_options
 from .config import WorkerSettings
+from .startup_errors import with_readable_errors
 
 # The engine a worker, demo or bench runs: the engine's knobs (engine/options.py) and the queue-side choices.
 ENGINE_OPTIONS: tuple[Option, ...] = (
@@ -212,4 +213,6 @@ def build_parser(prog: str = "pagedq") -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command(build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    args.func = with_readable_errors(args.func)  # known start-up mistakes: one line, one JSON log line, exit 2
+    return run_command(args)

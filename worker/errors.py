@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 
 class PagedQError(Exception):
     """Base class of every pagedq queue error."""
@@ -39,3 +41,20 @@ class JobFailed(PagedQError):
 class GenerationFailed(PagedQError):
     """A job ended ``failed`` (engine error past max_attempts; the job is dead-lettered). Celery producers
     see it from ``AsyncResult.get()``; the message says why."""
+
+
+class MetricsPortError(PagedQError, OSError):
+    """The metrics endpoint cannot bind its port; the message names the flag to change (`--metrics-port`)."""
+
+    flag = "--metrics-port"
+
+    def __init__(self, port: int, addr: str, cause: OSError) -> None:
+        reasons = {errno.EADDRINUSE: "is in use (another worker or program holds it): pick a free port",
+                   errno.EACCES: "needs privileges (a port below 1024): pick one above 1024",
+                   errno.EADDRNOTAVAIL: f"cannot be bound: --metrics-addr {addr} is not an address of this machine"}
+        reason = reasons.get(cause.errno or 0, f"cannot be bound on {addr}: {cause.strerror or cause}")
+        super().__init__(cause.errno, f"{self.flag} {port} {reason}")
+        self.port, self.addr = port, addr
+
+    def __str__(self) -> str:  # OSError's would prefix "[Errno N]"; the message already says what to do
+        return str(self.strerror)

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 from prometheus_client.exposition import ThreadingWSGIServer
 from redis import ConnectionPool, Redis
 
+from .errors import MetricsPortError
 from .keys import BANDS, GROUP, QueueKeys
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -72,7 +73,10 @@ class Metrics:
         self.engine_loaded = False
         self._probe: Redis | None = None  # its own short-timeout client: a probe must not hang on a dead Redis
         self._metrics_app = make_wsgi_app(reg)
-        self.server = make_server(addr, port, self._app, ThreadingWSGIServer, handler_class=_QuietHandler)
+        try:
+            self.server = make_server(addr, port, self._app, ThreadingWSGIServer, handler_class=_QuietHandler)
+        except OSError as exc:  # a port in use is a start-up mistake: say which flag to change (errors.py)
+            raise MetricsPortError(port, addr, exc) from exc
         self._thread = threading.Thread(target=self.server.serve_forever, name="pagedq-metrics", daemon=True)
         self._thread.start()
 
