@@ -22,10 +22,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from redis import Redis
-
 from . import scripts
 from .client import make_job
+from .connection import SyncRedis, connect
 from .errors import JobRejected
 from .keys import BANDS, JOB_FIELD, QueueKeys, check_band
 from .settings import redis_url
@@ -188,7 +187,7 @@ def read_done(path: Path) -> tuple[set[str], set[int]]:
 class BulkRun:
     """Enqueue the input's requests within a window of in-flight jobs, write each result as it finishes."""
 
-    def __init__(self, r: Redis, input_path: Path, output_path: Path, errors_path: Path | None = None, *,
+    def __init__(self, r: SyncRedis, input_path: Path, output_path: Path, errors_path: Path | None = None, *,
                  queue: str = "default", band: str = "bulk", window: int = 256, run_id: str | None = None,
                  ttl_s: int = 86_400,
                  progress: bool = True, poll_s: float = 0.05) -> None:
@@ -342,7 +341,8 @@ def run(args: argparse.Namespace) -> int:
     import signal
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    runner = BulkRun(Redis.from_url(redis_url(args.redis)), args.input, args.output, args.errors, queue=args.queue, band=args.band,
+    runner = BulkRun(connect(redis_url(args.redis)), args.input, args.output, args.errors, queue=args.queue,
+                     band=args.band,
                      window=args.window, run_id=args.run_id, ttl_s=args.ttl, progress=not args.no_progress)
     try:
         counts = runner.run()

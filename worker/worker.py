@@ -20,6 +20,7 @@ from . import scripts
 from .absorb import absorb, absorb_abort
 from .admission import Intake, Lanes, engine_priority, pick, prepare, sampling_params
 from .config import WorkerSettings
+from .connection import refuse_cluster
 from .engine_api import RequestOutput, WorkerEngine
 from .keys import BANDS, GROUP, QueueKeys, band_rank
 from .leases import Heartbeat, Leases
@@ -44,6 +45,9 @@ class Worker(Recovery):
         self.leases = Leases(redis_client, self.keys, settings.name, settings.lease_ms)
         self.celery = None
         if settings.celery_broker:
+            # kombu has no Redis Cluster transport: stop here with one line rather than in kombu's depths
+            refuse_cluster(settings.celery_broker, "the Celery front door (--celery: kombu's broker)")
+            refuse_cluster(settings.celery_backend, "the Celery result backend (--celery-backend)")
             from .celery_intake import CeleryIntake  # celery is only imported when the front door is on
 
             self.celery = CeleryIntake.for_worker(self)
