@@ -4,6 +4,7 @@ burst mode on the stub engine. Oracle: the stub engine's offline answer and what
 
 from __future__ import annotations
 
+import argparse
 import json
 import threading
 import time
@@ -116,7 +117,7 @@ def test_status_shows_the_queue_and_its_worker(cluster, queue, url, capsys) -> N
         st = status.queue_status(client.r, queue)
         assert [w["worker"] for w in st["workers"]] == [f"w-{queue}"] and st["workers"][0]["state"] == "running"
         assert queue in status.discover_queues(client.r)  # SCAN over every master finds it
-        assert status.run(_Args(redis=url, queue=[queue], json=True)) == 0
+        assert status.run(argparse.Namespace(redis=url, queue=[queue], json=True)) == 0
     finally:
         worker.request_stop(drain_timeout_s=2.0)
         thread.join(timeout=20)
@@ -128,11 +129,6 @@ def test_status_shows_the_queue_and_its_worker(cluster, queue, url, capsys) -> N
 def _json_line(out: str, start: str = "{") -> Any:
     """The JSON document a command printed (the worker's log lines share stdout)."""
     return json.loads(next(line for line in out.splitlines() if line.startswith(start)))
-
-
-class _Args:
-    def __init__(self, **kwargs: Any) -> None:
-        self.__dict__.update(kwargs)
 
 
 def test_status_of_a_queue_before_any_worker_shows_nothing_pending(queue, url) -> None:
@@ -149,7 +145,7 @@ def test_dlq_list_retry_purge(cluster, queue, url, capsys) -> None:
     assert client.result(poison, timeout=5).status == "failed"
     r = connect(url)
     assert [letter["id"] for letter in dlq.dead_letters(r, queue)] == [poison]
-    assert dlq.run(_Args(action="list", job_ids=[], all=False, redis=url, queue=queue, json=True)) == 0
+    assert dlq.run(argparse.Namespace(action="list", job_ids=[], all=False, redis=url, queue=queue, json=True)) == 0
     assert [x["id"] for x in _json_line(capsys.readouterr().out, "[")] == [poison]
     assert dlq.retry(r, queue) == [poison]
     assert client.final(poison) is None and client.queue_depth() == 1  # old record gone, enqueued again

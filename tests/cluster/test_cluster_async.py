@@ -1,0 +1,70 @@
+"""AsyncClient and the gateway (`pagedq serve`) on a real Redis Cluster, through a node that does not own the
+queue's slot: redis.asyncio's RedisCluster for submit, stream, result, cancel, the live-worker lookup (MGET of
+heartbeats), a Files API upload (a MULTI/EXEC pipeline on the queue's slot) and one completion with the openai
+SDK. The worker runs the stub engine in a thread; the oracle is the stub's offline answer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+
+from worker.aclient import AsyncClient
+from worker.connection import connect
+from worker.stub_engine import StubEngine
+from worker.worker import Worker
+
+from ..gateway.conftest import gateway_thread
+from .test_cluster_queue import offline, settings
+
+
+@contextlib.contextmanager
+def serving(url: str, queue: str, **overrides: Any) -> Iterator[Worker]:
+    worker = Worker(StubEngine(step_delay_s=0.002), connect(url),
+                    settings(queue, burst=False, model="stub-model", **overrides))
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        yield worker
+    finally:
+        worker.request_stop(drain_timeout_s=2.0)
+        thread.join(timeout=20)
+        assert not thread.is_alive(), "worker thread did not stop"
+
+
+def test_async_client_submit_stream_result_cancel(queue: str, url: str) -> None:
+    async def scenario() -> None:
+        async with AsyncClient(url, queue) as client:
+            assert isinstance(client.r, AsyncRedisCluster)
+            streamed = await client.submit("async cluster", max_tokens=8, temperature=0, stream=True)
+            many = await client.submit_many([{"prompt": f"many {i}", "max_tokens": 3, "temperature": 0}
+                                             for i in range(3)])
+            slow = await client.submit("slow one", max_tokens=1000, temperature=0)
+            deltas = [d async for d in client.stream(streamed, timeout=10)]
+            record = await client.result(streamed, timeout=10)
+            assert record.text == offline("async cluster", max_tokens=8, temperature=0)
+            assert "".join(d.text for d in deltas) == record.text
+            results = await asyncio.gather(*(client.result(j, timeout=10) for j in many))
+            assert [r.text for r in results] == [offline(f"many {i}", max_tokens=3, temperature=0) for i in range(3)]
+            assert await client.cancel(slow)
+            assert (await client.result(slow, timeout=10)).status == "cancelled"
+            assert await client.queue_depth() == 0
+
+    with serving(url, queue):
+        asyncio.run(scenario())
+
+
+def test_gateway_completion_and_file_upload(queue: str, url: str) -> None:
+    with serving(url, queue), gateway_thread(url, queue=queue) as base:
+        sdk = openai.OpenAI(base_url=base, api_key="x")
+        assert [m.id for m in sdk.models.list().data] == ["stub-model"]
+        done = sdk.completions.create(model="stub-model", prompt="gateway on a cluster", max_tokens=6,
+                                      temperature=0)
+        assert done.choices[0].text == offline("gateway on a cluster", max_tokens=6, temperature=0)
+        upload = sdk.files.create(file=("lines.jsonl", b'{"x": 1}\n'), purpose="batch")
+        assert sdk.files.content(upload.id).content == b'{"x": 1}\n'
