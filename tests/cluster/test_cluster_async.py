@@ -1,12 +1,14 @@
 """AsyncClient and the gateway (`pagedq serve`) on a real Redis Cluster, through a node that does not own the
 queue's slot: redis.asyncio's RedisCluster for submit, stream, result, cancel, the live-worker lookup (MGET of
 heartbeats), a Files API upload (a MULTI/EXEC pipeline on the queue's slot) and one completion with the openai
-SDK. The worker runs the stub engine in a thread; the oracle is the stub's offline answer."""
+SDK; and Celery with its broker on a plain Redis serving a queue on the cluster. The worker runs the stub engine
+in a thread; the oracle is the stub's offline answer."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -15,6 +17,7 @@ import openai
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
 from worker.aclient import AsyncClient
+from worker.client import Client
 from worker.connection import connect
 from worker.stub_engine import StubEngine
 from worker.worker import Worker
@@ -68,3 +71,24 @@ def test_gateway_completion_and_file_upload(queue: str, url: str) -> None:
         assert done.choices[0].text == offline("gateway on a cluster", max_tokens=6, temperature=0)
         upload = sdk.files.create(file=("lines.jsonl", b'{"x": 1}\n'), purpose="batch")
         assert sdk.files.content(upload.id).content == b'{"x": 1}\n'
+
+
+def test_celery_broker_on_a_plain_redis_serves_a_queue_on_the_cluster(cluster, monkeypatch) -> None:
+    """What the README offers instead of a cluster broker: kombu on a plain Redis, the queue on the cluster."""
+    from worker.embedded_redis import EmbeddedRedis
+
+    from .conftest import queue_on
+
+    queue = queue_on(cluster, cluster.ports[1], "celery")
+    url = cluster.url_avoiding(queue)
+    with EmbeddedRedis(extra_args=("--save", "", "--appendonly", "no")) as broker:
+        monkeypatch.setenv("CELERY_BROKER_URL", broker.url)
+        import worker.celery_app as celery_app
+
+        importlib.reload(celery_app)  # the module's app reads its broker URL at import
+        with serving(url, queue, celery_broker=broker.url, celery_poll_s=0.01):
+            record = celery_app.generate.delay(prompt="via celery", max_tokens=5, temperature=0).get(timeout=20)
+        assert record["status"] == "completed"
+        assert record["text"] == offline("via celery", max_tokens=5, temperature=0)
+        stored = Client(url, queue).final(record["id"])  # the final record is on the cluster
+        assert stored is not None and stored.text == record["text"]

@@ -129,3 +129,14 @@ def test_readiness_probe_pings_every_master(url: str) -> None:
     assert isinstance(probe, RedisCluster) and isinstance(client, RedisCluster)
     assert probe.ping() is True
     assert {n.port for n in probe.get_primaries()} == {n.port for n in client.get_primaries()}
+
+
+def test_tls_cluster_scheme_maps_to_rediss_and_plain_urls_stay_single_server() -> None:
+    from worker.connection import _split, is_cluster_url
+
+    # rediss+cluster cannot be connected to here (no TLS cluster): check the URL redis-py is handed
+    assert _split("rediss+cluster://user:pw@node.example:7000/0?ssl_cert_reqs=none") == (
+        True, "rediss://user:pw@node.example:7000?ssl_cert_reqs=none")
+    assert _split("redis://127.0.0.1:6379/2") == (False, "redis://127.0.0.1:6379/2")
+    assert is_cluster_url("REDIS+CLUSTER://h:1") and not is_cluster_url("redis://h:1")
+    assert isinstance(connect("redis://127.0.0.1:1/0"), Redis)  # lazy: nothing is dialled until a command
