@@ -71,11 +71,12 @@ def connect_async(url: str) -> AsyncRedis:
     return redis.asyncio.Redis.from_url(plain)
 
 
-def refuse_cluster(url: str | None, what: str) -> None:
-    """Stop (ClusterUnsupported) when url names a cluster: `what` cannot use one."""
-    if url and is_cluster_url(url):
-        raise ClusterUnsupported(f"pagedq: {what} does not support Redis Cluster ({url}): "
-                                 "give it a plain redis:// URL (the queue itself may stay on the cluster)")
+def refuse_cluster(what: str, *urls: str | None) -> None:
+    """Stop (ClusterUnsupported) when one of urls names a cluster: `what` cannot use one."""
+    for url in urls:
+        if url and is_cluster_url(url):
+            raise ClusterUnsupported(f"pagedq: {what} does not support Redis Cluster ({url}): "
+                                     "give it a plain redis:// URL (the queue itself may stay on the cluster)")
 
 
 def probe_client(client: SyncRedis, timeout_s: float) -> SyncRedis:

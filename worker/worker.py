@@ -44,10 +44,8 @@ class Worker(Recovery):
         self.lanes = Lanes(settings.band_min_share, settings.reserve_seqs)
         self.leases = Leases(redis_client, self.keys, settings.name, settings.lease_ms)
         self.celery = None
-        if settings.celery_broker:
-            # kombu has no Redis Cluster transport: stop here with one line rather than in kombu's depths
-            refuse_cluster(settings.celery_broker, "the Celery front door (--celery: kombu's broker)")
-            refuse_cluster(settings.celery_backend, "the Celery result backend (--celery-backend)")
+        if settings.celery_broker:  # kombu has no Redis Cluster transport: one line here, not a kombu traceback
+            refuse_cluster("Celery's broker and backend (kombu)", settings.celery_broker, settings.celery_backend)
             from .celery_intake import CeleryIntake  # celery is only imported when the front door is on
 
             self.celery = CeleryIntake.for_worker(self)

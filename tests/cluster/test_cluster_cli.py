@@ -89,9 +89,10 @@ def test_celery_with_a_cluster_url_fails_at_start_in_one_line(url: str, queue: s
     assert res.returncode == 1
     assert res.stderr.strip().count("\n") == 0, res.stderr  # one line, no traceback
     assert "does not support Redis Cluster" in res.stderr and "Celery" in res.stderr
-    with pytest.raises(ClusterUnsupported, match="Celery result backend"):
+    with pytest.raises(ClusterUnsupported, match="does not support Redis Cluster") as refused:
         Worker(StubEngine(), connect(url), settings(queue, celery_broker="redis://127.0.0.1:1/0",
                                                     celery_backend=url))
+    assert f"({url})" in str(refused.value)  # the backend is the cluster here, the broker is plain
 
 
 def test_status_through_a_plain_client_raises_the_moved_reply(cluster: Cluster, queue: str) -> None:
