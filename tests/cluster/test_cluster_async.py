@@ -1,14 +1,15 @@
 """AsyncClient and the gateway (`pagedq serve`) on a real Redis Cluster, through a node that does not own the
 queue's slot: redis.asyncio's RedisCluster for submit, stream, result, cancel, the live-worker lookup (MGET of
-heartbeats), a Files API upload (a MULTI/EXEC pipeline on the queue's slot) and one completion with the openai
-SDK; and Celery with its broker on a plain Redis serving a queue on the cluster. The worker runs the stub engine
-in a thread; the oracle is the stub's offline answer."""
+heartbeats), one completion with the openai SDK and a Batch API run (its file upload a MULTI/EXEC pipeline on
+the queue's slot); and Celery with its broker on a plain Redis serving a queue on the cluster. The worker runs
+the stub engine in a thread; the oracle is the stub's offline answer."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import importlib
+import json
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -22,7 +23,7 @@ from worker.connection import connect
 from worker.stub_engine import StubEngine
 from worker.worker import Worker
 
-from ..gateway.conftest import gateway_thread
+from ..gateway.conftest import gateway_thread, wait_for
 from .test_cluster_queue import offline, settings
 
 
@@ -62,15 +63,26 @@ def test_async_client_submit_stream_result_cancel(queue: str, url: str) -> None:
         asyncio.run(scenario())
 
 
-def test_gateway_completion_and_file_upload(queue: str, url: str) -> None:
+def test_gateway_completion_and_batch(queue: str, url: str) -> None:
+    prompts = {f"b{i}": f"batch line {i}" for i in range(3)}
+    content = "".join(json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/completions",
+                                  "body": {"model": "stub-model", "prompt": p, "max_tokens": 4, "temperature": 0}})
+                      + "\n" for cid, p in prompts.items()).encode()
     with serving(url, queue), gateway_thread(url, queue=queue) as base:
         sdk = openai.OpenAI(base_url=base, api_key="x")
         assert [m.id for m in sdk.models.list().data] == ["stub-model"]
         done = sdk.completions.create(model="stub-model", prompt="gateway on a cluster", max_tokens=6,
                                       temperature=0)
         assert done.choices[0].text == offline("gateway on a cluster", max_tokens=6, temperature=0)
-        upload = sdk.files.create(file=("lines.jsonl", b'{"x": 1}\n'), purpose="batch")
-        assert sdk.files.content(upload.id).content == b'{"x": 1}\n'
+        upload = sdk.files.create(file=("requests.jsonl", content), purpose="batch")
+        assert sdk.files.content(upload.id).content == content
+        batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
+        finished = wait_for(lambda: (b := sdk.batches.retrieve(batch.id)).status == "completed" and b,
+                            timeout=30, interval=0.05, what="batch completed")
+        assert finished.output_file_id is not None
+        output = [json.loads(x) for x in sdk.files.content(finished.output_file_id).text.splitlines()]
+    texts = {line["custom_id"]: line["response"]["body"]["choices"][0]["text"] for line in output}
+    assert texts == {cid: offline(p, max_tokens=4, temperature=0) for cid, p in prompts.items()}
 
 
 def test_celery_broker_on_a_plain_redis_serves_a_queue_on_the_cluster(cluster, monkeypatch) -> None:
