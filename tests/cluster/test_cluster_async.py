@@ -104,3 +104,23 @@ def test_celery_broker_on_a_plain_redis_serves_a_queue_on_the_cluster(cluster, m
         assert record["text"] == offline("via celery", max_tokens=5, temperature=0)
         stored = Client(url, queue).final(record["id"])  # the final record is on the cluster
         assert stored is not None and stored.text == record["text"]
+
+
+def test_worker_metrics_and_readiness_on_the_cluster(cluster) -> None:
+    """/ready pings every master through its own probe client; /metrics reads the queue's depth from its slot."""
+    from .conftest import queue_on
+    from .test_cluster_cli import http_get
+
+    queue = queue_on(cluster, cluster.ports[2], "metrics")
+    url = cluster.url_avoiding(queue)
+    Client(url, queue).submit("queued", max_tokens=2, band="bulk")
+    with serving(url, queue, metrics_port=0, metrics_every_s=0.05) as w:
+        assert w.metrics is not None
+        port = w.metrics.port
+        status, body = wait_for(lambda: (a := http_get(port, "/ready"))[0] == 200 and a, what="ready")
+        assert json.loads(body) == {"ready": True, "engine_loaded": True, "redis": True}
+        wait_for(lambda: Client(url, queue).queue_depth() == 0, what="the queued job done")
+        metrics = wait_for(lambda: (m := http_get(port, "/metrics")[1]) and
+                           f'pagedq_jobs_finished_total{{queue="{queue}",status="completed"}} 1.0' in m and m,
+                           what="completed job counted")
+        assert f'pagedq_queue_depth{{band="bulk",queue="{queue}"}} 0.0' in metrics

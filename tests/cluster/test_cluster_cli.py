@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -141,3 +143,12 @@ def test_tls_cluster_scheme_maps_to_rediss_and_plain_urls_stay_single_server() -
     assert _split("redis://127.0.0.1:6379/2") == (False, "redis://127.0.0.1:6379/2")
     assert is_cluster_url("REDIS+CLUSTER://h:1") and not is_cluster_url("redis://h:1")
     assert isinstance(connect("redis://127.0.0.1:1/0"), Redis)  # lazy: nothing is dialled until a command
+
+
+def http_get(port: int, path: str) -> tuple[int, str]:
+    """(status, body) of GET path on 127.0.0.1; HTTP errors are answers too."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
