@@ -117,7 +117,7 @@ def test_worker_metrics_and_readiness_on_the_cluster(cluster) -> None:
     with serving(url, queue, metrics_port=0, metrics_every_s=0.05) as w:
         assert w.metrics is not None
         port = w.metrics.port
-        status, body = wait_for(lambda: (a := http_get(port, "/ready"))[0] == 200 and a, what="ready")
+        _, body = wait_for(lambda: (a := http_get(port, "/ready"))[0] == 200 and a, what="ready")
         assert json.loads(body) == {"ready": True, "engine_loaded": True, "redis": True}
         wait_for(lambda: Client(url, queue).queue_depth() == 0, what="the queued job done")
         metrics = wait_for(lambda: (m := http_get(port, "/metrics")[1]) and
