@@ -27,7 +27,6 @@ import itertools
 import time
 from typing import Any, Callable
 
-from redis.exceptions import ClusterDownError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -37,8 +36,7 @@ from .held import HeldJob, JobState
 
 EXIT_ENGINE_BROKEN = 3  # process status when the breaker stopped the worker: restart it
 EXIT_REDIS_LOST = 4  # process status when Redis stayed unreachable past redis_outage_s
-# ClusterDownError: a cluster whose slot lost its master (CLUSTERDOWN) until a replica takes over
-REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, ClusterDownError)
+REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
 CANARY_MAX_STEPS = 8  # a one-token request finishes in one step; a few more allow for a busy scheduler
 PING_EVERY_S = (0.05, 1.0)  # first and longest wait between pings while Redis is down (doubling)
 _canary_ids = itertools.count()
