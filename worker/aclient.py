@@ -5,20 +5,19 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator, Iterable, Mapping
 
-from redis.asyncio import Redis
-
 from . import scripts
 from .client_core import ClientCore, DeltaFilter, Entry
+from .connection import AsyncRedis, connect_async
 from .job import Delta, FinalRecord, Job
 from .settings import redis_url
 
 
 class AsyncClient(ClientCore):
     def __init__(self, url: str | None = None, queue: str = "default", *,
-                 max_queue_depth: int | None = None, redis: Redis | None = None) -> None:
+                 max_queue_depth: int | None = None, redis: AsyncRedis | None = None) -> None:
         super().__init__(queue, max_queue_depth)
-        # url None: PAGEDQ_REDIS_URL, else a local Redis (worker/settings.py)
-        self.r = redis if redis is not None else Redis.from_url(redis_url(url))
+        # url None: PAGEDQ_REDIS_URL, else a local Redis (worker/settings.py); redis+cluster:// a cluster
+        self.r = redis if redis is not None else connect_async(redis_url(url))
 
     async def aclose(self) -> None:
         await self.r.aclose()

@@ -11,10 +11,9 @@ import platform
 import time
 from typing import Any
 
-from redis import Redis
-
 from .client import Client
 from .config import WorkerSettings
+from .connection import connect
 from .embedded_redis import EmbeddedRedis
 from .job import FinalRecord
 from .stub_engine import StubEngine
@@ -29,7 +28,7 @@ def _enqueue(client: Client, jobs: list[dict]) -> None:
 def _run_burst(engine: Any, url: str, queue: str, max_waiting: int) -> float:
     settings = WorkerSettings(queue=queue, name=f"bench-{queue}", burst=True, max_waiting=max_waiting,
                               heartbeat_every_s=60.0)
-    worker = Worker(engine, Redis.from_url(url), settings)
+    worker = Worker(engine, connect(url), settings)
     start = time.perf_counter()
     worker.run()
     return time.perf_counter() - start

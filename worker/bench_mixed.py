@@ -11,11 +11,11 @@ import time
 from typing import Any
 
 import numpy as np
-from redis import Redis
 
 from .cli_options import Option
 from .client import Client
 from .config import WorkerSettings
+from .connection import connect
 from .engine_api import WorkerEngine
 from .job import FinalRecord
 from .stub_engine import StubEngine
@@ -60,7 +60,7 @@ def _step_s(args: argparse.Namespace, engine: WorkerEngine) -> float:
 
 def _worker(args: argparse.Namespace, url: str, queue: str, burst: bool, **overrides: Any) -> Worker:
     settings = WorkerSettings(queue=queue, name=f"bench-{queue}", burst=burst, heartbeat_every_s=60.0, **overrides)
-    return Worker(_engine(args), Redis.from_url(url), settings)
+    return Worker(_engine(args), connect(url), settings)
 
 
 def _submit_web(client: Client, args: argparse.Namespace) -> list[str]:

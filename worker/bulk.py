@@ -22,11 +22,10 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from redis import Redis
-
 from . import scripts
 from .cli_options import Option, add_options, queue_option
 from .client import make_job
+from .connection import SyncRedis, connect
 from .errors import JobRejected
 from .keys import BANDS, JOB_FIELD, QueueKeys, check_band
 from .settings import redis_url
@@ -193,7 +192,7 @@ def read_done(path: Path) -> tuple[set[str], set[int]]:
 class BulkRun:
     """Enqueue the input's requests within a window of in-flight jobs, write each result as it finishes."""
 
-    def __init__(self, r: Redis, input_path: Path, output_path: Path, errors_path: Path | None = None, *,
+    def __init__(self, r: SyncRedis, input_path: Path, output_path: Path, errors_path: Path | None = None, *,
                  queue: str = "default", band: str = "bulk", window: int = 256, run_id: str | None = None,
                  ttl_s: int = 86_400,
                  progress: bool = True, poll_s: float = 0.05) -> None:
@@ -347,7 +346,7 @@ def run(args: argparse.Namespace) -> int:
     import signal
 
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    r = Redis.from_url(redis_url(args.redis))
+    r = connect(redis_url(args.redis))
     r.ping()  # an unreachable Redis fails here, before any output file exists (worker/startup_errors.py words it)
     runner = BulkRun(r, args.input, args.output, args.errors, queue=args.queue, band=args.band,
                      window=args.window, run_id=args.run_id, ttl_s=args.ttl, progress=not args.no_progress)

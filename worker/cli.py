@@ -146,8 +146,8 @@ def settings_from_args(args: argparse.Namespace, device: str, model: str) -> Wor
 
 def cmd_worker(args: argparse.Namespace) -> int:
     import structlog
-    from redis import Redis
 
+    from .connection import connect
     from .embedded_redis import EmbeddedRedis
     from .faults import wrap_from_env
     from .settings import configured_redis_url
@@ -165,7 +165,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     try:
         engine, model = build_engine(args)
         device = _engine_device(engine, args.device)
-        worker = Worker(wrap_from_env(engine), Redis.from_url(args.redis), settings_from_args(args, device, model))
+        worker = Worker(wrap_from_env(engine), connect(args.redis), settings_from_args(args, device, model))
         return worker.run()
     finally:
         if embedded is not None:

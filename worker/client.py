@@ -14,20 +14,19 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Iterator, Mapping
 
-from redis import Redis
-
 from . import scripts
 from .client_core import ClientCore, DeltaFilter, Entry, as_banded, as_job, make_job  # noqa: F401 (re-exported)
+from .connection import SyncRedis, connect
 from .job import Delta, FinalRecord, Job
 from .settings import redis_url
 
 
 class Client(ClientCore):
     def __init__(self, url: str | None = None, queue: str = "default", *,
-                 max_queue_depth: int | None = None, redis: Redis | None = None) -> None:
+                 max_queue_depth: int | None = None, redis: SyncRedis | None = None) -> None:
         super().__init__(queue, max_queue_depth)
-        # url None: PAGEDQ_REDIS_URL, else a local Redis (worker/settings.py)
-        self.r = redis if redis is not None else Redis.from_url(redis_url(url))
+        # url None: PAGEDQ_REDIS_URL, else a local Redis (worker/settings.py); redis+cluster:// a cluster
+        self.r = redis if redis is not None else connect(redis_url(url))
 
     def close(self) -> None:
         self.r.close()

@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import threading
 
-from redis import Redis
-
 from .client import Client
 from .config import WorkerSettings
+from .connection import connect
 from .embedded_redis import EmbeddedRedis
 from .worker import Worker
 
@@ -35,7 +34,7 @@ def run_demo(args: argparse.Namespace) -> int:
     engine, model = build_engine(args)
     with EmbeddedRedis() as server:
         settings = WorkerSettings(name="demo", block_ms=100, device=args.device, model=model)
-        worker = Worker(engine, Redis.from_url(server.url), settings)
+        worker = Worker(engine, connect(server.url), settings)
         thread = threading.Thread(target=worker.run, daemon=True)
         thread.start()
         try:

@@ -12,10 +12,9 @@ import argparse
 import json
 from typing import Any
 
-from redis import Redis
-
 from . import scripts
 from .cli_options import Option, add_options, queue_option
+from .connection import SyncRedis, connect
 from .keys import BANDS, JOB_FIELD, QueueKeys
 from .settings import redis_url
 
@@ -34,7 +33,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_options(p, OPTIONS)
 
 
-def dead_letters(r: Redis, queue: str) -> list[dict[str, Any]]:
+def dead_letters(r: SyncRedis, queue: str) -> list[dict[str, Any]]:
     """Every dead letter of every band, oldest first per band: {"dead_id", "id", "band", "job", "error",
     "attempts", "worker", ...}."""
     out = []
@@ -45,7 +44,7 @@ def dead_letters(r: Redis, queue: str) -> list[dict[str, Any]]:
     return out
 
 
-def retry(r: Redis, queue: str, job_ids: list[str] | None = None) -> list[str]:
+def retry(r: SyncRedis, queue: str, job_ids: list[str] | None = None) -> list[str]:
     """Re-enqueue dead jobs (all, or those with the given ids); returns the ids re-enqueued."""
     k, done = QueueKeys(queue), []
     newest = {letter["id"]: letter for letter in _select(r, queue, job_ids)}  # a job may have died twice
@@ -60,7 +59,7 @@ def retry(r: Redis, queue: str, job_ids: list[str] | None = None) -> list[str]:
     return done
 
 
-def purge(r: Redis, queue: str, job_ids: list[str] | None = None) -> int:
+def purge(r: SyncRedis, queue: str, job_ids: list[str] | None = None) -> int:
     """Delete dead letters (all, or those with the given ids); returns how many."""
     k, purged = QueueKeys(queue), 0
     for letter in _select(r, queue, job_ids):
@@ -68,7 +67,7 @@ def purge(r: Redis, queue: str, job_ids: list[str] | None = None) -> int:
     return purged
 
 
-def _select(r: Redis, queue: str, job_ids: list[str] | None) -> list[dict[str, Any]]:
+def _select(r: SyncRedis, queue: str, job_ids: list[str] | None) -> list[dict[str, Any]]:
     letters = dead_letters(r, queue)
     if job_ids:
         wanted = set(job_ids)
@@ -80,7 +79,7 @@ def _select(r: Redis, queue: str, job_ids: list[str] | None) -> list[dict[str, A
 
 
 def run(args: argparse.Namespace) -> int:
-    r = Redis.from_url(redis_url(args.redis))
+    r = connect(redis_url(args.redis))
     if args.action == "list":
         letters = dead_letters(r, args.queue)
         if args.json:  # one document, so an empty queue still parses: []

@@ -20,9 +20,9 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
-from redis import ConnectionPool, Redis
 
 from .errors import MetricsPortError
+from .connection import SyncRedis, probe_client
 from .keys import BANDS, GROUP, QueueKeys
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -71,7 +71,7 @@ class Metrics:
         self.stale_after_s = LIVENESS_STALE_S
         self.last_turn = time.monotonic()  # of the worker loop's last metrics update (start-up counts as one)
         self.engine_loaded = False
-        self._probe: Redis | None = None  # its own short-timeout client: a probe must not hang on a dead Redis
+        self._probe: SyncRedis | None = None  # its own short-timeout client: a probe must not hang on a dead Redis
         self._metrics_app = make_wsgi_app(reg)
         try:
             self.server = make_server(addr, port, self._app, ThreadingWSGIServer, handler_class=_QuietHandler)
@@ -119,11 +119,7 @@ class Metrics:
         self.engine_loaded = worker.engine is not None
         self.stale_after_s = max(LIVENESS_STALE_S, 10 * float(worker.s.metrics_every_s))
         if self._probe is None:
-            pool = worker.r.connection_pool
-            kwargs = {**pool.connection_kwargs, "socket_timeout": READY_PING_TIMEOUT_S,
-                      "socket_connect_timeout": READY_PING_TIMEOUT_S}
-            self._probe = Redis(connection_pool=ConnectionPool(connection_class=pool.connection_class,
-                                                               max_connections=4, **kwargs))
+            self._probe = probe_client(worker.r, READY_PING_TIMEOUT_S)  # a cluster client for a cluster
 
     # ---- metrics -----------------------------------------------------------------------------
     def observe(self, record: Any) -> None:

@@ -10,9 +10,10 @@ import json
 import time
 from typing import Any
 
-from redis import Redis
+from redis.exceptions import ResponseError
 
 from .cli_options import Option, add_options, queue_option
+from .connection import SyncRedis, connect
 from .keys import BANDS, GROUP, PREFIX, QueueKeys
 from .settings import redis_url
 
@@ -27,7 +28,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_options(p, OPTIONS)
 
 
-def discover_queues(r: Redis) -> list[str]:
+def discover_queues(r: SyncRedis) -> list[str]:
     """Queues with a job stream or registered workers (SCAN, never KEYS)."""
     found = set()
     for pattern in (f"{PREFIX}:{{*}}:jobs", f"{PREFIX}:{{*}}:workers"):
@@ -37,7 +38,7 @@ def discover_queues(r: Redis) -> list[str]:
     return sorted(found) or ["default"]
 
 
-def queue_status(r: Redis, queue: str, now: float | None = None) -> dict[str, Any]:
+def queue_status(r: SyncRedis, queue: str, now: float | None = None) -> dict[str, Any]:
     """One queue's counts and its workers (a worker whose heartbeat expired shows as `gone`)."""
     now = time.time() if now is None else now
     k = QueueKeys(queue)
@@ -48,11 +49,11 @@ def queue_status(r: Redis, queue: str, now: float | None = None) -> dict[str, An
         pipe.xlen(k.dead_of(band))
     pipe.zcard(k.cancelled)
     pipe.zrange(k.workers, 0, -1, withscores=True)
-    replies = pipe.execute(raise_on_error=False)
+    replies = _checked(pipe.execute(raise_on_error=False))
     bands = {}
     for i, band in enumerate(BANDS):
         depth, summary, dead = replies[3 * i:3 * i + 3]
-        pending = 0 if isinstance(summary, Exception) else int(summary["pending"])  # NOGROUP before any worker
+        pending = 0 if summary is None else int(summary["pending"])  # None: NOGROUP, no worker has started yet
         bands[band] = {"depth": int(depth), "pending": pending, "undelivered": max(int(depth) - pending, 0),
                        "dead_letters": int(dead)}
     cancels, members = replies[-2:]
@@ -62,6 +63,19 @@ def queue_status(r: Redis, queue: str, now: float | None = None) -> dict[str, An
     totals = {field: sum(b[field] for b in bands.values()) for field in ("depth", "pending", "undelivered",
                                                                           "dead_letters")}
     return {"queue": queue, **totals, "bands": bands, "cancel_requests": int(cancels), "workers": workers}
+
+
+def _checked(replies: list[Any]) -> list[Any]:
+    """Pipeline replies with NOGROUP (a queue no worker has read yet) as None; any other error reply raised
+    (a MOVED reply taken for a count was the TypeError of issue 12)."""
+    out = []
+    for reply in replies:
+        if isinstance(reply, ResponseError) and "NOGROUP" in str(reply):
+            reply = None
+        elif isinstance(reply, Exception):
+            raise reply
+        out.append(reply)
+    return out
 
 
 def _worker_row(name: str, last_beat: float, raw: bytes | None, now: float) -> dict[str, Any]:
@@ -102,7 +116,7 @@ def render(statuses: list[dict[str, Any]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    r = Redis.from_url(redis_url(args.redis))
+    r = connect(redis_url(args.redis))
     statuses = [queue_status(r, q) for q in (args.queue or discover_queues(r))]
     print(json.dumps({"queues": statuses}) if args.json else render(statuses))
     return 0

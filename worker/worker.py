@@ -20,6 +20,7 @@ from . import scripts
 from .absorb import absorb, absorb_abort
 from .admission import Intake, Lanes, engine_priority, pick, prepare, sampling_params
 from .config import WorkerSettings
+from .connection import refuse_cluster
 from .engine_api import RequestOutput, WorkerEngine
 from .keys import BANDS, GROUP, QueueKeys, band_rank
 from .leases import Heartbeat, Leases
@@ -43,7 +44,8 @@ class Worker(Recovery):
         self.lanes = Lanes(settings.band_min_share, settings.reserve_seqs)
         self.leases = Leases(redis_client, self.keys, settings.name, settings.lease_ms)
         self.celery = None
-        if settings.celery_broker:
+        if settings.celery_broker:  # kombu has no Redis Cluster transport: one line here, not a kombu traceback
+            refuse_cluster("Celery's broker and backend (kombu)", settings.celery_broker, settings.celery_backend)
             from .celery_intake import CeleryIntake  # celery is only imported when the front door is on
 
             self.celery = CeleryIntake.for_worker(self)

@@ -11,9 +11,9 @@ from typing import Any
 import structlog
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from redis.asyncio import Redis
 
 from ..aclient import AsyncClient
+from ..connection import AsyncRedis
 from ..errors import ResultTimeout
 from ..settings import GatewaySettings
 from . import errors
@@ -35,7 +35,7 @@ from .workers import LiveWorkers
 class Gateway:
     """What the routes share: settings, the queue client, the live-worker view, open streams."""
 
-    def __init__(self, settings: GatewaySettings, redis: Redis | None = None) -> None:
+    def __init__(self, settings: GatewaySettings, redis: AsyncRedis | None = None) -> None:
         self.settings = settings
         self.client = AsyncClient(settings.redis_url, settings.queue, max_queue_depth=settings.max_queue_depth,
                                   redis=redis)
@@ -87,7 +87,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def create_app(settings: GatewaySettings | None = None, redis: Redis | None = None) -> FastAPI:
+def create_app(settings: GatewaySettings | None = None, redis: AsyncRedis | None = None) -> FastAPI:
     settings = settings or GatewaySettings()
     gateway = Gateway(settings, redis)
 
