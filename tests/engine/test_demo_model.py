@@ -7,8 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, LLMEngine, RequestOutputKind, SamplingParams
+from tests.engine.helpers import stop_cut_after_min_tokens
 from tests.engine.parity import assert_greedy_parity, hf_greedy
-from tests.engine.test_engine import stop_cut_after_min_tokens
 
 pytestmark = pytest.mark.slow
 
