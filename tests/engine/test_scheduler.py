@@ -7,14 +7,12 @@ import itertools
 import pytest
 
 from engine.block_manager import BlockManager
+from engine.post_step import advance_sequences
 from engine.request import Request, RequestStatus, SampledToken
 from engine.sampling_params import SamplingParams
-from engine.post_step import advance_sequences
 from engine.scheduler import Scheduler
 from engine.swap import SwapSpace
-
 from tests.engine.helpers import BLOCK, random_traffic, run_step
-
 
 _distinct = itertools.count(1000)
 
@@ -228,4 +226,5 @@ def test_random_traffic_keeps_the_pool_consistent(seed, swap):
     assert manager.num_free_blocks == manager.num_total_blocks
     assert scheduler.num_preemptions > 0
     if swap:
+        assert swap_space is not None
         assert swap_space.num_swapped_out > 0 and swap_space.num_free_blocks == swap_space.num_total_blocks

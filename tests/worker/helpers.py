@@ -15,7 +15,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from prometheus_client.parser import text_string_to_metric_families
 from redis import Redis
@@ -109,17 +109,22 @@ def wait_for(condition: Callable[[], Any], timeout: float = 30.0, interval: floa
     raise AssertionError(f"timed out after {timeout}s waiting for {what or condition}")
 
 
+def _entries(r: Redis, stream: str) -> list[tuple[bytes, dict[bytes, bytes]]]:
+    """XRANGE of a whole stream, typed as what a client without decode_responses returns."""
+    return cast("list[tuple[bytes, dict[bytes, bytes]]]", r.xrange(stream))
+
+
 def finals_by_id(r: Redis, queue: str = "default") -> dict[str, list[dict]]:
     """Every record of the completions stream, grouped by job id (a duplicate shows as a list of 2)."""
     grouped: dict[str, list[dict]] = {}
-    for _, fields in r.xrange(QueueKeys(queue).completions):
+    for _, fields in _entries(r, QueueKeys(queue).completions):
         record = json.loads(fields[b"data"])
         grouped.setdefault(fields[b"id"].decode(), []).append(record)
     return grouped
 
 
 def result_stream(r: Redis, job_id: str, queue: str = "default") -> list[tuple[str, dict]]:
-    return [(f[b"type"].decode(), json.loads(f[b"data"])) for _, f in r.xrange(QueueKeys(queue).result(job_id))]
+    return [(f[b"type"].decode(), json.loads(f[b"data"])) for _, f in _entries(r, QueueKeys(queue).result(job_id))]
 
 
 def assert_clean_queue(r: Redis, queue: str = "default") -> None:
@@ -129,8 +134,8 @@ def assert_clean_queue(r: Redis, queue: str = "default") -> None:
     assert r.xpending(keys.jobs, "workers")["pending"] == 0
 
 
-def offline(prompt: str | list[int], **sampling: Any) -> tuple[str, list[int]]:
-    """The stub engine's answer for one request run alone (the oracle for what the worker publishes)."""
+def offline(prompt, **sampling: Any) -> tuple[str, list[int]]:
+    """The stub engine's answer for one request (text or token ids) run alone: the oracle for the worker."""
     engine = StubEngine()
     engine.add_request("x", prompt, SamplingParams(**sampling, output_kind=RequestOutputKind.CUMULATIVE))
     while True:
