@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from engine import LLMEngine, RequestOutputKind
-from tests.engine.test_sharing import _random_traffic
+from engine import LLMEngine, RequestOutputKind, SamplingParams
+from tests.engine.helpers import random_engine_traffic
 
 
 def _with_more_features(requests: list[tuple], seed: int) -> list[tuple]:
@@ -82,7 +82,7 @@ def test_async_equals_sync_on_random_mixed_traffic_under_pressure(tiny_llama_dir
     logprobs, priorities, arrivals over time, aborts, chunked prefill, prefix caching and preemption, at once."""
     preemptions = aborts = 0
     for seed in range(4):
-        requests = _with_more_features(_random_traffic(seed), seed)
+        requests = _with_more_features(random_engine_traffic(seed), seed)
         sync, sync_prompt, _, _ = _serve(tiny_llama_dir, requests, async_scheduling=False, **engine_kwargs)
         overlapped, overlapped_prompt, count, num_aborts = _serve(tiny_llama_dir, requests, async_scheduling=True,
                                                                   **engine_kwargs)

@@ -7,8 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, LLMEngine, RequestOutputKind, SamplingParams
+from tests.engine.helpers import stop_cut_after_min_tokens
 from tests.engine.parity import assert_greedy_parity, hf_greedy
-from tests.engine.test_engine import stop_cut_after_min_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -36,11 +36,13 @@ def test_demo_model_parity_with_transformers(demo_llm, demo_model_dir):
                "def fibonacci(n):"]
     outputs = demo_llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
     hf = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
+    ties = 0
     for prompt, output in zip(prompts, outputs):
         ids = tokenizer.encode(prompt)
         expected, logits = hf_greedy(hf, ids, 32)
-        assert_greedy_parity(output.outputs[0].token_ids, expected, logits)
+        ties += assert_greedy_parity(output.outputs[0].token_ids, expected, logits)
         assert output.outputs[0].text == tokenizer.decode(output.outputs[0].token_ids, skip_special_tokens=True)
+    assert ties == 0, f"{ties} near-ties where none were measured (see tests/engine/parity.py)"
 
 
 def test_streamed_text_with_unicode_equals_full_decode(demo_model_dir):

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, LLMEngine, RequestOutputKind, SamplingParams
 from tests.conftest import random_tokens as _tokens
+from tests.engine.helpers import stop_cut_after_min_tokens
 from tests.engine.parity import assert_greedy_parity
 
 PROMPTS = ["The quick brown fox", "Paged attention stores", "Numbers like 12345", "A scheduler batches"]
@@ -67,13 +68,6 @@ def test_stop_token_ids_and_min_tokens(llm):
     late = llm.generate(PROMPTS[2], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
                                                    stop_token_ids=[stop_token], min_tokens=first + 2))[0].outputs[0]
     assert stop_token not in late.token_ids[: first + 2]
-
-
-def stop_cut_after_min_tokens(text: str, prefix_text: str, stop: str) -> str:
-    """vLLM's rule: the first occurrence of `stop` that ends past the text of the first min_tokens tokens."""
-    at = text.find(stop, max(0, len(prefix_text) - len(stop) + 1))
-    assert at != -1, f"{stop!r} does not recur in {text!r} after {prefix_text!r}"
-    return text[:at]
 
 
 def test_stop_strings_wait_for_min_tokens(llm):
@@ -147,7 +141,8 @@ def test_repetition_penalty_matches_transformers(llm, hf_model):
                                                     repetition_penalty=1.5))[0].outputs[0]
     hf = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
                            repetition_penalty=1.5, return_dict_in_generate=True, output_logits=True, pad_token_id=0)
-    assert_greedy_parity(out.token_ids, hf.sequences[0, len(prompt_ids):].tolist(), [s[0] for s in hf.logits])
+    ties = assert_greedy_parity(out.token_ids, hf.sequences[0, len(prompt_ids):].tolist(), [s[0] for s in hf.logits])
+    assert ties == 0, f"{ties} near-ties where none were measured (see tests/engine/parity.py)"
 
 
 def test_eos_stops_unless_ignored(tiny_llama_dir, llm):

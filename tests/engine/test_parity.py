@@ -41,7 +41,7 @@ def test_greedy_parity_under_chunking_and_preemption(checkpoint_factory, archite
         expected, logits = hf_greedy(hf, prompt, NEW_TOKENS)
         ties += assert_greedy_parity(output.outputs[0].token_ids, expected, logits)
         assert output.outputs[0].finish_reason == "length"
-    assert ties <= 1, f"{ties} near-ties in {len(prompts)} prompts: suspicious"
+    assert ties == 0, f"{ties} near-ties where none were measured (see tests/engine/parity.py)"
 
 
 def test_pressure_does_not_change_outputs(tiny_llama_dir):
@@ -60,9 +60,11 @@ def test_block_size_32_and_text_prompts(tiny_llama_dir):
     prompts = ["The quick brown fox", "Redis streams carry jobs to workers and results back"]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
     tokenizer = llm.get_tokenizer()
+    ties = 0
     for prompt, output in zip(prompts, outputs):
         ids = tokenizer.encode(prompt)
         assert output.prompt_token_ids == ids and output.prompt == prompt
         expected, logits = hf_greedy(hf, ids, NEW_TOKENS)
-        assert_greedy_parity(output.outputs[0].token_ids, expected, logits)
+        ties += assert_greedy_parity(output.outputs[0].token_ids, expected, logits)
         assert output.outputs[0].text == tokenizer.decode(output.outputs[0].token_ids, skip_special_tokens=True)
+    assert ties == 0, f"{ties} near-ties where none were measured (see tests/engine/parity.py)"

@@ -12,9 +12,7 @@ from engine.request import Request, RequestStatus, SampledToken
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.swap import SwapSpace
-
-BLOCK = 4
-
+from tests.engine.helpers import BLOCK, random_traffic, run_step
 
 _distinct = itertools.count(1000)
 
@@ -23,14 +21,6 @@ def make_request(request_id: str, prompt_len: int, max_tokens: int = 8, priority
     """Prompts start with a token of their own, so no two share a cached prefix by accident."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     return Request(request_id, [next(_distinct), *list(range(1, prompt_len))], params, priority=priority)
-
-
-def run_step(scheduler: Scheduler, token: int = 7):
-    output = scheduler.schedule()
-    sampled = {s.request.request_id: [SampledToken(token)] for s in output.scheduled if s.needs_sample}
-    finished_before = {r.request_id for r in scheduler.running}
-    advance_sequences(scheduler, output, sampled, max_model_len=10_000)
-    return output, finished_before
 
 
 def test_blocks_are_allocated_only_when_the_last_one_is_full():
@@ -222,45 +212,6 @@ def _check_step(manager: BlockManager, output) -> None:
     assert all(manager.ref_count(b) > 0 for b in targets), "a copy-on-write target was freed"
 
 
-def random_traffic(seed: int, swap: bool, penalties: bool = False):
-    """Random arrivals, shared prefixes, forks, aborts and preemptions, driven by a fake runner; yields
-    (scheduler, output) after each schedule and (scheduler, None) after each step of the final drain."""
-    import random
-
-    rng = random.Random(seed)
-    manager = BlockManager(24, BLOCK)
-    swap_space = SwapSpace(16) if swap else None
-    scheduler = Scheduler(manager, max_num_seqs=6, max_num_batched_tokens=20, swap_space=swap_space)
-    prefixes = [[rng.randrange(1, 50) for _ in range(rng.randint(4, 12))] for _ in range(3)]
-    live: list[Request] = []
-    for step in range(200):
-        if rng.random() < 0.3 and step < 150:
-            prompt = rng.choice(prefixes) + [rng.randrange(1, 50) for _ in range(rng.randint(1, 8))]
-            max_tokens = rng.randint(1, 20)
-            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, n=rng.choice([1, 1, 2, 3]),
-                                    repetition_penalty=rng.choice([1.0, 1.3]) if penalties else 1.0,
-                                    min_tokens=min(max_tokens, rng.choice([0, 2])) if penalties else 0,
-                                    stop_token_ids=[3])
-            request = Request(f"r{step}", prompt, params, fan_out=params.best_of - 1, priority=rng.randint(-1, 1),
-                              eos_token_ids=(2,))
-            scheduler.add_request(request)
-            live.append(request)
-        if live and rng.random() < 0.05:
-            victim = rng.choice(live)
-            if not victim.is_finished:
-                scheduler.finish_request(victim, RequestStatus.FINISHED_ABORTED)
-        output = scheduler.schedule()
-        yield scheduler, output
-        sampled = {s.request.request_id: [SampledToken(rng.randrange(4, 50))
-                                          for _ in range(1 + s.request.fan_out)]
-                   for s in output.scheduled if s.needs_sample}
-        advanced = advance_sequences(scheduler, output, sampled, max_model_len=10_000)
-        live += [r for r in advanced if r not in live]
-    while scheduler.has_unfinished():
-        run_step(scheduler)
-        yield scheduler, None
-
-
 @pytest.mark.parametrize("swap", [False, True], ids=["recompute", "swap"])
 @pytest.mark.parametrize("seed", range(6))
 def test_random_traffic_keeps_the_pool_consistent(seed, swap):
@@ -275,4 +226,5 @@ def test_random_traffic_keeps_the_pool_consistent(seed, swap):
     assert manager.num_free_blocks == manager.num_total_blocks
     assert scheduler.num_preemptions > 0
     if swap:
+        assert swap_space is not None
         assert swap_space.num_swapped_out > 0 and swap_space.num_free_blocks == swap_space.num_total_blocks

@@ -7,9 +7,10 @@ import random
 
 import pytest
 
-from engine import LLM, BeamSearchParams, LLMEngine, RequestOutputKind, SamplingParams
+from engine import LLM, LLMEngine, RequestOutputKind, SamplingParams
 from engine.block_manager import BlockManager
 from tests.conftest import random_tokens as _tokens
+from tests.engine.helpers import random_engine_traffic
 
 
 # ---- block manager ----------------------------------------------------------------------------
@@ -27,20 +28,51 @@ def test_fork_shares_blocks_and_the_first_write_copies_the_partial_one():
     assert manager.num_free_blocks == 10
 
 
-def test_prefix_cache_reuses_full_blocks_and_evicts_least_recently_used():
+def test_prefix_cache_reuses_full_blocks_until_the_pool_needs_them():
     manager = BlockManager(4, 4)
     prompt = list(range(100, 110))  # 10 tokens: 2 full blocks + 2
     assert manager.match_prefix("a", prompt) == 0
     manager.allocate_slots("a", 0, 10)
     manager.cache_full_blocks("a", prompt, 10)
+    a_table = manager.block_table("a")
     manager.free("a")
     assert manager.num_free_blocks == 4  # cached blocks count as free
     assert manager.match_prefix("b", [*prompt, 7]) == 8
-    assert manager.block_table("b") == manager.block_table("b")[:2] and manager.num_free_blocks == 2
+    assert manager.block_table("b") == a_table[:2] and manager.num_free_blocks == 2
     manager.free("b")
     manager.allocate_slots("x", 0, 16)  # needs all 4 blocks: the cached ones are evicted
     manager.free("x")
     assert manager.match_prefix("c", prompt) == 0
+
+
+def _take_one_block_at_a_time(manager: BlockManager, request_id: str, count: int) -> list[int]:
+    """The blocks the pool hands out, in order, to a request that grows by one block per call."""
+    size = manager.block_size
+    for i in range(count):
+        assert manager.allocate_slots(request_id, i * size, (i + 1) * size) == []
+    return manager.block_table(request_id)
+
+
+def test_prefix_cache_evicts_blocks_in_least_recently_used_order():
+    """Which cached block goes first follows the access order, block by block, tail before head."""
+    manager = BlockManager(6, 4)
+    prompts = {name: list(range(100 * i, 100 * i + 8)) for i, name in enumerate("abc", 1)}  # 2 full blocks each
+    head, tail = {}, {}
+    for name, prompt in prompts.items():  # a, then b, then c: computed, cached, freed
+        manager.allocate_slots(name, 0, 8)
+        manager.cache_full_blocks(name, prompt, 8)
+        head[name], tail[name] = manager.block_table(name)
+        manager.free(name)
+    assert manager.match_prefix("a again", prompts["a"] + [7]) == 8  # a is used again, both blocks
+    manager.free("a again")
+    assert manager.match_prefix("b head", prompts["b"][:4] + [7]) == 4  # only b's first block is used again
+    manager.free("b head")
+    # Last uses, oldest first: b's tail (b's first round), c (freed tail first), a (again, tail first), b's head.
+    expected = [tail["b"], tail["c"], head["c"], tail["a"], head["a"], head["b"]]
+    assert manager.num_free_blocks == 6 and sorted(expected) == list(range(6))  # every block cached, none free
+    assert _take_one_block_at_a_time(manager, "x", 6) == expected
+    manager.free("x")
+    assert all(manager.match_prefix(f"{name} later", prompt) == 0 for name, prompt in prompts.items())
 
 
 def test_match_leaves_one_token_to_compute():
@@ -255,29 +287,6 @@ def test_priorities_under_pressure_keep_outputs_exact(tiny_llama_dir, mode):
     assert total_preemptions >= 10
 
 
-def _random_traffic(seed: int) -> list[tuple]:
-    """Generation (n, best_of, seeds, penalties, stop ids) and beam requests with priorities, arriving over time."""
-    rng = random.Random(seed)
-    prefixes = [_tokens(rng.randint(4, 30), seed=seed * 10 + i) for i in range(3)]
-    requests = []
-    for i in range(rng.randint(6, 14)):
-        prompt = (rng.choice(prefixes) if rng.random() < 0.6 else []) + _tokens(rng.randint(1, 12), seed=seed * 100 + i)
-        arrival, priority = rng.randint(0, 25), rng.randint(-1, 1)
-        if rng.random() < 0.2:
-            params = BeamSearchParams(beam_width=rng.choice([2, 3]), max_tokens=rng.randint(3, 12),
-                                      ignore_eos=rng.random() < 0.5)
-            requests.append(("beam", f"b{i}", prompt, params, arrival, priority))
-            continue
-        n = rng.choice([1, 1, 2, 3])
-        params = SamplingParams(n=n, best_of=n + rng.choice([0, 0, 1]), max_tokens=rng.randint(2, 16),
-                                min_tokens=rng.choice([0, 2]), temperature=rng.choice([0.0, 0.8]),
-                                top_k=rng.choice([-1, 10]), top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(1000),
-                                ignore_eos=rng.random() < 0.5, stop_token_ids=rng.choice([[], [7, 9]]),
-                                repetition_penalty=rng.choice([1.0, 1.2]), output_kind=RequestOutputKind.FINAL_ONLY)
-        requests.append(("generate", f"g{i}", prompt, params, arrival, priority))
-    return requests
-
-
 def _serve(model_dir: str, requests: list[tuple], **engine_kwargs) -> tuple[dict, int]:
     engine = LLMEngine(model_dir, block_size=4, **engine_kwargs)
     pending, finals, step = sorted(requests, key=lambda r: r[4]), {}, 0
@@ -302,7 +311,7 @@ def test_random_mixed_traffic_under_pressure_matches_a_roomy_run(tiny_llama_dir,
     """Every feature at once in a pool that forces preemption: each request's outputs equal a roomy run's."""
     preemptions = 0
     for seed in range(5):
-        requests = _random_traffic(seed)
+        requests = random_engine_traffic(seed)
         roomy, _ = _serve(tiny_llama_dir, requests, num_kv_blocks=2000, max_num_batched_tokens=512,
                           enable_prefix_caching=False)
         tight, count = _serve(tiny_llama_dir, requests, **engine_kwargs)

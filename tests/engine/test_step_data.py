@@ -11,7 +11,7 @@ from engine.batch_state import BatchState
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.step_data import StepPlan
-from tests.engine.test_scheduler import random_traffic
+from tests.engine.helpers import random_traffic
 
 VOCAB = 64
 

@@ -22,7 +22,7 @@ from worker.embedded_redis import EmbeddedRedis, free_port
 from worker.gateway import create_app
 from worker.settings import GatewaySettings
 
-from ..worker.conftest import REDIS_SERVERS, REPO, wait_for, worker_thread  # noqa: F401  (re-exported)
+from ..worker.helpers import REDIS_SERVERS, REPO, wait_for, worker_thread  # noqa: F401  (re-exported)
 
 # A minimal chat template (the tiny checkpoints have none): the oracle renders it with transformers.
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"

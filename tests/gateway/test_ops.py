@@ -44,6 +44,7 @@ def test_metrics_count_routes_statuses_latency_and_open_streams(redis_url):
     assert health == {"status": "ok", "redis": "ok", "live_workers": 1, "open_streams": 0}
 
 
+@pytest.mark.slow
 def test_serve_process_logs_json_and_reads_env_settings(redis_url, tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDQ_API_KEYS", "env-key-1,env-key-2")
     log = tmp_path / "gateway.log"

@@ -74,6 +74,7 @@ def test_client_disconnect_cancels_the_job_and_frees_its_kv_blocks(redis_url, ti
     assert record.status == "cancelled" and len(record.token_ids) < 400
 
 
+@pytest.mark.slow
 def test_gateway_killed_mid_stream_loses_nothing(redis_url, tiny_llama_dir, tmp_path):
     ref = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64).generate(
         PROMPT, SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True))[0].outputs[0]

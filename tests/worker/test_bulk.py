@@ -10,11 +10,12 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from worker.bulk import job_id_for
 from worker.stub_engine import StubEngine
 
-from .conftest import KEYS, REPO, assert_clean_queue, finals_by_id, wait_for, worker_thread
-from .test_queue import offline
+from .helpers import KEYS, REPO, assert_clean_queue, finals_by_id, offline, wait_for, worker_thread
 
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -65,6 +66,7 @@ def bulk_cmd(redis_url: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "worker", "bulk", *args, "--redis", redis_url, "--window", "16"]
 
 
+@pytest.mark.slow
 def test_bulk_500_lines_killed_midway_and_resumed(redis_url, r, tmp_path):
     inp, out, err = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
     good, expected_errors = make_input(inp)

@@ -9,13 +9,13 @@ import signal
 import subprocess
 import sys
 
+import pytest
 from redis import Redis
 
 from worker.bulk import BulkRun, job_id_for
 from worker.stub_engine import StubEngine
 
-from .conftest import KEYS, REPO, run_burst, wait_for, worker_thread
-from .test_queue import offline
+from .helpers import KEYS, REPO, offline, run_burst, wait_for, worker_thread
 
 
 def _openai(cid: str, prompt: str, max_tokens: int, model: str = "my-model") -> str:
@@ -31,6 +31,7 @@ def _bulk(redis_url: str, *args: str, **kwargs) -> subprocess.CompletedProcess |
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_summary_model_echo_error_ids_and_a_last_line_without_newline(redis_url, r, tmp_path):
     inp, out, err = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "err.jsonl"
     lines = [_openai("a", "alpha", 3), "{broken", json.dumps({"prompt": "no id"}),
@@ -55,6 +56,7 @@ def test_summary_model_echo_error_ids_and_a_last_line_without_newline(redis_url,
     assert [e["id"] for e in sorted(errors, key=lambda e: e["line"])] == ["batch_req_line_2", "batch_req_line_3"]
 
 
+@pytest.mark.slow
 def test_resume_counts_tok_s_only_for_jobs_that_finish_in_this_run(redis_url, r, tmp_path):
     inp, out, err = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "err.jsonl"
     prompts = {f"c{i}": (f"prompt {i}", 3 + i) for i in range(6)}

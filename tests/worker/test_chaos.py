@@ -16,8 +16,7 @@ from worker.faults import FaultyEngine
 from worker.stub_engine import StubEngine
 from worker.worker import Worker
 
-from .conftest import KEYS, fast_settings, finals_by_id, wait_for
-from .test_queue import offline
+from .helpers import KEYS, fast_settings, finals_by_id, offline, wait_for
 
 
 def _submit_random_jobs(client: Client, rng: random.Random, seed: int) -> dict[str, dict]:

@@ -4,16 +4,18 @@ worker given the prompt that transformers' apply_chat_template makes answers tok
 
 from __future__ import annotations
 
+import pytest
 from transformers import AutoTokenizer
 
 from engine import LLMEngine
 from worker import Client
 
-from .conftest import worker_thread
+from .helpers import worker_thread
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
+@pytest.mark.slow
 def test_chat_template_applied_on_the_demo_model(redis_url, demo_model_dir):
     engine = LLMEngine(str(demo_model_dir), device="cpu", num_kv_blocks=64)
     tokenizer = AutoTokenizer.from_pretrained(str(demo_model_dir))

@@ -4,22 +4,14 @@ registers the same subcommands as the top-level pagedq CLI)."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from .conftest import REPO
+from .helpers import run_cli
 
 
-def run_cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "worker", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
+@pytest.mark.slow
 def test_demo_answers_on_the_demo_model(demo_model_dir):
     proc = run_cli("demo", "--device", "cpu", "--max-tokens", "10", timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -28,6 +20,7 @@ def test_demo_answers_on_the_demo_model(demo_model_dir):
     assert "Paris" in proc.stdout
 
 
+@pytest.mark.slow
 def test_bench_prints_one_json_line(tiny_llama_dir):
     proc = run_cli("bench", "worker", "--stub-jobs", "2000", "--e2e-jobs", "8", "--e2e-max-tokens", "8",
                    "--e2e-repeats", "1", "--model", str(tiny_llama_dir), "--device", "cpu", timeout=240)
@@ -43,7 +36,9 @@ def test_bench_prints_one_json_line(tiny_llama_dir):
 
 
 def test_worker_start_up_freezes_the_engine_objects(tiny_llama_dir):
-    """The worker, a long-lived process, moves its engine's start-up objects out of the cyclic GC (LLMEngine does not)."""
+    """The worker, a long-lived process, moves its engine's start-up objects out of the cyclic GC.
+
+    (LLMEngine does not.)"""
     import gc
 
     from worker.cli import build_engine, build_parser
@@ -59,6 +54,7 @@ def test_worker_start_up_freezes_the_engine_objects(tiny_llama_dir):
     assert engine.num_total_blocks == 8
 
 
+@pytest.mark.slow
 def test_bench_mixed_reports_both_sides_of_the_comparison():
     proc = run_cli("bench", "worker", "--mixed", "--mixed-bulk-jobs", "300", "--mixed-bulk-tokens", "8",
                    "--mixed-web-jobs", "4", "--mixed-web-every", "0.02", "--mixed-step-delay", "0.002",

@@ -11,7 +11,7 @@ from worker.faults import FaultyEngine
 from worker.stub_engine import StubEngine
 from worker.worker import Worker
 
-from .conftest import fast_settings
+from .helpers import fast_settings
 
 
 def test_every_engine_implements_the_protocol(tiny_llama_dir):

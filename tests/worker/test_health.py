@@ -18,7 +18,7 @@ from worker import Client
 from worker.embedded_redis import EmbeddedRedis
 from worker.stub_engine import StubEngine
 
-from .conftest import REDIS_SERVERS, wait_for, worker_thread
+from .helpers import REDIS_SERVERS, wait_for, worker_thread
 
 
 def get(port: int, path: str) -> tuple[int, str, str]:
@@ -72,7 +72,7 @@ def test_liveness_fails_while_the_loop_is_stuck_and_recovers(redis_url, monkeypa
         engine.in_step.clear()
         Client(redis_url).submit(prompt="stuck", max_tokens=3)
         assert engine.in_step.wait(10), "the worker never stepped the engine"
-        status, _, body = wait_for(lambda: (a := get(port, "/health"))[0] == 503 and a, timeout=10,
+        _, _, body = wait_for(lambda: (a := get(port, "/health"))[0] == 503 and a, timeout=10,
                                    what="liveness failing")
         assert json.loads(body)["alive"] is False and json.loads(body)["last_turn_age_s"] > 0.5
         assert get(port, "/ready")[0] == 503  # a stuck worker is not ready either
@@ -96,7 +96,7 @@ def test_readiness_follows_redis(killable_redis):
         port = w.metrics.port
         wait_for(lambda: get(port, "/ready")[0] == 200, what="ready")
         killable_redis.kill()
-        status, _, body = wait_for(lambda: (a := get(port, "/ready"))[0] == 503 and a, timeout=10,
+        _, _, body = wait_for(lambda: (a := get(port, "/ready"))[0] == 503 and a, timeout=10,
                                    what="not ready without Redis")
         ready = json.loads(body)
         assert ready["ready"] is False and ready["redis"] is False and ready["engine_loaded"] is True

@@ -16,8 +16,7 @@ from worker.held import HeldJob, HeldJobs, IllegalMove, JobKey, JobState
 from worker.job import parse_job
 from worker.stub_engine import StubEngine
 
-from .conftest import KEYS, finals_by_id, run_burst, wait_for, worker_thread
-from .test_queue import offline
+from .helpers import KEYS, finals_by_id, offline, run_burst, wait_for, worker_thread
 
 
 class RecordingEngine(StubEngine):

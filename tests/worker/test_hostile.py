@@ -14,8 +14,7 @@ from worker import AsyncClient, Client, JobRejected
 from worker.limits import MAX_ENTRY_BYTES, MAX_JSON_DEPTH, MAX_METADATA_BYTES
 from worker.stub_engine import StubEngine
 
-from .conftest import KEYS, assert_clean_queue, finals_by_id, run_burst
-from .test_queue import offline
+from .helpers import KEYS, assert_clean_queue, finals_by_id, offline, run_burst
 
 
 def nested(depth: int) -> str:
@@ -57,14 +56,14 @@ HOSTILE = [
 def test_every_hostile_entry_gets_one_rejection_and_the_good_jobs_around_it_stay_exact(redis_url, r):
     client = Client(redis_url)
     good, entry_of = {}, {}
-    for i, (raw, job_id, _) in enumerate(HOSTILE):
+    for i, (raw, _job_id, _) in enumerate(HOSTILE):
         good[client.submit(prompt=f"good {i}", max_tokens=3 + i % 4, temperature=0.0)] = (f"good {i}", 3 + i % 4)
         entry_of[i] = r.xadd(KEYS.jobs, {"job": raw}).decode()
     good[client.submit(prompt="last", max_tokens=5, temperature=0.0)] = ("last", 5)
     worker = run_burst(StubEngine(), redis_url)
     finals = finals_by_id(r)
     assert all(len(records) == 1 for records in finals.values())
-    for i, (raw, job_id, word) in enumerate(HOSTILE):
+    for i, (_raw, job_id, word) in enumerate(HOSTILE):
         record = finals[job_id or entry_of[i]][0]
         assert record["status"] == "rejected" and word in record["error"].lower(), (i, record["error"][:200])
         assert len(record["error"]) <= 2000

@@ -16,8 +16,7 @@ from worker.faults import FaultyEngine
 from worker.keys import band_for_priority
 from worker.stub_engine import StubEngine
 
-from .conftest import KEYS, assert_clean_queue, run_burst, wait_for, worker_thread
-from .test_queue import offline
+from .helpers import KEYS, assert_clean_queue, offline, run_burst, wait_for, worker_thread
 
 
 def completion_order(r) -> list[str]:

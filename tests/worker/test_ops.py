@@ -4,30 +4,16 @@ against the final records, the engine and Redis; `pagedq status` against a live 
 from __future__ import annotations
 
 import json
-import urllib.request
 
-from prometheus_client.parser import text_string_to_metric_families
+import pytest
 
 from worker import Client
 from worker.faults import FaultyEngine
 from worker.stub_engine import StubEngine
 
-from .conftest import KEYS, run_burst, wait_for, worker_thread
-from .test_cli import run_cli
-
+from .helpers import KEYS, run_burst, run_cli, scrape, wait_for, worker_thread
 
 DEFAULT = (("band", "default"),)  # the per-band series of the default band
-
-
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    """Every sample as {(name, sorted labels without `queue`): value}."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "queue"))
-            samples[(s.name, labels)] = s.value
-    return samples
 
 
 def test_metrics_endpoint_matches_reality(redis_url, r):
@@ -76,6 +62,7 @@ def test_metrics_endpoint_matches_reality(redis_url, r):
             assert client.result(job_id, timeout=10).status == "completed"
 
 
+@pytest.mark.slow
 def test_status_against_a_live_worker(redis_url, r):
     client = Client(redis_url)
     long_id = client.submit(prompt="keeps running", max_tokens=1500, temperature=0)
@@ -106,6 +93,7 @@ def test_status_against_a_live_worker(redis_url, r):
         client.cancel(long_id)
 
 
+@pytest.mark.slow
 def test_dlq_list_retry_purge(redis_url, r):
     client = Client(redis_url)
     poison = client.submit(prompt="POISON here", max_tokens=3, temperature=0)

@@ -13,7 +13,10 @@ from worker import Client
 from worker.engine_api import RequestOutputKind, SamplingParams
 from worker.stub_engine import StubEngine
 
-from .conftest import KEYS, assert_clean_queue, finals_by_id, result_stream, start_worker, wait_for
+from .helpers import KEYS, assert_clean_queue, finals_by_id, result_stream, start_worker, wait_for
+
+# Every test here runs `pagedq worker` processes.
+pytestmark = pytest.mark.slow
 
 
 def expected_text(prompt: str, max_tokens: int) -> str:
@@ -102,7 +105,6 @@ def test_two_workers_share_a_queue(redis_url, r, tmp_path):
         assert all(e["worker"] == name for e in events if e["event"].startswith(("worker_", "job_")))
 
 
-@pytest.mark.slow
 def test_a_job_that_kills_its_worker_sinks_only_itself(redis_url, r, tmp_path):
     """One job kills its worker process (os._exit, as a segfault) whenever it is stepped; it sits among 20
     good jobs, all read ahead into one batch. The worker is restarted after each crash: only the crasher is

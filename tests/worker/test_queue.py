@@ -10,22 +10,21 @@ import time
 import pytest
 
 from worker import Client, JobRejected, QueueFullError
-from worker.engine_api import RequestOutputKind, SamplingParams
 from worker.faults import FaultyEngine
 from worker.stub_engine import StubEngine
 
-from .conftest import (KEYS, assert_clean_queue, fast_settings, finals_by_id, result_stream, run_burst, wait_for,
-                       worker_thread)
-
-
-def offline(prompt, **sampling) -> tuple[str, list[int]]:
-    """The stub engine's answer for one request run alone (the oracle for what the worker publishes)."""
-    engine = StubEngine()
-    engine.add_request("x", prompt, SamplingParams(**sampling, output_kind=RequestOutputKind.CUMULATIVE))
-    while True:
-        for out in engine.step():
-            if out.finished:
-                return out.outputs[0].text, out.outputs[0].token_ids
+# offline is also imported from here by test_celery.py (another helper's file), until it imports .helpers.
+from .helpers import (
+    KEYS,
+    assert_clean_queue,
+    fast_settings,
+    finals_by_id,
+    offline,
+    result_stream,
+    run_burst,
+    wait_for,
+    worker_thread,
+)
 
 
 def test_results_match_offline_and_deltas_concatenate(redis_url, r):
@@ -49,7 +48,7 @@ def test_results_match_offline_and_deltas_concatenate(redis_url, r):
         deltas = [d for kind, d in records if kind == "delta"]
         if job["stream"]:
             assert "".join(d["text"] for d in deltas) == text
-            assert sum((d["token_ids"] for d in deltas), []) == tokens
+            assert [t for d in deltas for t in d["token_ids"]] == tokens
             assert [d.text for d in client.stream(job_id, timeout=1)] == [d["text"] for d in deltas]
         else:
             assert deltas == []

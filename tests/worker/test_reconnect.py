@@ -18,9 +18,17 @@ from worker.recovery import EXIT_REDIS_LOST
 from worker.stub_engine import StubEngine
 from worker.worker import Worker
 
-from .conftest import KEYS, REDIS_SERVERS, assert_clean_queue, fast_settings, finals_by_id, wait_for, worker_thread
-from .test_ops import scrape
-from .test_queue import offline
+from .helpers import (
+    KEYS,
+    REDIS_SERVERS,
+    assert_clean_queue,
+    fast_settings,
+    finals_by_id,
+    offline,
+    scrape,
+    wait_for,
+    worker_thread,
+)
 
 
 @pytest.fixture(params=sorted(REDIS_SERVERS))
