@@ -73,6 +73,7 @@ def test_a_bad_value_is_one_line_naming_the_flag_or_variable(env, argv, problem,
     assert err.count("\n") == 1 and problem in err and err.startswith(f"pagedq {argv[0]}"), err
 
 
+@pytest.mark.slow  # a `python -m worker` process
 def test_the_installed_way_a_bad_variable_fails(tmp_path: Path) -> None:
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/local/bin:/usr/bin:/bin", "PAGEDQ_BLOCK_MS": "0"}
     proc = subprocess.run([sys.executable, "-m", "worker", "worker", "--engine", "stub", "--redis", NO_REDIS],

@@ -30,6 +30,8 @@ from worker.worker import Worker
 from .conftest import Cluster
 from .test_cluster_queue import offline, run_burst, settings
 
+pytestmark = pytest.mark.slow  # the pagedq commands run as processes
+
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 

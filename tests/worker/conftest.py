@@ -12,23 +12,8 @@ from redis import Redis
 from worker.embedded_redis import EmbeddedRedis
 
 from .helpers import (
-    KEYS,
     REDIS_SERVERS,
-    REPO,
-    assert_clean_queue,
-    fast_settings,
-    finals_by_id,
-    result_stream,
-    run_burst,
-    start_worker,
-    wait_for,
-    worker_cmd,
-    worker_thread,
 )
-
-# Modules written before tests/worker/helpers.py existed still import these from here; new code uses .helpers.
-__all__ = ["KEYS", "REDIS_SERVERS", "REPO", "assert_clean_queue", "fast_settings", "finals_by_id", "result_stream",
-           "run_burst", "start_worker", "wait_for", "worker_cmd", "worker_thread"]
 
 
 @pytest.fixture(params=sorted(REDIS_SERVERS))

@@ -7,14 +7,14 @@ from __future__ import annotations
 import importlib
 import signal
 
+import pytest
 from celery import group
 from celery.result import AsyncResult
 
 from worker import Client, JobRejected
 from worker.stub_engine import StubEngine
 
-from .conftest import finals_by_id, start_worker, worker_thread
-from .test_queue import offline
+from .helpers import finals_by_id, offline, start_worker, worker_thread
 
 SAME = ("status", "text", "token_ids", "finish_reason", "stop_reason", "usage", "metadata", "error", "logprobs")
 
@@ -82,6 +82,7 @@ def test_celery_round_trip_equals_native(redis_url, r, monkeypatch):
     assert_clean_celery(r)
 
 
+@pytest.mark.slow  # starts and kills `pagedq worker` processes
 def test_killed_worker_messages_are_redelivered_and_answered_once(redis_url, r, tmp_path):
     from worker.celery_app import make_app
 

@@ -16,9 +16,8 @@ from worker.celery_app import make_app, parse_queues
 from worker.keys import QueueKeys
 from worker.stub_engine import StubEngine
 
-from .conftest import wait_for, worker_thread
 from .test_celery import assert_clean_celery
-from .test_queue import offline
+from .helpers import offline, wait_for, worker_thread
 
 KEYS = QueueKeys("default")
 

@@ -14,7 +14,7 @@ from redis import Redis
 from worker import AsyncClient, Client
 from worker.keys import QueueKeys
 
-from .conftest import REPO
+from .helpers import REPO
 
 
 def _worker(env_url: str | None, tmp_path, *args: str) -> subprocess.CompletedProcess:
@@ -39,6 +39,7 @@ def test_clients_connect_to_the_url_in_the_environment(redis_url: str, monkeypat
     assert queued == [job_id, async_id]
 
 
+@pytest.mark.slow  # a `python -m worker` process
 def test_the_worker_serves_the_redis_of_the_environment(redis_url: str, tmp_path) -> None:
     with Client(redis_url) as client:
         job_id = client.submit(prompt="served through the environment's Redis", max_tokens=3)
@@ -50,6 +51,7 @@ def test_the_worker_serves_the_redis_of_the_environment(redis_url: str, tmp_path
     assert record.status == "completed" and len(record.token_ids) == 3
 
 
+@pytest.mark.slow  # a `python -m worker` process
 def test_the_worker_says_why_it_starts_a_private_redis(tmp_path) -> None:
     proc = _worker(None, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -60,6 +62,7 @@ def test_the_worker_says_why_it_starts_a_private_redis(tmp_path) -> None:
     assert started[0]["url"].startswith("redis://127.0.0.1:")
 
 
+@pytest.mark.slow  # a `python -m worker` process
 def test_the_worker_takes_its_queue_and_stub_engine_from_the_environment(redis_url: str, tmp_path) -> None:
     with Client(redis_url, queue="envq") as client:
         job_id = client.submit(prompt="queue named by PAGEDQ_QUEUE", max_tokens=3)
@@ -75,6 +78,7 @@ def test_the_worker_takes_its_queue_and_stub_engine_from_the_environment(redis_u
         assert client.result(job_id, timeout=10).status == "completed"
 
 
+@pytest.mark.slow  # a `python -m worker` process
 def test_a_status_run_imports_no_torch_and_reads_its_queues_from_the_environment(redis_url: str) -> None:
     code = ("import sys\nfrom worker.cli import main\nmain(['status', '--json'])\n"
             "print('torch' in sys.modules, file=sys.stderr)\n")

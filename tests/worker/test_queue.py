@@ -13,7 +13,6 @@ from worker import Client, JobRejected, QueueFullError
 from worker.faults import FaultyEngine
 from worker.stub_engine import StubEngine
 
-# offline is also imported from here by test_celery.py (another helper's file), until it imports .helpers.
 from .helpers import (
     KEYS,
     assert_clean_queue,

@@ -23,6 +23,8 @@ from worker.embedded_redis import EmbeddedRedis, free_port
 from worker.keys import QueueKeys
 from worker.startup_errors import redact, with_readable_errors
 
+pytestmark = pytest.mark.slow  # each case runs the real command as a process
+
 REPO = Path(__file__).resolve().parents[2]
 HUB_HINT = "pagedq loads local checkpoint folders only; no model hub is reachable"
 
