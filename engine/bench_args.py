@@ -4,21 +4,27 @@ building the `pagedq` parser stays torch-free."""
 from __future__ import annotations
 
 import argparse
+from typing import TypedDict
 
 from engine.options import add_engine_arguments
 
 OWN_FLAGS = ("seed",)  # bench throughput flags that shadow an engine knob: --seed seeds the workload here
 
 # Reference workloads (shared/anchors/README.md): Llama-3.2-1B and Llama-3-8B shapes, random weights.
-WORKLOADS = {
-    "W1": dict(shape=dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096,
-                          rope_theta=500000.0, tie_word_embeddings=True),
-               num_prompts=256),
-    "W8": dict(shape=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096,
-                          rope_theta=500000.0, tie_word_embeddings=False),
-               num_prompts=128),
+class WorkloadSpec(TypedDict):
+    shape: dict[str, float]  # config.json fields of a model shape (ints and bools are floats to a type checker)
+    num_prompts: int
+
+
+WORKLOADS: dict[str, WorkloadSpec] = {
+    "W1": {"shape": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096,
+                         rope_theta=500000.0, tie_word_embeddings=True),
+           "num_prompts": 256},
+    "W8": {"shape": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096,
+                         rope_theta=500000.0, tie_word_embeddings=False),
+           "num_prompts": 128},
 }
 
 

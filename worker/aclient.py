@@ -3,7 +3,8 @@ same core (worker/client_core.py): only the round trips differ."""
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import Any
 
 from . import scripts
 from .client_core import ClientCore, DeltaFilter, Entry
@@ -22,7 +23,7 @@ class AsyncClient(ClientCore):
     async def aclose(self) -> None:
         await self.r.aclose()
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -51,15 +52,15 @@ class AsyncClient(ClientCore):
         return self._parse_final(await self.r.get(self.keys.final(job_id)))
 
     async def result(self, job_id: str, timeout: float | None = None) -> FinalRecord:
-        async for kind, item in self._entries(job_id, "0-0", timeout):
-            if kind == "final":
+        async for _kind, item in self._entries(job_id, "0-0", timeout):
+            if isinstance(item, FinalRecord):
                 return item
         raise AssertionError("unreachable")
 
     async def stream(self, job_id: str, offset: str = "0-0", timeout: float | None = None) -> AsyncIterator[Delta]:
         seen = DeltaFilter()
-        async for kind, item in self._entries(job_id, offset, timeout, per_item=True):
-            if kind == "final":
+        async for _kind, item in self._entries(job_id, offset, timeout, per_item=True):
+            if isinstance(item, FinalRecord):
                 return
             if seen.keep(item):
                 yield item

@@ -54,7 +54,10 @@ def _step_s(args: argparse.Namespace, engine: WorkerEngine) -> float:
     """One engine step: the stub's delay, or the real engine's mean step over the run."""
     if args.mixed_engine == "stub":
         return args.mixed_step_delay
-    stats = engine.stats()
+    stats_of = getattr(engine, "stats", None)  # LLMEngine's; the worker protocol does not need it
+    if stats_of is None:
+        raise TypeError(f"--mixed-engine {args.mixed_engine}: {type(engine).__name__} reports no step stats")
+    stats = stats_of()
     return sum(stats[f"{phase}_ms_per_step"] for phase in ("schedule", "execute", "postprocess")) / 1e3
 
 

@@ -19,8 +19,9 @@ import hashlib
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from . import scripts
 from .cli_options import Option, add_options, queue_option
@@ -103,7 +104,8 @@ def _openai_fields(data: dict[str, Any]) -> dict[str, Any]:
         raise LineError("invalid_request", f"unsupported url {url!r} (use /v1/completions or /v1/chat/completions)")
     if body.get("n", 1) != 1 or body.get("stream", False):
         raise LineError("invalid_request", "n > 1 and stream are not supported in bulk runs")
-    fields = {OPENAI_RENAMED.get(k, k): v for k, v in body.items() if k not in OPENAI_IGNORED | {"n", "stream"}}
+    dropped = OPENAI_IGNORED | {"n", "stream"}
+    fields: dict[str, Any] = {OPENAI_RENAMED.get(str(k), str(k)): v for k, v in body.items() if k not in dropped}
     prompt = fields.get("prompt")
     if isinstance(prompt, list):  # OpenAI allows a token list, or a list holding one prompt
         if prompt and all(isinstance(t, int) for t in prompt):
@@ -232,7 +234,7 @@ class BulkRun:
     def _loop(self, source: Iterator[tuple[int, str, Any, str, str | None]]) -> None:
         exhausted, idle_sleep = False, self.poll_s
         while not exhausted or self.pending:
-            batch = []
+            batch: list[tuple[int, str, Any, str, str | None]] = []
             while not exhausted and len(self.pending) + len(batch) < self.window:
                 item = next(source, None)
                 if item is None:

@@ -12,7 +12,8 @@ AsyncClient.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 from . import scripts
 from .client_core import ClientCore, DeltaFilter, Entry, as_banded, as_job, make_job  # noqa: F401 (re-exported)
@@ -31,7 +32,7 @@ class Client(ClientCore):
     def close(self) -> None:
         self.r.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -72,8 +73,8 @@ class Client(ClientCore):
 
     def result(self, job_id: str, timeout: float | None = None) -> FinalRecord:
         """Wait for the job's final record (raises ResultTimeout)."""
-        for kind, item in self._entries(job_id, "0-0", timeout):
-            if kind == "final":
+        for _kind, item in self._entries(job_id, "0-0", timeout):
+            if isinstance(item, FinalRecord):
                 return item
         raise AssertionError("unreachable")
 
@@ -81,8 +82,8 @@ class Client(ClientCore):
         """Yield the job's deltas as they arrive, until its final record. Resume after a disconnect with
         offset=<the last delta's .offset>. timeout bounds the wait for each next record."""
         seen = DeltaFilter()
-        for kind, item in self._entries(job_id, offset, timeout, per_item=True):
-            if kind == "final":
+        for _kind, item in self._entries(job_id, offset, timeout, per_item=True):
+            if isinstance(item, FinalRecord):
                 return
             if seen.keep(item):
                 yield item

@@ -7,7 +7,8 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import time
-from typing import Any, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 from .errors import JobRejected, QueueFullError, ResultTimeout
 from .job import Delta, FinalRecord, Job, build_job
@@ -125,8 +126,13 @@ class ResultReader:
     def xread_kwargs(self) -> dict[str, Any]:
         return {"streams": {self.key: self.last}, "count": 256, "block": _block_ms(self.deadline)}
 
-    def entries(self, reply: list | None) -> Iterator[Entry]:
-        for entry_id, fields in (reply[0][1] if reply else []):
+    def entries(self, reply: object) -> Iterator[Entry]:
+        """reply: XREAD's RESP2 answer for the one stream read, ``[[key, [(id, fields), ...]]]``, or empty."""
+        if not reply:
+            return
+        if not isinstance(reply, list):
+            raise TypeError(f"XREAD answered {type(reply).__name__}; the clients speak RESP2, which answers a list")
+        for entry_id, fields in reply[0][1]:
             self.last = _s(entry_id)
             yield parse_result_entry(entry_id, fields)
             if self.per_item and self.timeout is not None:  # the caller took it: the wait for the next starts

@@ -57,6 +57,6 @@ def _produce(client: Client, tokenizer, max_tokens: int, redis_url: str) -> None
     print()
     for job_id in [streamed, *others]:
         res = client.result(job_id, timeout=300)
-        print(f"\n[{res.metadata['question']}] status={res.status} finish={res.finish_reason} "
+        print(f"\n[{(res.metadata or {}).get('question')}] status={res.status} finish={res.finish_reason} "
               f"tokens={res.usage.completion_tokens} ttft={res.timings.ttft}s total={res.timings.total}s")
         print(f"> {res.text.strip()}")

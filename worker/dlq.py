@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import Any, cast
 
 from . import scripts
 from .cli_options import Option, add_options, queue_option
@@ -38,7 +38,9 @@ def dead_letters(r: SyncRedis, queue: str) -> list[dict[str, Any]]:
     "attempts", "worker", ...}."""
     out = []
     for band in BANDS:
-        for entry_id, fields in r.xrange(QueueKeys(queue).dead_of(band)):
+        # the queue's clients decode nothing: ids and fields are bytes
+        entries = cast("list[tuple[bytes, dict[bytes, bytes]]]", r.xrange(QueueKeys(queue).dead_of(band)))
+        for entry_id, fields in entries:
             data = json.loads(fields[b"data"])
             out.append({"dead_id": _s(entry_id), "id": _s(fields[b"id"]), **data, "band": band})
     return out

@@ -6,10 +6,10 @@ producer clients only need the plain dataclasses, so load those modules directly
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 from engine.outputs import CompletionOutput, RequestOutput  # noqa: F401
 from engine.sampling_params import RequestOutputKind, SamplingParams  # noqa: F401
-
-from typing import Protocol, runtime_checkable  # noqa: E402
 
 
 @runtime_checkable

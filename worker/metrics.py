@@ -15,14 +15,15 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
-from .errors import MetricsPortError
 from .connection import SyncRedis, probe_client
+from .errors import MetricsPortError
 from .keys import BANDS, GROUP, QueueKeys
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -41,7 +42,7 @@ class Metrics:
             return Gauge(name, doc, q, registry=reg).labels(queue)
 
         def per_band(name: str, doc: str) -> Any:  # one series per priority band (label band)
-            return Gauge(name, doc, q + ["band"], registry=reg)
+            return Gauge(name, doc, [*q, "band"], registry=reg)
 
         self.depth = per_band("pagedq_queue_depth", "Unfinished jobs in the band's stream (waiting + in flight)")
         self.lag = per_band("pagedq_queue_lag", "Jobs in the band's stream not yet delivered to any worker")
@@ -61,7 +62,7 @@ class Metrics:
         self.preemptions = Counter("pagedq_preemptions", "Engine preemptions", q, registry=reg).labels(queue)
         self.outages = Counter("pagedq_redis_outages", "Times this worker lost Redis and carried on once it was back",
                                q, registry=reg).labels(queue)
-        self.jobs = Counter("pagedq_jobs_finished", "Jobs finished by this worker", q + ["status"], registry=reg)
+        self.jobs = Counter("pagedq_jobs_finished", "Jobs finished by this worker", [*q, "status"], registry=reg)
         self.ttft = Histogram("pagedq_time_to_first_token_seconds", "Enqueue to first token", q,
                               buckets=LATENCY_BUCKETS, registry=reg).labels(queue)
         self.e2e = Histogram("pagedq_e2e_latency_seconds", "Enqueue to final record (completed jobs)", q,
@@ -108,7 +109,7 @@ class Metrics:
             except Exception as exc:  # any failure to answer means not ready; say which
                 error = repr(exc)
         ready = self.engine_loaded and redis_ok and self.liveness()[0]
-        body = {"ready": ready, "engine_loaded": self.engine_loaded, "redis": redis_ok}
+        body: dict[str, bool | str] = {"ready": ready, "engine_loaded": self.engine_loaded, "redis": redis_ok}
         if error:
             body["redis_error"] = error
         return ready, body

@@ -14,9 +14,9 @@ import structlog
 from redis.exceptions import NoScriptError
 
 from . import scripts
+from .held import CELERY_ORIGIN, HeldJob
 from .job import Choice, FinalRecord, Timings, Usage
 from .keys import BANDS, DATA_FIELD, DEFAULT_BAND, GROUP, TYPE_FIELD, QueueKeys
-from .held import CELERY_ORIGIN, HeldJob
 
 FINALIZE_CHUNK = 256  # jobs per FINALIZE call: bounds how long one script blocks Redis
 log = structlog.get_logger("pagedq.publisher")

@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections.abc import Callable
@@ -170,10 +171,8 @@ class Recovery:
                     return True
         except Exception as exc:
             self.log.error("engine_canary_failed", error=repr(exc))
-        try:
+        with contextlib.suppress(Exception):  # a broken engine may not even abort: the worker is stopping anyway
             self.engine.abort_request(request_id)
-        except Exception:
-            pass  # a broken engine may not even abort: the worker is stopping anyway
         return False
 
     def _ride_out_outage(self, exc: Exception) -> None:

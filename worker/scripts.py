@@ -17,7 +17,8 @@ from redis.exceptions import NoScriptError
 # same atomic step: a job is done exactly when its final record exists, and a redelivered copy is just
 # acked. One call finalises a whole step's worth of jobs (fewer commands to encode and parse).
 # KEYS: completions, cancelled, ids, runs, then per job: final, result, its band's job stream and dead letters
-# ARGV: group, ttl_s, completions_maxlen, then per job: entry_id ('' if none), job_id, final_json, dead_json ('' if none)
+# ARGV: group, ttl_s, completions_maxlen, then per job: entry_id ('' if none), job_id, final_json,
+# dead_json ('' if none)
 # Returns one 1 (written) or 0 (it had a final record already) per job.
 FINALIZE = """
 local written = {}
@@ -134,7 +135,8 @@ redis.call('XADD', KEYS[2], '*', ARGV[3], ARGV[2])
 return 1
 """
 
-# The gateway's Batch API output files. KEYS: the batch's answered set, the file's line list; ARGV: answer key, line. Writes each answer once.
+# The gateway's Batch API output files. KEYS: the batch's answered set, the file's line list; ARGV: answer key, line.
+# Writes each answer once.
 APPEND_ONCE = """
 if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then
   redis.call('RPUSH', KEYS[2], ARGV[2])

@@ -78,7 +78,7 @@ def _checked(replies: list[Any]) -> list[Any]:
     return out
 
 
-def _worker_row(name: str, last_beat: float, raw: bytes | None, now: float) -> dict[str, Any]:
+def _worker_row(name: str, last_beat: float, raw: bytes | str | None, now: float) -> dict[str, Any]:
     row: dict[str, Any] = {"worker": name, "heartbeat_age_s": round(now - last_beat, 1), "state": "gone"}
     if raw:
         hb = json.loads(raw)

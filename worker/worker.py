@@ -22,11 +22,11 @@ from .admission import Intake, Lanes, engine_priority, pick, prepare, sampling_p
 from .config import WorkerSettings
 from .connection import refuse_cluster
 from .engine_api import RequestOutput, WorkerEngine
+from .held import HeldJob, HeldJobs, JobState
 from .keys import BANDS, GROUP, QueueKeys, band_rank
 from .leases import Heartbeat, Leases
 from .publisher import Publisher
 from .recovery import REDIS_DOWN, EngineBreaker, Recovery
-from .held import HeldJob, HeldJobs, JobState
 
 STATUSES = ("completed", "failed", "cancelled", "expired", "rejected")
 
@@ -296,6 +296,8 @@ class Worker(Recovery):
         return False
 
     def _add_to_engine(self, t: HeldJob, alone: bool) -> None:
+        if t.engine_input is None:  # admission prepares every job before it reaches here
+            raise RuntimeError(f"job {t.key} reached the engine unprepared")
         try:
             self.engine.add_request(t.request_id, t.engine_input, sampling_params(t.job),
                                     priority=engine_priority(t))

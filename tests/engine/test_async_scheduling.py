@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from engine import LLMEngine, RequestOutputKind, SamplingParams
+from engine import LLMEngine, RequestOutputKind
 from tests.engine.helpers import random_engine_traffic
 
 

@@ -65,7 +65,7 @@ def test_prefix_cache_evicts_blocks_in_least_recently_used_order():
         manager.free(name)
     assert manager.match_prefix("a again", prompts["a"] + [7]) == 8  # a is used again, both blocks
     manager.free("a again")
-    assert manager.match_prefix("b head", prompts["b"][:4] + [7]) == 4  # only b's first block is used again
+    assert manager.match_prefix("b head", [*prompts["b"][:4], 7]) == 4  # only b's first block is used again
     manager.free("b head")
     # Last uses, oldest first: b's tail (b's first round), c (freed tail first), a (again, tail first), b's head.
     expected = [tail["b"], tail["c"], head["c"], tail["a"], head["a"], head["b"]]

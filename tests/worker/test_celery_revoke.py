@@ -16,8 +16,8 @@ from worker.celery_app import make_app, parse_queues
 from worker.keys import QueueKeys
 from worker.stub_engine import StubEngine
 
-from .test_celery import assert_clean_celery
 from .helpers import offline, wait_for, worker_thread
+from .test_celery import assert_clean_celery
 
 KEYS = QueueKeys("default")
 

@@ -31,8 +31,8 @@ HUB_HINT = "pagedq loads local checkpoint folders only; no model hub is reachabl
 
 def run_cli(args: list[str], cwd: Path, env: dict[str, str] | None = None,
             module: str = "worker") -> subprocess.CompletedProcess[str]:
-    """`python -m worker ARGS` (module "worker") or the `pagedq` script's entry point, worker.cli:main (module "pagedq"),
-    from this checkout (the editable install may point elsewhere), no Redis in env."""
+    """`python -m worker ARGS` (module "worker") or the `pagedq` script's entry point, worker.cli:main
+    (module "pagedq"), from this checkout (the editable install may point elsewhere), no Redis in env."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PAGEDQ_", "CELERY_"))}
     base["PYTHONPATH"] = str(REPO)
     command = [sys.executable, "-m", module] if module == "worker" else \
