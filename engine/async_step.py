@@ -34,8 +34,9 @@ class DeviceQueue:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedq-device") \
-            if device.type == "cpu" else None
+        self._thread = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedq-device") if device.type == "cpu" else None
+        )
 
     def submit(self, work: Callable[[], DeviceResult]) -> StepHandle:
         if self._thread is None:
@@ -65,8 +66,13 @@ class StepHandle:
         handle = cls()
         sampled = result.sampled
         if sampled is not None:
-            sampled = SamplerOutput(_to_host(sampled.token_ids), *(None if t is None else _to_host(t) for t in
-                                    (sampled.sampled_logprobs, sampled.top_logprobs, sampled.top_token_ids)))
+            sampled = SamplerOutput(
+                _to_host(sampled.token_ids),
+                *(
+                    None if t is None else _to_host(t)
+                    for t in (sampled.sampled_logprobs, sampled.top_logprobs, sampled.top_token_ids)
+                ),
+            )
         handle._host = DeviceResult(sampled, result.extra)
         event = torch.cuda.Event(blocking=True)  # a blocking event: the wait sleeps, not spins
         event.record(torch.cuda.current_stream(device))

@@ -151,10 +151,18 @@ class BatchState:
         self.rows[new.req_id] = row
         params = new.sampling_params
         banned = np.array([t for t in (*new.eos_token_ids, *params.stop_token_ids) if t < self.vocab_size], np.int64)
-        self.info[row] = RowInfo(new.req_id, list(new.token_ids), new.num_prompt_tokens, params, new.fan_out,
-                                 new.wants_logprobs, banned, new.num_prompt_logprobs_done)
+        self.info[row] = RowInfo(
+            new.req_id,
+            list(new.token_ids),
+            new.num_prompt_tokens,
+            params,
+            new.fan_out,
+            new.wants_logprobs,
+            banned,
+            new.num_prompt_logprobs_done,
+        )
         self._set_blocks(row, 0, new.block_ids)
-        self.block_table[row, len(new.block_ids):] = 0  # not read (context lengths bound it), but deterministic
+        self.block_table[row, len(new.block_ids) :] = 0  # not read (context lengths bound it), but deterministic
         self.floats[row] = [getattr(params, name) for name in _FLOATS]
         self.top_k_seed[row] = (params.top_k if params.top_k > 0 else self.vocab_size, new.sampling_seed)
         floats, top_k_seed = torch.from_numpy(self.floats[row].copy()), torch.from_numpy(self.top_k_seed[row].copy())
@@ -174,8 +182,8 @@ class BatchState:
             rows = len(self.info)
             self.prompt_mask = torch.zeros(rows, self.vocab_size, dtype=torch.bool, device=self.device)
             self.output_counts = torch.zeros(rows, self.vocab_size, device=self.device)
-        prompt = torch.tensor(new.token_ids[:new.num_prompt_tokens], dtype=torch.long, device=self.device)
-        outputs = torch.tensor(new.token_ids[new.num_prompt_tokens:], dtype=torch.long, device=self.device)
+        prompt = torch.tensor(new.token_ids[: new.num_prompt_tokens], dtype=torch.long, device=self.device)
+        outputs = torch.tensor(new.token_ids[new.num_prompt_tokens :], dtype=torch.long, device=self.device)
         prompt_mask, output_counts = self._penalty_state()
         prompt_mask[row] = False
         prompt_mask[row, prompt] = True
@@ -209,12 +217,18 @@ class BatchState:
         infos = [self.info[row] for row in rows.tolist()]
         floats, top_ks = self.floats[rows], self.top_k_seed[rows, 0]
         first_draws = np.flatnonzero(draw_index == 0)
-        plan = SamplingPlan(rows, draw_index, positions, infos, first_draws,
-                            first_draws[self.uses_penalties[rows[first_draws]]],
-                            needs_filters=bool(((top_ks < self.vocab_size) | (floats[:, 1] < 1)
-                                                | (floats[:, 2] > 0)).any()),
-                            all_greedy=bool((floats[:, 0] == 0).all()),
-                            uses_penalties=bool(self.uses_penalties[rows].any()), seeds=self.top_k_seed[rows, 1])
+        plan = SamplingPlan(
+            rows,
+            draw_index,
+            positions,
+            infos,
+            first_draws,
+            first_draws[self.uses_penalties[rows[first_draws]]],
+            needs_filters=bool(((top_ks < self.vocab_size) | (floats[:, 1] < 1) | (floats[:, 2] > 0)).any()),
+            all_greedy=bool((floats[:, 0] == 0).all()),
+            uses_penalties=bool(self.uses_penalties[rows].any()),
+            seeds=self.top_k_seed[rows, 1],
+        )
         if any(info.wants_logprobs for info in infos):
             plan.max_num_logprobs = max(info.params.logprobs or 0 for info in infos)
         return plan
@@ -226,9 +240,17 @@ class BatchState:
         temperature, top_p, min_p, repetition, presence, frequency = self.device_floats[index].T
         top_k, seeds = self.device_top_k_seed[index].T
         positions, offsets = torch.from_numpy(np.stack([plan.positions, plan.draw_index])).to(device)
-        batch = SamplingBatch(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds + offsets,
-                              positions=positions, needs_filters=plan.needs_filters, all_greedy=plan.all_greedy,
-                              max_num_logprobs=plan.max_num_logprobs)
+        batch = SamplingBatch(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            seeds=seeds + offsets,
+            positions=positions,
+            needs_filters=plan.needs_filters,
+            all_greedy=plan.all_greedy,
+            max_num_logprobs=plan.max_num_logprobs,
+        )
         if plan.uses_penalties:
             batch.repetition_penalty, batch.presence_penalty, batch.frequency_penalty = repetition, presence, frequency
             prompt_mask, output_counts = self._penalty_state()
@@ -245,13 +267,17 @@ class BatchState:
         if len(plan.penalised_draws):
             draws = torch.from_numpy(plan.penalised_draws).to(device)
             rows = torch.from_numpy(plan.rows[plan.penalised_draws]).to(device)
-            self._penalty_state()[1].index_put_((rows, token_ids[draws]), torch.ones(len(draws), device=device),
-                                                accumulate=True)
+            self._penalty_state()[1].index_put_(
+                (rows, token_ids[draws]), torch.ones(len(draws), device=device), accumulate=True
+            )
 
     def _banned_mask(self, infos: list[RowInfo], num_outputs: np.ndarray) -> torch.Tensor | None:
         """EOS / stop ids of rows short of min_tokens, as a [B, vocab] mask built on the device."""
-        banned = [(i, info.banned_ids) for i, info in enumerate(infos)
-                  if num_outputs[i] < info.params.min_tokens and len(info.banned_ids)]
+        banned = [
+            (i, info.banned_ids)
+            for i, info in enumerate(infos)
+            if num_outputs[i] < info.params.min_tokens and len(info.banned_ids)
+        ]
         if not banned:
             return None
         rows = np.concatenate([np.full(len(ids), i) for i, ids in banned])

@@ -82,9 +82,13 @@ class BeamSearchManager:
 
     def add(self, root: Request, params: BeamSearchParams, eos_token_ids: tuple[int, ...]) -> None:
         group = BeamGroup(root.request_id, params, eos_token_ids, root.prompt_token_ids, [root])
-        root.sampling_params = SamplingParams(max_tokens=params.max_tokens, temperature=0.0, ignore_eos=True,
-                                              logprobs=group.num_candidates,
-                                              output_kind=RequestOutputKind.FINAL_ONLY)
+        root.sampling_params = SamplingParams(
+            max_tokens=params.max_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+            logprobs=group.num_candidates,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
         root.is_beam = True
         self.groups[root.request_id] = group
         self.scheduler.add_request(root)
@@ -108,26 +112,32 @@ class BeamSearchManager:
     def _select(self, group: BeamGroup) -> bool:
         """One transformers beam step for a group; True when the group is done."""
         width, params = group.params.beam_width, group.params
-        candidates = sorted(((beam.cumulative_logprob + logprob, index, token)
-                             for index, beam in enumerate(group.live)
-                             for token, logprob in _candidates(beam).items()),
-                            key=lambda c: (-c[0], c[1], c[2]))[: group.num_candidates]
+        candidates = sorted(
+            (
+                (beam.cumulative_logprob + logprob, index, token)
+                for index, beam in enumerate(group.live)
+                for token, logprob in _candidates(beam).items()
+            ),
+            key=lambda c: (-c[0], c[1], c[2]),
+        )[: group.num_candidates]
         length = group.live[0].num_output_tokens + 1  # generated length after this token
-        ends = [(not params.ignore_eos and token in group.eos_token_ids) or length >= params.max_tokens
-                for _, _, token in candidates]
+        ends = [
+            (not params.ignore_eos and token in group.eos_token_ids) or length >= params.max_tokens
+            for _, _, token in candidates
+        ]
         can_finish = group.improvable and not (len(group.finished) == width and params.early_stopping is True)
         if can_finish:
             for rank, ((score, index, token), end) in enumerate(zip(candidates, ends)):
                 if rank < width and end:
                     tokens = [*group.live[index].output_token_ids, token]
                     reason = "length" if length >= params.max_tokens else "stop"
-                    group.finished.append(BeamSearchSequence(tokens, score, score / length**params.length_penalty,
-                                                             finish_reason=reason))
+                    group.finished.append(
+                        BeamSearchSequence(tokens, score, score / length**params.length_penalty, finish_reason=reason)
+                    )
             group.finished = sorted(group.finished, key=lambda s: -s.score)[:width]
         continuing = [c for c, end in zip(candidates, ends) if not end][:width]
         self._update_improvable(group, continuing, length)
-        done = (not group.improvable or (len(group.finished) == width and params.early_stopping is True)
-                or all(ends))
+        done = not group.improvable or (len(group.finished) == width and params.early_stopping is True) or all(ends)
         if done:
             for beam in group.live:
                 self.scheduler.finish_request(beam, RequestStatus.FINISHED_STOPPED)
@@ -170,14 +180,22 @@ class BeamSearchManager:
             beam.beam_candidates = None
         group.live = [beam for beam, _, _ in new_live]
 
-    def _output(self, group: BeamGroup, sequences: list[BeamSearchSequence],
-                finish_reason: str | None = None) -> RequestOutput:
+    def _output(
+        self, group: BeamGroup, sequences: list[BeamSearchSequence], finish_reason: str | None = None
+    ) -> RequestOutput:
         completions = []
         for rank, sequence in enumerate(sequences):
             if self.tokenizer is not None:
                 sequence.text = self.tokenizer.decode(sequence.token_ids, skip_special_tokens=True)
-            completions.append(CompletionOutput(rank, sequence.text, sequence.token_ids, sequence.cumulative_logprob,
-                                                finish_reason=finish_reason or sequence.finish_reason))
+            completions.append(
+                CompletionOutput(
+                    rank,
+                    sequence.text,
+                    sequence.token_ids,
+                    sequence.cumulative_logprob,
+                    finish_reason=finish_reason or sequence.finish_reason,
+                )
+            )
         return RequestOutput(group.request_id, None, group.prompt_token_ids, completions, finished=True)
 
 

@@ -34,8 +34,9 @@ class Workload:
         return sum(self.output_lens)
 
 
-def draw_workload(num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int,
-                  seed: int = 0) -> Workload:
+def draw_workload(
+    num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int, seed: int = 0
+) -> Workload:
     """Per request, in order: prompt length, its tokens in [10, vocab-10), then output length (as the anchors)."""
     rng = random.Random(seed)
     prompts, outputs = [], []
@@ -69,21 +70,26 @@ def run_engine(model_dir: str, workload: Workload, engine_kwargs: dict) -> dict:
     _sync(engine.config.device)
     seconds = time.perf_counter() - start
     stats = engine.stats()
-    return {"engine_seconds": seconds, "engine_output_tok_s": generated / seconds,
-            "engine_generated_tokens": generated, "kv_slot_utilization": stats["mean_kv_slot_utilization"],
-            "num_preemptions": stats["num_preemptions"] - preemptions_before,
-            "num_kv_blocks": engine.num_total_blocks, "device": engine.config.device,
-            "dtype": str(engine.config.dtype).removeprefix("torch."),
-            "peak_memory_gb": _peak_memory_gb(engine.config.device),
-            "num_steps": stats["num_steps"], "num_graph_steps": stats["num_graph_steps"],
-            "graph_capture_s": engine.model_runner.graph_capture_seconds,
-            **{key: stats[key] for key in ("schedule_ms_per_step", "execute_ms_per_step", "postprocess_ms_per_step")}}
+    return {
+        "engine_seconds": seconds,
+        "engine_output_tok_s": generated / seconds,
+        "engine_generated_tokens": generated,
+        "kv_slot_utilization": stats["mean_kv_slot_utilization"],
+        "num_preemptions": stats["num_preemptions"] - preemptions_before,
+        "num_kv_blocks": engine.num_total_blocks,
+        "device": engine.config.device,
+        "dtype": str(engine.config.dtype).removeprefix("torch."),
+        "peak_memory_gb": _peak_memory_gb(engine.config.device),
+        "num_steps": stats["num_steps"],
+        "num_graph_steps": stats["num_graph_steps"],
+        "graph_capture_s": engine.model_runner.graph_capture_seconds,
+        **{key: stats[key] for key in ("schedule_ms_per_step", "execute_ms_per_step", "postprocess_ms_per_step")},
+    }
 
 
 def _run_engine_once(engine, workload: Workload, kinds, params_cls) -> int:
     for i, (prompt, max_tokens) in enumerate(zip(workload.prompts, workload.output_lens)):
-        params = params_cls(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                            output_kind=kinds.FINAL_ONLY)
+        params = params_cls(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, output_kind=kinds.FINAL_ONLY)
         engine.add_request(f"bench-{time.monotonic_ns()}-{i}", prompt, params)
     generated = 0
     while engine.has_unfinished_requests():
@@ -113,20 +119,30 @@ def run_hf(model_dir: str, workload: Workload, batch_size: int, device: str, dty
     _sync(device)
     start = time.perf_counter()
     for i in range(0, len(workload.prompts), batch_size):
-        prompts = workload.prompts[i:i + batch_size]
-        longest_out = max(workload.output_lens[i:i + batch_size])
+        prompts = workload.prompts[i : i + batch_size]
+        longest_out = max(workload.output_lens[i : i + batch_size])
         width = max(len(p) for p in prompts)
         ids = torch.zeros((len(prompts), width), dtype=torch.long)
         mask = torch.zeros_like(ids)
         for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt):] = torch.tensor(prompt)
-            mask[row, width - len(prompt):] = 1
-        model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=longest_out,
-                       min_new_tokens=longest_out, do_sample=False, pad_token_id=0, eos_token_id=None)
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        model.generate(
+            ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=longest_out,
+            min_new_tokens=longest_out,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
     _sync(device)
     seconds = time.perf_counter() - start
-    result = {"hf_seconds": seconds, "hf_output_tok_s": workload.num_output_tokens / seconds,
-              "hf_batch_size": batch_size}
+    result = {
+        "hf_seconds": seconds,
+        "hf_output_tok_s": workload.num_output_tokens / seconds,
+        "hf_batch_size": batch_size,
+    }
     if device.startswith("cuda"):
         result["hf_peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
     return result
@@ -168,9 +184,15 @@ def run(args: argparse.Namespace) -> dict:
     workload = draw_workload(num_prompts, args.input_len, args.output_len, vocab, args.seed)
     # one JSON record: its values are whatever the runs report
     result: dict[str, Any] = {
-        "bench": "throughput", "date": time.strftime("%Y-%m-%d"), "workload": args.workload or "custom",
-        "num_prompts": num_prompts, "input_len": list(args.input_len), "output_len": list(args.output_len),
-        "output_tokens": workload.num_output_tokens, "torch": torch.__version__}
+        "bench": "throughput",
+        "date": time.strftime("%Y-%m-%d"),
+        "workload": args.workload or "custom",
+        "num_prompts": num_prompts,
+        "input_len": list(args.input_len),
+        "output_len": list(args.output_len),
+        "output_tokens": workload.num_output_tokens,
+        "torch": torch.__version__,
+    }
     result.update(run_engine(model_dir, workload, bench_engine_kwargs(args)))
     if args.baseline == "hf":
         from engine.config import resolve_dtype

@@ -10,6 +10,7 @@ from engine.options import add_engine_arguments
 
 OWN_FLAGS = ("seed",)  # bench throughput flags that shadow an engine knob: --seed seeds the workload here
 
+
 # Reference workloads (shared/anchors/README.md): Llama-3.2-1B and Llama-3-8B shapes, random weights.
 class WorkloadSpec(TypedDict):
     shape: dict[str, float]  # config.json fields of a model shape (ints and bools are floats to a type checker)
@@ -17,14 +18,34 @@ class WorkloadSpec(TypedDict):
 
 
 WORKLOADS: dict[str, WorkloadSpec] = {
-    "W1": {"shape": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096,
-                         rope_theta=500000.0, tie_word_embeddings=True),
-           "num_prompts": 256},
-    "W8": {"shape": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096,
-                         rope_theta=500000.0, tie_word_embeddings=False),
-           "num_prompts": 128},
+    "W1": {
+        "shape": dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            max_position_embeddings=4096,
+            rope_theta=500000.0,
+            tie_word_embeddings=True,
+        ),
+        "num_prompts": 256,
+    },
+    "W8": {
+        "shape": dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            max_position_embeddings=4096,
+            rope_theta=500000.0,
+            tie_word_embeddings=False,
+        ),
+        "num_prompts": 128,
+    },
 }
 
 
@@ -32,6 +53,7 @@ SAMPLINGS = {
     "greedy": dict(temperature=0.0),
     "penalties": dict(temperature=0.8, top_p=0.9, top_k=50, repetition_penalty=1.1),
 }
+
 
 def _range(text: str) -> tuple[int, int]:
     low, _, high = text.partition(":")
@@ -44,30 +66,56 @@ def _range(text: str) -> tuple[int, int]:
 def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="checkpoint folder (a folder with only config.json: random weights)")
     parser.add_argument("--workload", choices=sorted(WORKLOADS), help="reference workload of shared/anchors")
-    parser.add_argument("--num-prompts", type=int, default=None,
-                        help="prompts to run (default: the workload's, else 64)")
-    parser.add_argument("--input-len", type=_range, default=(128, 1024), metavar="A:B",
-                        help="prompt lengths, drawn uniformly from A..B (default 128:1024)")
-    parser.add_argument("--output-len", type=_range, default=(64, 512), metavar="C:D",
-                        help="output lengths, drawn uniformly from C..D (default 64:512)")
+    parser.add_argument(
+        "--num-prompts", type=int, default=None, help="prompts to run (default: the workload's, else 64)"
+    )
+    parser.add_argument(
+        "--input-len",
+        type=_range,
+        default=(128, 1024),
+        metavar="A:B",
+        help="prompt lengths, drawn uniformly from A..B (default 128:1024)",
+    )
+    parser.add_argument(
+        "--output-len",
+        type=_range,
+        default=(64, 512),
+        metavar="C:D",
+        help="output lengths, drawn uniformly from C..D (default 64:512)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and lengths (default 0)")
-    parser.add_argument("--baseline", choices=["hf", "none"], default="none",
-                        help="hf: transformers' generate on the same prompts, in the same run (default none)")
+    parser.add_argument(
+        "--baseline",
+        choices=["hf", "none"],
+        default="none",
+        help="hf: transformers' generate on the same prompts, in the same run (default none)",
+    )
     parser.add_argument("--hf-batch-size", type=int, default=64, help="batch size of the hf baseline (default 64)")
-    parser.add_argument("--sharing", choices=["n4", "prefix", "beam"],
-                        help="memory sharing on vs off: 4 samples per prompt, a shared system prompt, or the "
-                             "blocks beam search (width 4) shares")
+    parser.add_argument(
+        "--sharing",
+        choices=["n4", "prefix", "beam"],
+        help="memory sharing on vs off: 4 samples per prompt, a shared system prompt, or the "
+        "blocks beam search (width 4) shares",
+    )
     parser.add_argument("--prefix-len", type=int, default=512, help="system prompt length for --sharing prefix")
     add_engine_arguments(parser, exclude=OWN_FLAGS)
 
 
 def add_host_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-seqs", type=_positive, default=256, help="sequences decoding together (default 256)")
-    parser.add_argument("--sampling", choices=sorted(SAMPLINGS), default="greedy",
-                        help="greedy, or sampling with penalties (more host work per step)")
+    parser.add_argument(
+        "--sampling",
+        choices=sorted(SAMPLINGS),
+        default="greedy",
+        help="greedy, or sampling with penalties (more host work per step)",
+    )
     parser.add_argument("--vocab-size", type=_positive, default=128256, help="vocabulary of the stand-in model")
-    parser.add_argument("--simulated-device-ms", type=float, default=2.0,
-                        help="milliseconds the stand-in device takes per step (default 2)")
+    parser.add_argument(
+        "--simulated-device-ms",
+        type=float,
+        default=2.0,
+        help="milliseconds the stand-in device takes per step (default 2)",
+    )
     parser.add_argument("--prompt-len", type=_positive, default=512, help="prompt tokens per sequence (default 512)")
     parser.add_argument("--output-len", type=_positive, default=64, help="tokens generated per sequence (default 64)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts (default 0)")
@@ -80,5 +128,3 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
-
-

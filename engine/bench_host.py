@@ -27,8 +27,15 @@ import torch
 from engine.bench_args import SAMPLINGS
 from engine.bench_args import add_host_arguments as add_arguments  # noqa: F401  (the CLI's name)
 
-_STAND_IN_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                       num_key_value_heads=4, max_position_embeddings=8192, tie_word_embeddings=True)
+_STAND_IN_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+)
 
 
 @dataclass
@@ -44,8 +51,12 @@ class DeviceTimeline:
         wall = decode[-1][1] - decode[0][0]
         busy = sum(end - start for start, end in decode)
         gaps = [max(0.0, start - previous_end) for (_, previous_end), (start, _) in itertools.pairwise(decode)]
-        return {"num_decode_steps": len(decode), "device_busy_fraction": busy / wall,
-                "host_ms_per_step": 1e3 * sum(gaps) / len(gaps), "decode_wall_s": wall}
+        return {
+            "num_decode_steps": len(decode),
+            "device_busy_fraction": busy / wall,
+            "host_ms_per_step": 1e3 * sum(gaps) / len(gaps),
+            "decode_wall_s": wall,
+        }
 
 
 class CudaTimeline(DeviceTimeline):
@@ -105,19 +116,32 @@ def run_mode(args: argparse.Namespace, model_dir: str, async_scheduling: bool) -
     from engine import LLMEngine, RequestOutputKind, SamplingParams
 
     blocks_per_seq = -(-(args.prompt_len + args.output_len) // 16)
-    engine = LLMEngine(model_dir, device=args.device, max_num_seqs=args.num_seqs, max_num_batched_tokens=8192,
-                       num_kv_blocks=args.num_seqs * blocks_per_seq + 16 if args.device == "cpu" else None,
-                       async_scheduling=async_scheduling)
+    engine = LLMEngine(
+        model_dir,
+        device=args.device,
+        max_num_seqs=args.num_seqs,
+        max_num_batched_tokens=8192,
+        num_kv_blocks=args.num_seqs * blocks_per_seq + 16 if args.device == "cpu" else None,
+        async_scheduling=async_scheduling,
+    )
     runner = engine.model_runner
     timeline = CudaTimeline() if args.device.startswith("cuda") else DeviceTimeline()
-    runner._device_work = timed_cuda_device(runner, timeline) if isinstance(timeline, CudaTimeline) else \
-        stand_in_device(runner, args.simulated_device_ms / 1e3, timeline)
+    runner._device_work = (
+        timed_cuda_device(runner, timeline)
+        if isinstance(timeline, CudaTimeline)
+        else stand_in_device(runner, args.simulated_device_ms / 1e3, timeline)
+    )
     rng = random.Random(args.seed)
     vocab = engine.model_config.vocab_size
     for i in range(args.num_seqs):
         prompt = [rng.randrange(10, vocab - 10) for _ in range(args.prompt_len)]
-        params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, seed=i,
-                                output_kind=RequestOutputKind.FINAL_ONLY, **SAMPLINGS[args.sampling])
+        params = SamplingParams(
+            max_tokens=args.output_len,
+            ignore_eos=True,
+            seed=i,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+            **SAMPLINGS[args.sampling],
+        )
         engine.add_request(f"host-{i}", prompt, params)
     tokens = {}
     while engine.has_unfinished_requests():
@@ -127,9 +151,12 @@ def run_mode(args: argparse.Namespace, model_dir: str, async_scheduling: bool) -
     stats = engine.stats()
     runner.device_queue.close()
     assert all(len(t) == args.output_len for t in tokens.values()) and len(tokens) == args.num_seqs
-    return {**timeline.summary(), "num_steps": stats["num_steps"],
-            "host_work_ms_per_step": stats["schedule_ms_per_step"] + stats["postprocess_ms_per_step"],
-            "tokens": tokens}
+    return {
+        **timeline.summary(),
+        "num_steps": stats["num_steps"],
+        "host_work_ms_per_step": stats["schedule_ms_per_step"] + stats["postprocess_ms_per_step"],
+        "tokens": tokens,
+    }
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -144,11 +171,19 @@ def run(args: argparse.Namespace) -> dict:
     results = {mode: run_mode(args, model_dir, mode == "async") for mode in ("async", "sync")}
     if results["async"].pop("tokens") != results["sync"].pop("tokens"):
         raise RuntimeError("async and sync runs generated different tokens")
-    return {"bench": "host", "device": args.device, "num_seqs": args.num_seqs, "sampling": args.sampling,
-            "vocab_size": args.vocab_size, "simulated_device_ms": args.simulated_device_ms if args.device == "cpu"
-            else None, "prompt_len": args.prompt_len, "output_len": args.output_len, "torch": torch.__version__,
-            **{f"{mode}_{key}": value for mode, result in results.items() for key, value in result.items()},
-            "tokens_identical": True}
+    return {
+        "bench": "host",
+        "device": args.device,
+        "num_seqs": args.num_seqs,
+        "sampling": args.sampling,
+        "vocab_size": args.vocab_size,
+        "simulated_device_ms": args.simulated_device_ms if args.device == "cpu" else None,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "torch": torch.__version__,
+        **{f"{mode}_{key}": value for mode, result in results.items() for key, value in result.items()},
+        "tokens_identical": True,
+    }
 
 
 def main(args: argparse.Namespace) -> int:

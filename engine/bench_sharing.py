@@ -18,16 +18,29 @@ from engine import LLMEngine, RequestOutputKind, SamplingParams
 from engine.startup import freeze_startup_objects
 
 
-def _requests(kind: str, num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab: int,
-              prefix_len: int, seed: int, sharing: bool) -> list[tuple[list[int], SamplingParams]]:
+def _requests(
+    kind: str,
+    num_prompts: int,
+    input_len: tuple[int, int],
+    output_len: tuple[int, int],
+    vocab: int,
+    prefix_len: int,
+    seed: int,
+    sharing: bool,
+) -> list[tuple[list[int], SamplingParams]]:
     rng = random.Random(seed)
     prefix = [rng.randrange(10, vocab - 10) for _ in range(prefix_len)] if kind == "prefix" else []
     requests = []
     for index in range(num_prompts):
         prompt = prefix + [rng.randrange(10, vocab - 10) for _ in range(rng.randint(*input_len))]
         max_tokens = rng.randint(*output_len)
-        params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed + index, ignore_eos=True,
-                                output_kind=RequestOutputKind.FINAL_ONLY)
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0,
+            seed=seed + index,
+            ignore_eos=True,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
         if kind == "n4" and sharing:
             requests.append((prompt, SamplingParams(**{**params.__dict__, "n": 4, "best_of": 4})))
         elif kind == "n4":
@@ -49,9 +62,15 @@ def _run(model_dir: str, requests, engine_kwargs: dict, sharing: bool) -> dict:
             generated += sum(len(c.token_ids) for c in output.outputs)
     seconds = time.perf_counter() - start
     stats = engine.stats()
-    return {"output_tok_s": generated / seconds, "generated": generated, "seconds": seconds,
-            "peak_used_blocks": stats["peak_used_blocks"], "prefilled_tokens": stats["num_prefilled_tokens"],
-            "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"], "preemptions": stats["num_preemptions"]}
+    return {
+        "output_tok_s": generated / seconds,
+        "generated": generated,
+        "seconds": seconds,
+        "peak_used_blocks": stats["peak_used_blocks"],
+        "prefilled_tokens": stats["num_prefilled_tokens"],
+        "prefix_cache_hit_rate": stats["prefix_cache_hit_rate"],
+        "preemptions": stats["num_preemptions"],
+    }
 
 
 def _run_beam(model_dir: str, vocab: int, args, engine_kwargs: dict) -> dict:
@@ -72,20 +91,39 @@ def _run_beam(model_dir: str, vocab: int, args, engine_kwargs: dict) -> dict:
         if used > peak_used:
             peak_used, peak_logical = used, used + engine.stats()["blocks_saved_by_sharing"]
     seconds = time.perf_counter() - start
-    return {"bench": "sharing-beam", "date": time.strftime("%Y-%m-%d"), "num_prompts": num_prompts,
-            "beam_width": 4, "seconds": seconds, "peak_used_blocks": peak_used,
-            "peak_block_table_entries": peak_logical, "kv_memory_saved": 1 - peak_used / peak_logical}
+    return {
+        "bench": "sharing-beam",
+        "date": time.strftime("%Y-%m-%d"),
+        "num_prompts": num_prompts,
+        "beam_width": 4,
+        "seconds": seconds,
+        "peak_used_blocks": peak_used,
+        "peak_block_table_entries": peak_logical,
+        "kv_memory_saved": 1 - peak_used / peak_logical,
+    }
 
 
 def run_sharing(kind: str, model_dir: str, vocab: int, args, engine_kwargs: dict) -> dict:
     if kind == "beam":
         return _run_beam(model_dir, vocab, args, engine_kwargs)
     num_prompts = args.num_prompts or 32
-    draw = dict(kind=kind, num_prompts=num_prompts, input_len=args.input_len, output_len=args.output_len,
-                vocab=vocab, prefix_len=args.prefix_len, seed=args.seed)
+    draw = dict(
+        kind=kind,
+        num_prompts=num_prompts,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        vocab=vocab,
+        prefix_len=args.prefix_len,
+        seed=args.seed,
+    )
     on = _run(model_dir, _requests(**draw, sharing=True), engine_kwargs, sharing=True)
     off = _run(model_dir, _requests(**draw, sharing=False), engine_kwargs, sharing=False)
-    return {"bench": f"sharing-{kind}", "date": time.strftime("%Y-%m-%d"), "num_prompts": num_prompts,
-            "sharing_on": on, "sharing_off": off,
-            "throughput_ratio": on["output_tok_s"] / off["output_tok_s"],
-            "kv_memory_saved": 1 - on["peak_used_blocks"] / off["peak_used_blocks"]}
+    return {
+        "bench": f"sharing-{kind}",
+        "date": time.strftime("%Y-%m-%d"),
+        "num_prompts": num_prompts,
+        "sharing_on": on,
+        "sharing_off": off,
+        "throughput_ratio": on["output_tok_s"] / off["output_tok_s"],
+        "kv_memory_saved": 1 - on["peak_used_blocks"] / off["peak_used_blocks"],
+    }

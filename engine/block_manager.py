@@ -168,7 +168,7 @@ class BlockManager:
         hashes, table = [], []
         parent = b""
         for start in range(0, len(token_ids) - 1 - (len(token_ids) - 1) % size, size):
-            parent = self._chain_hash(parent, token_ids[start:start + size])
+            parent = self._chain_hash(parent, token_ids[start : start + size])
             block_id = self._block_of_hash.get(parent)
             if block_id is None:
                 break
@@ -192,7 +192,7 @@ class BlockManager:
             return  # most steps: a decode token that does not fill its block
         table = self._block_tables[request_id]
         for index in range(len(hashes), num_computed // size):
-            parent = self._chain_hash(hashes[-1] if hashes else b"", token_ids[index * size:(index + 1) * size])
+            parent = self._chain_hash(hashes[-1] if hashes else b"", token_ids[index * size : (index + 1) * size])
             hashes.append(parent)
             block_id = table[index]
             if parent not in self._block_of_hash and block_id not in self._hash_of_block:
@@ -212,4 +212,3 @@ class BlockManager:
                 del self._hash_of_block[block_id]
                 del self._block_of_hash[hashes[index]]
         del hashes[keep:]
-

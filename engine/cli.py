@@ -33,8 +33,9 @@ def register_commands(commands: argparse._SubParsersAction) -> argparse._SubPars
     generate = commands.add_parser("generate", help="generate offline for prompts given on the command line")
     generate.add_argument("prompts", nargs="+", help="prompts, one argument each")
     generate.add_argument("--model", default=None, help="checkpoint folder (default: the demo model)")
-    generate.add_argument("--max-tokens", type=int, default=64,
-                          help="tokens to generate per prompt at most (default 64)")
+    generate.add_argument(
+        "--max-tokens", type=int, default=64, help="tokens to generate per prompt at most (default 64)"
+    )
     generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
     generate.add_argument("--chat", action="store_true", help="apply the checkpoint's chat template")
     add_engine_arguments(generate)
@@ -71,12 +72,16 @@ def _generate(args: argparse.Namespace) -> int:
     prompts = args.prompts
     if args.chat:
         tokenizer = llm.get_tokenizer()
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                 add_generation_prompt=True) for p in prompts]
+        prompts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            for p in prompts
+        ]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     for prompt, output in zip(args.prompts, llm.generate(prompts, params)):
-        print(f"### {prompt}\n{output.outputs[0].text}\n[{output.outputs[0].finish_reason}, "
-              f"{len(output.outputs[0].token_ids)} tokens]")
+        print(
+            f"### {prompt}\n{output.outputs[0].text}\n[{output.outputs[0].finish_reason}, "
+            f"{len(output.outputs[0].token_ids)} tokens]"
+        )
     return 0
 
 

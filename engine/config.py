@@ -14,10 +14,18 @@ from engine.options import EngineOptions
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 DEFAULT_ASYNC_SCHEDULING = True  # the tests switch it with PAGEDQ_TEST_SCHEDULING (tests/conftest.py)
 # Said wherever a model path is not a checkpoint: a hub id like meta-llama/Llama-3.2-1B looks like a path here.
-LOCAL_CHECKPOINTS_ONLY = ("pagedq loads local checkpoint folders only; no model hub is reachable: "
-                          "download it elsewhere and pass the folder")
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "half": torch.float16}
+LOCAL_CHECKPOINTS_ONLY = (
+    "pagedq loads local checkpoint folders only; no model hub is reachable: download it elsewhere and pass the folder"
+)
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "half": torch.float16,
+}
 
 
 @dataclass

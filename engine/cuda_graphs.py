@@ -59,8 +59,17 @@ def width_buckets(max_blocks_per_seq: int, block_size: int, first_tokens: int = 
 
 
 class DecodeGraphRunner:
-    def __init__(self, model, kv_caches, max_num_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device, capture: bool, first_width_tokens: int = PARTITION_TOKENS) -> None:
+    def __init__(
+        self,
+        model,
+        kv_caches,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        device: torch.device,
+        capture: bool,
+        first_width_tokens: int = PARTITION_TOKENS,
+    ) -> None:
         self.model, self.kv_caches, self.device, self.capture = model, kv_caches, device, capture
         self.batch_sizes = batch_buckets(max_num_seqs)
         self.widths = width_buckets(max_blocks_per_seq, block_size, first_width_tokens)
@@ -74,8 +83,11 @@ class DecodeGraphRunner:
         self.slot_mapping = buffer(rows, dtype=torch.long)
         self.block_tables = buffer(rows, width, dtype=torch.int32)
         self.context_lens = buffer(rows, dtype=torch.int32)
-        self._no_prefill = (buffer(0, width, dtype=torch.int32), buffer(1, dtype=torch.int32),
-                            buffer(0, dtype=torch.int32))
+        self._no_prefill = (
+            buffer(0, width, dtype=torch.int32),
+            buffer(1, dtype=torch.int32),
+            buffer(0, dtype=torch.int32),
+        )
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: _POOL_HANDLE | None = None  # the graphs' shared memory pool, from the first capture
         self.num_runs = 0  # decode steps served (replayed, or run padded when not capturing)
@@ -97,8 +109,14 @@ class DecodeGraphRunner:
     def can_run(self, num_seqs: int, table_width: int) -> bool:
         return 0 < num_seqs <= self.batch_sizes[-1] and table_width <= self.widths[-1]
 
-    def run(self, token_ids: np.ndarray | torch.Tensor, positions: np.ndarray, slot_mapping: np.ndarray,
-            block_tables: np.ndarray, context_lens: np.ndarray) -> torch.Tensor:
+    def run(
+        self,
+        token_ids: np.ndarray | torch.Tensor,
+        positions: np.ndarray,
+        slot_mapping: np.ndarray,
+        block_tables: np.ndarray,
+        context_lens: np.ndarray,
+    ) -> torch.Tensor:
         """Hidden states [num_seqs, hidden] of one decode token per sequence (host arrays in, device out)."""
         num_seqs, table_width = block_tables.shape
         batch = bucket_for(num_seqs, self.batch_sizes)

@@ -61,7 +61,7 @@ class IncrementalDetokenizer:
         limit = len(self.text) if finished else max(self._num_reported_chars, len(self.text) - self._max_stop_len + 1)
         if self._max_stop_len == 0:
             limit = len(self.text)
-        delta = self.text[self._num_reported_chars:limit]
+        delta = self.text[self._num_reported_chars : limit]
         self._num_reported_chars = limit
         return delta
 

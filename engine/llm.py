@@ -71,21 +71,28 @@ class LLM:
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer: this engine was built without one")
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise ValueError("the model has no chat template: pass chat_template=..., or format the prompt "
-                             "yourself and call generate()")
+            raise ValueError(
+                "the model has no chat template: pass chat_template=..., or format the prompt "
+                "yourself and call generate()"
+            )
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not conversations:
             raise ValueError("chat needs at least one conversation")
         prompts: list[str | list[int]] = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(
-                list(conversation), chat_template=chat_template, tokenize=False,
-                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
+                list(conversation),
+                chat_template=chat_template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+            )
             prompts.append(tokenizer.encode(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def beam_search(self, prompts: str | list[int] | Sequence[str | list[int]],
-                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+    def beam_search(
+        self, prompts: str | list[int] | Sequence[str | list[int]], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
         """Per prompt, the beam_width best beams, best first (all prompts' beams batched together)."""
         prompts = _as_prompt_list(prompts)
         engine = self.llm_engine
@@ -117,8 +124,9 @@ class LLM:
                         if bar is not None:
                             num_output_tokens += sum(len(c.token_ids) for c in output.outputs)
                             elapsed = bar.format_dict["elapsed"]
-                            bar.set_postfix_str(f"output: {num_output_tokens / max(elapsed, 1e-9):.2f} toks/s",
-                                                refresh=False)
+                            bar.set_postfix_str(
+                                f"output: {num_output_tokens / max(elapsed, 1e-9):.2f} toks/s", refresh=False
+                            )
                             bar.update(1)
         finally:
             if bar is not None:

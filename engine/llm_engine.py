@@ -46,11 +46,13 @@ class LLMEngine:
         self.max_model_len = min(self.config.max_model_len, self.model_config.max_position_embeddings)
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.model_runner = ModelRunner(self.model_dir, self.model_config, self.config)
-        self.block_manager = BlockManager(self.model_runner.num_blocks, self.config.block_size,
-                                          self.config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            self.model_runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
+        )
         swap = SwapSpace(self.model_runner.num_host_blocks) if self.config.preemption_mode == "swap" else None
-        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   swap, self.max_model_len)
+        self.scheduler = Scheduler(
+            self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens, swap, self.max_model_len
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer)
         self.post_step = PostStep(self.scheduler, self.beam_search, self.max_model_len)
@@ -73,27 +75,41 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if params.num_samples > self.config.max_num_seqs:
-            raise ValueError(f"n ({params.n}) / best_of ({params.best_of}) exceeds max_num_seqs "
-                             f"({self.config.max_num_seqs}): all {params.best_of} samples run at once")
+            raise ValueError(
+                f"n ({params.n}) / best_of ({params.best_of}) exceeds max_num_seqs "
+                f"({self.config.max_num_seqs}): all {params.best_of} samples run at once"
+            )
         text, token_ids = self._validate_new(request_id, prompt, params.max_tokens)
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         request = Request(
-            request_id=request_id, prompt_token_ids=token_ids, sampling_params=params, prompt=text,
-            eos_token_ids=self.model_config.eos_token_ids, priority=int(priority),
-            sampling_seed=seed & (2**62 - 1), fan_out=params.num_samples - 1,
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            prompt=text,
+            eos_token_ids=self.model_config.eos_token_ids,
+            priority=int(priority),
+            sampling_seed=seed & (2**62 - 1),
+            fan_out=params.num_samples - 1,
         )
         self.output_processor.add(request)
         self.scheduler.add_request(request)
 
-    def add_beam_search_request(self, request_id: str, prompt: str | list[int], params: BeamSearchParams,
-                                priority: int = 0) -> None:
+    def add_beam_search_request(
+        self, request_id: str, prompt: str | list[int], params: BeamSearchParams, priority: int = 0
+    ) -> None:
         """Queue a beam search; its final output holds the beam_width best beams, best first."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"beam search params must be a BeamSearchParams, got {type(params).__name__}")
         text, token_ids = self._validate_new(request_id, prompt, params.max_tokens)
         self._check_beam_group_fits(len(token_ids), params)
-        root = Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=SamplingParams(),
-                       prompt=text, eos_token_ids=self.model_config.eos_token_ids, priority=int(priority))
+        root = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=SamplingParams(),
+            prompt=text,
+            eos_token_ids=self.model_config.eos_token_ids,
+            priority=int(priority),
+        )
         self.beam_search.add(root, params, self.model_config.eos_token_ids)
 
     def _validate_new(self, request_id: str, prompt: str | list[int], max_tokens: int) -> tuple[str | None, list[int]]:
@@ -110,8 +126,9 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError(f"{self.model_dir} has no tokenizer: give the prompt as token ids")
             return prompt, self.tokenizer.encode(prompt)
-        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                            for t in prompt):
+        if not isinstance(prompt, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
             raise ValueError("prompt must be a string or a list of integer token ids")
         if not prompt:
             raise ValueError("prompt is empty")
@@ -124,25 +141,33 @@ class LLMEngine:
     def _check_fits(self, token_ids: list[int], max_tokens: int) -> None:
         total = len(token_ids) + max_tokens
         if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) = {total} "
-                             f"exceeds the model's max length {self.max_model_len}")
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) = {total} "
+                f"exceeds the model's max length {self.max_model_len}"
+            )
         blocks = self.block_manager.blocks_for_tokens(total)
         if blocks > self.block_manager.num_total_blocks:
-            raise ValueError(f"prompt + max_tokens needs {blocks} KV blocks but the whole cache has "
-                             f"{self.block_manager.num_total_blocks}")
+            raise ValueError(
+                f"prompt + max_tokens needs {blocks} KV blocks but the whole cache has "
+                f"{self.block_manager.num_total_blocks}"
+            )
 
     def _check_beam_group_fits(self, prompt_len: int, params: BeamSearchParams) -> None:
         """A beam group is scheduled as a whole, so all its beams must fit at once even when none shares a
         generated block: the prompt's full blocks once (shared through the prefix cache, if on), the rest per beam."""
         config, manager, width = self.config, self.block_manager, params.beam_width
         if width > config.max_num_seqs or width > config.max_num_batched_tokens:
-            raise ValueError(f"beam_width {width} exceeds max_num_seqs ({config.max_num_seqs}) or "
-                             f"max_num_batched_tokens ({config.max_num_batched_tokens}): its beams run together")
+            raise ValueError(
+                f"beam_width {width} exceeds max_num_seqs ({config.max_num_seqs}) or "
+                f"max_num_batched_tokens ({config.max_num_batched_tokens}): its beams run together"
+            )
         shared = prompt_len // manager.block_size if config.enable_prefix_caching else 0
         needed = shared + width * (manager.blocks_for_tokens(prompt_len + params.max_tokens) - shared)
         if needed > manager.num_total_blocks:
-            raise ValueError(f"beam search of width {width} over {prompt_len} + {params.max_tokens} tokens needs up "
-                             f"to {needed} KV blocks at once but the whole cache has {manager.num_total_blocks}")
+            raise ValueError(
+                f"beam search of width {width} over {prompt_len} + {params.max_tokens} tokens needs up "
+                f"to {needed} KV blocks at once but the whole cache has {manager.num_total_blocks}"
+            )
 
     # ---- admission queries (a caller sizing what to hand over next, e.g. the queue worker) -----------
     def num_prompt_tokens(self, prompt: str | list[int]) -> int:
@@ -162,8 +187,10 @@ class LLMEngine:
     def waiting_blocks_needed(self) -> int:
         """blocks_needed summed over the waiting queue: what it will take from num_free_blocks once admitted
         (a preempted request counts the tokens it has and the ones it may still generate)."""
-        return sum(self.blocks_needed(r.num_tokens, r.sampling_params.max_tokens - r.num_output_tokens,
-                                      1 + r.fan_out) for r in self.scheduler.waiting)
+        return sum(
+            self.blocks_needed(r.num_tokens, r.sampling_params.max_tokens - r.num_output_tokens, 1 + r.fan_out)
+            for r in self.scheduler.waiting
+        )
 
     @property
     def max_num_seqs(self) -> int:
@@ -211,8 +238,10 @@ class LLMEngine:
             self.model_runner.drop_requests(scheduler_output.plan.finished_req_ids)
             if self.scheduler.has_unfinished() and not scheduler_output.preempted and not self._in_flight:
                 # Nothing changed, so the next schedule would be as empty: looping on it would spin forever.
-                raise RuntimeError(f"the scheduler cannot advance any of {self.num_running_requests} running and "
-                                   f"{self.num_waiting_requests} waiting requests (an engine bug)")
+                raise RuntimeError(
+                    f"the scheduler cannot advance any of {self.num_running_requests} running and "
+                    f"{self.num_waiting_requests} waiting requests (an engine bug)"
+                )
             return None
         self._record_step(scheduler_output)
         step = self.model_runner.prepare(scheduler_output.plan)
@@ -259,8 +288,9 @@ class LLMEngine:
         self.num_steps += 1
         self.peak_used_blocks = max(self.peak_used_blocks, self.block_manager.num_used_blocks)
         self._utilization_sum += self.block_manager.kv_slot_utilization()
-        self.num_prefilled_tokens += sum(s.num_new_tokens for s in scheduler_output.scheduled
-                                         if s.num_new_tokens > 1 or not s.needs_sample)
+        self.num_prefilled_tokens += sum(
+            s.num_new_tokens for s in scheduler_output.scheduled if s.num_new_tokens > 1 or not s.needs_sample
+        )
 
     # ---- state -------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -295,7 +325,8 @@ class LLMEngine:
         return {
             "blocks_saved_by_sharing": manager.num_shared_block_refs(),
             "prefix_cache_hit_rate": manager.num_prefix_hits / manager.num_prefix_queries
-            if manager.num_prefix_queries else 0.0,
+            if manager.num_prefix_queries
+            else 0.0,
             "num_total_blocks": self.num_total_blocks,
             "num_free_blocks": self.num_free_blocks,
             "kv_slot_utilization": self.kv_slot_utilization,
@@ -333,8 +364,10 @@ class StepTimes:
 
     def per_step_ms(self) -> dict[str, float]:
         steps = max(self.num_steps, 1)
-        return {f"{phase}_ms_per_step": 1e3 * getattr(self, phase) / steps
-                for phase in ("schedule", "execute", "postprocess")}
+        return {
+            f"{phase}_ms_per_step": 1e3 * getattr(self, phase) / steps
+            for phase in ("schedule", "execute", "postprocess")
+        }
 
 
 def _load_tokenizer(model_dir: str):

@@ -44,8 +44,9 @@ class ModelRunner:
         self.model_config = model_config
         self.device = torch.device(config.device)
         self.block_size = config.block_size
-        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
-                                 model_config.max_position_embeddings)
+        self.max_model_len = min(
+            config.max_model_len or model_config.max_position_embeddings, model_config.max_position_embeddings
+        )
         self.dtype = resolve_dtype(config.dtype, config.device)  # as EngineConfig resolved it (typed for mypy)
         self.model = load_model(model_dir, model_config, self.dtype, config.device)
         self.kernels = self.model.kernels  # bound once, when the model was built
@@ -59,16 +60,23 @@ class ModelRunner:
         self.host_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         if config.preemption_mode == "swap":
             self.num_host_blocks = max(1, int(config.swap_space_gib * 2**30) // self.bytes_per_block)
-            self.host_caches = self._allocate_caches(self.num_host_blocks, torch.device("cpu"),
-                                                     pin=self.device.type == "cuda")
+            self.host_caches = self._allocate_caches(
+                self.num_host_blocks, torch.device("cpu"), pin=self.device.type == "cuda"
+            )
         self.decode_graphs: DecodeGraphRunner | None = None
         self.graph_capture_seconds = 0.0
         # Only the Triton kernels are capturable: the references synchronise with the host.
         triton = self.kernels.backend == "triton"
         if self.device.type == "cuda" and triton and not config.enforce_eager:
-            self.decode_graphs = DecodeGraphRunner(self.model, self.kv_caches, config.max_num_seqs,
-                                                   -(-self.max_model_len // self.block_size), self.block_size,
-                                                   self.device, capture=True)
+            self.decode_graphs = DecodeGraphRunner(
+                self.model,
+                self.kv_caches,
+                config.max_num_seqs,
+                -(-self.max_model_len // self.block_size),
+                self.block_size,
+                self.device,
+                capture=True,
+            )
             with torch.inference_mode():
                 self.graph_capture_seconds = self.decode_graphs.capture_all()
 
@@ -122,8 +130,15 @@ class ModelRunner:
         if draws is None:
             return PreparedStep(plan, device_ops, ordered, infos, inputs)
         last_index, draw_rows, draw_index, positions = draws
-        return PreparedStep(plan, device_ops, ordered, infos, inputs,
-                            self.state.sampling_plan(draw_rows, draw_index, positions), last_index)
+        return PreparedStep(
+            plan,
+            device_ops,
+            ordered,
+            infos,
+            inputs,
+            self.state.sampling_plan(draw_rows, draw_index, positions),
+            last_index,
+        )
 
     def launch(self, step: PreparedStep) -> StepHandle:
         """Queue the step's device work: it runs after every step launched before it."""
@@ -171,8 +186,9 @@ class ModelRunner:
             token_ids[torch.from_numpy(inputs.placeholders).to(self.device)] = self.state.last_token[rows]
         graphs = self.decode_graphs
         if graphs is not None and inputs.is_decode_only and graphs.can_run(*inputs.block_tables.shape):
-            return graphs.run(token_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables,
-                              inputs.context_lens)
+            return graphs.run(
+                token_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables, inputs.context_lens
+            )
         num_decode, tables, context_lens = inputs.num_decode, inputs.block_tables, inputs.context_lens
         prefill_cu_seqlens = np.concatenate(([0], np.cumsum(inputs.lengths[num_decode:]))).astype(np.int32)
 
@@ -189,6 +205,7 @@ class ModelRunner:
             prefill_context_lens=to_device(context_lens[num_decode:]),
         )
         return self.model(token_ids, to_device(inputs.positions), self.kv_caches, meta)
+
 
 def _draws(ordered: list[ScheduledChunk], infos: list[RowInfo], rows: np.ndarray, lengths: np.ndarray):
     """(flat token index whose logits are sampled, batch-state row, draw number, output position) per draw, as

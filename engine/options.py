@@ -27,8 +27,9 @@ class EngineOptions:
     dtype: str = knob("auto", "auto (bf16 on CUDA, fp32 on CPU), float16, bfloat16 or float32")
     device: str = knob("auto", "auto (cuda if present), cpu, cuda or cuda:N")
     block_size: int = knob(16, "tokens per KV cache block")
-    num_kv_blocks: int | None = knob(None, "KV cache blocks (default: sized from --gpu-memory-utilization on CUDA, "
-                                           "from --cpu-kv-cache-gib on CPU)")
+    num_kv_blocks: int | None = knob(
+        None, "KV cache blocks (default: sized from --gpu-memory-utilization on CUDA, from --cpu-kv-cache-gib on CPU)"
+    )
     gpu_memory_utilization: float = knob(0.9, "fraction of GPU memory the engine may use, KV cache included")
     max_num_seqs: int = knob(256, "sequences running at once at most")
     max_num_batched_tokens: int = knob(8192, "tokens per engine step at most: the prefill chunk budget")
@@ -36,8 +37,11 @@ class EngineOptions:
     seed: int = knob(0, "seed of the engine's sampling")
     cpu_kv_cache_gib: float = knob(1.0, "KV cache size on CPU when --num-kv-blocks is not given (GiB)")
     enable_prefix_caching: bool = knob(True, "reuse the KV blocks of a shared prompt prefix", negatable=True)
-    preemption_mode: str = knob("recompute", "what a preempted sequence's blocks become: recomputed later, or "
-                                             "swapped to a CPU pool and back", choices=("recompute", "swap"))
+    preemption_mode: str = knob(
+        "recompute",
+        "what a preempted sequence's blocks become: recomputed later, or swapped to a CPU pool and back",
+        choices=("recompute", "swap"),
+    )
     swap_space_gib: float = knob(4.0, "size of the CPU swap pool of --preemption-mode swap (GiB)")
     enforce_eager: bool = knob(False, "no CUDA graphs for decode steps")
     # Schedule and prepare step t+1 while step t runs on the device (engine/async_step.py); outputs are identical
@@ -77,9 +81,18 @@ def value_type(hint: object) -> type:
 def engine_options(exclude: Iterable[str] = ()) -> tuple[EngineOption, ...]:
     skip = set(exclude)
     hints = typing.get_type_hints(EngineOptions)
-    return tuple(EngineOption(f.name, value_type(hints[f.name]), f.default, f.metadata["help"],
-                              f.metadata["choices"], f.metadata["negatable"])
-                 for f in dataclasses.fields(EngineOptions) if f.name not in skip)
+    return tuple(
+        EngineOption(
+            f.name,
+            value_type(hints[f.name]),
+            f.default,
+            f.metadata["help"],
+            f.metadata["choices"],
+            f.metadata["negatable"],
+        )
+        for f in dataclasses.fields(EngineOptions)
+        if f.name not in skip
+    )
 
 
 def flag_help(option: EngineOption) -> str:
@@ -94,8 +107,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, exclude: Iterable[str]
             action = argparse.BooleanOptionalAction if option.negatable else "store_true"
             parser.add_argument(option.flag, action=action, default=option.default, help=flag_help(option))
         else:
-            parser.add_argument(option.flag, type=option.type, default=option.default, choices=option.choices,
-                                help=flag_help(option))
+            parser.add_argument(
+                option.flag, type=option.type, default=option.default, choices=option.choices, help=flag_help(option)
+            )
 
 
 def engine_kwargs_from(args: argparse.Namespace, exclude: Iterable[str] = ()) -> dict[str, object]:

@@ -43,7 +43,8 @@ class RequestGroup:
     @property
     def finished(self) -> bool:
         return len(self.sequences) == self.params.num_samples and all(
-            s.request.is_finished for s in self.sequences.values())
+            s.request.is_finished for s in self.sequences.values()
+        )
 
     def live_requests(self) -> list[Request]:
         return [s.request for s in self.sequences.values() if not s.request.is_finished]
@@ -63,8 +64,9 @@ class OutputProcessor:
         detokenizer = None
         if self.tokenizer is not None:
             params = request.sampling_params
-            detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop,
-                                                 params.min_tokens)
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, params.skip_special_tokens, params.stop, params.min_tokens
+            )
         sequence = _Sequence(request, detokenizer)
         group.sequences[request.index] = sequence
         return sequence
@@ -104,7 +106,7 @@ class OutputProcessor:
         if sequence.detokenizer is None:
             return None
         request, stop = sequence.request, None
-        for token in request.all_token_ids[request.num_prompt_tokens + sequence.num_detokenized_tokens:]:
+        for token in request.all_token_ids[request.num_prompt_tokens + sequence.num_detokenized_tokens :]:
             stop = sequence.detokenizer.append(token)
             if stop is not None:
                 break
@@ -142,10 +144,15 @@ class OutputProcessor:
         return output
 
     def _output(self, group: RequestGroup, sequences: list[_Sequence], delta: bool, finished: bool) -> RequestOutput:
-        completions = [self._completion(position if finished else s.request.index, s, delta)
-                       for position, s in enumerate(sequences)]
-        first = min((s.request.first_token_time for s in sequences if s.request.first_token_time), default=None) \
-            if len(sequences) > 1 else sequences[0].request.first_token_time
+        completions = [
+            self._completion(position if finished else s.request.index, s, delta)
+            for position, s in enumerate(sequences)
+        ]
+        first = (
+            min((s.request.first_token_time for s in sequences if s.request.first_token_time), default=None)
+            if len(sequences) > 1
+            else sequences[0].request.first_token_time
+        )
         metrics = {"arrival_time": sequences[0].request.arrival_time}
         if first is not None:
             metrics["first_token_time"] = first
@@ -155,8 +162,16 @@ class OutputProcessor:
             group.prompt_logprobs_reported = True
         # Forks copy the root's count; a group not admitted yet (or aborted while waiting) has none.
         num_cached = max(0, max(s.request.num_cached_tokens for s in group.sequences.values()))
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions, finished, metrics,
-                             prompt_logprobs, num_cached)
+        return RequestOutput(
+            group.request_id,
+            group.prompt,
+            group.prompt_token_ids,
+            completions,
+            finished,
+            metrics,
+            prompt_logprobs,
+            num_cached,
+        )
 
     @staticmethod
     def _completion(index: int, sequence: _Sequence, delta: bool) -> CompletionOutput:
@@ -170,7 +185,7 @@ class OutputProcessor:
         return CompletionOutput(
             index=index,
             text=new_text if delta else (detok.reported_text() if detok is not None else ""),
-            token_ids=request.all_token_ids[request.num_prompt_tokens + start:],
+            token_ids=request.all_token_ids[request.num_prompt_tokens + start :],
             cumulative_logprob=request.cumulative_logprob if request.needs_logprobs else None,
             logprobs=request.logprobs[start:] if wants_logprobs else None,
             finish_reason=request.status.value if finished else None,

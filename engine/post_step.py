@@ -16,9 +16,13 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.step_data import ModelRunnerOutput
 
 
-def advance_sequences(scheduler: Scheduler, output: SchedulerOutput, sampled: dict[str, list[SampledToken]],
-                      max_model_len: int, prompt_logprobs: dict[str, list[dict[int, float]]] | None = None,
-                      ) -> list[Request]:
+def advance_sequences(
+    scheduler: Scheduler,
+    output: SchedulerOutput,
+    sampled: dict[str, list[SampledToken]],
+    max_model_len: int,
+    prompt_logprobs: dict[str, list[dict[int, float]]] | None = None,
+) -> list[Request]:
     """Apply one step's results to the scheduler's requests (whose computed counts advanced when scheduled);
     returns every sequence that got a new token (finished and newly forked ones included)."""
     advanced = []
@@ -66,6 +70,5 @@ class PostStep:
 
     def run(self, output: SchedulerOutput, result: ModelRunnerOutput) -> tuple[list[Request], list[RequestOutput]]:
         """(sequences that advanced, outputs of beam groups that finished)."""
-        advanced = advance_sequences(self.scheduler, output, result.sampled, self.max_model_len,
-                                     result.prompt_logprobs)
+        advanced = advance_sequences(self.scheduler, output, result.sampled, self.max_model_len, result.prompt_logprobs)
         return advanced, self.beam_search.step()

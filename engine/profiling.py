@@ -20,9 +20,10 @@ def profile_num_blocks(runner) -> int:
     block_size = runner.block_size
     num_blocks = -(-num_tokens // block_size)
     shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
-    scratch = [(torch.zeros(shape, dtype=config.dtype, device=device), torch.zeros(shape, dtype=config.dtype,
-                                                                                  device=device))
-               for _ in range(model_config.num_layers)]
+    scratch = [
+        (torch.zeros(shape, dtype=config.dtype, device=device), torch.zeros(shape, dtype=config.dtype, device=device))
+        for _ in range(model_config.num_layers)
+    ]
     scratch_bytes = 2 * model_config.num_layers * scratch[0][0].numel() * scratch[0][0].element_size()
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
@@ -41,9 +42,11 @@ def profile_num_blocks(runner) -> int:
     available = total * config.gpu_memory_utilization - peak
     blocks = int(available // runner.bytes_per_block)
     if blocks < 1:
-        raise RuntimeError(f"no room for the KV cache: step peak {peak / 2**30:.1f} GiB of "
-                           f"{total * config.gpu_memory_utilization / 2**30:.1f} GiB allowed; "
-                           "raise gpu_memory_utilization or lower max_num_batched_tokens")
+        raise RuntimeError(
+            f"no room for the KV cache: step peak {peak / 2**30:.1f} GiB of "
+            f"{total * config.gpu_memory_utilization / 2**30:.1f} GiB allowed; "
+            "raise gpu_memory_utilization or lower max_num_batched_tokens"
+        )
     return blocks
 
 
@@ -67,6 +70,12 @@ def _dummy_sampling(rows: int, device) -> SamplingBatch:
     def full(value, dtype):
         return torch.full((rows,), value, dtype=dtype, device=device)
 
-    return SamplingBatch(temperature=full(1.0, torch.float32), top_k=full(50, torch.long),
-                         top_p=full(0.9, torch.float32), min_p=full(0.0, torch.float32),
-                         seeds=full(0, torch.long), positions=full(0, torch.long), max_num_logprobs=5)
+    return SamplingBatch(
+        temperature=full(1.0, torch.float32),
+        top_k=full(50, torch.long),
+        top_p=full(0.9, torch.float32),
+        min_p=full(0.0, torch.float32),
+        seeds=full(0, torch.long),
+        positions=full(0, torch.long),
+        max_num_logprobs=5,
+    )

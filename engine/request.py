@@ -28,8 +28,11 @@ class RequestStatus(enum.Enum):
     @property
     def is_finished(self) -> bool:
         # Identity tests: checked per sequence several times a step, and `in (tuple)` goes through Enum.__eq__.
-        return (self is RequestStatus.FINISHED_STOPPED or self is RequestStatus.FINISHED_LENGTH
-                or self is RequestStatus.FINISHED_ABORTED)
+        return (
+            self is RequestStatus.FINISHED_STOPPED
+            or self is RequestStatus.FINISHED_LENGTH
+            or self is RequestStatus.FINISHED_ABORTED
+        )
 
 
 class SampledToken(NamedTuple):
@@ -87,7 +90,8 @@ class Request:
     def needs_prompt_logprobs(self) -> bool:
         """Prompt log-probabilities asked for and not all computed yet (its prompt must not come from the cache)."""
         return self.sampling_params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(
-            self.prompt_token_ids)
+            self.prompt_token_ids
+        )
 
     @property
     def needs_logprobs(self) -> bool:
@@ -97,13 +101,24 @@ class Request:
 
     def fork(self, request_id: str, index: int, sampling_seed: int) -> Request:
         """A sibling sequence with the same tokens so far (its blocks are forked by the block manager)."""
-        child = Request(request_id=request_id, prompt_token_ids=self.prompt_token_ids,
-                        sampling_params=self.sampling_params, eos_token_ids=self.eos_token_ids, prompt=self.prompt,
-                        priority=self.priority, sampling_seed=sampling_seed, arrival_time=self.arrival_time,
-                        arrival_index=self.arrival_index, status=self.status,
-                        num_computed_tokens=self.num_computed_tokens, num_cached_tokens=self.num_cached_tokens,
-                        group_id=self.group_id, index=index,
-                        is_beam=self.is_beam, first_token_time=self.first_token_time)
+        child = Request(
+            request_id=request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            sampling_params=self.sampling_params,
+            eos_token_ids=self.eos_token_ids,
+            prompt=self.prompt,
+            priority=self.priority,
+            sampling_seed=sampling_seed,
+            arrival_time=self.arrival_time,
+            arrival_index=self.arrival_index,
+            status=self.status,
+            num_computed_tokens=self.num_computed_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            group_id=self.group_id,
+            index=index,
+            is_beam=self.is_beam,
+            first_token_time=self.first_token_time,
+        )
         child.all_token_ids = list(self.all_token_ids)
         child.cumulative_logprob = self.cumulative_logprob
         child.logprobs = list(self.logprobs)
@@ -124,7 +139,7 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[len(self.prompt_token_ids):]
+        return self.all_token_ids[len(self.prompt_token_ids) :]
 
     @property
     def is_finished(self) -> bool:

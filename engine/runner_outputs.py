@@ -36,8 +36,12 @@ def sampled_tokens(draw_rows: list[RowInfo], result: SamplerOutput, output: Mode
         output.sampled.setdefault(info.req_id, []).append(draw)
 
 
-def prompt_logprobs(ordered: list[ScheduledChunk], infos: list[RowInfo], hidden: torch.Tensor, model,
-                    ) -> dict[str, list[dict[int, float]]]:
+def prompt_logprobs(
+    ordered: list[ScheduledChunk],
+    infos: list[RowInfo],
+    hidden: torch.Tensor,
+    model,
+) -> dict[str, list[dict[int, float]]]:
     """Entries j = p + 1 of the prompt log-probabilities, from the logits at each prompt position p this step
     computed that a request still lacks: log_softmax, the prompt's own token and the top-k alternatives."""
     wanted: list[tuple[RowInfo, int, int]] = []
@@ -54,7 +58,7 @@ def prompt_logprobs(ordered: list[ScheduledChunk], infos: list[RowInfo], hidden:
     if not wanted:
         return {}
     logprobs = torch.log_softmax(model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)]), dim=-1)
-    targets = [t for info, first, last in wanted for t in info.token_ids[first + 1:last + 1]]
+    targets = [t for info, first, last in wanted for t in info.token_ids[first + 1 : last + 1]]
     target_lps = logprobs.gather(-1, torch.tensor(targets, device=hidden.device)[:, None])[:, 0].tolist()
     k = max(info.params.prompt_logprobs or 0 for info, _, _ in wanted)  # set: they need prompt logprobs
     if k:

@@ -69,8 +69,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, ops: kernels.KernelSet | 
     if raw_logprobs is None:
         return SamplerOutput(token_ids, None, None, None)
     sampled_logprobs = raw_logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
-    top_logprobs, top_ids = raw_logprobs.topk(batch.max_num_logprobs, dim=-1) if batch.max_num_logprobs else (
-        raw_logprobs[:, :0], token_ids[:, None][:, :0])
+    top_logprobs, top_ids = (
+        raw_logprobs.topk(batch.max_num_logprobs, dim=-1)
+        if batch.max_num_logprobs
+        else (raw_logprobs[:, :0], token_ids[:, None][:, :0])
+    )
     return SamplerOutput(token_ids, sampled_logprobs, top_logprobs, top_ids)
 
 

@@ -63,33 +63,69 @@ class SamplingParams:
                 raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
 
         check(_is_int(self.n) and 1 <= self.n <= MAX_INT, "n", f"must be an integer in [1, {MAX_INT}]")
-        check(_is_int(self.best_of) and self.n <= self.best_of <= MAX_INT, "best_of",
-              f"must be an integer in [n, {MAX_INT}]")
-        check(_is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_INT, "max_tokens",
-              f"must be an integer in [1, {MAX_INT}]")
-        check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
-              "min_tokens", "must be an integer in [0, max_tokens]")
-        check(_is_number(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE, "temperature",
-              f"must be in [0, {MAX_TEMPERATURE}]")
+        check(
+            _is_int(self.best_of) and self.n <= self.best_of <= MAX_INT,
+            "best_of",
+            f"must be an integer in [n, {MAX_INT}]",
+        )
+        check(
+            _is_int(self.max_tokens) and 1 <= self.max_tokens <= MAX_INT,
+            "max_tokens",
+            f"must be an integer in [1, {MAX_INT}]",
+        )
+        check(
+            _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            "must be an integer in [0, max_tokens]",
+        )
+        check(
+            _is_number(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
+            "temperature",
+            f"must be in [0, {MAX_TEMPERATURE}]",
+        )
         check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        check(_is_int(self.top_k) and -1 <= self.top_k <= MAX_INT, "top_k",
-              f"must be -1 (disabled) or a positive integer <= {MAX_INT}")
+        check(
+            _is_int(self.top_k) and -1 <= self.top_k <= MAX_INT,
+            "top_k",
+            f"must be -1 (disabled) or a positive integer <= {MAX_INT}",
+        )
         check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
-        check(_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_PENALTY,
-              "repetition_penalty", f"must be in (0, {MAX_PENALTY}]")
-        check(_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
-              "presence_penalty", "must be in [-2, 2]")
-        check(_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
-              "frequency_penalty", "must be in [-2, 2]")
-        check(self.seed is None or (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]), "seed",
-              "must be None or a 64-bit integer")
+        check(
+            _is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_PENALTY,
+            "repetition_penalty",
+            f"must be in (0, {MAX_PENALTY}]",
+        )
+        check(
+            _is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+            "presence_penalty",
+            "must be in [-2, 2]",
+        )
+        check(
+            _is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+            "frequency_penalty",
+            "must be in [-2, 2]",
+        )
+        check(
+            self.seed is None or (_is_int(self.seed) and SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]),
+            "seed",
+            "must be None or a 64-bit integer",
+        )
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must hold non-empty strings")
-        check(all(0 <= t <= MAX_INT for t in self.stop_token_ids), "stop_token_ids",
-              f"must be token ids in [0, {MAX_INT}]")
-        check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_INT),
-              "logprobs", f"must be None or an integer in [0, {MAX_INT}]")
-        check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_INT),
-              "prompt_logprobs", f"must be None or an integer in [0, {MAX_INT}]")
+        check(
+            all(0 <= t <= MAX_INT for t in self.stop_token_ids),
+            "stop_token_ids",
+            f"must be token ids in [0, {MAX_INT}]",
+        )
+        check(
+            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_INT),
+            "logprobs",
+            f"must be None or an integer in [0, {MAX_INT}]",
+        )
+        check(
+            self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_INT),
+            "prompt_logprobs",
+            f"must be None or an integer in [0, {MAX_INT}]",
+        )
         check(isinstance(self.output_kind, RequestOutputKind), "output_kind", "must be a RequestOutputKind")
 
     @property

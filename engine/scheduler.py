@@ -57,8 +57,14 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 swap_space: SwapSpace | None = None, max_model_len: int = 2**62) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        swap_space: SwapSpace | None = None,
+        max_model_len: int = 2**62,
+    ) -> None:
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -166,20 +172,46 @@ class Scheduler:
         for request, num_new, start, needs_sample, _ in output.scheduled:
             table = self.block_manager.block_table(request.request_id)
             if not request.runner_num_tokens:
-                chunks.append(NewRequestData(
-                    request.request_id, tuple(request.all_token_ids), request.num_prompt_tokens,
-                    request.sampling_params, request.sampling_seed, request.eos_token_ids, tuple(table), num_new,
-                    start, needs_sample, request.fan_out, request.needs_logprobs, len(request.prompt_logprobs)))
+                chunks.append(
+                    NewRequestData(
+                        request.request_id,
+                        tuple(request.all_token_ids),
+                        request.num_prompt_tokens,
+                        request.sampling_params,
+                        request.sampling_seed,
+                        request.eos_token_ids,
+                        tuple(table),
+                        num_new,
+                        start,
+                        needs_sample,
+                        request.fan_out,
+                        request.needs_logprobs,
+                        len(request.prompt_logprobs),
+                    )
+                )
             else:
                 # Only appended entries, or one copy-on-write replaced (runner_num_blocks was lowered then): every
                 # other entry of a running request's table is fixed. Most decode steps send none.
                 first = request.runner_num_blocks
-                chunks.append(CachedRequestData(
-                    request.request_id, tuple(request.all_token_ids[request.runner_num_tokens:]), first,
-                    tuple(table[first:]), num_new, start, needs_sample))
+                chunks.append(
+                    CachedRequestData(
+                        request.request_id,
+                        tuple(request.all_token_ids[request.runner_num_tokens :]),
+                        first,
+                        tuple(table[first:]),
+                        num_new,
+                        start,
+                        needs_sample,
+                    )
+                )
             request.runner_num_tokens, request.runner_num_blocks = request.num_tokens, len(table)
-        return StepPlan(tuple(chunks), self.take_departures(), tuple(output.blocks_to_copy),
-                        tuple(output.blocks_to_swap_out), tuple(output.blocks_to_swap_in))
+        return StepPlan(
+            tuple(chunks),
+            self.take_departures(),
+            tuple(output.blocks_to_copy),
+            tuple(output.blocks_to_swap_out),
+            tuple(output.blocks_to_swap_in),
+        )
 
     def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
         """Make room for `num_new` more tokens of a running request, preempting others if needed."""
@@ -205,8 +237,11 @@ class Scheduler:
         if not request.num_placeholders:
             return False
         num_tokens = request.num_tokens + request.num_placeholders
-        return (request.fan_out > 0 or num_tokens - request.num_prompt_tokens >= request.sampling_params.max_tokens
-                or num_tokens >= self.max_model_len)
+        return (
+            request.fan_out > 0
+            or num_tokens - request.num_prompt_tokens >= request.sampling_params.max_tokens
+            or num_tokens >= self.max_model_len
+        )
 
     def _pick_victim(self) -> Request:
         """The lowest-priority running request; among equals the most recently admitted."""
@@ -237,8 +272,12 @@ class Scheduler:
         # blocks and copy-on-write targets this step was to fill), not a beam (swapping would unshare its blocks),
         # not one whose first token, still in flight, fans out (the fork needs its blocks on the device). A step in
         # flight for it still lands: its blocks are copied out after that step wrote them, its result is applied.
-        if (self.swap_space is not None and not already_scheduled and not request.is_beam
-                and not (request.num_in_flight and request.fan_out)):
+        if (
+            self.swap_space is not None
+            and not already_scheduled
+            and not request.is_beam
+            and not (request.num_in_flight and request.fan_out)
+        ):
             swapped = self.swap_space.swap_out(request.request_id, self.block_manager.block_table(request.request_id))
         self.block_manager.free(request.request_id)
         self._forget_in_runner(request)

@@ -30,8 +30,9 @@ class StepInputs:
         return self.num_decode == len(self.lengths)
 
 
-def build_step_inputs(ordered: list[ScheduledChunk], infos: list[RowInfo], rows: np.ndarray,
-                      block_tables: np.ndarray, block_size: int) -> StepInputs:
+def build_step_inputs(
+    ordered: list[ScheduledChunk], infos: list[RowInfo], rows: np.ndarray, block_tables: np.ndarray, block_size: int
+) -> StepInputs:
     # numpy, not Python lists or torch.tensor(nested lists): this runs every step on the host while the GPU
     # waits, and at 256 sequences with ~100-block tables the list version cost several milliseconds.
     lengths = np.fromiter((c.num_new_tokens for c in ordered), dtype=np.int64, count=len(ordered))
@@ -40,9 +41,13 @@ def build_step_inputs(ordered: list[ScheduledChunk], infos: list[RowInfo], rows:
     # so its flat index is its chunk's index.
     unknown = [i for i, (c, info) in enumerate(zip(ordered, infos)) if c.start_position >= len(info.token_ids)]
     token_ids = np.fromiter(
-        itertools.chain.from_iterable(info.token_ids[c.start_position:c.start_position + c.num_new_tokens] or (0,)
-                                      for c, info in zip(ordered, infos)),
-        dtype=np.int64, count=int(lengths.sum()))
+        itertools.chain.from_iterable(
+            info.token_ids[c.start_position : c.start_position + c.num_new_tokens] or (0,)
+            for c, info in zip(ordered, infos)
+        ),
+        dtype=np.int64,
+        count=int(lengths.sum()),
+    )
     placeholders = np.array(unknown, dtype=np.int64)
     placeholder_rows = rows[placeholders]
     rows = np.repeat(np.arange(len(ordered)), lengths)
@@ -50,6 +55,13 @@ def build_step_inputs(ordered: list[ScheduledChunk], infos: list[RowInfo], rows:
     positions = starts[rows] + chunk_offsets
     pages = block_tables[rows, positions // block_size].astype(np.int64)
     return StepInputs(
-        token_ids=token_ids, positions=positions, slot_mapping=pages * block_size + positions % block_size,
-        block_tables=block_tables, context_lens=(starts + lengths).astype(np.int32), lengths=lengths,
-        num_decode=int(np.count_nonzero(lengths == 1)), placeholders=placeholders, placeholder_rows=placeholder_rows)
+        token_ids=token_ids,
+        positions=positions,
+        slot_mapping=pages * block_size + positions % block_size,
+        block_tables=block_tables,
+        context_lens=(starts + lengths).astype(np.int32),
+        lengths=lengths,
+        num_decode=int(np.count_nonzero(lengths == 1)),
+        placeholders=placeholders,
+        placeholder_rows=placeholder_rows,
+    )

@@ -20,8 +20,17 @@ import torch
 from kernels import reference
 
 _BACKENDS = ("triton", "reference")
-KERNEL_NAMES = ("store_kv_cache", "paged_decode_attention", "paged_prefill_attention", "rms_norm", "head_rms_norm",
-                "rotary_embedding", "silu_and_mul", "copy_blocks", "gumbel_argmax")
+KERNEL_NAMES = (
+    "store_kv_cache",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "rms_norm",
+    "head_rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "copy_blocks",
+    "gumbel_argmax",
+)
 
 
 def selected_backend(device: torch.device) -> str:
@@ -60,8 +69,10 @@ def bind(device: torch.device | str) -> KernelSet:
     impls = {name: getattr(triton_ops, name, None) for name in KERNEL_NAMES}
     missing = [name for name, impl in impls.items() if impl is None]
     if missing:
-        raise NotImplementedError(f"the Triton kernel backend has no {', '.join(missing)}: implement it in "
-                                  f"kernels.triton_ops, or run with PAGEDQ_KERNELS=reference")
+        raise NotImplementedError(
+            f"the Triton kernel backend has no {', '.join(missing)}: implement it in "
+            f"kernels.triton_ops, or run with PAGEDQ_KERNELS=reference"
+        )
     return KernelSet(backend, **{name: impl for name, impl in impls.items() if impl is not None})
 
 

@@ -283,8 +283,9 @@ def bench_copy_and_sampling(device, copy_gbps: float, num_layers: int = 32, num_
 
 
 def _parse_args(argv):
-    parser = argparse.ArgumentParser(prog="pagedq bench kernels", description=__doc__.splitlines()[0],
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog="pagedq bench kernels", description=__doc__.splitlines()[0], allow_abbrev=False
+    )
     parser.add_argument("--batch", type=int, default=256, help="decode batch size (default 256)")
     parser.add_argument("--context-lens", type=int, nargs="+", default=[1024, 2048, 4096],
                         help="decode context lengths, one run each (default 1024 2048 4096)")  # fmt: skip

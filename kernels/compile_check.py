@@ -239,8 +239,10 @@ def main() -> int:
             regs = ""
             if usage:
                 ctas = ctas_per_sm(usage[0], shared, compiled.metadata.num_warps)
-                regs = (f", {usage[0]} registers, {usage[1]} bytes spilled, {compiled.metadata.num_warps} warps: "
-                        f"{ctas} CTAs/SM")
+                regs = (
+                    f", {usage[0]} registers, {usage[1]} bytes spilled, {compiled.metadata.num_warps} warps: "
+                    f"{ctas} CTAs/SM"
+                )
             print(f"{'ok  ' if fits else 'FAIL'} {label} {kernel.__name__}: {shared} bytes shared memory{regs}")
     return 1 if failures else 0
 

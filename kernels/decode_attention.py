@@ -87,8 +87,17 @@ def _decode_partition_kernel(
         tokens = tile_start + tl.arange(0, TILE_N)
         token_mask = tokens < part_end
         # Per-token gather through the block table: a tile spans TILE_N / BLOCK_SIZE pages anywhere in the pool.
-        kv_offsets = paged_kv_offsets(table_row, tokens, token_mask, dims, kv_head, stride_cache_block,
-                                      stride_cache_slot, stride_cache_head, BLOCK_SIZE)
+        kv_offsets = paged_kv_offsets(
+            table_row,
+            tokens,
+            token_mask,
+            dims,
+            kv_head,
+            stride_cache_block,
+            stride_cache_slot,
+            stride_cache_head,
+            BLOCK_SIZE,
+        )
         kv_mask = token_mask[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         scores = dot_fp32_acc(q, tl.trans(k), tl.zeros([GROUP_PAD, TILE_N], tl.float32), UPCAST_DOT)

@@ -104,8 +104,17 @@ def _prefill_kernel(
     for kv_start in range(0, kv_end, BLOCK_N):
         k_pos = kv_start + tl.arange(0, BLOCK_N)
         k_mask = k_pos < kv_end
-        kv_offsets = paged_kv_offsets(table_row, k_pos, k_mask, dims, kv_head, stride_cache_block,
-                                      stride_cache_slot, stride_cache_head, BLOCK_SIZE)
+        kv_offsets = paged_kv_offsets(
+            table_row,
+            k_pos,
+            k_mask,
+            dims,
+            kv_head,
+            stride_cache_block,
+            stride_cache_slot,
+            stride_cache_head,
+            BLOCK_SIZE,
+        )
         kv_mask = k_mask[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         scores = dot_fp32_acc(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST_DOT)

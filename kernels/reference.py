@@ -39,8 +39,9 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) 
     return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:context_len]
 
 
-def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-            scale: float) -> torch.Tensor:
+def _attend(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     """query [Q, Hq, D], key/value [K, Hkv, D], mask [Q, K] (True = attend) -> [Q, Hq, D] fp32."""
     num_q_heads, num_kv_heads = query.shape[1], key.shape[1]
     group = num_q_heads // num_kv_heads

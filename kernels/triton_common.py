@@ -111,8 +111,17 @@ def check_paged_attention_inputs(fn: str, query, k_cache, v_cache, block_tables,
 
 
 @triton.jit
-def paged_kv_offsets(table_row, positions, mask, dims, kv_head, stride_cache_block, stride_cache_slot,
-                     stride_cache_head, BLOCK_SIZE: tl.constexpr):
+def paged_kv_offsets(
+    table_row,
+    positions,
+    mask,
+    dims,
+    kv_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    BLOCK_SIZE: tl.constexpr,
+):
     """Element offsets [N, D] of one sequence's cached K/V rows at `positions` [N], found through its block
     table row: page = table[pos // BLOCK_SIZE], slot = pos % BLOCK_SIZE. Masked positions read page 0."""
     blocks = tl.load(table_row + positions // BLOCK_SIZE, mask=mask, other=0).to(tl.int64)

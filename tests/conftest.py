@@ -28,6 +28,8 @@ def random_tokens(n: int, seed: int) -> list[int]:
     """A seeded prompt of token ids the tiny checkpoints accept (ids below 3 are the special tokens)."""
     rng = random.Random(seed)
     return [rng.randrange(3, VOCAB_SIZE) for _ in range(n)]
+
+
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Paged attention stores the key value cache in fixed size blocks.",
@@ -46,8 +48,10 @@ def build_tokenizer(folder: Path):
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, special_tokens=["<unk>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=VOCAB_SIZE,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     backend.train_from_iterator(_CORPUS, trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
@@ -58,16 +62,34 @@ def build_tokenizer(folder: Path):
 def _tiny_config(architecture: str):
     import transformers
 
-    common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.2)
+    common = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        initializer_range=0.2,
+    )
     if architecture == "llama":
-        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
         return transformers.LlamaConfig(**common, rope_parameters=rope, tie_word_embeddings=False)
     if architecture == "mistral":
-        return transformers.MistralConfig(**{**common, "num_key_value_heads": 1}, sliding_window=None,
-                                          tie_word_embeddings=False)
+        return transformers.MistralConfig(
+            **{**common, "num_key_value_heads": 1}, sliding_window=None, tie_word_embeddings=False
+        )
     if architecture == "qwen2":
         return transformers.Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False)
     if architecture == "qwen3":
@@ -76,8 +98,12 @@ def _tiny_config(architecture: str):
     raise ValueError(architecture)
 
 
-_MODEL_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_MODEL_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 ARCHITECTURES = tuple(_MODEL_CLASSES)
 
 

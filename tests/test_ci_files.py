@@ -43,9 +43,13 @@ def test_image_command_parses_with_the_worker_cli():
     assert cmd[:2] == ["sh", "-c"]
     words = shlex.split(cmd[2])
     assert words[:3] == ["exec", "pagedq", "worker"], words
-    env = {"$PAGEDQ_REDIS_URL": "redis://redis:6379/0", "$PAGEDQ_MODEL": "/models/model",
-           "${PAGEDQ_WORKER_NAME:-$(hostname)}": "worker-1", "$PAGEDQ_METRICS_PORT": "9100",
-           "$PAGEDQ_METRICS_ADDR": "0.0.0.0"}
+    env = {
+        "$PAGEDQ_REDIS_URL": "redis://redis:6379/0",
+        "$PAGEDQ_MODEL": "/models/model",
+        "${PAGEDQ_WORKER_NAME:-$(hostname)}": "worker-1",
+        "$PAGEDQ_METRICS_PORT": "9100",
+        "$PAGEDQ_METRICS_ADDR": "0.0.0.0",
+    }
     args = build_parser().parse_args(["worker", *(env.get(w, w) for w in words[3:])])
     assert (args.name, args.metrics_port, args.metrics_addr, args.device) == ("worker-1", 9100, "0.0.0.0", "cuda")
     assert "PAGEDQ_METRICS_PORT=9100 PAGEDQ_METRICS_ADDR=0.0.0.0" in DOCKERFILE  # metrics on by default
@@ -70,7 +74,7 @@ def test_image_has_what_triton_compiles_its_launcher_with():
     cuda = re.search(r"^ARG CUDA_VERSION=(\d+)\.(\d+)\.\d+$", DOCKERFILE, flags=re.MULTILINE)
     torch_cuda = re.search(r"^ARG TORCH_CUDA=cu(\d+)$", DOCKERFILE, flags=re.MULTILINE)
     assert cuda and torch_cuda and torch_cuda.group(1) == cuda.group(1) + cuda.group(2), "base CUDA != torch CUDA"
-    assert "--index-url \"https://download.pytorch.org/whl/${TORCH_CUDA}\" \"torch==${TORCH_VERSION}\"" in DOCKERFILE
+    assert '--index-url "https://download.pytorch.org/whl/${TORCH_CUDA}" "torch==${TORCH_VERSION}"' in DOCKERFILE
 
 
 def test_compose_redis_needs_a_password_and_stays_off_public_interfaces():
@@ -92,6 +96,7 @@ def test_compose_file_is_checked_against_the_compose_spec(compose: str, tmp_path
     if compose == "broken":  # the check can fail: a misspelt key is caught
         path = tmp_path / "docker-compose.yml"
         path.write_text((ROOT / "docker-compose.yml").read_text().replace("stop_grace_period:", "stop_grace:"))
-    result = subprocess.run(["check-jsonschema", "--builtin-schema", "vendor.compose-spec", str(path)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        ["check-jsonschema", "--builtin-schema", "vendor.compose-spec", str(path)], capture_output=True, text=True
+    )
     assert (result.returncode == 0) == (compose != "broken"), result.stdout + result.stderr

@@ -30,20 +30,26 @@ def walk(parser: argparse.ArgumentParser, path: str):
 def test_every_argument_has_help_and_no_parser_takes_abbreviations(build, least):
     parsers = list(walk(build(), "pagedq"))
     assert len(parsers) >= least  # every command and sub-command
-    missing = [(path, action.option_strings or action.dest) for path, parser in parsers
-               for action in parser._actions
-               if not isinstance(action, (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction))
-               and not action.help]
+    missing = [
+        (path, action.option_strings or action.dest)
+        for path, parser in parsers
+        for action in parser._actions
+        if not isinstance(action, (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction))
+        and not action.help
+    ]
     assert missing == []
     assert [path for path, parser in parsers if parser.allow_abbrev] == []
 
 
-@pytest.mark.parametrize("argv, flag", [
-    (["generate", "hi", "--max-token", "5"], "--max-token"),
-    (["bulk", "in.jsonl", "out.jsonl", "--no-prog"], "--no-prog"),
-    (["worker", "--metrics-p", "9100"], "--metrics-p"),
-    (["bench", "host", "--num-seq", "4"], "--num-seq"),
-])
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["generate", "hi", "--max-token", "5"], "--max-token"),
+        (["bulk", "in.jsonl", "out.jsonl", "--no-prog"], "--no-prog"),
+        (["worker", "--metrics-p", "9100"], "--metrics-p"),
+        (["bench", "host", "--num-seq", "4"], "--num-seq"),
+    ],
+)
 def test_an_abbreviated_flag_is_refused(argv, flag, capsys):
     with pytest.raises(SystemExit) as exit_info:
         pagedq_parser().parse_args(argv)
@@ -54,8 +60,9 @@ def test_an_abbreviated_flag_is_refused(argv, flag, capsys):
 @pytest.mark.parametrize("module", ["engine", "worker"])
 def test_version_prints_the_package_version(module):
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
-    proc = subprocess.run([sys.executable, "-m", module, "--version"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", module, "--version"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == f"pagedq {version}"
 

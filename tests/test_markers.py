@@ -42,7 +42,8 @@ def _starts_a_process_itself(tree: ast.AST) -> bool:
 
 def _names_used(tree: ast.AST) -> set[str]:
     return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
-        n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+    }
 
 
 def _process_starters() -> set[str]:
@@ -54,8 +55,11 @@ def _process_starters() -> set[str]:
                 functions.setdefault(node.name, []).append(node)
     starters = {name for name, defs in functions.items() if any(_starts_a_process_itself(d) for d in defs)}
     while True:  # to a fixpoint: a helper that calls a starter is one
-        more = {name for name, defs in functions.items() if name not in starters
-                and any(_names_used(d) & starters for d in defs)}
+        more = {
+            name
+            for name, defs in functions.items()
+            if name not in starters and any(_names_used(d) & starters for d in defs)
+        }
         if not more:
             return starters
         starters |= more
@@ -74,8 +78,9 @@ class _Keep:
 @pytest.fixture(scope="module")
 def collected() -> list[pytest.Item]:
     keep = _Keep()
-    code = pytest.main(["--collect-only", "-qq", "-p", "no:cacheprovider", "--rootdir", str(ROOT), str(TESTS)],
-                       plugins=[keep])
+    code = pytest.main(
+        ["--collect-only", "-qq", "-p", "no:cacheprovider", "--rootdir", str(ROOT), str(TESTS)], plugins=[keep]
+    )
     assert code == pytest.ExitCode.OK, f"collecting tests/ failed: {code!r}"
     return keep.items
 
@@ -117,9 +122,11 @@ def test_the_check_sees_the_known_cases(collected: list[pytest.Item]) -> None:
     assert {"start_worker", "start_gateway_process", "run_cli", "worker_cmd"} <= starters, sorted(starters)
     assert "wait_for" not in starters and "worker_thread" not in starters
     flagged = {item.nodeid for item in collected if _needs_slow(item, starters)}
-    for known in ("tests/worker/test_cli.py::test_demo_answers_on_the_demo_model",
-                  "tests/engine/test_demo_model.py::test_demo_model_answers_paris",
-                  "tests/gateway/test_bench.py::test_bench_gateway_reports_native_and_gateway_figures"):
+    for known in (
+        "tests/worker/test_cli.py::test_demo_answers_on_the_demo_model",
+        "tests/engine/test_demo_model.py::test_demo_model_answers_paris",
+        "tests/gateway/test_bench.py::test_bench_gateway_reports_native_and_gateway_figures",
+    ):
         assert known in flagged, f"{known} is not seen as a slow test"
     assert any(nodeid.startswith("tests/worker/test_processes.py::") for nodeid in flagged)
     assert not any(nodeid.startswith("tests/engine/test_scheduler.py::") for nodeid in flagged)

@@ -49,20 +49,30 @@ def test_code_that_builds_worker_settings_reads_no_environment(monkeypatch: pyte
     assert (WorkerSettings().lease_ms, WorkerSettings(burst=True).queue) == (60_000, "default")
 
 
-@pytest.mark.parametrize("env, argv, problem", [
-    ({"PAGEDQ_LEASE_MS": "soon"}, ["worker"], "PAGEDQ_LEASE_MS='soon': Input should be a valid integer"),
-    ({"PAGEDQ_MAX_ATTEMPTS": "0"}, ["worker"], "PAGEDQ_MAX_ATTEMPTS='0': Input should be greater than or equal to 1"),
-    ({"PAGEDQ_LEASE_MS": "5"}, ["worker", "--metrics-port", "70000"],
-     "--metrics-port='70000': Input should be less than or equal to 65535"),
-    ({"PAGEDQ_PREEMPTION_MODE": "drop"}, ["worker"], "PAGEDQ_PREEMPTION_MODE='drop': Input should be 'recompute'"),
-    ({}, ["worker", "--engine", "gpt"], "--engine='gpt': Input should be 'llm' or 'stub'"),
-    ({"PAGEDQ_QUEUE": "a:b"}, ["worker"], "PAGEDQ_QUEUE='a:b': String should match pattern"),
-    ({}, ["status", "--queue", "ok", "--queue", "no way"], "--queue='no way': String should match pattern"),
-    ({}, ["serve", "--queue", "{x}"], "--queue='{x}': String should match pattern"),
-    ({"PAGEDQ_PORT": "99999"}, ["serve"], "PAGEDQ_PORT='99999': Input should be less than or equal to 65535"),
-    ({"PAGEDQ_WINDOW": "-1"}, ["bulk", "in.jsonl", "out.jsonl"], "PAGEDQ_WINDOW='-1'"),
-    ({"PAGEDQ_REQUESTS": "many"}, ["bench", "gateway"], "PAGEDQ_REQUESTS='many'"),
-])
+@pytest.mark.parametrize(
+    "env, argv, problem",
+    [
+        ({"PAGEDQ_LEASE_MS": "soon"}, ["worker"], "PAGEDQ_LEASE_MS='soon': Input should be a valid integer"),
+        (
+            {"PAGEDQ_MAX_ATTEMPTS": "0"},
+            ["worker"],
+            "PAGEDQ_MAX_ATTEMPTS='0': Input should be greater than or equal to 1",
+        ),
+        (
+            {"PAGEDQ_LEASE_MS": "5"},
+            ["worker", "--metrics-port", "70000"],
+            "--metrics-port='70000': Input should be less than or equal to 65535",
+        ),
+        ({"PAGEDQ_PREEMPTION_MODE": "drop"}, ["worker"], "PAGEDQ_PREEMPTION_MODE='drop': Input should be 'recompute'"),
+        ({}, ["worker", "--engine", "gpt"], "--engine='gpt': Input should be 'llm' or 'stub'"),
+        ({"PAGEDQ_QUEUE": "a:b"}, ["worker"], "PAGEDQ_QUEUE='a:b': String should match pattern"),
+        ({}, ["status", "--queue", "ok", "--queue", "no way"], "--queue='no way': String should match pattern"),
+        ({}, ["serve", "--queue", "{x}"], "--queue='{x}': String should match pattern"),
+        ({"PAGEDQ_PORT": "99999"}, ["serve"], "PAGEDQ_PORT='99999': Input should be less than or equal to 65535"),
+        ({"PAGEDQ_WINDOW": "-1"}, ["bulk", "in.jsonl", "out.jsonl"], "PAGEDQ_WINDOW='-1'"),
+        ({"PAGEDQ_REQUESTS": "many"}, ["bench", "gateway"], "PAGEDQ_REQUESTS='many'"),
+    ],
+)
 def test_a_bad_value_is_one_line_naming_the_flag_or_variable(env, argv, problem, monkeypatch, capsys) -> None:
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -76,24 +86,41 @@ def test_a_bad_value_is_one_line_naming_the_flag_or_variable(env, argv, problem,
 @pytest.mark.slow  # a `python -m worker` process
 def test_the_installed_way_a_bad_variable_fails(tmp_path: Path) -> None:
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/local/bin:/usr/bin:/bin", "PAGEDQ_BLOCK_MS": "0"}
-    proc = subprocess.run([sys.executable, "-m", "worker", "worker", "--engine", "stub", "--redis", NO_REDIS],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker", "worker", "--engine", "stub", "--redis", NO_REDIS],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr == "pagedq worker: error: PAGEDQ_BLOCK_MS='0': Input should be greater than or equal to 1\n"
 
 
-@pytest.mark.parametrize("command, shown", [
-    ("worker", ["(default 60000; env PAGEDQ_LEASE_MS)", "(default 86400; env PAGEDQ_RESULT_TTL)",
-                "(default 256; env PAGEDQ_MAX_NUM_SEQS)", "(default recompute; env PAGEDQ_PREEMPTION_MODE)",
-                "$PAGEDQ_REDIS_URL", "(env PAGEDQ_BURST)"]),
-    ("serve", ["(default 8000; env PAGEDQ_PORT)", "(default 127.0.0.1; env PAGEDQ_HOST)"]),
-    ("bulk", ["(default 256; env PAGEDQ_WINDOW)", "(default bulk; env PAGEDQ_BAND)"]),
-    ("dlq", ["(default default; env PAGEDQ_QUEUE)"]),
-    ("status", ["(env PAGEDQ_QUEUE)", "(env PAGEDQ_JSON)"]),
-    ("demo", ["(default 32; env PAGEDQ_MAX_TOKENS)", "(default 0.9; env PAGEDQ_GPU_MEMORY_UTILIZATION)"]),
-    ("bench worker", ["(default 20000; env PAGEDQ_STUB_JOBS)", "(default 3000; env PAGEDQ_MIXED_BULK_JOBS)"]),
-    ("bench gateway", ["(default 16; env PAGEDQ_CONCURRENCY)"]),
-])
+@pytest.mark.parametrize(
+    "command, shown",
+    [
+        (
+            "worker",
+            [
+                "(default 60000; env PAGEDQ_LEASE_MS)",
+                "(default 86400; env PAGEDQ_RESULT_TTL)",
+                "(default 256; env PAGEDQ_MAX_NUM_SEQS)",
+                "(default recompute; env PAGEDQ_PREEMPTION_MODE)",
+                "$PAGEDQ_REDIS_URL",
+                "(env PAGEDQ_BURST)",
+            ],
+        ),
+        ("serve", ["(default 8000; env PAGEDQ_PORT)", "(default 127.0.0.1; env PAGEDQ_HOST)"]),
+        ("bulk", ["(default 256; env PAGEDQ_WINDOW)", "(default bulk; env PAGEDQ_BAND)"]),
+        ("dlq", ["(default default; env PAGEDQ_QUEUE)"]),
+        ("status", ["(env PAGEDQ_QUEUE)", "(env PAGEDQ_JSON)"]),
+        ("demo", ["(default 32; env PAGEDQ_MAX_TOKENS)", "(default 0.9; env PAGEDQ_GPU_MEMORY_UTILIZATION)"]),
+        ("bench worker", ["(default 20000; env PAGEDQ_STUB_JOBS)", "(default 3000; env PAGEDQ_MIXED_BULK_JOBS)"]),
+        ("bench gateway", ["(default 16; env PAGEDQ_CONCURRENCY)"]),
+    ],
+)
 def test_help_shows_each_default_and_variable(command, shown, capsys) -> None:
     with pytest.raises(SystemExit):
         main([*command.split(), "--help"])
@@ -116,8 +143,22 @@ def test_engine_knobs_reach_engine_config(tiny_llama_dir, monkeypatch: pytest.Mo
     import gc
 
     monkeypatch.setenv("PAGEDQ_SWAP_SPACE_GIB", "0.5")
-    args = parse("worker", "--model", str(tiny_llama_dir), "--device", "cpu", "--num-kv-blocks", "16",
-                 "--no-enable-prefix-caching", "--preemption-mode", "swap", "--max-model-len", "40", "--seed", "3")
+    args = parse(
+        "worker",
+        "--model",
+        str(tiny_llama_dir),
+        "--device",
+        "cpu",
+        "--num-kv-blocks",
+        "16",
+        "--no-enable-prefix-caching",
+        "--preemption-mode",
+        "swap",
+        "--max-model-len",
+        "40",
+        "--seed",
+        "3",
+    )
     try:
         engine, _ = build_engine(args)
     finally:
@@ -129,10 +170,12 @@ def test_engine_knobs_reach_engine_config(tiny_llama_dir, monkeypatch: pytest.Mo
 
 
 def test_pagedq_status_and_dlq_help_import_no_torch() -> None:
-    code = ("import sys\nfrom worker.cli import main\n"
-            "for argv in (['status', '--help'], ['dlq', '--help'], ['bulk', '--help'], ['serve', '--help']):\n"
-            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
-            "print('torch' in sys.modules, 'engine.config' in sys.modules)\n")
+    code = (
+        "import sys\nfrom worker.cli import main\n"
+        "for argv in (['status', '--help'], ['dlq', '--help'], ['bulk', '--help'], ['serve', '--help']):\n"
+        "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+        "print('torch' in sys.modules, 'engine.config' in sys.modules)\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "False False"
@@ -151,22 +194,45 @@ _BLOCKER = (
 )
 
 
-@pytest.mark.parametrize("argv, expect", [
-    (["--help"], "generate"),
-    (["generate", "--help"], "--preemption-mode"),
-    (["bench", "throughput", "--help"], "--workload"),
-])
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["--help"], "generate"),
+        (["generate", "--help"], "--preemption-mode"),
+        (["bench", "throughput", "--help"], "--workload"),
+    ],
+)
 def test_python_m_engine_runs_without_the_queue_stack(argv, expect) -> None:
-    proc = subprocess.run([sys.executable, "-c", _BLOCKER, *argv], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _BLOCKER, *argv], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert expect in proc.stdout and "worker" not in proc.stdout.split("positional arguments")[0]
 
 
 def test_python_m_engine_generates_without_the_queue_stack(tiny_llama_dir) -> None:
-    proc = subprocess.run([sys.executable, "-c", _BLOCKER, "generate", "--model", str(tiny_llama_dir), "--device",
-                           "cpu", "--max-tokens", "2", "--num-kv-blocks", "8", "--no-enable-prefix-caching", "Hi"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _BLOCKER,
+            "generate",
+            "--model",
+            str(tiny_llama_dir),
+            "--device",
+            "cpu",
+            "--max-tokens",
+            "2",
+            "--num-kv-blocks",
+            "8",
+            "--no-enable-prefix-caching",
+            "Hi",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "### Hi" in proc.stdout and "2 tokens]" in proc.stdout
 
@@ -181,4 +247,5 @@ def test_every_engine_config_knob_comes_from_the_flag_spec() -> None:
     config_fields = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"]
     assert config_fields == [f.name for f in dataclasses.fields(EngineOptions)] == [o.name for o in engine_options()]
     assert {o.name: o.default for o in engine_options()} == {
-        f.name: f.default for f in dataclasses.fields(EngineConfig) if f.name != "model"}
+        f.name: f.default for f in dataclasses.fields(EngineConfig) if f.name != "model"
+    }

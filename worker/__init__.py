@@ -9,5 +9,16 @@ from .errors import JobFailed, JobRejected, PagedQError, QueueFullError, ResultT
 from .job import Delta, FinalRecord, Job
 from .keys import QueueKeys
 
-__all__ = ["AsyncClient", "Client", "Delta", "FinalRecord", "Job", "JobFailed", "JobRejected", "PagedQError",
-           "QueueFullError", "QueueKeys", "ResultTimeout"]
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "Delta",
+    "FinalRecord",
+    "Job",
+    "JobFailed",
+    "JobRejected",
+    "PagedQError",
+    "QueueFullError",
+    "QueueKeys",
+    "ResultTimeout",
+]

@@ -19,8 +19,7 @@ def absorb(t: HeldJob, out: RequestOutput, now: float, publisher: Publisher) -> 
     t.prompt_tokens = len(out.prompt_token_ids or ())
     prompt_logprobs = getattr(out, "prompt_logprobs", None)
     if prompt_logprobs:  # the first output brings them (JSON keys are strings)
-        t.prompt_logprobs = [None if d is None else {str(k): float(v) for k, v in d.items()}
-                             for d in prompt_logprobs]
+        t.prompt_logprobs = [None if d is None else {str(k): float(v) for k, v in d.items()} for d in prompt_logprobs]
     several = t.job.n > 1
     for c in out.outputs:
         sample = t.samples.setdefault(c.index, Sample()) if several else t
@@ -33,8 +32,9 @@ def absorb(t: HeldJob, out: RequestOutput, now: float, publisher: Publisher) -> 
     return ("failed", ABORTED) if aborted else ("completed", None)
 
 
-def _fold(t: HeldJob, sample: HeldJob | Sample, c: CompletionOutput, now: float, publisher: Publisher,
-          index: int | None) -> None:
+def _fold(
+    t: HeldJob, sample: HeldJob | Sample, c: CompletionOutput, now: float, publisher: Publisher, index: int | None
+) -> None:
     """One sample's new tokens, text and logprobs; its delta when the job streams; its finish once it has one."""
     if c.token_ids and t.first_token_at is None:
         t.first_token_at = now

@@ -14,8 +14,14 @@ from .settings import redis_url
 
 
 class AsyncClient(ClientCore):
-    def __init__(self, url: str | None = None, queue: str = "default", *,
-                 max_queue_depth: int | None = None, redis: AsyncRedis | None = None) -> None:
+    def __init__(
+        self,
+        url: str | None = None,
+        queue: str = "default",
+        *,
+        max_queue_depth: int | None = None,
+        redis: AsyncRedis | None = None,
+    ) -> None:
         super().__init__(queue, max_queue_depth)
         # url None: PAGEDQ_REDIS_URL, else a local Redis (worker/settings.py); redis+cluster:// a cluster
         self.r = redis if redis is not None else connect_async(redis_url(url))
@@ -65,8 +71,9 @@ class AsyncClient(ClientCore):
             if seen.keep(item):
                 yield item
 
-    async def _entries(self, job_id: str, offset: str, timeout: float | None,
-                       per_item: bool = False) -> AsyncIterator[Entry]:
+    async def _entries(
+        self, job_id: str, offset: str, timeout: float | None, per_item: bool = False
+    ) -> AsyncIterator[Entry]:
         reader = self._reader(job_id, offset, timeout, per_item)
         while True:
             reply = await self.r.xread(**reader.xread_kwargs())

@@ -25,8 +25,9 @@ MAX_REASON_CHARS = 2000  # a rejection reason quotes the problem, never the whol
 
 
 class Intake:
-    def __init__(self, keys: QueueKeys, settings: WorkerSettings, publisher: Publisher, log: Any,
-                 stats: dict[str, int]) -> None:
+    def __init__(
+        self, keys: QueueKeys, settings: WorkerSettings, publisher: Publisher, log: Any, stats: dict[str, int]
+    ) -> None:
         self.keys, self.settings, self.publisher, self.log = keys, settings, publisher, log
         self.stats = stats  # the worker's per-status counters (heartbeat)
         self.seq = 0
@@ -63,13 +64,21 @@ class Intake:
             job = job.model_copy(update={"id": entry_id})
         return self.track(band, entry_id, job, recovered)
 
-    def track(self, origin: str, entry_id: str | None, job: Job, recovered: bool = False,
-              enqueued_at: float = 0.0) -> HeldJob:
+    def track(
+        self, origin: str, entry_id: str | None, job: Job, recovered: bool = False, enqueued_at: float = 0.0
+    ) -> HeldJob:
         """A held job in read order. A recovered one (its worker died holding it) is a suspect: the worker
         charges it its lost run and its runs alone (Worker._hold) and runs it alone."""
         self.seq += 1
-        t = HeldJob(JobKey(origin, job.id), job, entry_id=entry_id, seq=self.seq, enqueued_at=enqueued_at,
-                    recovered=recovered, state=JobState.SUSPECT if recovered else JobState.BACKLOG)
+        t = HeldJob(
+            JobKey(origin, job.id),
+            job,
+            entry_id=entry_id,
+            seq=self.seq,
+            enqueued_at=enqueued_at,
+            recovered=recovered,
+            state=JobState.SUSPECT if recovered else JobState.BACKLOG,
+        )
         self.publisher.ops.append(("HSET", self.keys.ids, job.id, 1))  # now Client.cancel knows it
         return t
 
@@ -78,16 +87,26 @@ class Intake:
         has a readable one, else to the entry id). If even that cannot be built, dead-letter the entry raw."""
         try:
             job_id, metadata = salvage(raw)
-            record = FinalRecord(id=job_id or entry_id, status="rejected", error=reason[:MAX_REASON_CHARS],
-                                 metadata=metadata, worker=self.settings.name)
+            record = FinalRecord(
+                id=job_id or entry_id,
+                status="rejected",
+                error=reason[:MAX_REASON_CHARS],
+                metadata=metadata,
+                worker=self.settings.name,
+            )
             self.log.warning("job_rejected", job_id=record.id, entry_id=entry_id, error=record.error)
             self.publisher.final(record, band, entry_id)
             self.stats["rejected"] += 1
         except Exception as exc:
-            self.log.error("job_rejection_failed", entry_id=entry_id, reason=reason[:MAX_REASON_CHARS],
-                           error=repr(exc)[:MAX_REASON_CHARS])
-            self.publisher.dead_raw(entry_id, raw, f"{reason} (and the rejection failed: {exc!r})"[:MAX_REASON_CHARS],
-                                    band)
+            self.log.error(
+                "job_rejection_failed",
+                entry_id=entry_id,
+                reason=reason[:MAX_REASON_CHARS],
+                error=repr(exc)[:MAX_REASON_CHARS],
+            )
+            self.publisher.dead_raw(
+                entry_id, raw, f"{reason} (and the rejection failed: {exc!r})"[:MAX_REASON_CHARS], band
+            )
 
     def reject(self, t: HeldJob, reason: str) -> None:
         self.log.warning("job_rejected", job_id=t.id, error=reason)
@@ -99,8 +118,14 @@ class Intake:
         if t.last_error:
             error += f"; last error: {t.last_error}"
         self.log.error("job_dead_lettered", job_id=t.id, error=error)
-        dead = {"job": json.loads(t.job.to_json()), "entry_id": t.entry_id, "band": t.origin, "error": error,
-                "attempts": t.attempts, "worker": self.settings.name}
+        dead = {
+            "job": json.loads(t.job.to_json()),
+            "entry_id": t.entry_id,
+            "band": t.origin,
+            "error": error,
+            "attempts": t.attempts,
+            "worker": self.settings.name,
+        }
         self.publisher.final(self.publisher.record(t, "failed", error), t.origin, t.entry_id, dead=dead)
         self.stats["failed"] += 1
 
@@ -169,8 +194,9 @@ def sampling_params(job: Job) -> SamplingParams:
     return SamplingParams(**job.sampling_kwargs(), output_kind=RequestOutputKind.DELTA)
 
 
-def pick(backlog: list[HeldJob], engine: WorkerEngine, max_waiting: int, isolating: bool, lanes: Lanes,
-         lowest_in_engine: int) -> list[HeldJob]:
+def pick(
+    backlog: list[HeldJob], engine: WorkerEngine, max_waiting: int, isolating: bool, lanes: Lanes, lowest_in_engine: int
+) -> list[HeldJob]:
     """Choose prepared jobs to hand to the engine now: by band, then priority (Lanes), within the
     waiting-queue cap, the lowest band's slot cap and the free KV blocks the engine's waiting queue will
     not take (both the engine's own figures). Suspects (from a step that raised, or recovered from a dead
@@ -216,8 +242,9 @@ def engine_prompt(engine: WorkerEngine, job: Job) -> str | list[int]:
         raise ValueError("the job has none of prompt, prompt_token_ids and messages")
     tokenizer = getattr(engine, "tokenizer", None)
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the model has no chat template: send the conversation as a formatted `prompt` "
-                         "instead of `messages`")
+        raise ValueError(
+            "the model has no chat template: send the conversation as a formatted `prompt` instead of `messages`"
+        )
     try:
         text = tokenizer.apply_chat_template(job.chat(), tokenize=False, add_generation_prompt=True)
         return tokenizer.encode(text, add_special_tokens=False)
@@ -227,4 +254,3 @@ def engine_prompt(engine: WorkerEngine, job: Job) -> str | list[int]:
 
 def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
-

@@ -22,12 +22,13 @@ from .worker import Worker
 
 def _enqueue(client: Client, jobs: list[dict]) -> None:
     for i in range(0, len(jobs), 1000):
-        client.submit_many(jobs[i:i + 1000])
+        client.submit_many(jobs[i : i + 1000])
 
 
 def _run_burst(engine: Any, url: str, queue: str, max_waiting: int) -> float:
-    settings = WorkerSettings(queue=queue, name=f"bench-{queue}", burst=True, max_waiting=max_waiting,
-                              heartbeat_every_s=60.0)
+    settings = WorkerSettings(
+        queue=queue, name=f"bench-{queue}", burst=True, max_waiting=max_waiting, heartbeat_every_s=60.0
+    )
     worker = Worker(engine, connect(url), settings)
     start = time.perf_counter()
     worker.run()
@@ -45,8 +46,9 @@ def bench_queue(url: str, n: int, stream: bool) -> dict:
     """Jobs/s admitted and published by one worker process whose engine costs nothing."""
     queue = "benchstream" if stream else "benchq"
     client = Client(url, queue=queue)
-    jobs = [{"prompt": f"job {i}", "max_tokens": 4 if stream else 1, "temperature": 0.0, "stream": stream}
-            for i in range(n)]
+    jobs = [
+        {"prompt": f"job {i}", "max_tokens": 4 if stream else 1, "temperature": 0.0, "stream": stream} for i in range(n)
+    ]
     _enqueue(client, jobs)
     engine = StubEngine(max_num_seqs=512, num_kv_blocks=1 << 20)
     elapsed = _run_burst(engine, url, queue, max_waiting=1024)
@@ -78,15 +80,19 @@ def bench_e2e(url: str, args: argparse.Namespace) -> dict:
         start = time.perf_counter()
         offline = llm.generate(prompts, params)
         offline_runs.append(sum(len(o.outputs[0].token_ids) for o in offline) / (time.perf_counter() - start))
-        ids = client.submit_many([{"prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
-                                  for p in prompts])
+        ids = client.submit_many(
+            [{"prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True} for p in prompts]
+        )
         seconds = _run_burst(llm.llm_engine, url, "benche2e", max_waiting=max(args.max_num_seqs, n))
         finals = _finals(client, ids)
         worker_runs.append(sum(len(r.token_ids) for r in finals if r.ok) / seconds)
         identical = sum(r.token_ids == list(o.outputs[0].token_ids) for r, o in zip(finals, offline))
     return {
-        "model": os.path.basename(str(model).rstrip("/")), "device": args.device, "jobs": n,
-        "max_tokens": max_tokens, "offline_tokens_per_s": round(max(offline_runs), 1),
+        "model": os.path.basename(str(model).rstrip("/")),
+        "device": args.device,
+        "jobs": n,
+        "max_tokens": max_tokens,
+        "offline_tokens_per_s": round(max(offline_runs), 1),
         "worker_tokens_per_s": round(max(worker_runs), 1),
         "worker_vs_offline": round(max(worker_runs) / max(offline_runs), 3),
         "runs": {"offline": [round(x, 1) for x in offline_runs], "worker": [round(x, 1) for x in worker_runs]},
@@ -96,8 +102,10 @@ def bench_e2e(url: str, args: argparse.Namespace) -> dict:
 
 def run_bench(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {
-        "bench": "worker", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus", "python": platform.python_version(),
+        "bench": "worker",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+        "python": platform.python_version(),
     }
     with EmbeddedRedis() as redis_server:
         if getattr(args, "mixed", False):

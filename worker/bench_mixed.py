@@ -30,9 +30,14 @@ OPTIONS: tuple[Option, ...] = (
     Option("mixed_web_every", float, 0.1, "seconds between interactive submissions", bounds={"ge": 0}),
     Option("mixed_step_delay", float, 0.01, "stub engine seconds per step", bounds={"ge": 0}),
     Option("mixed_max_num_seqs", int, 32, "the stub engine's max_num_seqs", bounds={"ge": 1}),
-    Option("mixed_engine", str, "stub", "llm: the real engine on --model (default: the demo model) with --device, "
-           "--dtype, --block-size, --num-kv-blocks, --max-num-batched-tokens; a fresh one per run",
-           choices=("stub", "llm")),
+    Option(
+        "mixed_engine",
+        str,
+        "stub",
+        "llm: the real engine on --model (default: the demo model) with --device, "
+        "--dtype, --block-size, --num-kv-blocks, --max-num-batched-tokens; a fresh one per run",
+        choices=("stub", "llm"),
+    ),
 )
 
 
@@ -69,8 +74,15 @@ def _worker(args: argparse.Namespace, url: str, queue: str, burst: bool, **overr
 def _submit_web(client: Client, args: argparse.Namespace) -> list[str]:
     ids = []
     for i in range(args.mixed_web_jobs):
-        ids.append(client.submit(prompt=f"web request {i}", max_tokens=args.mixed_web_tokens, temperature=0.0,
-                                 ignore_eos=True, priority=10))
+        ids.append(
+            client.submit(
+                prompt=f"web request {i}",
+                max_tokens=args.mixed_web_tokens,
+                temperature=0.0,
+                ignore_eos=True,
+                priority=10,
+            )
+        )
         time.sleep(args.mixed_web_every)
     return ids
 
@@ -80,18 +92,28 @@ def _latencies(client: Client, ids: list[str]) -> dict[str, float]:
     assert all(r.ok for r in records), [r.error for r in records if not r.ok][:3]
     ttft = np.array([r.timings.ttft for r in records])
     total = np.array([r.timings.total for r in records])
-    return {"ttft_p50_s": round(float(np.percentile(ttft, 50)), 4),
-            "ttft_p99_s": round(float(np.percentile(ttft, 99)), 4),
-            "total_p50_s": round(float(np.percentile(total, 50)), 4),
-            "total_p99_s": round(float(np.percentile(total, 99)), 4)}
+    return {
+        "ttft_p50_s": round(float(np.percentile(ttft, 50)), 4),
+        "ttft_p99_s": round(float(np.percentile(ttft, 99)), 4),
+        "total_p50_s": round(float(np.percentile(total, 50)), 4),
+        "total_p99_s": round(float(np.percentile(total, 99)), 4),
+    }
 
 
 def _bulk(client: Client, args: argparse.Namespace) -> list[str]:
-    jobs = [dict(prompt=f"bulk document {i}", max_tokens=args.mixed_bulk_tokens, temperature=0.0, ignore_eos=True,
-                 band="bulk") for i in range(args.mixed_bulk_jobs)]
+    jobs = [
+        dict(
+            prompt=f"bulk document {i}",
+            max_tokens=args.mixed_bulk_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+            band="bulk",
+        )
+        for i in range(args.mixed_bulk_jobs)
+    ]
     ids = []
     for i in range(0, len(jobs), 1000):
-        ids += client.submit_many(jobs[i:i + 1000])
+        ids += client.submit_many(jobs[i : i + 1000])
     return ids
 
 
@@ -118,6 +140,7 @@ def mixed_run(url: str, args: argparse.Namespace) -> tuple[dict[str, float], flo
         while client.r.xlen(client.keys.completions) < min(100, len(bulk) // 10):
             time.sleep(0.01)
         web.extend(_submit_web(client, args))
+
     thread = threading.Thread(target=web_traffic, daemon=True)
     thread.start()
     seconds, engine = _timed_burst(args, url, "mixed")
@@ -151,15 +174,23 @@ def bench_mixed(url: str, args: argparse.Namespace) -> dict[str, Any]:
     idle = idle_run(url, args)
     mixed, mixed_tok_s, step = mixed_run(url, args)
     only_tok_s = bulk_only_run(url, args)
-    engine = (f"stub, {args.mixed_step_delay} s/step" if args.mixed_engine == "stub"
-              else f"llm {args.model or 'demo model'} on {args.device}, mean step {step:.4f} s (mixed run)")
+    engine = (
+        f"stub, {args.mixed_step_delay} s/step"
+        if args.mixed_engine == "stub"
+        else f"llm {args.model or 'demo model'} on {args.device}, mean step {step:.4f} s (mixed run)"
+    )
     return {
-        "engine": f"{engine}, max_num_seqs {args.mixed_max_num_seqs}", "engine_step_s": round(step, 4),
-        "bulk_jobs": args.mixed_bulk_jobs, "bulk_tokens": args.mixed_bulk_tokens,
-        "interactive_jobs": args.mixed_web_jobs, "interactive_tokens": args.mixed_web_tokens,
-        "interactive_idle": idle, "interactive_behind_backlog": mixed,
+        "engine": f"{engine}, max_num_seqs {args.mixed_max_num_seqs}",
+        "engine_step_s": round(step, 4),
+        "bulk_jobs": args.mixed_bulk_jobs,
+        "bulk_tokens": args.mixed_bulk_tokens,
+        "interactive_jobs": args.mixed_web_jobs,
+        "interactive_tokens": args.mixed_web_tokens,
+        "interactive_idle": idle,
+        "interactive_behind_backlog": mixed,
         "interactive_p99_target_s": round(2 * idle["total_p99_s"] + step, 4),
         "interactive_p99_met": mixed["total_p99_s"] <= 2 * idle["total_p99_s"] + step,
-        "bulk_tokens_per_s_mixed": round(mixed_tok_s, 1), "bulk_tokens_per_s_bulk_only": round(only_tok_s, 1),
+        "bulk_tokens_per_s_mixed": round(mixed_tok_s, 1),
+        "bulk_tokens_per_s_bulk_only": round(only_tok_s, 1),
         "bulk_throughput_ratio": round(mixed_tok_s / only_tok_s, 3),
     }

@@ -33,9 +33,25 @@ from .settings import redis_url
 
 OPENAI_IGNORED = {"model", "user"}  # the worker serves one model (model is echoed in the output); user: informational
 OPENAI_RENAMED = {"max_completion_tokens": "max_tokens"}
-JOB_FIELDS = {"prompt", "prompt_token_ids", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p",
-              "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "priority", "deadline",
-              "metadata"}
+JOB_FIELDS = {
+    "prompt",
+    "prompt_token_ids",
+    "messages",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "logprobs",
+    "prompt_logprobs",
+    "priority",
+    "deadline",
+    "metadata",
+}
 
 
 class LineError(ValueError):
@@ -51,8 +67,13 @@ OPTIONS = (
     queue_option(),
     Option("band", str, "bulk", "priority band of the jobs", choices=tuple(BANDS)),
     Option("window", int, 256, "jobs in flight at most (backpressure)", bounds={"ge": 1, "le": 100_000}),
-    Option("run_id", str, None, "namespace of the job ids (default: the input's content hash); a new one re-runs "
-           "everything", nullable=True),
+    Option(
+        "run_id",
+        str,
+        None,
+        "namespace of the job ids (default: the input's content hash); a new one re-runs everything",
+        nullable=True,
+    ),
     Option("ttl", int, 86_400, "seconds the run's enqueue record is kept", bounds={"ge": 1}),
     Option("no_progress", bool, False, "no progress bar on stderr"),
 )
@@ -63,6 +84,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("output", type=Path, help="JSONL file the results are appended to")
     p.add_argument("--redis", default=None, help="Redis URL (default: $PAGEDQ_REDIS_URL or redis://localhost:6379/0)")
     add_options(p, OPTIONS)
+
 
 # ---------------------------------------------------------------------------------------------- input lines
 def parse_line(line: str) -> tuple[str, dict[str, Any], str]:
@@ -89,8 +111,12 @@ def parse_request(line: str) -> tuple[str, dict[str, Any], str, str | None]:
         raise LineError("invalid_request", f"unsupported field(s): {', '.join(unknown)}")
     metadata = fields.get("metadata")
     fields["metadata"] = {**(metadata if isinstance(metadata, dict) else {}), "custom_id": custom_id}
-    return custom_id, fields, "chat" if "messages" in fields else "completion", \
-        model if isinstance(model, str) else None
+    return (
+        custom_id,
+        fields,
+        "chat" if "messages" in fields else "completion",
+        model if isinstance(model, str) else None,
+    )
 
 
 def _openai_fields(data: dict[str, Any]) -> dict[str, Any]:
@@ -136,38 +162,72 @@ def file_digest(path: Path) -> tuple[str, int]:
 
 
 # ---------------------------------------------------------------------------------------------- output lines
-def output_line(custom_id: str, job_id: str, record: dict[str, Any], kind: str,
-                body: dict[str, Any] | None = None, model: str | None = None) -> dict[str, Any]:
+def output_line(
+    custom_id: str,
+    job_id: str,
+    record: dict[str, Any],
+    kind: str,
+    body: dict[str, Any] | None = None,
+    model: str | None = None,
+) -> dict[str, Any]:
     """One output line; `body` replaces the response body built here (the gateway's Batch API passes its own).
     `model`: the request's, echoed as OpenAI's batch output does."""
     if body is not None:
-        return {"id": f"batch_req_{job_id}", "custom_id": custom_id,
-                "response": {"status_code": 200, "request_id": job_id, "body": body}, "error": None}
+        return {
+            "id": f"batch_req_{job_id}",
+            "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": job_id, "body": body},
+            "error": None,
+        }
     text, finish = record.get("text", ""), record.get("finish_reason")
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-               "logprobs": None} if kind == "chat" else
-              {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
+    choice = (
+        {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": None}
+        if kind == "chat"
+        else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+    )
     usage = record.get("usage") or {}
-    body = {"id": job_id, "object": "chat.completion" if kind == "chat" else "text_completion",
-            "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": {**usage, "total_tokens": usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)},
-            "pagedq": {k: record.get(k) for k in ("status", "stop_reason", "timings", "worker", "attempts", "error")}}
+    body = {
+        "id": job_id,
+        "object": "chat.completion" if kind == "chat" else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": {**usage, "total_tokens": usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)},
+        "pagedq": {k: record.get(k) for k in ("status", "stop_reason", "timings", "worker", "attempts", "error")},
+    }
     if record.get("prompt_logprobs") is not None:
         body["pagedq"]["prompt_logprobs"] = record["prompt_logprobs"]
-    return {"id": f"batch_req_{job_id}", "custom_id": custom_id,
-            "response": {"status_code": 200, "request_id": job_id, "body": body}, "error": None}
+    return {
+        "id": f"batch_req_{job_id}",
+        "custom_id": custom_id,
+        "response": {"status_code": 200, "request_id": job_id, "body": body},
+        "error": None,
+    }
 
 
-def error_line(custom_id: str | None, line_no: int, code: str, message: str, job_id: str | None = None,
-               record: dict[str, Any] | None = None) -> dict[str, Any]:
+def error_line(
+    custom_id: str | None,
+    line_no: int,
+    code: str,
+    message: str,
+    job_id: str | None = None,
+    record: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     response = None
     if record is not None:
-        response = {"status_code": 400 if record.get("status") == "rejected" else 500, "request_id": job_id,
-                    "body": record}
+        response = {
+            "status_code": 400 if record.get("status") == "rejected" else 500,
+            "request_id": job_id,
+            "body": record,
+        }
     # A line that never became a job has no job id: its row is named after its line (unique in the file).
-    return {"id": f"batch_req_{job_id}" if job_id else f"batch_req_line_{line_no}", "custom_id": custom_id,
-            "line": line_no,
-            "response": response, "error": {"code": code, "message": message}}
+    return {
+        "id": f"batch_req_{job_id}" if job_id else f"batch_req_line_{line_no}",
+        "custom_id": custom_id,
+        "line": line_no,
+        "response": response,
+        "error": {"code": code, "message": message},
+    }
 
 
 def read_done(path: Path) -> tuple[set[str], set[int]]:
@@ -179,7 +239,7 @@ def read_done(path: Path) -> tuple[set[str], set[int]]:
         return ids, lines
     raw = path.read_bytes()
     if raw and not raw.endswith(b"\n"):
-        raw = raw[:raw.rfind(b"\n") + 1]
+        raw = raw[: raw.rfind(b"\n") + 1]
         path.write_bytes(raw)
     for text in raw.decode().splitlines():
         entry = json.loads(text)
@@ -194,10 +254,21 @@ def read_done(path: Path) -> tuple[set[str], set[int]]:
 class BulkRun:
     """Enqueue the input's requests within a window of in-flight jobs, write each result as it finishes."""
 
-    def __init__(self, r: SyncRedis, input_path: Path, output_path: Path, errors_path: Path | None = None, *,
-                 queue: str = "default", band: str = "bulk", window: int = 256, run_id: str | None = None,
-                 ttl_s: int = 86_400,
-                 progress: bool = True, poll_s: float = 0.05) -> None:
+    def __init__(
+        self,
+        r: SyncRedis,
+        input_path: Path,
+        output_path: Path,
+        errors_path: Path | None = None,
+        *,
+        queue: str = "default",
+        band: str = "bulk",
+        window: int = 256,
+        run_id: str | None = None,
+        ttl_s: int = 86_400,
+        progress: bool = True,
+        poll_s: float = 0.05,
+    ) -> None:
         self.r, self.keys, self.window, self.ttl_s, self.poll_s = r, QueueKeys(queue), max(1, window), ttl_s, poll_s
         self.band = check_band(band)
         self.input, self.output = input_path, output_path
@@ -208,8 +279,15 @@ class BulkRun:
         self.pending: dict[str, tuple[str, int, str, str | None]] = {}
         # "tokens": completion tokens of the results written; "run_tokens": of those that finished while this
         # run watched (what tok/s counts: a resume collects results finished before it in one burst).
-        self.counts = {"completed": 0, "errors": 0, "skipped": 0, "enqueued": 0, "awaited": 0, "tokens": 0,
-                       "run_tokens": 0}
+        self.counts = {
+            "completed": 0,
+            "errors": 0,
+            "skipped": 0,
+            "enqueued": 0,
+            "awaited": 0,
+            "tokens": 0,
+            "run_tokens": 0,
+        }
         self._prior: set[str] = set()  # enqueued by an earlier run and not seen unfinished by this one
         self.progress = progress
         self._started = time.monotonic()
@@ -222,8 +300,15 @@ class BulkRun:
         done_lines |= more_lines
         from tqdm import tqdm
 
-        self.bar = tqdm(total=self.total_lines, initial=len(done_ids) + len(done_lines), unit="job",
-                        file=sys.stderr, disable=not self.progress, mininterval=0.5, dynamic_ncols=True)
+        self.bar = tqdm(
+            total=self.total_lines,
+            initial=len(done_ids) + len(done_lines),
+            unit="job",
+            file=sys.stderr,
+            disable=not self.progress,
+            mininterval=0.5,
+            dynamic_ncols=True,
+        )
         with open(self.output, "a") as self.out, open(self.errors, "a") as self.err:
             try:
                 self._loop(self._requests(done_ids, done_lines))
@@ -297,7 +382,7 @@ class BulkRun:
         """Write the results of finished jobs (one MGET per 1000 in flight); returns how many finished."""
         ids, finished = list(self.pending), 0
         for i in range(0, len(ids), 1000):
-            chunk = ids[i:i + 1000]
+            chunk = ids[i : i + 1000]
             for job_id, raw in zip(chunk, self.r.mget([self.keys.final(j) for j in chunk])):
                 if raw is not None:
                     self._write_result(job_id, json.loads(raw))
@@ -308,8 +393,12 @@ class BulkRun:
             self.out.flush()
             self.err.flush()
             elapsed = max(time.monotonic() - self._started, 1e-9)
-            self.bar.set_postfix(done=self.counts["completed"], failed=self.counts["errors"],
-                                 tok_s=f"{self.counts['run_tokens'] / elapsed:.0f}", refresh=False)
+            self.bar.set_postfix(
+                done=self.counts["completed"],
+                failed=self.counts["errors"],
+                tok_s=f"{self.counts['run_tokens'] / elapsed:.0f}",
+                refresh=False,
+            )
         return finished
 
     def _write_result(self, job_id: str, record: dict[str, Any]) -> None:
@@ -325,8 +414,16 @@ class BulkRun:
                 self.counts["run_tokens"] += tokens
             self.bar.update(1)
         else:
-            self._write_error(error_line(custom_id, line_no, record.get("status", "failed"),
-                                         record.get("error") or record.get("status", ""), job_id, record))
+            self._write_error(
+                error_line(
+                    custom_id,
+                    line_no,
+                    record.get("status", "failed"),
+                    record.get("error") or record.get("status", ""),
+                    job_id,
+                    record,
+                )
+            )
 
     def _write_error(self, entry: dict[str, Any]) -> None:
         self.err.write(json.dumps(entry) + "\n")
@@ -350,15 +447,31 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     r = connect(redis_url(args.redis))
     r.ping()  # an unreachable Redis fails here, before any output file exists (worker/startup_errors.py words it)
-    runner = BulkRun(r, args.input, args.output, args.errors, queue=args.queue, band=args.band,
-                     window=args.window, run_id=args.run_id, ttl_s=args.ttl, progress=not args.no_progress)
+    runner = BulkRun(
+        r,
+        args.input,
+        args.output,
+        args.errors,
+        queue=args.queue,
+        band=args.band,
+        window=args.window,
+        run_id=args.run_id,
+        ttl_s=args.ttl,
+        progress=not args.no_progress,
+    )
     try:
         counts = runner.run()
     except KeyboardInterrupt:
-        print(f"\ninterrupted with {len(runner.pending)} jobs in flight: they keep running; run the same "
-              f"command again to collect them (nothing is enqueued twice)", file=sys.stderr)
+        print(
+            f"\ninterrupted with {len(runner.pending)} jobs in flight: they keep running; run the same "
+            f"command again to collect them (nothing is enqueued twice)",
+            file=sys.stderr,
+        )
         return 130
     # Files and counts under separate keys: "errors" is the count, "errors_file" the path.
-    print(json.dumps({"run_id": runner.run_id, "output_file": str(args.output), "errors_file": str(runner.errors),
-                      **counts}))
+    print(
+        json.dumps(
+            {"run_id": runner.run_id, "output_file": str(args.output), "errors_file": str(runner.errors), **counts}
+        )
+    )
     return 0

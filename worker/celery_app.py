@@ -36,8 +36,7 @@ DEFAULT_VISIBILITY_TIMEOUT_S = 3600.0
 
 
 def default_broker_url() -> str:
-    return (os.environ.get("CELERY_BROKER_URL") or os.environ.get("PAGEDQ_REDIS_URL")
-            or "redis://localhost:6379/0")
+    return os.environ.get("CELERY_BROKER_URL") or os.environ.get("PAGEDQ_REDIS_URL") or "redis://localhost:6379/0"
 
 
 def parse_queues(value: str | None) -> list[str]:
@@ -51,8 +50,13 @@ def parse_queues(value: str | None) -> list[str]:
     return names
 
 
-def make_app(broker_url: str | None = None, *, backend_url: str | None = None, queue: str | None = None,
-             visibility_timeout_s: float | None = None) -> Celery:
+def make_app(
+    broker_url: str | None = None,
+    *,
+    backend_url: str | None = None,
+    queue: str | None = None,
+    visibility_timeout_s: float | None = None,
+) -> Celery:
     """A Celery app for the pagedq queue with the `pagedq.generate` task registered."""
     broker = broker_url or default_broker_url()
     backend = backend_url or os.environ.get("CELERY_RESULT_BACKEND") or broker
@@ -61,7 +65,9 @@ def make_app(broker_url: str | None = None, *, backend_url: str | None = None, q
         visibility_timeout_s = float(os.environ.get("PAGEDQ_CELERY_VISIBILITY_TIMEOUT") or DEFAULT_VISIBILITY_TIMEOUT_S)
     app = Celery("pagedq", broker=broker, backend=backend, set_as_current=False)
     app.conf.update(
-        task_serializer="json", result_serializer="json", accept_content=["json"],  # never unpickle
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],  # never unpickle
         task_routes={TASK_NAME: {"queue": queue}},  # only this task: the app may carry other tasks
         # the consumer and the producers must agree on it (the producer's value is what Celery's
         # own workers would use; the pagedq worker uses its app's value)
@@ -76,8 +82,10 @@ def make_app(broker_url: str | None = None, *, backend_url: str | None = None, q
         """Generate text. Keywords are the job fields of the wire protocol (prompt, prompt_token_ids,
         messages, max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos,
         logprobs, stream, priority, deadline, metadata); the task id is the job id. Returns the final record."""
-        raise RuntimeError(f"{TASK_NAME} is served by `pagedq worker --celery` (continuous batching), not by a "
-                           f"Celery worker pool: stop this Celery worker from consuming queue {queue!r}")
+        raise RuntimeError(
+            f"{TASK_NAME} is served by `pagedq worker --celery` (continuous batching), not by a "
+            f"Celery worker pool: stop this Celery worker from consuming queue {queue!r}"
+        )
 
     return app
 

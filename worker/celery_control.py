@@ -93,8 +93,9 @@ class ControlListener:
     def _ping(self, state: object, **_kwargs: object) -> dict:
         return {"ok": "pong"}
 
-    def _revoke(self, state: object, task_id: Any = None, terminate: bool = False, signal: object = None,
-                **_kwargs: object) -> dict:
+    def _revoke(
+        self, state: object, task_id: Any = None, terminate: bool = False, signal: object = None, **_kwargs: object
+    ) -> dict:
         """Celery's `revoke` handler, mapped to a pagedq cancel (see the module docstring)."""
         ids = sorted({i for i in maybe_list(task_id) or [] if isinstance(i, str) and valid_job_id(i)})
         if not ids:  # ids outside the job id grammar name no pagedq job

@@ -40,8 +40,17 @@ ACCEPT = {"application/json"}  # never unpickle what comes off the broker
 
 
 class CeleryIntake:
-    def __init__(self, app: Any, redis_client: Any, keys: QueueKeys, publisher: Publisher, intake: Any,
-                 log: Any, queues: list[str] | None = None, poll_interval_s: float = 0.05) -> None:
+    def __init__(
+        self,
+        app: Any,
+        redis_client: Any,
+        keys: QueueKeys,
+        publisher: Publisher,
+        intake: Any,
+        log: Any,
+        queues: list[str] | None = None,
+        poll_interval_s: float = 0.05,
+    ) -> None:
         self.app, self.r, self.keys, self.publisher, self.intake = app, redis_client, keys, publisher, intake
         from .celery_app import queue_of
 
@@ -66,10 +75,22 @@ class CeleryIntake:
 
         s = worker.s
         queues = parse_queues(s.celery_queue)
-        app = make_app(s.celery_broker, backend_url=s.celery_backend, queue=queues[0],
-                       visibility_timeout_s=s.celery_visibility_timeout_s)
-        return cls(app, worker.r, worker.keys, worker.publisher, worker.intake, worker.log, queues=queues,
-                   poll_interval_s=s.celery_poll_s)
+        app = make_app(
+            s.celery_broker,
+            backend_url=s.celery_backend,
+            queue=queues[0],
+            visibility_timeout_s=s.celery_visibility_timeout_s,
+        )
+        return cls(
+            app,
+            worker.r,
+            worker.keys,
+            worker.publisher,
+            worker.intake,
+            worker.log,
+            queues=queues,
+            poll_interval_s=s.celery_poll_s,
+        )
 
     @property
     def name(self) -> str:
@@ -107,7 +128,7 @@ class CeleryIntake:
             final, deliveries = replies[2 * i], int(replies[2 * i + 1])
             old = self.pending.get(ctx.id)
             if old is not None:  # a redelivery of a job we hold (visibility timeout passed): keep running,
-                old[0].ack()    # answer through the newest delivery (restore dropped the old tag)
+                old[0].ack()  # answer through the newest delivery (restore dropped the old tag)
             self.pending[ctx.id] = (message, ctx)
             if final is not None:
                 self.settle([ctx.id])
@@ -117,8 +138,9 @@ class CeleryIntake:
                 self.publisher.final(record, CELERY_ORIGIN, None)
                 self.intake.stats["rejected"] += 1
             elif old is None:
-                jobs.append(self.intake.track(CELERY_ORIGIN, None, job, recovered=deliveries > 1,
-                                              enqueued_at=time.time()))
+                jobs.append(
+                    self.intake.track(CELERY_ORIGIN, None, job, recovered=deliveries > 1, enqueued_at=time.time())
+                )
         return jobs
 
     def _parse(self, message: Any) -> tuple[Any, Context, Any, str | None] | None:
@@ -129,8 +151,7 @@ class CeleryIntake:
             self._refuse_task_id(message, task_id, task)
             return None
         try:
-            args, kwargs, embed = loads(message.body, message.content_type, message.content_encoding,
-                                        accept=ACCEPT)
+            args, kwargs, embed = loads(message.body, message.content_type, message.content_encoding, accept=ACCEPT)
         except Exception as exc:
             if not task_id:
                 self.log.error("celery_message_dropped", error=f"undecodable message without a task id: {exc!r}")
@@ -185,16 +206,16 @@ class CeleryIntake:
     def _report(self, ctx: Context, record: dict | None) -> None:
         backend = self.app.backend
         if record is None:
-            backend.mark_as_failure(ctx.id, GenerationFailed("the final record expired before it was reported"),
-                                    request=ctx)
+            backend.mark_as_failure(
+                ctx.id, GenerationFailed("the final record expired before it was reported"), request=ctx
+            )
         elif record["status"] == "rejected":
             backend.mark_as_failure(ctx.id, JobRejected(record["error"]), request=ctx)
         elif record["status"] == "failed":
             backend.mark_as_failure(ctx.id, GenerationFailed(record["error"]), request=ctx)
         elif record["status"] in ("cancelled", "expired"):  # Celery's words for a revoked / an expired task
             # (the partial output stays in the pagedq final record: Client.result(task_id))
-            backend.mark_as_revoked(ctx.id, "revoked" if record["status"] == "cancelled" else "expired",
-                                    request=ctx)
+            backend.mark_as_revoked(ctx.id, "revoked" if record["status"] == "cancelled" else "expired", request=ctx)
         else:
             backend.mark_as_done(ctx.id, record, request=ctx)
             self._follow_up(ctx, record)
@@ -205,8 +226,9 @@ class CeleryIntake:
             self.app.signature(callback).apply_async((record,), parent_id=ctx.id, root_id=ctx.root_id or ctx.id)
         if ctx.chain:
             chain = list(ctx.chain)
-            self.app.signature(chain.pop()).apply_async((record,), chain=chain, parent_id=ctx.id,
-                                                        root_id=ctx.root_id or ctx.id)
+            self.app.signature(chain.pop()).apply_async(
+                (record,), chain=chain, parent_id=ctx.id, root_id=ctx.root_id or ctx.id
+            )
 
     # ------------------------------------------------------------------ timers, shutdown
     def maintain(self, now: float) -> bool:
@@ -235,11 +257,21 @@ def _context(message: Any, headers: dict, args: Any, kwargs: Any, embed: Any) ->
     embed = embed if isinstance(embed, dict) else {}
     props = message.properties or {}
     return Context(
-        id=headers["id"], task=headers.get("task"), args=args, kwargs=kwargs, group=headers.get("group"),
-        group_index=headers.get("group_index"), root_id=headers.get("root_id"), parent_id=headers.get("parent_id"),
-        chord=embed.get("chord"), callbacks=embed.get("callbacks"), errbacks=embed.get("errbacks"),
-        chain=embed.get("chain"), ignore_result=headers.get("ignore_result", False),
-        delivery_info=message.delivery_info, reply_to=props.get("reply_to"),
+        id=headers["id"],
+        task=headers.get("task"),
+        args=args,
+        kwargs=kwargs,
+        group=headers.get("group"),
+        group_index=headers.get("group_index"),
+        root_id=headers.get("root_id"),
+        parent_id=headers.get("parent_id"),
+        chord=embed.get("chord"),
+        callbacks=embed.get("callbacks"),
+        errbacks=embed.get("errbacks"),
+        chain=embed.get("chain"),
+        ignore_result=headers.get("ignore_result", False),
+        delivery_info=message.delivery_info,
+        reply_to=props.get("reply_to"),
         correlation_id=props.get("correlation_id") or headers["id"],
     )
 

@@ -23,8 +23,13 @@ from .startup_errors import with_readable_errors
 ENGINE_OPTIONS: tuple[Option, ...] = (
     Option("model", str, None, "model folder (default: the demo model)", nullable=True),
     *engine_flag_options(),
-    Option("engine", str, "llm", "stub: a fake engine that returns at once (queue tests and benchmarks)",
-           choices=("llm", "stub")),
+    Option(
+        "engine",
+        str,
+        "llm",
+        "stub: a fake engine that returns at once (queue tests and benchmarks)",
+        choices=("llm", "stub"),
+    ),
     Option("stub_step_delay", float, 0.0, "seconds per stub engine step", bounds={"ge": 0}),
     Option("log_level", str, "info", "level of the JSON log on stderr", choices=("debug", "info", "warning", "error")),
 )
@@ -52,10 +57,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from . import bulk, dlq, status
 
     for name, module, help_text in (
-            ("bulk", bulk, "run a JSONL file of requests (OpenAI batch format) through the queue, resumably"),
-            ("status", status, "workers, queue depths, pending jobs and dead letters"),
-            ("dlq", dlq, "list, retry or purge dead-lettered jobs"),
-            ("serve", _LazyServe, "OpenAI-compatible HTTP gateway over the queue (completions, chat, batches)")):
+        ("bulk", bulk, "run a JSONL file of requests (OpenAI batch format) through the queue, resumably"),
+        ("status", status, "workers, queue depths, pending jobs and dead letters"),
+        ("dlq", dlq, "list, retry or purge dead-lettered jobs"),
+        ("serve", _LazyServe, "OpenAI-compatible HTTP gateway over the queue (completions, chat, batches)"),
+    ):
         sub = subparsers.add_parser(name, help=help_text)
         module.add_args(sub)
         sub.set_defaults(func=module.run)
@@ -92,8 +98,9 @@ def register_bench(bench_subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis", default=None,
-                   help="Redis URL (default: $PAGEDQ_REDIS_URL, else a private redis-server is started)")
+    p.add_argument(
+        "--redis", default=None, help="Redis URL (default: $PAGEDQ_REDIS_URL, else a private redis-server is started)"
+    )
     add_options(p, (*ENGINE_OPTIONS, *WORKER_OPTIONS))
 
 
@@ -101,9 +108,13 @@ def configure_logging(level: str = "info") -> None:
     import structlog
 
     structlog.configure(
-        processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
-                    structlog.processors.TimeStamper(fmt="iso", utc=True), structlog.processors.format_exc_info,
-                    structlog.processors.JSONRenderer()],
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=True,
@@ -116,8 +127,13 @@ def build_engine(args: argparse.Namespace) -> tuple[Any, str]:
         from .stub_engine import StubEngine
 
         limits = {"max_model_len": args.max_model_len} if args.max_model_len else {}
-        engine = StubEngine(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                            max_num_seqs=args.max_num_seqs, step_delay_s=args.stub_step_delay, **limits)
+        engine = StubEngine(
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            max_num_seqs=args.max_num_seqs,
+            step_delay_s=args.stub_step_delay,
+            **limits,
+        )
         return engine, "stub"
     from engine import LLMEngine
     from engine.options import engine_kwargs_from
@@ -139,8 +155,9 @@ def settings_from_args(args: argparse.Namespace, device: str, model: str) -> Wor
     if values["name"] is None:
         del values["name"]  # the field's default: hostname-pid
     # --celery turns the Celery front door on; its broker defaults to $CELERY_BROKER_URL, else the worker's Redis
-    values["celery_broker"] = ((args.celery_broker or os.environ.get("CELERY_BROKER_URL") or args.redis)
-                               if args.celery else None)
+    values["celery_broker"] = (
+        (args.celery_broker or os.environ.get("CELERY_BROKER_URL") or args.redis) if args.celery else None
+    )
     return WorkerSettings(**values, device=device, model=model)
 
 
@@ -160,8 +177,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.redis is None:
         embedded = EmbeddedRedis().start()
         args.redis = embedded.url
-        log.info("embedded_redis_started", url=embedded.url,
-                 reason="no Redis configured (neither --redis nor PAGEDQ_REDIS_URL): started a private redis-server")
+        log.info(
+            "embedded_redis_started",
+            url=embedded.url,
+            reason="no Redis configured (neither --redis nor PAGEDQ_REDIS_URL): started a private redis-server",
+        )
     try:
         engine, model = build_engine(args)
         device = _engine_device(engine, args.device)

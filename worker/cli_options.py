@@ -73,15 +73,26 @@ def dataclass_options(cls: type) -> tuple[Option, ...]:
         default = None if f.default is dataclasses.MISSING else f.default
         extra = {k: v for k, v in spec.items() if k not in ("help", "name")}
         nullable = type(None) in typing.get_args(hints[name]) or default is None
-        out.append(Option(spec["name"] or name, value_type(hints[name]), default, spec["help"], nullable=nullable,
-                          target=name, **extra))
+        out.append(
+            Option(
+                spec["name"] or name,
+                value_type(hints[name]),
+                default,
+                spec["help"],
+                nullable=nullable,
+                target=name,
+                **extra,
+            )
+        )
     return tuple(out)
 
 
 def engine_flag_options(exclude: Iterable[str] = ()) -> tuple[Option, ...]:
     """engine/options.py's knobs as Options (EngineConfig validates their values when the engine is built)."""
-    return tuple(Option(o.name, o.type, o.default, o.help, choices=o.choices, nullable=o.optional,
-                        negatable=o.negatable) for o in engine_options(exclude))
+    return tuple(
+        Option(o.name, o.type, o.default, o.help, choices=o.choices, nullable=o.optional, negatable=o.negatable)
+        for o in engine_options(exclude)
+    )
 
 
 def _split(value: object) -> object:
@@ -102,8 +113,12 @@ def settings_model(name: str, options: Sequence[Option]) -> type[BaseSettings]:
     for o in options:
         bounds: dict[str, float | None] = {"ge": None, "gt": None, "le": None, "lt": None, **o.bounds}
         pattern = None if o.append else o.pattern
-        fields[o.name] = (_annotation(o), Field(default=o.default, ge=bounds["ge"], gt=bounds["gt"], le=bounds["le"],
-                                                lt=bounds["lt"], pattern=pattern))
+        fields[o.name] = (
+            _annotation(o),
+            Field(
+                default=o.default, ge=bounds["ge"], gt=bounds["gt"], le=bounds["le"], lt=bounds["lt"], pattern=pattern
+            ),
+        )
     config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
     base = cast(type[BaseSettings], type(f"{name}Base", (BaseSettings,), {"model_config": config}))
     with warnings.catch_warnings():  # a flag named like a BaseModel method (--json): the field still wins on reads
@@ -135,8 +150,12 @@ class SettingsParser(StrictArgumentParser):
     """A pagedq parser whose commands' options fall back to PAGEDQ_* variables, then to their defaults, and are
     validated: a bad value exits 2 with one line naming the flag or the variable."""
 
-    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
-                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+    # argparse's stub declares overloads for a namespace type parameter; one plain signature serves here
+    def parse_known_args(  # type: ignore[override]
+        self,
+        args: Sequence[str] | None = None,
+        namespace: argparse.Namespace | None = None,
+    ) -> tuple[argparse.Namespace, list[str]]:
         parsed, extras = super().parse_known_args(args, namespace)
         options: tuple[Option, ...] = getattr(self, "pagedq_options", ())
         if options:

@@ -23,8 +23,14 @@ from .settings import redis_url
 
 
 class Client(ClientCore):
-    def __init__(self, url: str | None = None, queue: str = "default", *,
-                 max_queue_depth: int | None = None, redis: SyncRedis | None = None) -> None:
+    def __init__(
+        self,
+        url: str | None = None,
+        queue: str = "default",
+        *,
+        max_queue_depth: int | None = None,
+        redis: SyncRedis | None = None,
+    ) -> None:
         super().__init__(queue, max_queue_depth)
         # url None: PAGEDQ_REDIS_URL, else a local Redis (worker/settings.py); redis+cluster:// a cluster
         self.r = redis if redis is not None else connect(redis_url(url))

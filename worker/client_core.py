@@ -17,17 +17,33 @@ from .keys import BANDS, DATA_FIELD, JOB_FIELD, TYPE_FIELD, QueueKeys, band_for_
 POLL_MS = 1_000  # longest single XREAD BLOCK; timeouts are enforced between blocks
 
 
-def make_job(prompt: str | None = None, *, prompt_token_ids: list[int] | None = None,
-             messages: list[dict[str, str]] | None = None, stream: bool = False,
-             priority: int = 0, deadline: float | _dt.datetime | None = None, metadata: dict | None = None,
-             job_id: str | None = None, **sampling: Any) -> Job:
+def make_job(
+    prompt: str | None = None,
+    *,
+    prompt_token_ids: list[int] | None = None,
+    messages: list[dict[str, str]] | None = None,
+    stream: bool = False,
+    priority: int = 0,
+    deadline: float | _dt.datetime | None = None,
+    metadata: dict | None = None,
+    job_id: str | None = None,
+    **sampling: Any,
+) -> Job:
     """Validate one job (raises JobRejected naming every problem; nothing is sent)."""
     if isinstance(deadline, _dt.datetime):
         deadline = deadline.timestamp()
     elif isinstance(deadline, int) and not isinstance(deadline, bool):
         deadline = float(deadline)
-    fields: dict[str, Any] = dict(sampling, prompt=prompt, prompt_token_ids=prompt_token_ids, messages=messages,
-                                  stream=stream, priority=priority, deadline=deadline, metadata=metadata)
+    fields: dict[str, Any] = dict(
+        sampling,
+        prompt=prompt,
+        prompt_token_ids=prompt_token_ids,
+        messages=messages,
+        stream=stream,
+        priority=priority,
+        deadline=deadline,
+        metadata=metadata,
+    )
     for name in ("temperature", "top_p", "min_p"):  # ints are fine where floats are meant
         if type(fields.get(name)) is int:
             fields[name] = float(fields[name])

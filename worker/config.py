@@ -19,8 +19,14 @@ def default_worker_name() -> str:
 QUEUE_PATTERN = r"^[^{}:\s]{1,100}$"
 
 
-def _flag(default: object, help: str, name: str | None = None, pattern: str | None = None,
-          factory: Callable[[], object] | None = None, **bounds: float) -> Any:
+def _flag(
+    default: object,
+    help: str,
+    name: str | None = None,
+    pattern: str | None = None,
+    factory: Callable[[], object] | None = None,
+    **bounds: float,
+) -> Any:
     """A field that is also a `pagedq worker` flag and PAGEDQ_* variable (worker/cli_options.py reads this); `name`
     when the flag is not the field's name, `factory` for a default computed per instance (the flag's is None)."""
     metadata = {"option": {"help": help, "name": name, "bounds": bounds, "pattern": pattern}}
@@ -36,8 +42,11 @@ class WorkerSettings:
 
     queue: str = _flag("default", "queue name", pattern=QUEUE_PATTERN)
     # hostname alone is stable across container restarts; the pid keeps two workers on one host apart.
-    name: str = _flag(None, "consumer name; keep it stable to re-read own pending jobs on restart (default: "
-                            "hostname-pid)", factory=default_worker_name)
+    name: str = _flag(
+        None,
+        "consumer name; keep it stable to re-read own pending jobs on restart (default: hostname-pid)",
+        factory=default_worker_name,
+    )
     # a job idle longer than this in a dead worker's pending list is claimed by others
     lease_ms: int = _flag(60_000, "ms a held job's lease lasts unrenewed before another worker may claim it", ge=1)
     renew_every_s: float | None = None  # default lease/3
@@ -45,33 +54,49 @@ class WorkerSettings:
     # runs a job gets at most (worker/recovery.py); then it is dead-lettered
     max_attempts: int = _flag(3, "deliveries of a job before it is dead-lettered", ge=1, le=1000)
     # distinct jobs failing alone in a row: the engine is broken, stop (recovery.py)
-    engine_failure_limit: int = _flag(3, "distinct jobs failing alone in a row after which the engine counts as "
-                                         "broken: the worker exits with status 3, leaving its jobs unacknowledged "
-                                         "for redelivery", ge=1)
+    engine_failure_limit: int = _flag(
+        3,
+        "distinct jobs failing alone in a row after which the engine counts as "
+        "broken: the worker exits with status 3, leaving its jobs unacknowledged "
+        "for redelivery",
+        ge=1,
+    )
     result_ttl_s: int = _flag(86_400, "seconds results are kept", "result_ttl", ge=1)
     completions_maxlen: int = _flag(100_000, "approximate length cap of the completions stream", ge=1)
     block_ms: int = _flag(1_000, "ms to block on XREADGROUP when the engine is idle", ge=1, le=60_000)
     # per band and the bands above
     max_waiting: int = _flag(64, "jobs read ahead into the engine's waiting queue at most", ge=1)
-    band_min_share: float = _flag(0.1, "starvation guard: least share of admissions a lower band keeps while higher "
-                                       "ones are busy", ge=0, le=1)
+    band_min_share: float = _flag(
+        0.1, "starvation guard: least share of admissions a lower band keeps while higher ones are busy", ge=0, le=1
+    )
     reserve_seqs: int = _flag(2, "engine sequence slots the bulk band leaves free for interactive/default jobs", ge=0)
     drain_timeout_s: float = _flag(30.0, "seconds to finish in-flight jobs after SIGTERM", "drain_timeout", ge=0)
-    redis_outage_s: float = _flag(300.0, "seconds to keep generating and reconnecting while Redis is unreachable "
-                                         "before exiting with status 4", "redis_outage", ge=0)
+    redis_outage_s: float = _flag(
+        300.0,
+        "seconds to keep generating and reconnecting while Redis is unreachable before exiting with status 4",
+        "redis_outage",
+        ge=0,
+    )
     heartbeat_every_s: float = _flag(5.0, "seconds between heartbeats", "heartbeat_interval", gt=0)
     burst: bool = _flag(False, "exit once nothing is queued, pending or running")
     device: str = "auto"
     model: str = ""
     # Celery front door (worker/celery_intake.py): on when a broker URL is set (the CLI: --celery)
     celery_broker: str | None = _flag(None, "Celery broker URL (default: $CELERY_BROKER_URL, else the Redis URL)")
-    celery_backend: str | None = _flag(None, "Celery result backend URL (default: $CELERY_RESULT_BACKEND, else the "
-                                             "broker)")
-    celery_queue: str | None = _flag(None, "Celery queue(s) to serve, a comma list like celery's -Q (default: "
-                                      "pagedq; add celery to serve producers without task_routes)")
+    celery_backend: str | None = _flag(
+        None, "Celery result backend URL (default: $CELERY_RESULT_BACKEND, else the broker)"
+    )
+    celery_queue: str | None = _flag(
+        None,
+        "Celery queue(s) to serve, a comma list like celery's -Q (default: "
+        "pagedq; add celery to serve producers without task_routes)",
+    )
     celery_visibility_timeout_s: float | None = _flag(
-        None, "seconds before an unacked Celery message is redelivered (default 3600); above the longest job",
-        "celery_visibility_timeout", gt=0)
+        None,
+        "seconds before an unacked Celery message is redelivered (default 3600); above the longest job",
+        "celery_visibility_timeout",
+        gt=0,
+    )
     celery_poll_s: float = 0.05  # after an empty poll of the Celery queue, wait this long before the next
     # Prometheus metrics (worker/metrics.py): on when a port is set (0: any free port)
     metrics_port: int | None = _flag(None, "serve Prometheus metrics on this port (0: any free port)", ge=0, le=65535)

@@ -75,8 +75,10 @@ def refuse_cluster(what: str, *urls: str | None) -> None:
     """Stop (ClusterUnsupported) when one of urls names a cluster: `what` cannot use one."""
     for url in urls:
         if url and is_cluster_url(url):
-            raise ClusterUnsupported(f"pagedq: {what} does not support Redis Cluster ({url}): "
-                                     "give it a plain redis:// URL (the queue itself may stay on the cluster)")
+            raise ClusterUnsupported(
+                f"pagedq: {what} does not support Redis Cluster ({url}): "
+                "give it a plain redis:// URL (the queue itself may stay on the cluster)"
+            )
 
 
 def probe_client(client: SyncRedis, timeout_s: float) -> SyncRedis:
@@ -89,5 +91,6 @@ def probe_client(client: SyncRedis, timeout_s: float) -> SyncRedis:
         return redis.cluster.RedisCluster(startup_nodes=nodes, **kwargs)
     pool = client.connection_pool
     kwargs = {**pool.connection_kwargs, "socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
-    return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=pool.connection_class,
-                                                            max_connections=4, **kwargs))
+    return redis.Redis(
+        connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, max_connections=4, **kwargs)
+    )

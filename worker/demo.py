@@ -21,8 +21,9 @@ QUESTIONS = [
 def _chat(tokenizer, question: str) -> str:
     """The instruct model answers best through its chat template; fall back to the bare question."""
     try:
-        return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                             add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+        )
     except Exception:
         return question
 
@@ -47,16 +48,27 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def _produce(client: Client, tokenizer, max_tokens: int, redis_url: str) -> None:
     print(f"redis: {redis_url}  queue: {client.keys.queue}")  # a URL a second shell can connect to
-    streamed = client.submit(prompt=_chat(tokenizer, QUESTIONS[0]), max_tokens=max_tokens, temperature=0.0,
-                             stream=True, metadata={"question": QUESTIONS[0]})
-    others = client.submit_many([dict(prompt=_chat(tokenizer, q), max_tokens=max_tokens, temperature=0.0,
-                                      metadata={"question": q}) for q in QUESTIONS[1:]])
+    streamed = client.submit(
+        prompt=_chat(tokenizer, QUESTIONS[0]),
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+        metadata={"question": QUESTIONS[0]},
+    )
+    others = client.submit_many(
+        [
+            dict(prompt=_chat(tokenizer, q), max_tokens=max_tokens, temperature=0.0, metadata={"question": q})
+            for q in QUESTIONS[1:]
+        ]
+    )
     print(f"\n[{QUESTIONS[0]}] (streamed)\n> ", end="", flush=True)
     for delta in client.stream(streamed, timeout=120):
         print(delta.text, end="", flush=True)
     print()
     for job_id in [streamed, *others]:
         res = client.result(job_id, timeout=300)
-        print(f"\n[{(res.metadata or {}).get('question')}] status={res.status} finish={res.finish_reason} "
-              f"tokens={res.usage.completion_tokens} ttft={res.timings.ttft}s total={res.timings.total}s")
+        print(
+            f"\n[{(res.metadata or {}).get('question')}] status={res.status} finish={res.finish_reason} "
+            f"tokens={res.usage.completion_tokens} ttft={res.timings.ttft}s total={res.timings.total}s"
+        )
         print(f"> {res.text.strip()}")

@@ -105,10 +105,15 @@ def run(args: argparse.Namespace) -> int:
 
 def _line(letter: dict[str, Any]) -> str:
     job = letter.get("job") or {}
-    prompt = job.get("prompt") or (f"<{len(job['prompt_token_ids'])} token ids>" if job.get("prompt_token_ids")
-                                   else f"<{len(job.get('messages') or [])} messages>")
-    return (f"{letter['id']}  attempts={letter.get('attempts')}  worker={letter.get('worker')}  "
-            f"prompt={prompt[:40]!r}\n    error: {letter.get('error')}")
+    prompt = job.get("prompt") or (
+        f"<{len(job['prompt_token_ids'])} token ids>"
+        if job.get("prompt_token_ids")
+        else f"<{len(job.get('messages') or [])} messages>"
+    )
+    return (
+        f"{letter['id']}  attempts={letter.get('attempts')}  worker={letter.get('worker')}  "
+        f"prompt={prompt[:40]!r}\n    error: {letter.get('error')}"
+    )
 
 
 def _s(value: Any) -> str:

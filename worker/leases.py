@@ -48,7 +48,7 @@ class Leases:
         """Renew our leases on entries of a band; return those another worker has claimed meanwhile."""
         lost = []
         for i in range(0, len(entry_ids), 1000):
-            chunk = entry_ids[i:i + 1000]
+            chunk = entry_ids[i : i + 1000]
             lost += scripts.call(self.r, "renew", [self.keys.jobs_of(band)], [GROUP, self.name, *chunk])
         return [_s(x) for x in lost]
 
@@ -56,8 +56,9 @@ class Leases:
         """XAUTOCLAIM up to count entries of a band idle past the lease (walking its pending list with a cursor)."""
         if count <= 0:
             return []
-        reply = self.r.xautoclaim(self.keys.jobs_of(band), GROUP, self.name, self.lease_ms, self.cursors[band],
-                                  count=count)
+        reply = self.r.xautoclaim(
+            self.keys.jobs_of(band), GROUP, self.name, self.lease_ms, self.cursors[band], count=count
+        )
         self.cursors[band] = _s(reply[0])
         return list(reply[1])
 
@@ -65,15 +66,27 @@ class Leases:
 class Heartbeat:
     def __init__(self, redis_client: Any, keys: QueueKeys, name: str, interval_s: float, info: dict) -> None:
         self.r, self.keys, self.name, self.interval = redis_client, keys, name, interval_s
-        self.info = {"worker": name, "host": socket.gethostname(), "pid": os.getpid(), "queue": keys.queue,
-                     "started_at": time.time(), **info}
+        self.info = {
+            "worker": name,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "queue": keys.queue,
+            "started_at": time.time(),
+            **info,
+        }
 
     def beat(self, engine: WorkerEngine, held: int, stats: dict, state: str = "running") -> None:
         now = time.time()
         payload = {
-            **self.info, **stats, "state": state, "updated_at": now, "held_jobs": held,
-            "running": engine.num_running_requests, "waiting": engine.num_waiting_requests,
-            "free_blocks": engine.num_free_blocks, "total_blocks": engine.num_total_blocks,
+            **self.info,
+            **stats,
+            "state": state,
+            "updated_at": now,
+            "held_jobs": held,
+            "running": engine.num_running_requests,
+            "waiting": engine.num_waiting_requests,
+            "free_blocks": engine.num_free_blocks,
+            "total_blocks": engine.num_total_blocks,
             "kv_utilization": 1.0 - engine.num_free_blocks / max(engine.num_total_blocks, 1),
             "kv_slot_utilization": float(getattr(engine, "kv_slot_utilization", 0.0)),
         }

@@ -60,13 +60,20 @@ class Metrics:
         self.slot_util = gauge("pagedq_kv_slot_utilization", "Fraction of KV slots of used blocks holding tokens")
         self.tokens = Counter("pagedq_generated_tokens", "Tokens generated", q, registry=reg).labels(queue)
         self.preemptions = Counter("pagedq_preemptions", "Engine preemptions", q, registry=reg).labels(queue)
-        self.outages = Counter("pagedq_redis_outages", "Times this worker lost Redis and carried on once it was back",
-                               q, registry=reg).labels(queue)
+        self.outages = Counter(
+            "pagedq_redis_outages", "Times this worker lost Redis and carried on once it was back", q, registry=reg
+        ).labels(queue)
         self.jobs = Counter("pagedq_jobs_finished", "Jobs finished by this worker", [*q, "status"], registry=reg)
-        self.ttft = Histogram("pagedq_time_to_first_token_seconds", "Enqueue to first token", q,
-                              buckets=LATENCY_BUCKETS, registry=reg).labels(queue)
-        self.e2e = Histogram("pagedq_e2e_latency_seconds", "Enqueue to final record (completed jobs)", q,
-                             buckets=LATENCY_BUCKETS, registry=reg).labels(queue)
+        self.ttft = Histogram(
+            "pagedq_time_to_first_token_seconds", "Enqueue to first token", q, buckets=LATENCY_BUCKETS, registry=reg
+        ).labels(queue)
+        self.e2e = Histogram(
+            "pagedq_e2e_latency_seconds",
+            "Enqueue to final record (completed jobs)",
+            q,
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        ).labels(queue)
         self._seen = {"tokens": 0, "preemptions": 0, "outages": 0}
         self._seen_status: dict[str, int] = {}
         self.stale_after_s = LIVENESS_STALE_S
@@ -170,7 +177,7 @@ class Metrics:
             pipe.xrange(k.jobs_of(band), "-", "+", count=1)
         replies = pipe.execute(raise_on_error=False)
         for i, band in enumerate(BANDS):
-            depth, summary, dead, first = replies[4 * i:4 * i + 4]
+            depth, summary, dead, first = replies[4 * i : 4 * i + 4]
             pending = 0 if isinstance(summary, Exception) else int(summary["pending"])  # NOGROUP before any worker
             self.depth.labels(q, band).set(int(depth))
             self.dead.labels(q, band).set(int(dead))
@@ -199,8 +206,7 @@ def _json(start_response: Callable, ok: bool, body: dict, status: str | None = N
     status = status or ("200" if ok else "503")
     reason = {"200": "OK", "503": "Service Unavailable", "404": "Not Found"}[status]
     payload = json.dumps(body).encode()
-    start_response(f"{status} {reason}", [("Content-Type", "application/json"),
-                                          ("Content-Length", str(len(payload)))])
+    start_response(f"{status} {reason}", [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))])
     return [payload]
 
 

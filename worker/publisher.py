@@ -22,6 +22,7 @@ FINALIZE_CHUNK = 256  # jobs per FINALIZE call: bounds how long one script block
 log = structlog.get_logger("pagedq.publisher")
 MAX_DEAD_RAW_BYTES = 1024 * 1024  # of a raw dead letter: enough to see what it was
 
+
 class Publisher:
     def __init__(self, keys: QueueKeys, worker_name: str, result_ttl_s: int, completions_maxlen: int) -> None:
         self.keys, self.worker_name = keys, worker_name
@@ -40,8 +41,9 @@ class Publisher:
     def __len__(self) -> int:
         return len(self.ops) + len(self.finals) + len(self.celery_done)
 
-    def delta(self, job_id: str, text: str, token_ids: list[int], pos: int, logprobs: list | None,
-              index: int | None = None) -> None:
+    def delta(
+        self, job_id: str, text: str, token_ids: list[int], pos: int, logprobs: list | None, index: int | None = None
+    ) -> None:
         payload: dict[str, Any] = {"text": text, "token_ids": token_ids, "pos": pos}
         if logprobs:
             payload["logprobs"] = logprobs
@@ -62,35 +64,84 @@ class Publisher:
             entry_id = None
         elif origin not in BANDS:
             raise ValueError(f"unknown origin {origin!r}")
-        self.finals.append((record.id, entry_id or "", record.model_dump_json(), json.dumps(dead) if dead else "",
-                            origin if origin in BANDS else DEFAULT_BAND))
+        self.finals.append(
+            (
+                record.id,
+                entry_id or "",
+                record.model_dump_json(),
+                json.dumps(dead) if dead else "",
+                origin if origin in BANDS else DEFAULT_BAND,
+            )
+        )
 
     def dead_raw(self, entry_id: str, raw: Any, error: str, band: str = DEFAULT_BAND) -> None:
         """Dead-letter an entry as the bytes it holds (it could not even be rejected) and acknowledge it."""
         raw_bytes = raw if isinstance(raw, bytes) else str(raw).encode(errors="replace") if raw is not None else b""
-        data = json.dumps({"job": None, "entry_id": entry_id, "band": band, "error": error, "attempts": 1,
-                           "worker": self.worker_name, "raw_bytes": len(raw_bytes)})
+        data = json.dumps(
+            {
+                "job": None,
+                "entry_id": entry_id,
+                "band": band,
+                "error": error,
+                "attempts": 1,
+                "worker": self.worker_name,
+                "raw_bytes": len(raw_bytes),
+            }
+        )
         k = self.keys
-        self.ops.append(("EVALSHA", scripts.SHA["dead_raw"], 2, k.jobs_of(band), k.dead_of(band), GROUP, entry_id,
-                         entry_id, data,
-                         raw_bytes[:MAX_DEAD_RAW_BYTES]))
+        self.ops.append(
+            (
+                "EVALSHA",
+                scripts.SHA["dead_raw"],
+                2,
+                k.jobs_of(band),
+                k.dead_of(band),
+                GROUP,
+                entry_id,
+                entry_id,
+                data,
+                raw_bytes[:MAX_DEAD_RAW_BYTES],
+            )
+        )
 
     def record(self, t: HeldJob, status: str, error: str | None = None, now: float | None = None) -> FinalRecord:
         """The final record of a held job. Built without re-validation (hot path; every field is ours)."""
         now = now or time.time()
-        timings = Timings.model_construct(queue_wait=_dt(t.enqueued_at, t.admitted_at),
-                                          ttft=_dt(t.enqueued_at, t.first_token_at), total=_dt(t.enqueued_at, now))
+        timings = Timings.model_construct(
+            queue_wait=_dt(t.enqueued_at, t.admitted_at),
+            ttft=_dt(t.enqueued_at, t.first_token_at),
+            total=_dt(t.enqueued_at, now),
+        )
         choices = None
         if t.samples:
-            choices = [Choice.model_construct(index=i, text="".join(s.text_parts), token_ids=s.token_ids,
-                                              finish_reason=s.finish_reason, stop_reason=s.stop_reason,
-                                              logprobs=s.logprobs) for i, s in sorted(t.samples.items())]
+            choices = [
+                Choice.model_construct(
+                    index=i,
+                    text="".join(s.text_parts),
+                    token_ids=s.token_ids,
+                    finish_reason=s.finish_reason,
+                    stop_reason=s.stop_reason,
+                    logprobs=s.logprobs,
+                )
+                for i, s in sorted(t.samples.items())
+            ]
         completion_tokens = sum(len(s.token_ids) for s in t.samples.values()) if t.samples else len(t.token_ids)
         usage = Usage.model_construct(prompt_tokens=t.prompt_tokens, completion_tokens=completion_tokens)
         return FinalRecord.model_construct(
-            id=t.id, status=status, text=t.text, token_ids=t.token_ids, finish_reason=t.finish_reason,
-            stop_reason=t.stop_reason, usage=usage, timings=timings, metadata=t.job.metadata, error=error,
-            logprobs=t.logprobs, prompt_logprobs=t.prompt_logprobs, worker=self.worker_name, attempts=t.attempts,
+            id=t.id,
+            status=status,
+            text=t.text,
+            token_ids=t.token_ids,
+            finish_reason=t.finish_reason,
+            stop_reason=t.stop_reason,
+            usage=usage,
+            timings=timings,
+            metadata=t.job.metadata,
+            error=error,
+            logprobs=t.logprobs,
+            prompt_logprobs=t.prompt_logprobs,
+            worker=self.worker_name,
+            attempts=t.attempts,
             choices=choices,
         )
 
@@ -101,7 +152,7 @@ class Publisher:
         self.settling, self.celery_done = self.celery_done, []
         k = self.keys
         for i in range(0, len(finals), FINALIZE_CHUNK):
-            chunk = finals[i:i + FINALIZE_CHUNK]
+            chunk = finals[i : i + FINALIZE_CHUNK]
             keys, args = [k.completions, k.cancelled, k.ids, k.runs], [GROUP, self.ttl, self.maxlen]
             for job_id, entry_id, final_json, dead_json, band in chunk:
                 keys += [k.final(job_id), k.result(job_id), k.jobs_of(band), k.dead_of(band)]

@@ -118,6 +118,7 @@ class Recovery:
     stop_by: float
 
     if TYPE_CHECKING:
+
         def _leave_engine(self, t: HeldJob) -> RequestOutput | None: ...
         def _step(self) -> None: ...
 
@@ -151,8 +152,9 @@ class Recovery:
         is charged), unless it has already used max_attempts runs and has failed alone at least once; then
         it is dead-lettered. A job is never condemned for a batch it was only part of."""
         if t.runs_alone > 0 and t.attempts >= self.s.max_attempts:
-            self.intake.dead_letter(t, "its worker died each time it ran alone" if t.recovered
-                                    else "the job failed in the engine")
+            self.intake.dead_letter(
+                t, "its worker died each time it ran alone" if t.recovered else "the job failed in the engine"
+            )
             self.held.finish(t)
             return False
         self.r.hincrby(self.keys.runs, t.id, 1)  # before the run, so that a crash during it is charged to it
@@ -187,8 +189,7 @@ class Recovery:
         self.leases.ensure_group()  # a Redis that came back empty has neither the group nor the scripts
         scripts.load_all(self.r)
         self.num_redis_outages += 1
-        self.log.info("redis_reconnected", seconds=round(time.monotonic() - started, 3),
-                      buffered=len(self.publisher))
+        self.log.info("redis_reconnected", seconds=round(time.monotonic() - started, 3), buffered=len(self.publisher))
 
     def _step_if_busy(self) -> bool:
         if not self.engine.has_unfinished_requests():

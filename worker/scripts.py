@@ -145,9 +145,16 @@ end
 return 0
 """
 
-ALL = {"finalize": FINALIZE, "submit": SUBMIT, "renew": RENEW, "cancel": CANCEL, "dead_raw": DEAD_RAW,
-       "bulk_enqueue": BULK_ENQUEUE, "dlq_retry": DLQ_RETRY,
-       "append_once": APPEND_ONCE}
+ALL = {
+    "finalize": FINALIZE,
+    "submit": SUBMIT,
+    "renew": RENEW,
+    "cancel": CANCEL,
+    "dead_raw": DEAD_RAW,
+    "bulk_enqueue": BULK_ENQUEUE,
+    "dlq_retry": DLQ_RETRY,
+    "append_once": APPEND_ONCE,
+}
 SHA = {name: hashlib.sha1(src.encode()).hexdigest() for name, src in ALL.items()}
 
 

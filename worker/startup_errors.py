@@ -71,8 +71,9 @@ def report(problem: StartupProblem, command: str = "") -> int:
 
         configure_logging()
     message = " ".join(problem.message.split())  # one line, whatever the underlying error held
-    structlog.get_logger("pagedq").error("startup_failed", command=command, cause=problem.cause, error=message,
-                                         **problem.fields)
+    structlog.get_logger("pagedq").error(
+        "startup_failed", command=command, cause=problem.cause, error=message, **problem.fields
+    )
     print(f"{' '.join(['pagedq', command]).rstrip()}: error: {message}", file=sys.stderr, flush=True)
     return EXIT_STARTUP
 
@@ -100,23 +101,31 @@ def _redis_problem(exc: BaseException, args: argparse.Namespace) -> StartupProbl
     shown = redact(url)
     fields: dict[str, str | int] = {"redis_url": shown, "source": source}
     if isinstance(exc, AuthenticationError):  # before ConnectionError: it is one
-        return StartupProblem("redis_auth", f"Redis at {shown} ({source}) refused the credentials: "
-                                            f"{_scrub(str(exc), url)}", fields)
+        return StartupProblem(
+            "redis_auth", f"Redis at {shown} ({source}) refused the credentials: {_scrub(str(exc), url)}", fields
+        )
     if isinstance(exc, ClusterError) or (isinstance(exc, ResponseError) and _cluster_reply(exc)):
         reply = _scrub(f"{getattr(exc, 'status_code', None) or ''} {exc}".strip(), url)
         if url.startswith(f"{CLUSTER_SCHEME}://"):
             return StartupProblem("redis_cluster", f"the Redis cluster at {shown} is not serving: {reply}", fields)
-        return StartupProblem("redis_cluster", f"Redis at {shown} ({source}) is a cluster node (it answered "
-                                               f"{reply}): this is a cluster: use {_cluster_url(shown)}", fields)
+        return StartupProblem(
+            "redis_cluster",
+            f"Redis at {shown} ({source}) is a cluster node (it answered "
+            f"{reply}): this is a cluster: use {_cluster_url(shown)}",
+            fields,
+        )
     # RedisClusterException: what a cluster client says when no node of the cluster answers.
     if isinstance(exc, (RedisConnectionError, RedisTimeoutError, RedisClusterException)):
-        return StartupProblem("redis_unreachable", f"cannot reach Redis at {shown} ({source}): "
-                                                   f"{_scrub(str(exc), url)}", fields)
+        return StartupProblem(
+            "redis_unreachable", f"cannot reach Redis at {shown} ({source}): {_scrub(str(exc), url)}", fields
+        )
     # parse_url: redis-py's check of the URL (scheme, port, db); worker/connection.py: the cluster-aware one.
-    if isinstance(exc, ValueError) and (_raised_in(exc, _package_dir("redis"), "parse_url")
-                                        or _raised_in(exc, "worker/connection.py")):
-        return StartupProblem("redis_url", f"{source} {shown!r} is not a usable Redis URL: {_scrub(str(exc), url)}",
-                              fields)
+    if isinstance(exc, ValueError) and (
+        _raised_in(exc, _package_dir("redis"), "parse_url") or _raised_in(exc, "worker/connection.py")
+    ):
+        return StartupProblem(
+            "redis_url", f"{source} {shown!r} is not a usable Redis URL: {_scrub(str(exc), url)}", fields
+        )
     return None
 
 
@@ -168,9 +177,11 @@ def _scrub(text: str, url: str) -> str:
 
 def _raised_in(exc: BaseException, where: str, function: str | None = None) -> bool:
     """Whether a frame of the exception's traceback ran in the file or package at `where` (in `function`)."""
-    return any((frame.filename.startswith(where) or frame.filename.endswith(where))
-               and (function is None or frame.name == function)
-               for frame in traceback.extract_tb(exc.__traceback__))
+    return any(
+        (frame.filename.startswith(where) or frame.filename.endswith(where))
+        and (function is None or frame.name == function)
+        for frame in traceback.extract_tb(exc.__traceback__)
+    )
 
 
 def _package_dir(name: str) -> str:

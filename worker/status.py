@@ -34,7 +34,7 @@ def discover_queues(r: SyncRedis) -> list[str]:
     for pattern in (f"{PREFIX}:{{*}}:jobs", f"{PREFIX}:{{*}}:workers"):
         for key in r.scan_iter(match=pattern, count=1000):
             name = _s(key)
-            found.add(name[name.index("{") + 1:name.index("}")])
+            found.add(name[name.index("{") + 1 : name.index("}")])
     return sorted(found) or ["default"]
 
 
@@ -52,16 +52,21 @@ def queue_status(r: SyncRedis, queue: str, now: float | None = None) -> dict[str
     replies = _checked(pipe.execute(raise_on_error=False))
     bands = {}
     for i, band in enumerate(BANDS):
-        depth, summary, dead = replies[3 * i:3 * i + 3]
+        depth, summary, dead = replies[3 * i : 3 * i + 3]
         pending = 0 if summary is None else int(summary["pending"])  # None: NOGROUP, no worker has started yet
-        bands[band] = {"depth": int(depth), "pending": pending, "undelivered": max(int(depth) - pending, 0),
-                       "dead_letters": int(dead)}
+        bands[band] = {
+            "depth": int(depth),
+            "pending": pending,
+            "undelivered": max(int(depth) - pending, 0),
+            "dead_letters": int(dead),
+        }
     cancels, members = replies[-2:]
     names = [(_s(name), score) for name, score in members]
     beats = r.mget([k.heartbeat(name) for name, _ in names]) if names else []
     workers = [_worker_row(name, score, raw, now) for (name, score), raw in zip(names, beats)]
-    totals = {field: sum(b[field] for b in bands.values()) for field in ("depth", "pending", "undelivered",
-                                                                          "dead_letters")}
+    totals = {
+        field: sum(b[field] for b in bands.values()) for field in ("depth", "pending", "undelivered", "dead_letters")
+    }
     return {"queue": queue, **totals, "bands": bands, "cancel_requests": int(cancels), "workers": workers}
 
 
@@ -82,30 +87,68 @@ def _worker_row(name: str, last_beat: float, raw: bytes | str | None, now: float
     row: dict[str, Any] = {"worker": name, "heartbeat_age_s": round(now - last_beat, 1), "state": "gone"}
     if raw:
         hb = json.loads(raw)
-        row.update(state=hb.get("state", "?"), device=hb.get("device"), model=hb.get("model"),
-                   running=hb.get("running"), waiting=hb.get("waiting"), held=hb.get("held_jobs"),
-                   kv_utilization=hb.get("kv_utilization"), free_blocks=hb.get("free_blocks"),
-                   total_blocks=hb.get("total_blocks"), completed=hb.get("completed"), failed=hb.get("failed"),
-                   rejected=hb.get("rejected"),
-                   heartbeat_age_s=round(now - hb.get("updated_at", last_beat), 1), host=hb.get("host"),
-                   pid=hb.get("pid"), celery_queue=hb.get("celery_queue"))
+        row.update(
+            state=hb.get("state", "?"),
+            device=hb.get("device"),
+            model=hb.get("model"),
+            running=hb.get("running"),
+            waiting=hb.get("waiting"),
+            held=hb.get("held_jobs"),
+            kv_utilization=hb.get("kv_utilization"),
+            free_blocks=hb.get("free_blocks"),
+            total_blocks=hb.get("total_blocks"),
+            completed=hb.get("completed"),
+            failed=hb.get("failed"),
+            rejected=hb.get("rejected"),
+            heartbeat_age_s=round(now - hb.get("updated_at", last_beat), 1),
+            host=hb.get("host"),
+            pid=hb.get("pid"),
+            celery_queue=hb.get("celery_queue"),
+        )
     return row
 
 
 def render(statuses: list[dict[str, Any]]) -> str:
     lines = []
     for st in statuses:
-        lines.append(f"queue {st['queue']}: depth {st['depth']} (undelivered {st['undelivered']}, pending "
-                     f"{st['pending']}), dead letters {st['dead_letters']}, cancel requests {st['cancel_requests']}")
+        lines.append(
+            f"queue {st['queue']}: depth {st['depth']} (undelivered {st['undelivered']}, pending "
+            f"{st['pending']}), dead letters {st['dead_letters']}, cancel requests {st['cancel_requests']}"
+        )
         for band, b in st["bands"].items():
-            lines.append(f"  band {band}: depth {b['depth']} (undelivered {b['undelivered']}, pending "
-                         f"{b['pending']}), dead letters {b['dead_letters']}")
-        header = ["WORKER", "STATE", "BEAT AGE", "DEVICE", "MODEL", "RUNNING", "WAITING", "KV USED", "DONE", "FAILED",
-                  "REJECTED"]
-        rows = [[w["worker"], w["state"], f"{w['heartbeat_age_s']}s", w.get("device") or "-",
-                 _short(w.get("model")), _n(w.get("running")), _n(w.get("waiting")),
-                 "-" if w.get("kv_utilization") is None else f"{100 * w['kv_utilization']:.1f}%",
-                 _n(w.get("completed")), _n(w.get("failed")), _n(w.get("rejected"))] for w in st["workers"]]
+            lines.append(
+                f"  band {band}: depth {b['depth']} (undelivered {b['undelivered']}, pending "
+                f"{b['pending']}), dead letters {b['dead_letters']}"
+            )
+        header = [
+            "WORKER",
+            "STATE",
+            "BEAT AGE",
+            "DEVICE",
+            "MODEL",
+            "RUNNING",
+            "WAITING",
+            "KV USED",
+            "DONE",
+            "FAILED",
+            "REJECTED",
+        ]
+        rows = [
+            [
+                w["worker"],
+                w["state"],
+                f"{w['heartbeat_age_s']}s",
+                w.get("device") or "-",
+                _short(w.get("model")),
+                _n(w.get("running")),
+                _n(w.get("waiting")),
+                "-" if w.get("kv_utilization") is None else f"{100 * w['kv_utilization']:.1f}%",
+                _n(w.get("completed")),
+                _n(w.get("failed")),
+                _n(w.get("rejected")),
+            ]
+            for w in st["workers"]
+        ]
         if not rows:
             lines.append("  (no workers)")
             continue
@@ -122,12 +165,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-
-
 def _short(model: str | None, width: int = 40) -> str:
     if not model:
         return "-"
-    return model if len(model) <= width else "…" + model[-(width - 1):]
+    return model if len(model) <= width else "…" + model[-(width - 1) :]
 
 
 def _n(value: Any) -> str:

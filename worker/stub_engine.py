@@ -29,8 +29,9 @@ class StubTokenizer:
     def __init__(self, chat_template: str | None = None) -> None:
         self.chat_template = chat_template  # a jinja template, as in a checkpoint's tokenizer_config.json
 
-    def apply_chat_template(self, messages: list[dict], tokenize: bool = False,
-                            add_generation_prompt: bool = False) -> str | list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], tokenize: bool = False, add_generation_prompt: bool = False
+    ) -> str | list[int]:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
         import jinja2
@@ -64,9 +65,19 @@ class _Request:
 
 
 class StubEngine:
-    def __init__(self, model_dir: str | None = None, *, block_size: int = 16, num_kv_blocks: int | None = 4096,
-                 max_num_seqs: int = 256, max_model_len: int = 2048, step_delay_s: float = 0.0,
-                 eos_every: int = 0, chat_template: str | None = None, **_ignored: object) -> None:
+    def __init__(
+        self,
+        model_dir: str | None = None,
+        *,
+        block_size: int = 16,
+        num_kv_blocks: int | None = 4096,
+        max_num_seqs: int = 256,
+        max_model_len: int = 2048,
+        step_delay_s: float = 0.0,
+        eos_every: int = 0,
+        chat_template: str | None = None,
+        **_ignored: object,
+    ) -> None:
         self.tokenizer = StubTokenizer(chat_template)
         self.max_model_len = max_model_len
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
@@ -100,8 +111,7 @@ class StubEngine:
         return bool(self._waiting or self._running)
 
     # --- requests
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    priority: int = 0) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0) -> None:
         if request_id in self._ids:
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -111,14 +121,25 @@ class StubEngine:
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of vocabulary (size {self.tokenizer.vocab_size})")
         if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt is too long: {len(ids)} tokens + max_tokens {params.max_tokens} "
-                             f"> max_model_len {self.max_model_len}")
+            raise ValueError(
+                f"prompt is too long: {len(ids)} tokens + max_tokens {params.max_tokens} "
+                f"> max_model_len {self.max_model_len}"
+            )
         if self._blocks_for(len(ids) + params.max_tokens) > self.num_total_blocks:
             raise ValueError("prompt + max_tokens needs more KV blocks than the cache holds")
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         self._ids.add(request_id)
-        self._waiting.append(_Request(request_id, prompt if isinstance(prompt, str) else None, ids, params,
-                                      priority, next(self._seq), random.Random(seed)))
+        self._waiting.append(
+            _Request(
+                request_id,
+                prompt if isinstance(prompt, str) else None,
+                ids,
+                params,
+                priority,
+                next(self._seq),
+                random.Random(seed),
+            )
+        )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self._running.pop(request_id, None)
@@ -209,8 +230,9 @@ class StubEngine:
     def _output(self, req: _Request, cumulative: bool) -> RequestOutput:
         start = 0 if cumulative else req.reported
         tokens = req.generated[start:]
-        text = req.text if cumulative else req.text[min(start, len(req.text)):]
+        text = req.text if cumulative else req.text[min(start, len(req.text)) :]
         req.reported = len(req.generated)
         completion = CompletionOutput(0, text, tokens, None, None, req.finish_reason, req.stop_reason)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, [completion],
-                             req.finish_reason is not None, {})
+        return RequestOutput(
+            req.request_id, req.prompt, req.prompt_ids, [completion], req.finish_reason is not None, {}
+        )

@@ -49,9 +49,17 @@ class Worker(Recovery):
             from .celery_intake import CeleryIntake  # celery is only imported when the front door is on
 
             self.celery = CeleryIntake.for_worker(self)
-        self.heartbeat = Heartbeat(redis_client, self.keys, settings.name, settings.heartbeat_every_s,
-                                   {"device": settings.device, "model": settings.model,
-                                    "celery_queue": self.celery.name if self.celery else None})
+        self.heartbeat = Heartbeat(
+            redis_client,
+            self.keys,
+            settings.name,
+            settings.heartbeat_every_s,
+            {
+                "device": settings.device,
+                "model": settings.model,
+                "celery_queue": self.celery.name if self.celery else None,
+            },
+        )
         self.metrics = None
         if settings.metrics_port is not None:
             from .metrics import Metrics
@@ -106,8 +114,14 @@ class Worker(Recovery):
             entries = self.leases.read_own_pending(band)
             recovered += len(entries)
             self._hold(self.intake.parse(entries, recovered=True, band=band))
-        self.log.info("worker_started", queue=self.s.queue, recovered=recovered, burst=self.s.burst,
-                      device=self.s.device, model=self.s.model)
+        self.log.info(
+            "worker_started",
+            queue=self.s.queue,
+            recovered=recovered,
+            burst=self.s.burst,
+            device=self.s.device,
+            model=self.s.model,
+        )
         self._beat(time.monotonic())
 
     def _done(self) -> bool:
@@ -151,8 +165,7 @@ class Worker(Recovery):
         if band is None:
             return self.s.max_waiting - self.engine.num_waiting_requests - len(self.held.waiting())
         rank = band_rank(band)
-        queued = sum(1 for t in self.held
-                     if band_rank(t.band) <= rank and (not t.in_engine or t.waiting_in_engine))
+        queued = sum(1 for t in self.held if band_rank(t.band) <= rank and (not t.in_engine or t.waiting_in_engine))
         return self.s.max_waiting - queued
 
     def _sync(self) -> None:
@@ -179,9 +192,9 @@ class Worker(Recovery):
         except REDIS_DOWN:
             self.publisher.restore(ops)  # not known to be written: send again after the outage
             raise
-        self.publisher.check(self.r, ops, results[:len(ops)])
+        self.publisher.check(self.r, ops, results[: len(ops)])
         self._settle()
-        replies = dict(zip(names, results[len(ops):], strict=True))
+        replies = dict(zip(names, results[len(ops) :], strict=True))
         for res in replies.values():
             if isinstance(res, Exception):
                 raise res
@@ -209,8 +222,9 @@ class Worker(Recovery):
         if block:  # idle: one blocking read over every band, woken by the first job in any of them
             if self.celery is not None:  # wake up often enough to poll the Celery queue too
                 block = min(block, max(1, int(self.s.celery_poll_s * 1000)))
-            pipe.xreadgroup(GROUP, self.s.name, {self.keys.jobs_of(b): ">" for b in BANDS},
-                            count=self.s.max_waiting, block=block)
+            pipe.xreadgroup(
+                GROUP, self.s.name, {self.keys.jobs_of(b): ">" for b in BANDS}, count=self.s.max_waiting, block=block
+            )
             return ["read"]
         names = []
         for band in BANDS:  # busy: each band read up to its own room, without blocking
@@ -262,8 +276,9 @@ class Worker(Recovery):
         if held is None:
             return True
         if t.entry_id and t.entry_id != held.entry_id:
-            self.log.warning("duplicate_job_entry", job_id=t.id, band=t.origin, entry_id=t.entry_id,
-                             held_entry_id=held.entry_id)
+            self.log.warning(
+                "duplicate_job_entry", job_id=t.id, band=t.origin, entry_id=t.entry_id, held_entry_id=held.entry_id
+            )
             stream = self.keys.jobs_of(t.origin)
             self.publisher.ops += [("XACK", stream, GROUP, t.entry_id), ("XDEL", stream, t.entry_id)]
         return False
@@ -299,8 +314,7 @@ class Worker(Recovery):
         if t.engine_input is None:  # admission prepares every job before it reaches here
             raise RuntimeError(f"job {t.key} reached the engine unprepared")
         try:
-            self.engine.add_request(t.request_id, t.engine_input, sampling_params(t.job),
-                                    priority=engine_priority(t))
+            self.engine.add_request(t.request_id, t.engine_input, sampling_params(t.job), priority=engine_priority(t))
         except ValueError as exc:  # the engine's verdict on bad input (too long, token out of vocab, ...)
             self.intake.reject(t, str(exc))
             self.held.finish(t)
@@ -344,8 +358,11 @@ class Worker(Recovery):
 
     def _enforce_deadlines(self) -> None:
         for t in self.held.past_deadline(time.time()):
-            self._stop_early(t, "expired", "deadline passed while running" if t.in_engine
-                             else "deadline passed before the job started")
+            self._stop_early(
+                t,
+                "expired",
+                "deadline passed while running" if t.in_engine else "deadline passed before the job started",
+            )
 
     def _stop_early(self, t: HeldJob, status: str, reason: str) -> None:
         """Cancel or expire a queued or running job; a running one keeps its partial output."""

@@ -13,21 +13,30 @@ from engine.layers.norm import RMSNorm
 from kernels import KernelSet
 
 
-def paged_attention(ops: KernelSet, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(
+    ops: KernelSet, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     """Attention output [T, heads, head_dim]: decode tokens (first) by the decode kernel, prefill chunks by the
     varlen prefill kernel, each over the paged cache through its block table."""
     num_decode = meta.num_decode_tokens
     if not meta.has_prefill:
-        return ops.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                                          scale)
+        return ops.paged_decode_attention(
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+        )
     out = torch.empty_like(q)
     if num_decode:
         out[:num_decode] = ops.paged_decode_attention(
-            q[:num_decode], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+            q[:num_decode], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+        )
     out[num_decode:] = ops.paged_prefill_attention(
-        q[num_decode:], k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
-        meta.prefill_context_lens, scale)
+        q[num_decode:],
+        k_cache,
+        v_cache,
+        meta.prefill_block_tables,
+        meta.prefill_cu_seqlens_q,
+        meta.prefill_context_lens,
+        scale,
+    )
     return out
 
 

@@ -88,8 +88,9 @@ def _load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Te
         if name not in params:
             raise ValueError(f"checkpoint tensor {name} has no place in the model")
         if params[name].shape != tensor.shape:
-            raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
-                             f"model expects {tuple(params[name].shape)}")
+            raise ValueError(
+                f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, model expects {tuple(params[name].shape)}"
+            )
         params[name].data.copy_(tensor)
         loaded.add(name)
     _check_complete(model, loaded)

@@ -29,8 +29,9 @@ from .test_cluster_queue import offline, settings
 
 @contextlib.contextmanager
 def serving(url: str, queue: str, **overrides: Any) -> Iterator[Worker]:
-    worker = Worker(StubEngine(step_delay_s=0.002), connect(url),
-                    settings(queue, burst=False, model="stub-model", **overrides))
+    worker = Worker(
+        StubEngine(step_delay_s=0.002), connect(url), settings(queue, burst=False, model="stub-model", **overrides)
+    )
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     try:
@@ -46,8 +47,9 @@ def test_async_client_submit_stream_result_cancel(queue: str, url: str) -> None:
         async with AsyncClient(url, queue) as client:
             assert isinstance(client.r, AsyncRedisCluster)
             streamed = await client.submit("async cluster", max_tokens=8, temperature=0, stream=True)
-            many = await client.submit_many([{"prompt": f"many {i}", "max_tokens": 3, "temperature": 0}
-                                             for i in range(3)])
+            many = await client.submit_many(
+                [{"prompt": f"many {i}", "max_tokens": 3, "temperature": 0} for i in range(3)]
+            )
             slow = await client.submit("slow one", max_tokens=1000, temperature=0)
             deltas = [d async for d in client.stream(streamed, timeout=10)]
             record = await client.result(streamed, timeout=10)
@@ -65,20 +67,32 @@ def test_async_client_submit_stream_result_cancel(queue: str, url: str) -> None:
 
 def test_gateway_completion_and_batch(queue: str, url: str) -> None:
     prompts = {f"b{i}": f"batch line {i}" for i in range(3)}
-    content = "".join(json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/completions",
-                                  "body": {"model": "stub-model", "prompt": p, "max_tokens": 4, "temperature": 0}})
-                      + "\n" for cid, p in prompts.items()).encode()
+    content = "".join(
+        json.dumps(
+            {
+                "custom_id": cid,
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"model": "stub-model", "prompt": p, "max_tokens": 4, "temperature": 0},
+            }
+        )
+        + "\n"
+        for cid, p in prompts.items()
+    ).encode()
     with serving(url, queue), gateway_thread(url, queue=queue) as base:
         sdk = openai.OpenAI(base_url=base, api_key="x")
         assert [m.id for m in sdk.models.list().data] == ["stub-model"]
-        done = sdk.completions.create(model="stub-model", prompt="gateway on a cluster", max_tokens=6,
-                                      temperature=0)
+        done = sdk.completions.create(model="stub-model", prompt="gateway on a cluster", max_tokens=6, temperature=0)
         assert done.choices[0].text == offline("gateway on a cluster", max_tokens=6, temperature=0)
         upload = sdk.files.create(file=("requests.jsonl", content), purpose="batch")
         assert sdk.files.content(upload.id).content == content
         batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
-        finished = wait_for(lambda: (b := sdk.batches.retrieve(batch.id)).status == "completed" and b,
-                            timeout=30, interval=0.05, what="batch completed")
+        finished = wait_for(
+            lambda: (b := sdk.batches.retrieve(batch.id)).status == "completed" and b,
+            timeout=30,
+            interval=0.05,
+            what="batch completed",
+        )
         assert finished.output_file_id is not None
         output = [json.loads(x) for x in sdk.files.content(finished.output_file_id).text.splitlines()]
     texts = {line["custom_id"]: line["response"]["body"]["choices"][0]["text"] for line in output}

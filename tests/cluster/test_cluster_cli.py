@@ -37,26 +37,57 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 
 def pagedq(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "worker", *args], cwd=REPO, env=ENV, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "worker", *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_bulk_worker_status_and_dlq_commands(cluster: Cluster, queue: str, url: str, tmp_path: Path) -> None:
-    lines: list[dict[str, Any]] = [{"custom_id": f"c{i}", "prompt": f"bulk {i}", "max_tokens": 4, "temperature": 0}
-                                   for i in range(6)]
+    lines: list[dict[str, Any]] = [
+        {"custom_id": f"c{i}", "prompt": f"bulk {i}", "max_tokens": 4, "temperature": 0} for i in range(6)
+    ]
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    bulk = subprocess.Popen([sys.executable, "-m", "worker", "bulk", str(source), str(out), "--redis", url,
-                             "--queue", queue, "--no-progress"], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    bulk = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "worker",
+            "bulk",
+            str(source),
+            str(out),
+            "--redis",
+            url,
+            "--queue",
+            queue,
+            "--no-progress",
+        ],
+        cwd=REPO,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         client = Client(url, queue)
         end = time.monotonic() + 30
         while client.queue_depth() < len(lines) and time.monotonic() < end and bulk.poll() is None:
             time.sleep(0.05)
         assert client.queue_depth() == len(lines), bulk.communicate()[1] if bulk.poll() is not None else "no jobs"
-        served = pagedq("worker", "--redis", url, "--queue", queue, "--engine", "stub", "--burst",
-                        "--log-level", "warning", "--name", "cli-worker")
+        served = pagedq(
+            "worker",
+            "--redis",
+            url,
+            "--queue",
+            queue,
+            "--engine",
+            "stub",
+            "--burst",
+            "--log-level",
+            "warning",
+            "--name",
+            "cli-worker",
+        )
         assert served.returncode == 0, served.stderr + served.stdout
         _, err = bulk.communicate(timeout=30)
         assert bulk.returncode == 0, err
@@ -94,8 +125,7 @@ def test_celery_with_a_cluster_url_fails_at_start_in_one_line(url: str, queue: s
     assert res.stderr.strip().count("\n") == 0, res.stderr  # one line, no traceback
     assert "does not support Redis Cluster" in res.stderr and "Celery" in res.stderr
     with pytest.raises(ClusterUnsupported, match="does not support Redis Cluster") as refused:
-        Worker(StubEngine(), connect(url), settings(queue, celery_broker="redis://127.0.0.1:1/0",
-                                                    celery_backend=url))
+        Worker(StubEngine(), connect(url), settings(queue, celery_broker="redis://127.0.0.1:1/0", celery_backend=url))
     assert f"({url})" in str(refused.value)  # the backend is the cluster here, the broker is plain
 
 
@@ -106,11 +136,14 @@ def test_status_through_a_plain_client_raises_the_moved_reply(cluster: Cluster, 
         status.queue_status(plain, queue)
 
 
-@pytest.mark.parametrize("bad, message", [
-    ("redis+cluster://127.0.0.1:7000/3", "only database 0"),
-    ("memcached://127.0.0.1:11211", "unknown Redis URL scheme 'memcached'"),
-    ("127.0.0.1:6379", "not a Redis URL"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("redis+cluster://127.0.0.1:7000/3", "only database 0"),
+        ("memcached://127.0.0.1:11211", "unknown Redis URL scheme 'memcached'"),
+        ("127.0.0.1:6379", "not a Redis URL"),
+    ],
+)
 def test_bad_urls_are_named(bad: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         connect(bad)
@@ -141,7 +174,9 @@ def test_tls_cluster_scheme_maps_to_rediss_and_plain_urls_stay_single_server() -
 
     # rediss+cluster cannot be connected to here (no TLS cluster): check the URL redis-py is handed
     assert _split("rediss+cluster://user:pw@node.example:7000/0?ssl_cert_reqs=none") == (
-        True, "rediss://user:pw@node.example:7000?ssl_cert_reqs=none")
+        True,
+        "rediss://user:pw@node.example:7000?ssl_cert_reqs=none",
+    )
     assert _split("redis://127.0.0.1:6379/2") == (False, "redis://127.0.0.1:6379/2")
     assert is_cluster_url("REDIS+CLUSTER://h:1") and not is_cluster_url("redis://h:1")
     assert isinstance(connect("redis://127.0.0.1:1/0"), Redis)  # lazy: nothing is dialled until a command

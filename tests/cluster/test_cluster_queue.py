@@ -29,8 +29,15 @@ from .conftest import Cluster
 
 
 def settings(queue: str, **overrides: Any) -> WorkerSettings:
-    values: dict[str, Any] = dict(queue=queue, name=f"w-{queue}", lease_ms=1000, block_ms=100,
-                                  heartbeat_every_s=0.5, drain_timeout_s=5.0, burst=True)
+    values: dict[str, Any] = dict(
+        queue=queue,
+        name=f"w-{queue}",
+        lease_ms=1000,
+        block_ms=100,
+        heartbeat_every_s=0.5,
+        drain_timeout_s=5.0,
+        burst=True,
+    )
     values.update(overrides)
     return WorkerSettings(**values)
 

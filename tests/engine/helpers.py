@@ -24,8 +24,9 @@ def run_step(scheduler: Scheduler, token: int = 7) -> tuple[SchedulerOutput, set
     return output, finished_before
 
 
-def random_traffic(seed: int, swap: bool,
-                   penalties: bool = False) -> Iterator[tuple[Scheduler, SchedulerOutput | None]]:
+def random_traffic(
+    seed: int, swap: bool, penalties: bool = False
+) -> Iterator[tuple[Scheduler, SchedulerOutput | None]]:
     """Random arrivals, shared prefixes, forks, aborts and preemptions, driven by a fake runner; yields
     (scheduler, output) after each schedule and (scheduler, None) after each step of the final drain."""
     rng = random.Random(seed)
@@ -38,12 +39,17 @@ def random_traffic(seed: int, swap: bool,
         if rng.random() < 0.3 and step < 150:
             prompt = rng.choice(prefixes) + [rng.randrange(1, 50) for _ in range(rng.randint(1, 8))]
             max_tokens = rng.randint(1, 20)
-            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, n=rng.choice([1, 1, 2, 3]),
-                                    repetition_penalty=rng.choice([1.0, 1.3]) if penalties else 1.0,
-                                    min_tokens=min(max_tokens, rng.choice([0, 2])) if penalties else 0,
-                                    stop_token_ids=[3])
-            request = Request(f"r{step}", prompt, params, fan_out=params.best_of - 1, priority=rng.randint(-1, 1),
-                              eos_token_ids=(2,))
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                ignore_eos=True,
+                n=rng.choice([1, 1, 2, 3]),
+                repetition_penalty=rng.choice([1.0, 1.3]) if penalties else 1.0,
+                min_tokens=min(max_tokens, rng.choice([0, 2])) if penalties else 0,
+                stop_token_ids=[3],
+            )
+            request = Request(
+                f"r{step}", prompt, params, fan_out=params.best_of - 1, priority=rng.randint(-1, 1), eos_token_ids=(2,)
+            )
             scheduler.add_request(request)
             live.append(request)
         if live and rng.random() < 0.05:
@@ -52,9 +58,11 @@ def random_traffic(seed: int, swap: bool,
                 scheduler.finish_request(victim, RequestStatus.FINISHED_ABORTED)
         output = scheduler.schedule()
         yield scheduler, output
-        sampled = {s.request.request_id: [SampledToken(rng.randrange(4, 50))
-                                          for _ in range(1 + s.request.fan_out)]
-                   for s in output.scheduled if s.needs_sample}
+        sampled = {
+            s.request.request_id: [SampledToken(rng.randrange(4, 50)) for _ in range(1 + s.request.fan_out)]
+            for s in output.scheduled
+            if s.needs_sample
+        }
         advanced = advance_sequences(scheduler, output, sampled, max_model_len=10_000)
         live += [r for r in advanced if r not in live]
     while scheduler.has_unfinished():
@@ -72,16 +80,26 @@ def random_engine_traffic(seed: int) -> list[tuple]:
         prompt = shared + random_tokens(rng.randint(1, 12), seed=seed * 100 + i)
         arrival, priority = rng.randint(0, 25), rng.randint(-1, 1)
         if rng.random() < 0.2:
-            params = BeamSearchParams(beam_width=rng.choice([2, 3]), max_tokens=rng.randint(3, 12),
-                                      ignore_eos=rng.random() < 0.5)
+            params = BeamSearchParams(
+                beam_width=rng.choice([2, 3]), max_tokens=rng.randint(3, 12), ignore_eos=rng.random() < 0.5
+            )
             requests.append(("beam", f"b{i}", prompt, params, arrival, priority))
             continue
         n = rng.choice([1, 1, 2, 3])
-        params = SamplingParams(n=n, best_of=n + rng.choice([0, 0, 1]), max_tokens=rng.randint(2, 16),
-                                min_tokens=rng.choice([0, 2]), temperature=rng.choice([0.0, 0.8]),
-                                top_k=rng.choice([-1, 10]), top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(1000),
-                                ignore_eos=rng.random() < 0.5, stop_token_ids=rng.choice([[], [7, 9]]),
-                                repetition_penalty=rng.choice([1.0, 1.2]), output_kind=RequestOutputKind.FINAL_ONLY)
+        params = SamplingParams(
+            n=n,
+            best_of=n + rng.choice([0, 0, 1]),
+            max_tokens=rng.randint(2, 16),
+            min_tokens=rng.choice([0, 2]),
+            temperature=rng.choice([0.0, 0.8]),
+            top_k=rng.choice([-1, 10]),
+            top_p=rng.choice([1.0, 0.9]),
+            seed=rng.randrange(1000),
+            ignore_eos=rng.random() < 0.5,
+            stop_token_ids=rng.choice([[], [7, 9]]),
+            repetition_penalty=rng.choice([1.0, 1.2]),
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
         requests.append(("generate", f"g{i}", prompt, params, arrival, priority))
     return requests
 

@@ -11,11 +11,16 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[i
     """transformers' greedy continuation (EOS ignored) and the logits at every step."""
     input_ids = torch.tensor([prompt_ids])
     out = model.generate(
-        input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
         min_new_tokens=max_new_tokens,
-        do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=0,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_logits=True,
+        pad_token_id=0,
     )
-    return out.sequences[0, len(prompt_ids):].tolist(), [step[0] for step in out.logits]
+    return out.sequences[0, len(prompt_ids) :].tolist(), [step[0] for step in out.logits]
 
 
 def assert_greedy_parity(ours: list[int], theirs: list[int], logits: list[torch.Tensor]) -> int:

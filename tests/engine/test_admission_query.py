@@ -48,8 +48,11 @@ def test_waiting_blocks_needed_is_the_waiting_queues_demand(tiny_llama_dir):
     engine = engine_for(tiny_llama_dir, max_num_seqs=1)
     shapes = {"a": (6, 4), "b": (13, 9), "c": (20, 2)}
     for n, (request_id, (prompt_len, max_tokens)) in enumerate(shapes.items()):
-        engine.add_request(request_id, distinct_prompt(prompt_len, 10 * (n + 1)),
-                           SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        engine.add_request(
+            request_id,
+            distinct_prompt(prompt_len, 10 * (n + 1)),
+            SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        )
     assert engine.waiting_blocks_needed == sum(engine.blocks_needed(*s) for s in shapes.values())
     engine.step()  # one seat: "a" runs, the others wait
     assert engine.num_waiting_requests == 2

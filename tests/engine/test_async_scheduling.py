@@ -21,17 +21,28 @@ def _with_more_features(requests: list[tuple], seed: int) -> list[tuple]:
             # Only single-sequence requests: when siblings advance relative to each other depends on the schedule.
             abort_after = rng.choice([None, 1, 2, 3]) if params.best_of == 1 else None
             params = dataclasses.replace(
-                params, stop=rng.choice([None, None, ["e"], [" t", "a"]]), logprobs=rng.choice([None, 2]),
+                params,
+                stop=rng.choice([None, None, ["e"], [" t", "a"]]),
+                logprobs=rng.choice([None, 2]),
                 prompt_logprobs=rng.choice([None, None, 1]),
-                output_kind=RequestOutputKind.CUMULATIVE if abort_after else params.output_kind)
+                output_kind=RequestOutputKind.CUMULATIVE if abort_after else params.output_kind,
+            )
         out.append((kind, request_id, prompt, params, arrival, priority, abort_after))
     return out
 
 
 def _completion_record(output) -> list[tuple]:
-    return [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.cumulative_logprob,
-             [sorted(entry.items()) for entry in c.logprobs] if c.logprobs is not None else None)
-            for c in output.outputs]
+    return [
+        (
+            c.token_ids,
+            c.text,
+            c.finish_reason,
+            c.stop_reason,
+            c.cumulative_logprob,
+            [sorted(entry.items()) for entry in c.logprobs] if c.logprobs is not None else None,
+        )
+        for c in output.outputs
+    ]
 
 
 def _serve(model_dir: str, requests: list[tuple], **engine_kwargs) -> tuple[dict, dict]:
@@ -72,11 +83,15 @@ def _assert_same(a, b) -> None:
                     assert [v for _, v in ex] == pytest.approx([v for _, v in ey], abs=1e-4), rid
 
 
-@pytest.mark.parametrize("engine_kwargs", [
-    dict(num_kv_blocks=24, max_num_batched_tokens=16),
-    dict(num_kv_blocks=24, max_num_batched_tokens=16, preemption_mode="swap", swap_space_gib=0.001),
-    dict(num_kv_blocks=34, max_num_batched_tokens=24, enable_prefix_caching=False, max_num_seqs=8),
-], ids=["recompute", "swap", "no-prefix-cache"])
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [
+        dict(num_kv_blocks=24, max_num_batched_tokens=16),
+        dict(num_kv_blocks=24, max_num_batched_tokens=16, preemption_mode="swap", swap_space_gib=0.001),
+        dict(num_kv_blocks=34, max_num_batched_tokens=24, enable_prefix_caching=False, max_num_seqs=8),
+    ],
+    ids=["recompute", "swap", "no-prefix-cache"],
+)
 def test_async_equals_sync_on_random_mixed_traffic_under_pressure(tiny_llama_dir, engine_kwargs):
     """n / best_of, beams, seeds, greedy, penalties, top-k/p, min_tokens, stop ids and strings, logprobs, prompt
     logprobs, priorities, arrivals over time, aborts, chunked prefill, prefix caching and preemption, at once."""
@@ -84,8 +99,9 @@ def test_async_equals_sync_on_random_mixed_traffic_under_pressure(tiny_llama_dir
     for seed in range(4):
         requests = _with_more_features(random_engine_traffic(seed), seed)
         sync, sync_prompt, _, _ = _serve(tiny_llama_dir, requests, async_scheduling=False, **engine_kwargs)
-        overlapped, overlapped_prompt, count, num_aborts = _serve(tiny_llama_dir, requests, async_scheduling=True,
-                                                                  **engine_kwargs)
+        overlapped, overlapped_prompt, count, num_aborts = _serve(
+            tiny_llama_dir, requests, async_scheduling=True, **engine_kwargs
+        )
         preemptions, aborts = preemptions + count, aborts + num_aborts
         _assert_same(overlapped, sync)
         assert overlapped_prompt.keys() == sync_prompt.keys()

@@ -19,16 +19,26 @@ def _prompts() -> list[list[int]]:
     return [[rng.randrange(3, VOCAB_SIZE) for _ in range(n)] for n in (5, 30)]
 
 
-def _hf_beams(model, prompt: list[int], width: int, eos: int | None, early_stopping,
-              length_penalty: float) -> tuple[list, list]:
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         num_beams=width, num_return_sequences=width, do_sample=False, max_new_tokens=MAX_TOKENS,
-                         early_stopping=early_stopping, length_penalty=length_penalty, eos_token_id=eos,
-                         pad_token_id=eos if eos is not None else 0,
-                         return_dict_in_generate=True, output_scores=True)
+def _hf_beams(
+    model, prompt: list[int], width: int, eos: int | None, early_stopping, length_penalty: float
+) -> tuple[list, list]:
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        num_beams=width,
+        num_return_sequences=width,
+        do_sample=False,
+        max_new_tokens=MAX_TOKENS,
+        early_stopping=early_stopping,
+        length_penalty=length_penalty,
+        eos_token_id=eos,
+        pad_token_id=eos if eos is not None else 0,
+        return_dict_in_generate=True,
+        output_scores=True,
+    )
     beams = []
     for sequence in out.sequences:
-        generated = sequence[len(prompt):].tolist()
+        generated = sequence[len(prompt) :].tolist()
         if eos is not None and eos in generated:  # transformers pads finished beams with pad (= eos here)
             generated = generated[: generated.index(eos) + 1]
         beams.append(generated)
@@ -51,10 +61,19 @@ def test_beam_search_matches_transformers(checkpoint_factory, architecture):
     finished_early = 0
     for width in (2, 4):
         # length_penalty 0 ranks by plain sums, so beams that end early on EOS win places in the result.
-        for ignore_eos, early_stopping, penalty in ((True, False, 1.0), (False, False, 0.0), (False, True, 0.0),
-                                                    (False, "never", 1.0)):
-            params = BeamSearchParams(beam_width=width, max_tokens=MAX_TOKENS, ignore_eos=ignore_eos,
-                                      early_stopping=early_stopping, length_penalty=penalty)
+        for ignore_eos, early_stopping, penalty in (
+            (True, False, 1.0),
+            (False, False, 0.0),
+            (False, True, 0.0),
+            (False, "never", 1.0),
+        ):
+            params = BeamSearchParams(
+                beam_width=width,
+                max_tokens=MAX_TOKENS,
+                ignore_eos=ignore_eos,
+                early_stopping=early_stopping,
+                length_penalty=penalty,
+            )
             outputs = llm.beam_search(prompts, params)
             for prompt, output in zip(prompts, outputs):
                 expected, scores = _hf_beams(hf, prompt, width, None if ignore_eos else eos, early_stopping, penalty)
@@ -99,8 +118,15 @@ def test_beam_groups_under_memory_pressure_finish_and_match_a_roomy_run(tiny_lla
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(10, 20))] for _ in range(4)]
     params = BeamSearchParams(beam_width=4, max_tokens=24, ignore_eos=True)
     roomy = LLM(tiny_llama_dir, num_kv_blocks=512, block_size=4).beam_search(prompts, params)
-    tight = LLM(tiny_llama_dir, num_kv_blocks=32 if prefix_caching else 48, block_size=4, max_num_batched_tokens=24,
-                enable_prefix_caching=prefix_caching, preemption_mode=mode, swap_space_gib=0.01)
+    tight = LLM(
+        tiny_llama_dir,
+        num_kv_blocks=32 if prefix_caching else 48,
+        block_size=4,
+        max_num_batched_tokens=24,
+        enable_prefix_caching=prefix_caching,
+        preemption_mode=mode,
+        swap_space_gib=0.01,
+    )
     outputs = tight.beam_search(prompts, params)
     assert tight.stats()["num_preemptions"] >= 8
     assert [[s.token_ids for s in o.sequences] for o in outputs] == [[s.token_ids for s in o.sequences] for o in roomy]

@@ -29,12 +29,27 @@ def test_stand_in_tokens_flow_through_the_real_engine(sampling, async_scheduling
     parser = argparse.ArgumentParser()
     bench_host.add_arguments(parser)
     vocab, output_len = 1000, 6
-    args = parser.parse_args(["--num-seqs", "5", "--vocab-size", str(vocab), "--output-len", str(output_len),
-                              "--prompt-len", "20", "--simulated-device-ms", "0", "--sampling", sampling])
+    args = parser.parse_args(
+        [
+            "--num-seqs",
+            "5",
+            "--vocab-size",
+            str(vocab),
+            "--output-len",
+            str(output_len),
+            "--prompt-len",
+            "20",
+            "--simulated-device-ms",
+            "0",
+            "--sampling",
+            sampling,
+        ]
+    )
     model_dir = str(_config_only_folder({**bench_host._STAND_IN_SHAPE, "vocab_size": vocab}))
     result = bench_host.run_mode(args, model_dir, async_scheduling)
-    expected = {f"host-{i}": [(i + position * 7919) % (vocab - 10) + 10 for position in range(output_len)]
-                for i in range(5)}
+    expected = {
+        f"host-{i}": [(i + position * 7919) % (vocab - 10) + 10 for position in range(output_len)] for i in range(5)
+    }
     assert result["tokens"] == expected
     assert result["num_decode_steps"] == output_len - 1  # the prefill step samples the first token
     assert 0 < result["device_busy_fraction"] <= 1

@@ -32,9 +32,16 @@ def test_buckets():
 
 def _padded_runner(llm: LLM, first_width_tokens: int = 512) -> DecodeGraphRunner:
     runner = llm.llm_engine.model_runner
-    graphs = DecodeGraphRunner(runner.model, runner.kv_caches, runner.config.max_num_seqs,
-                               -(-runner.max_model_len // runner.block_size), runner.block_size, runner.device,
-                               capture=False, first_width_tokens=first_width_tokens)
+    graphs = DecodeGraphRunner(
+        runner.model,
+        runner.kv_caches,
+        runner.config.max_num_seqs,
+        -(-runner.max_model_len // runner.block_size),
+        runner.block_size,
+        runner.device,
+        capture=False,
+        first_width_tokens=first_width_tokens,
+    )
     runner.decode_graphs = graphs
     return graphs
 
@@ -51,8 +58,9 @@ def test_padded_decode_matches_transformers(checkpoint_factory, arch):
     llm = LLM(folder, max_num_seqs=6, block_size=2, num_kv_blocks=256)
     graphs = _padded_runner(llm, first_width_tokens=16)
     assert graphs.widths == [8, 32, 128, 256]
-    outputs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-                                     for n in max_tokens])
+    outputs = llm.generate(
+        prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
+    )
     assert graphs.num_runs >= max(max_tokens) - 1  # every step after the first prefill is decode-only
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     ties = 0
@@ -75,9 +83,15 @@ def test_padded_step_equals_the_unpadded_one_and_padding_writes_nothing(tiny_lla
     context_lens = np.array([20, 4, 30], dtype=np.int32)
     positions = context_lens.astype(np.int64) - 1
     slot_mapping = tables[np.arange(3), positions // 16].astype(np.int64) * 16 + positions % 16
-    step = StepInputs(token_ids=np.array([11, 12, 13]), positions=positions, slot_mapping=slot_mapping,
-                      block_tables=tables, context_lens=context_lens, lengths=np.ones(3, dtype=np.int64),
-                      num_decode=3)
+    step = StepInputs(
+        token_ids=np.array([11, 12, 13]),
+        positions=positions,
+        slot_mapping=slot_mapping,
+        block_tables=tables,
+        context_lens=context_lens,
+        lengths=np.ones(3, dtype=np.int64),
+        num_decode=3,
+    )
     padded = runner._forward(step)
     padded_caches = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
     assert graphs.num_runs == 1
@@ -92,8 +106,9 @@ def test_padded_step_equals_the_unpadded_one_and_padding_writes_nothing(tiny_lla
         # which slots were written is checked exactly below.
         torch.testing.assert_close(pk, k, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(pv, v, rtol=1e-5, atol=1e-5)
-        assert sorted(((pk != k0).flatten(2).any(dim=2).flatten().nonzero().flatten()).tolist()) == \
-            sorted(slot_mapping.tolist())
+        assert sorted(((pk != k0).flatten(2).any(dim=2).flatten().nonzero().flatten()).tolist()) == sorted(
+            slot_mapping.tolist()
+        )
         slots_changed = (k != k0).flatten(2).any(dim=2).flatten().nonzero().flatten()  # slot = block * 16 + offset
         assert sorted(slots_changed.tolist()) == sorted(slot_mapping.tolist())
 

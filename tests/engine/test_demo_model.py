@@ -19,8 +19,9 @@ def demo_llm(demo_model_dir):
 
 
 def _chat(tokenizer, question: str) -> str:
-    return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                         add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_demo_model_answers_paris(demo_llm):
@@ -32,8 +33,11 @@ def test_demo_model_answers_paris(demo_llm):
 
 def test_demo_model_parity_with_transformers(demo_llm, demo_model_dir):
     tokenizer = demo_llm.get_tokenizer()
-    prompts = [_chat(tokenizer, "Name three colours of the rainbow."), "The history of the printing press",
-               "def fibonacci(n):"]
+    prompts = [
+        _chat(tokenizer, "Name three colours of the rainbow."),
+        "The history of the printing press",
+        "def fibonacci(n):",
+    ]
     outputs = demo_llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
     hf = AutoModelForCausalLM.from_pretrained(demo_model_dir, dtype=torch.float32).eval()
     ties = 0
@@ -48,8 +52,9 @@ def test_demo_model_parity_with_transformers(demo_llm, demo_model_dir):
 def test_streamed_text_with_unicode_equals_full_decode(demo_model_dir):
     engine = LLMEngine(demo_model_dir, num_kv_blocks=64)
     prompt = "Écris une phrase en français avec des accents: é, è, à, ç. Réponse:"
-    params = SamplingParams(max_tokens=24, temperature=0.7, seed=3, output_kind=RequestOutputKind.DELTA,
-                            ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=24, temperature=0.7, seed=3, output_kind=RequestOutputKind.DELTA, ignore_eos=True
+    )
     engine.add_request("u", prompt, params)
     text, tokens = "", []
     while engine.has_unfinished_requests():
@@ -65,7 +70,7 @@ def test_stop_string_waits_for_min_tokens(demo_llm):
     greedy = dict(max_tokens=40, temperature=0.0)
     base = demo_llm.generate(prompt, SamplingParams(**greedy, ignore_eos=True))[0].outputs[0]
     prefix_text = demo_llm.get_tokenizer().decode(base.token_ids[:10], skip_special_tokens=True)
-    assert "\n\n" in base.text[:len(prefix_text)], f"the case no longer reproduces: {base.text!r}"
+    assert "\n\n" in base.text[: len(prefix_text)], f"the case no longer reproduces: {base.text!r}"
     out = demo_llm.generate(prompt, SamplingParams(**greedy, stop=["\n\n"], min_tokens=10))[0].outputs[0]
     assert len(out.token_ids) > 10
     assert out.text == stop_cut_after_min_tokens(base.text, prefix_text, "\n\n")

@@ -48,7 +48,7 @@ def test_seeded_output_survives_preemption(tiny_llama_dir):
 
 def test_stop_string_cuts_the_text(llm):
     base = llm.generate(PROMPTS[1], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))[0].outputs[0]
-    stop = base.text[len(base.text) // 2: len(base.text) // 2 + 3]
+    stop = base.text[len(base.text) // 2 : len(base.text) // 2 + 3]
     assert stop.strip(), f"degenerate stop string from {base.text!r}"
     out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop]))
     completion = out[0].outputs[0]
@@ -61,12 +61,17 @@ def test_stop_token_ids_and_min_tokens(llm):
     base = llm.generate(PROMPTS[2], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))[0].outputs[0]
     stop_token = base.token_ids[3]
     first = base.token_ids.index(stop_token)
-    out = llm.generate(PROMPTS[2], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
-                                                  stop_token_ids=[stop_token]))[0].outputs[0]
+    out = llm.generate(
+        PROMPTS[2], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_token])
+    )[0].outputs[0]
     assert out.token_ids == base.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_token
-    late = llm.generate(PROMPTS[2], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True,
-                                                   stop_token_ids=[stop_token], min_tokens=first + 2))[0].outputs[0]
+    late = llm.generate(
+        PROMPTS[2],
+        SamplingParams(
+            max_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_token], min_tokens=first + 2
+        ),
+    )[0].outputs[0]
     assert stop_token not in late.token_ids[: first + 2]
 
 
@@ -128,8 +133,13 @@ def test_prompt_logprobs_match_transformers_under_chunking_caching_and_preemptio
 def test_prompt_logprobs_come_with_the_first_delta_only(tiny_llama_dir, hf_model):
     engine = LLMEngine(tiny_llama_dir)
     prompt = _tokens(12, seed=3)
-    engine.add_request("d", prompt, SamplingParams(max_tokens=5, prompt_logprobs=0, n=2, seed=1, ignore_eos=True,
-                                                   output_kind=RequestOutputKind.DELTA))
+    engine.add_request(
+        "d",
+        prompt,
+        SamplingParams(
+            max_tokens=5, prompt_logprobs=0, n=2, seed=1, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+        ),
+    )
     reports = [output.prompt_logprobs for output in _drain_all(engine)]
     assert len(reports) == 5 and all(report is None for report in reports[1:])
     _assert_prompt_logprobs_match(prompt, reports[0], hf_model, 0)
@@ -137,11 +147,20 @@ def test_prompt_logprobs_come_with_the_first_delta_only(tiny_llama_dir, hf_model
 
 def test_repetition_penalty_matches_transformers(llm, hf_model):
     prompt_ids = llm.get_tokenizer().encode(PROMPTS[3])
-    out = llm.generate([prompt_ids], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
-                                                    repetition_penalty=1.5))[0].outputs[0]
-    hf = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
-                           repetition_penalty=1.5, return_dict_in_generate=True, output_logits=True, pad_token_id=0)
-    ties = assert_greedy_parity(out.token_ids, hf.sequences[0, len(prompt_ids):].tolist(), [s[0] for s in hf.logits])
+    out = llm.generate(
+        [prompt_ids], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, repetition_penalty=1.5)
+    )[0].outputs[0]
+    hf = hf_model.generate(
+        torch.tensor([prompt_ids]),
+        max_new_tokens=24,
+        min_new_tokens=24,
+        do_sample=False,
+        repetition_penalty=1.5,
+        return_dict_in_generate=True,
+        output_logits=True,
+        pad_token_id=0,
+    )
+    ties = assert_greedy_parity(out.token_ids, hf.sequences[0, len(prompt_ids) :].tolist(), [s[0] for s in hf.logits])
     assert ties == 0, f"{ties} near-ties where none were measured (see tests/engine/parity.py)"
 
 
@@ -201,8 +220,9 @@ def test_abort_frees_blocks_and_returns_partial_output(tiny_llama_dir):
     assert final.finished and final.outputs[0].finish_reason == "abort"
     assert final.outputs[0].token_ids == reported_a[-1] and len(reported_a[-1]) == finished_steps
     assert engine.abort_request("a") is None
-    engine.add_request("d", PROMPTS[2], SamplingParams(max_tokens=50, ignore_eos=True,
-                                                       output_kind=RequestOutputKind.DELTA))
+    engine.add_request(
+        "d", PROMPTS[2], SamplingParams(max_tokens=50, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    )
     reported = []
     for _ in range(4):
         reported += [t for o in engine.step() if o.request_id == "d" for t in o.outputs[0].token_ids]
@@ -212,21 +232,39 @@ def test_abort_frees_blocks_and_returns_partial_output(tiny_llama_dir):
     assert engine.num_free_blocks == 32 and not engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.5), "temperature"), (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"), (dict(min_p=2.0), "min_p"),
-    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(stop=[""]), "stop"), (dict(logprobs=-1), "logprobs"),
-    (dict(max_tokens="3"), "max_tokens"), (dict(seed=1.5), "seed"), (dict(prompt_logprobs=-1), "prompt_logprobs"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(min_p=2.0), "min_p"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(stop=[""]), "stop"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(max_tokens="3"), "max_tokens"),
+        (dict(seed=1.5), "seed"),
+        (dict(prompt_logprobs=-1), "prompt_logprobs"),
+    ],
+)
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
 
 
-@pytest.mark.parametrize("prompt,message", [
-    ("", "empty"), ([], "empty"), ([1, 2, 10**6], r"token ids must be in \[0, 512\)"), ([1, -1], "token ids"),
-    ([1, "x"], "list of integer"), (None, "string or a list"),
-])
+@pytest.mark.parametrize(
+    "prompt,message",
+    [
+        ("", "empty"),
+        ([], "empty"),
+        ([1, 2, 10**6], r"token ids must be in \[0, 512\)"),
+        ([1, -1], "token ids"),
+        ([1, "x"], "list of integer"),
+        (None, "string or a list"),
+    ],
+)
 def test_bad_prompts_are_refused_and_leave_the_engine_serving(tiny_llama_dir, prompt, message):
     engine = LLMEngine(tiny_llama_dir, num_kv_blocks=16)
     engine.add_request("ok", PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True))
@@ -301,8 +339,10 @@ def test_pagedq_generate_freezes_its_startup_objects(tiny_llama_dir, capsys):
 
     gc.unfreeze()
     try:
-        assert main(["generate", "--model", str(tiny_llama_dir), "--max-tokens", "2", "--num-kv-blocks", "8",
-                     "The quick"]) == 0
+        assert (
+            main(["generate", "--model", str(tiny_llama_dir), "--max-tokens", "2", "--num-kv-blocks", "8", "The quick"])
+            == 0
+        )
         assert gc.get_freeze_count() > 10_000  # torch, transformers and the model: nothing a collection should walk
     finally:
         gc.unfreeze()

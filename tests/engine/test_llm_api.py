@@ -10,8 +10,10 @@ from engine import LLM, LLMEngine, SamplingParams
 from tests.conftest import random_tokens
 
 # A template in the shape checkpoints ship (tokenizer_config.json's chat_template); it writes BOS itself.
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant:{% endif %}")
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 CONVERSATIONS = [
     [{"role": "user", "content": "The quick brown fox"}],
     [{"role": "system", "content": "Redis streams carry jobs."}, {"role": "user", "content": "Paged attention"}],
@@ -26,8 +28,9 @@ def llm(tiny_llama_dir) -> LLM:
 
 def _template_ids(tokenizer, conversation, template=None) -> list[int]:
     """transformers' own rendering and tokenization of a conversation (the oracle)."""
-    ids = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=True,
-                                        add_generation_prompt=True, return_dict=False)
+    ids = tokenizer.apply_chat_template(
+        conversation, chat_template=template, tokenize=True, add_generation_prompt=True, return_dict=False
+    )
     return list(ids)
 
 
@@ -78,9 +81,9 @@ def test_an_idle_engine_reports_no_kv_slot_utilization(tiny_llama_dir):
 def _readme_block(heading: str) -> str:
     """The first ```python block after a README heading."""
     text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    after = text[text.index(heading):]
+    after = text[text.index(heading) :]
     start = after.index("```python\n") + len("```python\n")
-    return after[start:after.index("```", start)]
+    return after[start : after.index("```", start)]
 
 
 def test_readme_memory_sharing_snippet_runs_and_shares(tiny_llama_dir):
@@ -98,8 +101,9 @@ def test_readme_memory_sharing_snippet_runs_and_shares(tiny_llama_dir):
     samples = shared.generate(story, params)[0].outputs
     full_blocks = prompt_len // 16  # forked samples share every full block of the prompt
     alone = LLM(tiny_llama_dir, enable_prefix_caching=False)
-    singles = alone.generate([story] * 4, [SamplingParams(temperature=0.8, seed=1 + i, max_tokens=64)
-                                           for i in range(4)])
+    singles = alone.generate(
+        [story] * 4, [SamplingParams(temperature=0.8, seed=1 + i, max_tokens=64) for i in range(4)]
+    )
     assert [s.token_ids for s in samples] == [o.outputs[0].token_ids for o in singles]
     assert shared.stats()["num_prefilled_tokens"] == prompt_len  # once, not 4 times
     assert alone.stats()["num_prefilled_tokens"] == 4 * prompt_len

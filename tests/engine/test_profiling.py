@@ -19,8 +19,15 @@ def test_blocks_fill_what_weights_and_the_step_peak_leave(tiny_llama_dir, monkey
     for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
         monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: fake)
-    scratch = 2 * engine.model_config.num_layers * 4 * 16 * engine.model_config.num_kv_heads * \
-        engine.model_config.head_dim * 4  # 64 tokens = 4 blocks of 16, fp32
+    scratch = (
+        2
+        * engine.model_config.num_layers
+        * 4
+        * 16
+        * engine.model_config.num_kv_heads
+        * engine.model_config.head_dim
+        * 4
+    )  # 64 tokens = 4 blocks of 16, fp32
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 3 * gib + scratch)
     blocks = profile_num_blocks(runner)
     assert blocks == int((10 * gib * 0.9 - 3 * gib) // runner.bytes_per_block)

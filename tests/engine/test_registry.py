@@ -24,8 +24,12 @@ class RecordingLlama(LlamaForCausalLM):
 
 
 def test_the_registry_serves_every_supported_architecture():
-    assert set(registry.supported_architectures()) == {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                                       "Qwen3ForCausalLM"}
+    assert set(registry.supported_architectures()) == {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+    }
     assert all(registry.model_class(name) is LlamaForCausalLM for name in registry.supported_architectures())
     with pytest.raises(ValueError, match=r"unsupported architecture 'GPT2LMHeadModel'.*LlamaForCausalLM"):
         registry.model_class("GPT2LMHeadModel")

@@ -11,14 +11,17 @@ from kernels.reference import gumbel_noise
 VOCAB = 50
 
 
-def make_batch(rows: int, temperature=1.0, top_k=VOCAB, top_p=1.0, min_p=0.0, seeds=None, positions=None,
-               logprobs=None) -> SamplingBatch:
+def make_batch(
+    rows: int, temperature=1.0, top_k=VOCAB, top_p=1.0, min_p=0.0, seeds=None, positions=None, logprobs=None
+) -> SamplingBatch:
     def full(value, dtype):
         return torch.full((rows,), value, dtype=dtype)
 
     return SamplingBatch(
-        temperature=full(temperature, torch.float32), top_k=full(top_k, torch.long),
-        top_p=full(top_p, torch.float32), min_p=full(min_p, torch.float32),
+        temperature=full(temperature, torch.float32),
+        top_k=full(top_k, torch.long),
+        top_p=full(top_p, torch.float32),
+        min_p=full(min_p, torch.float32),
         seeds=seeds if seeds is not None else torch.arange(rows, dtype=torch.long) * 7919,
         positions=positions if positions is not None else torch.zeros(rows, dtype=torch.long),
         max_num_logprobs=logprobs,
@@ -44,8 +47,9 @@ def test_filters_never_sample_outside_the_allowed_set(top_k, top_p, min_p):
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(64, VOCAB, generator=generator) * 3
     for position in range(20):
-        batch = make_batch(64, temperature=0.8, top_k=top_k, top_p=top_p, min_p=min_p,
-                           positions=torch.full((64,), position))
+        batch = make_batch(
+            64, temperature=0.8, top_k=top_k, top_p=top_p, min_p=min_p, positions=torch.full((64,), position)
+        )
         tokens = sample(logits, batch).token_ids.tolist()
         for row, token in enumerate(tokens):
             assert token in allowed_set(logits[row], 0.8, top_k, top_p, min_p)
@@ -55,9 +59,13 @@ def test_gumbel_max_draws_from_the_softmax():
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
     draws = 20000
     batch = SamplingBatch(
-        temperature=torch.ones(draws), top_k=torch.full((draws,), 6), top_p=torch.ones(draws),
-        min_p=torch.zeros(draws), seeds=torch.full((draws,), 1234, dtype=torch.long),
-        positions=torch.arange(draws, dtype=torch.long), needs_filters=False,
+        temperature=torch.ones(draws),
+        top_k=torch.full((draws,), 6),
+        top_p=torch.ones(draws),
+        min_p=torch.zeros(draws),
+        seeds=torch.full((draws,), 1234, dtype=torch.long),
+        positions=torch.arange(draws, dtype=torch.long),
+        needs_filters=False,
     )
     tokens = sample(logits.expand(draws, -1).clone(), batch).token_ids
     frequencies = torch.bincount(tokens, minlength=6).float() / draws
@@ -134,11 +142,15 @@ def _rows_batch(rows: list[dict], positions: int, needs_filters: bool) -> Sampli
     def column(name, dtype):
         return torch.tensor([row[name] for row in settings], dtype=dtype)
 
-    return SamplingBatch(temperature=column("temperature", torch.float32), top_k=column("top_k", torch.long),
-                         top_p=column("top_p", torch.float32), min_p=torch.zeros(len(settings)),
-                         seeds=torch.full((len(settings),), 7, dtype=torch.long),
-                         positions=torch.arange(positions, dtype=torch.long).repeat(len(rows)),
-                         needs_filters=needs_filters)
+    return SamplingBatch(
+        temperature=column("temperature", torch.float32),
+        top_k=column("top_k", torch.long),
+        top_p=column("top_p", torch.float32),
+        min_p=torch.zeros(len(settings)),
+        seeds=torch.full((len(settings),), 7, dtype=torch.long),
+        positions=torch.arange(positions, dtype=torch.long).repeat(len(rows)),
+        needs_filters=needs_filters,
+    )
 
 
 def test_a_plain_rows_draw_does_not_depend_on_a_filtering_neighbour():

@@ -156,8 +156,7 @@ def test_a_victim_scheduled_earlier_in_the_step_leaves_the_step(swap):
     """low (admitted first) is scheduled, then high needs a block and low, the lowest priority, is preempted:
     low's token must leave the step, else the model would write it into blocks high now owns."""
     manager = BlockManager(3, BLOCK, enable_prefix_caching=False)
-    scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64,
-                          swap_space=SwapSpace(8) if swap else None)
+    scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64, swap_space=SwapSpace(8) if swap else None)
     low, high = make_request("low", 5, priority=-1), make_request("high", 4, priority=5)
     scheduler.add_request(low)
     run_step(scheduler)  # low: 5 prompt tokens computed in 2 blocks, 1 output

@@ -112,8 +112,12 @@ def test_fan_out_groups_fit_max_num_seqs_and_each_sample_equals_its_seed_alone(t
     engine = LLMEngine(tiny_llama_dir, num_kv_blocks=128, block_size=16, max_num_seqs=8)
     seeds = [100, 200, 300, 400]
     prompts = [_tokens(20 + 5 * g, seed=10 + g) for g in range(len(seeds))]
-    params = [SamplingParams(n=4, max_tokens=8, temperature=1.0, seed=seed, ignore_eos=True,
-                             output_kind=RequestOutputKind.FINAL_ONLY) for seed in seeds]
+    params = [
+        SamplingParams(
+            n=4, max_tokens=8, temperature=1.0, seed=seed, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+        )
+        for seed in seeds
+    ]
     for group, (prompt, p) in enumerate(zip(prompts, params)):
         engine.add_request(f"g{group}", prompt, p)
     schedule, sizes = engine.scheduler.schedule, []
@@ -133,8 +137,12 @@ def test_fan_out_groups_fit_max_num_seqs_and_each_sample_equals_its_seed_alone(t
     llm = LLM(tiny_llama_dir, num_kv_blocks=64, block_size=16)
     for group, (prompt, p) in enumerate(zip(prompts, params)):
         samples = [c.token_ids for c in finals[f"g{group}"].outputs]
-        alone = [llm.generate([prompt], dataclasses.replace(p, n=1, best_of=None, seed=p.seed + index))[0]
-                 .outputs[0].token_ids for index in range(4)]
+        alone = [
+            llm.generate([prompt], dataclasses.replace(p, n=1, best_of=None, seed=p.seed + index))[0]
+            .outputs[0]
+            .token_ids
+            for index in range(4)
+        ]
         assert samples == alone
 
 
@@ -145,8 +153,14 @@ def test_more_samples_than_max_num_seqs_are_refused(tiny_llama_dir, fan_out):
         engine.add_request("big", [5, 6, 7], SamplingParams(max_tokens=4, **fan_out))
     assert not engine.has_unfinished_requests()
     engine.add_request("big", [5, 6, 7], SamplingParams(max_tokens=4, n=8))  # the id was not taken
-    assert len(LLM(tiny_llama_dir, num_kv_blocks=32, max_num_seqs=8).generate(
-        [5, 6, 7], SamplingParams(max_tokens=4, n=8))[0].outputs) == 8
+    assert (
+        len(
+            LLM(tiny_llama_dir, num_kv_blocks=32, max_num_seqs=8)
+            .generate([5, 6, 7], SamplingParams(max_tokens=4, n=8))[0]
+            .outputs
+        )
+        == 8
+    )
 
 
 def test_best_of_returns_the_most_likely_samples(tiny_llama_dir):
@@ -154,8 +168,12 @@ def test_best_of_returns_the_most_likely_samples(tiny_llama_dir):
     prompt = _tokens(20, seed=2)
     params = SamplingParams(n=2, best_of=5, max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
     out = llm.generate([prompt], params)[0].outputs
-    singles = [llm.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0, seed=7 + i, ignore_eos=True,
-                                                     logprobs=0))[0].outputs[0] for i in range(5)]
+    singles = [
+        llm.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0, seed=7 + i, ignore_eos=True, logprobs=0))[
+            0
+        ].outputs[0]
+        for i in range(5)
+    ]
     ranked = sorted(singles, key=lambda c: c.cumulative_logprob, reverse=True)[:2]
     assert [c.token_ids for c in out] == [c.token_ids for c in ranked]
     assert [c.cumulative_logprob for c in out] == pytest.approx([c.cumulative_logprob for c in ranked], abs=1e-4)
@@ -199,8 +217,14 @@ def test_preemption_modes_match_an_unpressured_run(tiny_llama_dir, mode):
     prompts = [_tokens(n, seed=n) for n in (7, 19, 33, 45, 12)]
     params = SamplingParams(max_tokens=24, temperature=0.8, seed=11, ignore_eos=True)
     reference = LLM(tiny_llama_dir).generate(prompts, params)
-    tight = LLM(tiny_llama_dir, num_kv_blocks=8, block_size=16, preemption_mode=mode, swap_space_gib=0.01,
-                enable_prefix_caching=False)
+    tight = LLM(
+        tiny_llama_dir,
+        num_kv_blocks=8,
+        block_size=16,
+        preemption_mode=mode,
+        swap_space_gib=0.01,
+        enable_prefix_caching=False,
+    )
     outputs = tight.generate(prompts, params)
     assert tight.stats()["num_preemptions"] > 0
     swap = tight.llm_engine.scheduler.swap_space
@@ -244,11 +268,25 @@ def test_mixed_sharing_workload_under_pressure_matches_a_roomy_run(tiny_llama_di
     prompts, params = [], []
     for i in range(10):
         prompts.append(rng.choice(prefixes) + _tokens(rng.randint(1, 12), seed=90 + i))
-        params.append(SamplingParams(n=rng.choice([1, 2, 3]), max_tokens=rng.randint(5, 20), ignore_eos=True,
-                                     temperature=rng.choice([0.0, 0.9]), top_k=rng.choice([-1, 20]), seed=i))
+        params.append(
+            SamplingParams(
+                n=rng.choice([1, 2, 3]),
+                max_tokens=rng.randint(5, 20),
+                ignore_eos=True,
+                temperature=rng.choice([0.0, 0.9]),
+                top_k=rng.choice([-1, 20]),
+                seed=i,
+            )
+        )
     roomy = LLM(tiny_llama_dir, enable_prefix_caching=False).generate(prompts, params)
-    tight = LLM(tiny_llama_dir, num_kv_blocks=12, block_size=16, max_num_batched_tokens=32,
-                preemption_mode=mode, swap_space_gib=0.01)
+    tight = LLM(
+        tiny_llama_dir,
+        num_kv_blocks=12,
+        block_size=16,
+        max_num_batched_tokens=32,
+        preemption_mode=mode,
+        swap_space_gib=0.01,
+    )
     outputs = tight.generate(prompts, params)
     stats = tight.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0
@@ -259,15 +297,19 @@ def test_mixed_sharing_workload_under_pressure_matches_a_roomy_run(tiny_llama_di
 def _run_with_arrivals(model_dir: str, seed: int, **engine_kwargs) -> tuple[dict[str, list[int]], int]:
     """Requests of mixed priorities arriving over the first steps; every request's final tokens."""
     rng = random.Random(seed)
-    engine = LLMEngine(model_dir, block_size=4, max_num_batched_tokens=64, enable_prefix_caching=False,
-                       **engine_kwargs)
+    engine = LLMEngine(model_dir, block_size=4, max_num_batched_tokens=64, enable_prefix_caching=False, **engine_kwargs)
     finals: dict[str, list[int]] = {}
     for step in range(1000):
         if step < 60 and rng.random() < 0.3:
-            params = SamplingParams(max_tokens=rng.randint(4, 16), temperature=0.0, ignore_eos=True,
-                                    output_kind=RequestOutputKind.FINAL_ONLY)
-            engine.add_request(f"r{step}", _tokens(rng.randint(2, 9), seed=1000 + step), params,
-                               priority=rng.randint(-2, 2))
+            params = SamplingParams(
+                max_tokens=rng.randint(4, 16),
+                temperature=0.0,
+                ignore_eos=True,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+            engine.add_request(
+                f"r{step}", _tokens(rng.randint(2, 9), seed=1000 + step), params, priority=rng.randint(-2, 2)
+            )
         finals.update({o.request_id: o.outputs[0].token_ids for o in engine.step()})
         if step >= 60 and not engine.has_unfinished_requests():
             break
@@ -280,8 +322,9 @@ def test_priorities_under_pressure_keep_outputs_exact(tiny_llama_dir, mode):
     total_preemptions = 0
     for seed in range(6):
         roomy, _ = _run_with_arrivals(tiny_llama_dir, seed, num_kv_blocks=400)
-        tight, preemptions = _run_with_arrivals(tiny_llama_dir, seed, num_kv_blocks=12, preemption_mode=mode,
-                                                swap_space_gib=0.01)
+        tight, preemptions = _run_with_arrivals(
+            tiny_llama_dir, seed, num_kv_blocks=12, preemption_mode=mode, swap_space_gib=0.01
+        )
         assert tight == roomy, f"seed {seed}"
         total_preemptions += preemptions
     assert total_preemptions >= 10
@@ -302,18 +345,23 @@ def _serve(model_dir: str, requests: list[tuple], **engine_kwargs) -> tuple[dict
     return finals, engine.scheduler.num_preemptions
 
 
-@pytest.mark.parametrize("engine_kwargs", [
-    dict(num_kv_blocks=24, max_num_batched_tokens=16),
-    dict(num_kv_blocks=24, max_num_batched_tokens=16, preemption_mode="swap", swap_space_gib=0.001),
-    dict(num_kv_blocks=34, max_num_batched_tokens=24, enable_prefix_caching=False, max_num_seqs=8),
-], ids=["recompute", "swap", "no-prefix-cache"])
+@pytest.mark.parametrize(
+    "engine_kwargs",
+    [
+        dict(num_kv_blocks=24, max_num_batched_tokens=16),
+        dict(num_kv_blocks=24, max_num_batched_tokens=16, preemption_mode="swap", swap_space_gib=0.001),
+        dict(num_kv_blocks=34, max_num_batched_tokens=24, enable_prefix_caching=False, max_num_seqs=8),
+    ],
+    ids=["recompute", "swap", "no-prefix-cache"],
+)
 def test_random_mixed_traffic_under_pressure_matches_a_roomy_run(tiny_llama_dir, engine_kwargs):
     """Every feature at once in a pool that forces preemption: each request's outputs equal a roomy run's."""
     preemptions = 0
     for seed in range(5):
         requests = random_engine_traffic(seed)
-        roomy, _ = _serve(tiny_llama_dir, requests, num_kv_blocks=2000, max_num_batched_tokens=512,
-                          enable_prefix_caching=False)
+        roomy, _ = _serve(
+            tiny_llama_dir, requests, num_kv_blocks=2000, max_num_batched_tokens=512, enable_prefix_caching=False
+        )
         tight, count = _serve(tiny_llama_dir, requests, **engine_kwargs)
         assert tight == roomy, f"seed {seed}"
         preemptions += count

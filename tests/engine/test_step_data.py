@@ -59,7 +59,7 @@ def test_plans_alone_rebuild_every_scheduled_request(seed, swap):
             info = state.info[row]
             assert info.token_ids == request.all_token_ids
             table = scheduler.block_manager.block_table(request.request_id)
-            assert state.block_table[row, :state.num_blocks[row]].tolist() == table
+            assert state.block_table[row, : state.num_blocks[row]].tolist() == table
             if request.sampling_params.needs_penalties:
                 assert state.prompt_mask[row].nonzero().flatten().tolist() == sorted(set(request.prompt_token_ids))
     assert new > 0 and cached > 5 * new  # most of the traffic went as diffs
@@ -72,8 +72,16 @@ def test_penalty_state_of_forks_and_resumed_requests_equals_a_lone_run(tiny_llam
     from tests.conftest import random_tokens
 
     prompts = [random_tokens(n, seed=n) for n in (30, 41, 25)]
-    params = SamplingParams(n=3, max_tokens=20, temperature=0.8, seed=7, ignore_eos=True, repetition_penalty=1.4,
-                            presence_penalty=0.7, frequency_penalty=0.5)
+    params = SamplingParams(
+        n=3,
+        max_tokens=20,
+        temperature=0.8,
+        seed=7,
+        ignore_eos=True,
+        repetition_penalty=1.4,
+        presence_penalty=0.7,
+        frequency_penalty=0.5,
+    )
     tight = LLM(tiny_llama_dir, num_kv_blocks=14, block_size=8, enable_prefix_caching=False)
     outputs = tight.generate(prompts, params)
     assert tight.stats()["num_preemptions"] > 0

@@ -25,8 +25,10 @@ from worker.settings import GatewaySettings
 from ..worker.helpers import REDIS_SERVERS, REPO, wait_for, worker_thread  # noqa: F401  (re-exported)
 
 # A minimal chat template (the tiny checkpoints have none): the oracle renders it with transformers.
-CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
-                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
 
 
 @pytest.fixture
@@ -57,8 +59,11 @@ def chat_llama_dir(tiny_llama_dir: Path, tmp_path_factory) -> Path:
 def gateway_thread(redis_url: str, **overrides: Any) -> Iterator[str]:
     """`pagedq serve`'s app on uvicorn in a thread, on 127.0.0.1; yields its base URL (…/v1)."""
     settings = GatewaySettings(redis_url=redis_url, port=free_port(), worker_cache_s=0.0, **overrides)
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=settings.port,
-                                           log_level="warning", access_log=False))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(settings), host="127.0.0.1", port=settings.port, log_level="warning", access_log=False
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_for(lambda: server.started, timeout=20, what="gateway start")
@@ -74,8 +79,13 @@ def start_gateway_process(redis_url: str, log: Path, *args: str) -> tuple[subpro
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "PAGEDQ_WORKER_CACHE_S": "0"}
     with open(log, "ab") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "worker", "serve", "--redis", redis_url, "--port", str(port),
-                                 *args], cwd=REPO, env=env, stdout=fh, stderr=fh)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "worker", "serve", "--redis", redis_url, "--port", str(port), *args],
+            cwd=REPO,
+            env=env,
+            stdout=fh,
+            stderr=fh,
+        )
 
     def up() -> bool:
         try:
@@ -90,8 +100,7 @@ def start_gateway_process(redis_url: str, log: Path, *args: str) -> tuple[subpro
 
 def wait_live(base_url: str) -> None:
     """Until the gateway sees a live worker (its first heartbeat)."""
-    wait_for(lambda: httpx.get(base_url + "/models", timeout=5).json().get("data"), timeout=30,
-             what="a live worker")
+    wait_for(lambda: httpx.get(base_url + "/models", timeout=5).json().get("data"), timeout=30, what="a live worker")
 
 
 def llm_tokens(tokens: list[str]) -> list[int]:

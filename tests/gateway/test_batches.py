@@ -20,31 +20,47 @@ PROMPTS = {"a": "The quick brown fox", "b": "Paged attention stores", "c": "Redi
 
 
 def _line(custom_id: str, prompt: str, **body) -> str:
-    return json.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
-                       "body": {"model": "any", "prompt": prompt, "max_tokens": 6, "temperature": 0, **body}})
+    return json.dumps(
+        {
+            "custom_id": custom_id,
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "any", "prompt": prompt, "max_tokens": 6, "temperature": 0, **body},
+        }
+    )
 
 
 def test_batch_round_trip_with_bad_lines(redis_url, tiny_llama_dir):
     good = [_line(cid, p) for cid, p in PROMPTS.items()]
-    bad = ['{"custom_id": "broken", ', _line("d", "x", bogus=1), _line("a", "duplicate"),
-           _line("e", "x", temperature=-3)]
+    bad = [
+        '{"custom_id": "broken", ',
+        _line("d", "x", bogus=1),
+        _line("a", "duplicate"),
+        _line("e", "x", temperature=-3),
+    ]
     content = "\n".join(good[:2] + bad[:2] + good[2:] + bad[2:]) + "\n"
     ref = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64).generate(
-        list(PROMPTS.values()), SamplingParams(max_tokens=6, temperature=0.0))
+        list(PROMPTS.values()), SamplingParams(max_tokens=6, temperature=0.0)
+    )
     r = None
     with gateway_thread(redis_url) as base:
         sdk = openai.OpenAI(base_url=base, api_key="x")
         upload = sdk.files.create(file=("requests.jsonl", content.encode()), purpose="batch")
-        batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h",
-                                   metadata={"run": "t"})
+        batch = sdk.batches.create(
+            input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h", metadata={"run": "t"}
+        )
         from redis import Redis
 
         r = Redis.from_url(redis_url)
         queued = wait_for(lambda: r.xrange(QueueKeys().jobs_of("bulk")), what="batch jobs enqueued")  # no worker yet
         engine = LLMEngine(str(tiny_llama_dir), device="cpu", num_kv_blocks=64)
         with worker_thread(engine, redis_url, model=str(tiny_llama_dir)):
-            done = wait_for(lambda: (b := sdk.batches.retrieve(batch.id)).status == "completed" and b,
-                            timeout=60, interval=0.1, what="batch completed")
+            done = wait_for(
+                lambda: (b := sdk.batches.retrieve(batch.id)).status == "completed" and b,
+                timeout=60,
+                interval=0.1,
+                what="batch completed",
+            )
         output = [json.loads(x) for x in sdk.files.content(done.output_file_id).text.splitlines()]
         errors = [json.loads(x) for x in sdk.files.content(done.error_file_id).text.splitlines()]
     assert upload.purpose == "batch" and upload.bytes == len(content.encode())
@@ -71,15 +87,20 @@ def test_batch_round_trip_with_bad_lines(redis_url, tiny_llama_dir):
 
 def test_cancel_a_batch_keeps_what_finished(redis_url):
     content = "\n".join(_line(f"r{i}", "slow", max_tokens=400) for i in range(6)) + "\n"
-    with worker_thread(StubEngine(step_delay_s=0.02, max_num_seqs=1), redis_url, model="stub", max_waiting=1), \
-            gateway_thread(redis_url, batch_window=2) as base:
+    with (
+        worker_thread(StubEngine(step_delay_s=0.02, max_num_seqs=1), redis_url, model="stub", max_waiting=1),
+        gateway_thread(redis_url, batch_window=2) as base,
+    ):
         sdk = openai.OpenAI(base_url=base, api_key="x")
         upload = sdk.files.create(file=("slow.jsonl", content.encode()), purpose="batch")
         batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
         time.sleep(0.5)
         cancelling = sdk.batches.cancel(batch.id)
-        done = wait_for(lambda: (b := sdk.batches.retrieve(batch.id)).status == "cancelled" and b, timeout=30,
-                        what="batch cancelled")
+        done = wait_for(
+            lambda: (b := sdk.batches.retrieve(batch.id)).status == "cancelled" and b,
+            timeout=30,
+            what="batch cancelled",
+        )
         errors = [json.loads(x) for x in sdk.files.content(done.error_file_id).text.splitlines()]
         depth = QueueKeys().jobs_of("bulk")
         from redis import Redis
@@ -105,8 +126,12 @@ def test_a_batch_whose_gateway_went_away_is_finished_by_another(redis_url, tiny_
     engine = LLMEngine(str(tiny_llama_dir), device="cpu", num_kv_blocks=64)
     with worker_thread(engine, redis_url, model=str(tiny_llama_dir)), gateway_thread(redis_url) as second:
         sdk = openai.OpenAI(base_url=second, api_key="x")
-        done = wait_for(lambda: (b := sdk.batches.retrieve(batch.id)).status == "completed" and b,
-                        timeout=60, interval=0.1, what="batch completed by the second gateway")
+        done = wait_for(
+            lambda: (b := sdk.batches.retrieve(batch.id)).status == "completed" and b,
+            timeout=60,
+            interval=0.1,
+            what="batch completed by the second gateway",
+        )
         output = [json.loads(x) for x in sdk.files.content(done.output_file_id).text.splitlines()]
     assert sorted(line["custom_id"] for line in output) == sorted(PROMPTS)  # each once
     assert r.xlen(QueueKeys().completions) == 3  # no job enqueued (or run) twice

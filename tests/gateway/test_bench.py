@@ -15,10 +15,30 @@ from .conftest import REPO
 
 @pytest.mark.slow
 def test_bench_gateway_reports_native_and_gateway_figures():
-    out = subprocess.run([sys.executable, "-m", "worker", "bench", "gateway", "--requests", "60", "--concurrency", "4",
-                          "--latency-requests", "9", "--stream-requests", "3", "--stream-tokens", "5"],
-                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "worker",
+            "bench",
+            "gateway",
+            "--requests",
+            "60",
+            "--concurrency",
+            "4",
+            "--latency-requests",
+            "9",
+            "--stream-requests",
+            "3",
+            "--stream-tokens",
+            "5",
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["native_requests_per_s"] > 0 and result["gateway_requests_per_s"] > 0

@@ -21,23 +21,29 @@ PROMPT = "The quick brown fox"
 def test_completions_greedy_token_identical_to_llm_generate(redis_url, tiny_llama_dir):
     ids_prompt = random_tokens(20, seed=3)
     expected = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64).generate(
-        [PROMPT, ids_prompt], SamplingParams(max_tokens=12, temperature=0.0, logprobs=1))
+        [PROMPT, ids_prompt], SamplingParams(max_tokens=12, temperature=0.0, logprobs=1)
+    )
     engine = LLMEngine(str(tiny_llama_dir), device="cpu", num_kv_blocks=64)
     with worker_thread(engine, redis_url), gateway_thread(redis_url) as base:
         wait_live(base)
         sdk = openai.OpenAI(base_url=base, api_key="unused")
         model = sdk.models.list().data[0].id
-        got = [sdk.completions.create(model=model, prompt=p, max_tokens=12, temperature=0, logprobs=1)
-               for p in (PROMPT, ids_prompt)]
-        wrapped = [sdk.completions.create(model=model, prompt=[p], max_tokens=12, temperature=0, logprobs=1)
-                   for p in (PROMPT, ids_prompt)]  # OpenAI's list-of-one-prompt forms
+        got = [
+            sdk.completions.create(model=model, prompt=p, max_tokens=12, temperature=0, logprobs=1)
+            for p in (PROMPT, ids_prompt)
+        ]
+        wrapped = [
+            sdk.completions.create(model=model, prompt=[p], max_tokens=12, temperature=0, logprobs=1)
+            for p in (PROMPT, ids_prompt)
+        ]  # OpenAI's list-of-one-prompt forms
     assert [w.choices[0].logprobs.tokens for w in wrapped] == [g.choices[0].logprobs.tokens for g in got]
     for response, want in zip(got, expected):
         choice, ref = response.choices[0], want.outputs[0]
         assert llm_tokens(choice.logprobs.tokens) == ref.token_ids
         assert choice.text == ref.text and choice.finish_reason == ref.finish_reason
-        assert choice.logprobs.token_logprobs == pytest.approx([d[t] for t, d in zip(ref.token_ids, ref.logprobs)],
-                                                               abs=1e-4)
+        assert choice.logprobs.token_logprobs == pytest.approx(
+            [d[t] for t, d in zip(ref.token_ids, ref.logprobs)], abs=1e-4
+        )
         assert response.usage.prompt_tokens == len(want.prompt_token_ids)
         assert response.usage.completion_tokens == len(ref.token_ids)
         assert response.object == "text_completion" and response.id.startswith("cmpl-")
@@ -54,8 +60,13 @@ def test_sampling_fields_and_extras_reach_the_engine(redis_url, tiny_llama_dir):
     greedy = dict(max_tokens=20, temperature=0)
     plain = engine_tokens(**greedy)
     seeded = dict(max_tokens=10, temperature=0.9, top_p=0.9, seed=7, stop=["zz"])
-    cases = [({"presence_penalty": 1.5}, {}), ({"frequency_penalty": 1.5}, {}), ({}, {"repetition_penalty": 1.5}),
-             ({}, {"min_tokens": 6, "stop_token_ids": [plain[1]]}), ({}, {"stop_token_ids": [plain[1]]})]
+    cases = [
+        ({"presence_penalty": 1.5}, {}),
+        ({"frequency_penalty": 1.5}, {}),
+        ({}, {"repetition_penalty": 1.5}),
+        ({}, {"min_tokens": 6, "stop_token_ids": [plain[1]]}),
+        ({}, {"stop_token_ids": [plain[1]]}),
+    ]
     engine = LLMEngine(str(tiny_llama_dir), device="cpu", num_kv_blocks=64)
     with worker_thread(engine, redis_url), gateway_thread(redis_url) as base:
         wait_live(base)
@@ -63,8 +74,9 @@ def test_sampling_fields_and_extras_reach_the_engine(redis_url, tiny_llama_dir):
         model = sdk.models.list().data[0].id
 
         def gateway_tokens(params: dict, extra: dict) -> list[int]:
-            response = sdk.completions.create(model=model, prompt=PROMPT, logprobs=0, user="u-1", extra_body=extra,
-                                              **params)
+            response = sdk.completions.create(
+                model=model, prompt=PROMPT, logprobs=0, user="u-1", extra_body=extra, **params
+            )
             return llm_tokens(response.choices[0].logprobs.tokens)
 
         got = [gateway_tokens({**greedy, **openai_fields}, extra) for openai_fields, extra in cases]
@@ -85,19 +97,25 @@ def test_chat_sync_and_async_sdk_equal_llm_generate(redis_url, chat_llama_dir):
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     prompt_ids = tokenizer(rendered, add_special_tokens=False).input_ids
     ref = LLM(str(chat_llama_dir), device="cpu", num_kv_blocks=64).generate(
-        [prompt_ids], SamplingParams(max_tokens=8, temperature=0.0, logprobs=2))[0]
+        [prompt_ids], SamplingParams(max_tokens=8, temperature=0.0, logprobs=2)
+    )[0]
     engine = LLMEngine(str(chat_llama_dir), device="cpu", num_kv_blocks=64)
     with worker_thread(engine, redis_url), gateway_thread(redis_url) as base:
         wait_live(base)
         sdk = openai.OpenAI(base_url=base, api_key="unused")
         model = sdk.models.list().data[0].id
-        sync = sdk.chat.completions.create(model=model, messages=messages, max_completion_tokens=8, temperature=0,
-                                           logprobs=True, top_logprobs=2)
+        sync = sdk.chat.completions.create(
+            model=model, messages=messages, max_completion_tokens=8, temperature=0, logprobs=True, top_logprobs=2
+        )
 
         async def both_async():
             async with openai.AsyncOpenAI(base_url=base, api_key="unused") as client:
-                return await asyncio.gather(*[client.chat.completions.create(
-                    model=model, messages=messages, max_tokens=8, temperature=0) for _ in range(3)])
+                return await asyncio.gather(
+                    *[
+                        client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0)
+                        for _ in range(3)
+                    ]
+                )
 
         many = asyncio.run(both_async())
     out = ref.outputs[0]
@@ -115,9 +133,16 @@ def test_unknown_and_out_of_range_fields_are_400(redis_url, tiny_llama_dir):
         wait_live(base)
         sdk = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
         model = sdk.models.list().data[0].id
-        cases = [dict(extra_body={"bogus": 1}), dict(temperature=-1), dict(extra_body={"top_k": -5}),
-                 dict(n=100), dict(best_of=2), dict(echo=True), dict(prompt=["a", "b"]),
-                 dict(extra_body={"min_tokens": 50}, max_tokens=5)]
+        cases = [
+            dict(extra_body={"bogus": 1}),
+            dict(temperature=-1),
+            dict(extra_body={"top_k": -5}),
+            dict(n=100),
+            dict(best_of=2),
+            dict(echo=True),
+            dict(prompt=["a", "b"]),
+            dict(extra_body={"min_tokens": 50}, max_tokens=5),
+        ]
         errors = []
         for case in cases:
             kwargs = {"model": model, "prompt": PROMPT, "max_tokens": 4, **case}
@@ -125,8 +150,11 @@ def test_unknown_and_out_of_range_fields_are_400(redis_url, tiny_llama_dir):
                 sdk.completions.create(**kwargs)
             errors.append(info.value.body)
         with pytest.raises(openai.BadRequestError) as info:
-            sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
-                                        tools=[{"type": "function", "function": {"name": "f"}}])
+            sdk.chat.completions.create(
+                model=model,
+                messages=[{"role": "user", "content": "hi"}],
+                tools=[{"type": "function", "function": {"name": "f"}}],
+            )
         errors.append(info.value.body)
         with pytest.raises(openai.NotFoundError) as missing:
             sdk.completions.create(model="no-such-model", prompt=PROMPT)

@@ -19,8 +19,10 @@ SHAPE = {"message", "type", "param", "code"}
 
 
 def test_bad_or_missing_bearer_token_is_401(redis_url):
-    with worker_thread(StubEngine(), redis_url, model="stub"), \
-            gateway_thread(redis_url, api_keys=["key-1", "key-2"]) as base:
+    with (
+        worker_thread(StubEngine(), redis_url, model="stub"),
+        gateway_thread(redis_url, api_keys=["key-1", "key-2"]) as base,
+    ):
         good = openai.OpenAI(base_url=base, api_key="key-2", max_retries=0)
         wait_for(lambda: good.models.list().data, what="a live worker")
         answer = good.completions.create(model="stub", prompt="hello", max_tokens=3, temperature=0)
@@ -80,8 +82,9 @@ def test_request_timeout_becomes_the_job_deadline(redis_url):
         sdk = openai.OpenAI(base_url=base, api_key="x", max_retries=0)
         start = time.monotonic()
         with pytest.raises(openai.APIStatusError) as late:
-            sdk.completions.create(model="stub", prompt="slow", max_tokens=1500, extra_body={"timeout": 0.5,
-                                                                                               "ignore_eos": True})
+            sdk.completions.create(
+                model="stub", prompt="slow", max_tokens=1500, extra_body={"timeout": 0.5, "ignore_eos": True}
+            )
         waited = time.monotonic() - start
         quick = sdk.completions.create(model="stub", prompt="quick", max_tokens=3, extra_body={"timeout": 30})
         with pytest.raises(openai.BadRequestError):

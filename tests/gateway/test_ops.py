@@ -17,8 +17,11 @@ from .conftest import gateway_thread, start_gateway_process, wait_for, wait_live
 
 def _samples(root: str) -> dict[tuple, float]:
     text = httpx.get(root + "/metrics").text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_metrics_count_routes_statuses_latency_and_open_streams(redis_url):

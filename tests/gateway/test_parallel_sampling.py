@@ -24,12 +24,17 @@ def test_n3_seeded_samples_equal_the_engines(redis_url, chat_llama_dir):
         wait_live(base)
         sdk = openai.OpenAI(base_url=base, api_key="x")
         model = sdk.models.list().data[0].id
-        whole = sdk.completions.create(model=model, prompt=PROMPT, n=3, temperature=0.8, seed=11, max_tokens=10,
-                                       logprobs=0)
-        chunks = list(sdk.completions.create(model=model, prompt=PROMPT, n=3, temperature=0.8, seed=11,
-                                             max_tokens=10, stream=True))
-        chat = sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], n=3,
-                                           temperature=0.8, seed=11, max_tokens=6)
+        whole = sdk.completions.create(
+            model=model, prompt=PROMPT, n=3, temperature=0.8, seed=11, max_tokens=10, logprobs=0
+        )
+        chunks = list(
+            sdk.completions.create(
+                model=model, prompt=PROMPT, n=3, temperature=0.8, seed=11, max_tokens=10, stream=True
+            )
+        )
+        chat = sdk.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], n=3, temperature=0.8, seed=11, max_tokens=6
+        )
         job_id = whole.id.removeprefix("cmpl-")
         record = Client(redis_url).final(job_id)
         jobs_enqueued = Client(redis_url).r.xlen(QueueKeys().completions)  # one final record per job
@@ -37,13 +42,13 @@ def test_n3_seeded_samples_equal_the_engines(redis_url, chat_llama_dir):
     assert [llm_tokens(c.logprobs.tokens) for c in whole.choices] == [o.token_ids for o in ref]
     assert [c.text for c in whole.choices] == [o.text for o in ref]
     assert whole.usage.completion_tokens == sum(len(o.token_ids) for o in ref)
-    streamed = {i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
-                for i in range(3)}
+    streamed = {
+        i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)
+    }
     assert streamed == {i: o.text for i, o in enumerate(ref)}
     assert len(chat.choices) == 3 and len({c.message.content for c in chat.choices}) > 1
     assert jobs_enqueued == 3  # one job per request, not one per sample
-    assert record.token_ids == ref[0].token_ids and [c.token_ids for c in record.choices] == [o.token_ids
-                                                                                              for o in ref]
+    assert record.token_ids == ref[0].token_ids and [c.token_ids for c in record.choices] == [o.token_ids for o in ref]
 
 
 def test_cancelled_n2_stream_frees_the_blocks_and_keeps_both_samples(redis_url, tiny_llama_dir):
@@ -53,8 +58,16 @@ def test_cancelled_n2_stream_frees_the_blocks_and_keeps_both_samples(redis_url, 
         wait_live(base)
         sdk = openai.OpenAI(base_url=base, api_key="x")
         model = sdk.models.list().data[0].id
-        stream = sdk.completions.create(model=model, prompt=PROMPT, n=2, temperature=1.0, seed=5, max_tokens=400,
-                                        stream=True, extra_body={"ignore_eos": True})
+        stream = sdk.completions.create(
+            model=model,
+            prompt=PROMPT,
+            n=2,
+            temperature=1.0,
+            seed=5,
+            max_tokens=400,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         seen = {c.choices[0].index for c in (next(iter(stream)) for _ in range(6))}
         job_id = next(iter(stream)).id.removeprefix("cmpl-")
         stream.close()

@@ -27,15 +27,26 @@ def test_streamed_completion_and_chat_add_up_to_llm_generate(redis_url, chat_lla
         wait_live(base)
         sdk = openai.OpenAI(base_url=base, api_key="unused")
         model = sdk.models.list().data[0].id
-        chunks = list(sdk.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
-                                             stream_options={"include_usage": True}))
-        with_logprobs = list(sdk.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0,
-                                                    stream=True, logprobs=1))
-        chat_chunks = list(sdk.chat.completions.create(model=model, messages=messages, max_tokens=6,
-                                                       temperature=0, stream=True))
+        chunks = list(
+            sdk.completions.create(
+                model=model,
+                prompt=PROMPT,
+                max_tokens=12,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        with_logprobs = list(
+            sdk.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, stream=True, logprobs=1)
+        )
+        chat_chunks = list(
+            sdk.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0, stream=True)
+        )
         chat_whole = sdk.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0)
-        with httpx.stream("POST", base + "/completions", json=dict(model=model, prompt=PROMPT, max_tokens=3,
-                                                                    stream=True)) as raw:
+        with httpx.stream(
+            "POST", base + "/completions", json=dict(model=model, prompt=PROMPT, max_tokens=3, stream=True)
+        ) as raw:
             lines = [line for line in raw.iter_lines() if line]
     out = ref.outputs[0]
     text_chunks = [c for c in chunks if c.choices]
@@ -62,8 +73,9 @@ def test_client_disconnect_cancels_the_job_and_frees_its_kv_blocks(redis_url, ti
         wait_live(base)
         sdk = openai.OpenAI(base_url=base, api_key="unused")
         model = sdk.models.list().data[0].id
-        stream = sdk.completions.create(model=model, prompt=PROMPT, max_tokens=400, temperature=0, stream=True,
-                                        extra_body={"ignore_eos": True})
+        stream = sdk.completions.create(
+            model=model, prompt=PROMPT, max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
         first = [next(iter(stream)) for _ in range(3)]
         used_while_streaming = total - engine.num_free_blocks
         stream.close()
@@ -76,8 +88,11 @@ def test_client_disconnect_cancels_the_job_and_frees_its_kv_blocks(redis_url, ti
 
 @pytest.mark.slow
 def test_gateway_killed_mid_stream_loses_nothing(redis_url, tiny_llama_dir, tmp_path):
-    ref = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64).generate(
-        PROMPT, SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    ref = (
+        LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64)
+        .generate(PROMPT, SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True))[0]
+        .outputs[0]
+    )
     engine = LLMEngine(str(tiny_llama_dir), device="cpu", num_kv_blocks=64)
     with worker_thread(engine, redis_url):
         proc, base = start_gateway_process(redis_url, tmp_path / "gateway.log")
@@ -85,8 +100,9 @@ def test_gateway_killed_mid_stream_loses_nothing(redis_url, tiny_llama_dir, tmp_
             wait_live(base)
             sdk = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
             model = sdk.models.list().data[0].id
-            stream = sdk.completions.create(model=model, prompt=PROMPT, max_tokens=300, temperature=0,
-                                            stream=True, extra_body={"ignore_eos": True})
+            stream = sdk.completions.create(
+                model=model, prompt=PROMPT, max_tokens=300, temperature=0, stream=True, extra_body={"ignore_eos": True}
+            )
             first = next(iter(stream))
             proc.kill()
             proc.wait(timeout=10)
@@ -106,11 +122,26 @@ def test_a_non_streamed_client_that_gives_up_cancels_its_job(redis_url, tiny_lla
         sdk = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=0.5)
         model = sdk.models.list().data[0].id
         with pytest.raises(openai.APITimeoutError):  # the client stops waiting and closes its connection
-            sdk.completions.create(model=model, prompt=PROMPT, max_tokens=480, temperature=0,
-                                   extra_body={"ignore_eos": True}, user="gives-up")
+            sdk.completions.create(
+                model=model,
+                prompt=PROMPT,
+                max_tokens=480,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+                user="gives-up",
+            )
         client = Client(redis_url)
-        record = wait_for(lambda: next((json.loads(f[b"data"]) for _, f in client.r.xrange(client.keys.completions)
-                                        if json.loads(f[b"data"])["metadata"] == {"user": "gives-up"}), None),
-                          timeout=30, what="the job's final record")
+        record = wait_for(
+            lambda: next(
+                (
+                    json.loads(f[b"data"])
+                    for _, f in client.r.xrange(client.keys.completions)
+                    if json.loads(f[b"data"])["metadata"] == {"user": "gives-up"}
+                ),
+                None,
+            ),
+            timeout=30,
+            what="the job's final record",
+        )
         wait_for(lambda: engine.num_free_blocks == total, timeout=10, what="KV blocks back in the pool")
     assert record["status"] == "cancelled" and len(record["token_ids"]) < 480

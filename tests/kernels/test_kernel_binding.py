@@ -12,9 +12,11 @@ from kernels import reference, triton_ops
 
 def _spy(calls: dict[str, int], name: str, impl):
     """impl, counting its calls in calls[name]."""
+
     def spy(*args, **kwargs):
         calls[name] = calls.get(name, 0) + 1
         return impl(*args, **kwargs)
+
     return spy
 
 

@@ -73,6 +73,7 @@ def _bad(mutate):
         args = dict(key_caches=keys, value_caches=values, block_mapping=torch.tensor([[1, 2], [3, 4]], device=device))
         mutate(args)
         return args
+
     return build
 
 

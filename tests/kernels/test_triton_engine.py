@@ -11,9 +11,11 @@ from tests.conftest import VOCAB_SIZE
 
 def _spy(calls: dict[str, int], name: str, impl):
     """impl, counting its calls in calls[name]."""
+
     def spy(*args, **kwargs):
         calls[name] = calls.get(name, 0) + 1
         return impl(*args, **kwargs)
+
     return spy
 
 

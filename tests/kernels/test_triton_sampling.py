@@ -87,8 +87,9 @@ def test_greedy_ties_and_all_filtered_rows(device):
     temperature = torch.tensor([0.0, 0.0, 1.0, 1.0])
     seeds, positions = _rows(4, "cpu")
     for splits in (1, 3):
-        got = gumbel_argmax_split(logits.to(device), temperature.to(device), seeds.to(device), positions.to(device),
-                                  splits)
+        got = gumbel_argmax_split(
+            logits.to(device), temperature.to(device), seeds.to(device), positions.to(device), splits
+        )
         assert got.tolist() == [100, 0, 0, VOCAB - 1]
 
 

@@ -51,8 +51,9 @@ REDIS_SERVERS = _redis_servers()
 
 def fast_settings(**overrides: Any) -> WorkerSettings:
     """Short leases and intervals so recovery paths run within a test's time."""
-    values: dict[str, Any] = dict(name="w-test", lease_ms=1000, block_ms=100, heartbeat_every_s=0.5,
-                                  drain_timeout_s=5.0)
+    values: dict[str, Any] = dict(
+        name="w-test", lease_ms=1000, block_ms=100, heartbeat_every_s=0.5, drain_timeout_s=5.0
+    )
     values.update(overrides)
     return WorkerSettings(**values)
 
@@ -89,8 +90,21 @@ def run_burst(engine: Any, redis_url: str, **overrides: Any) -> Worker:
 
 
 def worker_cmd(redis_url: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "worker", "worker", "--redis", redis_url, "--lease-ms", "1000",
-            "--block-ms", "100", "--heartbeat-interval", "0.5", *args]
+    return [
+        sys.executable,
+        "-m",
+        "worker",
+        "worker",
+        "--redis",
+        redis_url,
+        "--lease-ms",
+        "1000",
+        "--block-ms",
+        "100",
+        "--heartbeat-interval",
+        "0.5",
+        *args,
+    ]
 
 
 def start_worker(redis_url: str, *args: str, log: Path, env: dict | None = None) -> subprocess.Popen:
@@ -158,5 +172,6 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
 def run_cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
     """`python -m worker ARGS` (the same subcommands as the top-level pagedq CLI) from the repository root."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "worker", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "worker", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )

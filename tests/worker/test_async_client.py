@@ -19,8 +19,9 @@ def test_async_client_end_to_end(redis_url):
             with pytest.raises(JobRejected, match="top_k"):
                 await client.submit(prompt="x", top_k=-5)
             streamed = await client.submit(prompt="async stream", max_tokens=6, temperature=0.0, stream=True)
-            plain = await client.submit_many([dict(prompt=f"async {i}", max_tokens=3, temperature=0.0)
-                                              for i in range(5)])
+            plain = await client.submit_many(
+                [dict(prompt=f"async {i}", max_tokens=3, temperature=0.0) for i in range(5)]
+            )
             slow = await client.submit(prompt="async slow", max_tokens=5000, temperature=0.0)
             deltas = [d async for d in client.stream(streamed, timeout=10)]
             final = await client.result(streamed, timeout=10)
@@ -53,6 +54,7 @@ class SyncBehindAsync:
 
         async def call(*args, **kwargs):
             return method(*args, **kwargs)
+
         return call
 
     async def stream(self, *args, **kwargs):
@@ -87,8 +89,12 @@ async def scenario(client, r, queue: str) -> list:
     await attempt(client.final("j1"))
     await attempt(client.result("j1", timeout=0.2))
     # a result stream as a worker writes it, with a rerun's deltas restarting at pos 0, then the final record
-    written = [{"text": "ab", "token_ids": [1, 2], "pos": 0}, {"text": "a", "token_ids": [1], "pos": 0},
-               {"text": "c", "token_ids": [3], "pos": 2}, {"text": "d", "token_ids": [4], "pos": 3}]
+    written = [
+        {"text": "ab", "token_ids": [1, 2], "pos": 0},
+        {"text": "a", "token_ids": [1], "pos": 0},
+        {"text": "c", "token_ids": [3], "pos": 2},
+        {"text": "d", "token_ids": [4], "pos": 3},
+    ]
     for i, payload in enumerate(written):
         r.xadd(keys.result("j3"), {"type": "delta", "data": json.dumps(payload)}, id=f"{10 + i}-0")
     final = {"id": "j3", "status": "completed", "text": "abcd"}
@@ -97,8 +103,10 @@ async def scenario(client, r, queue: str) -> list:
     seen.append(("ok", [(d.text, d.pos, d.offset.split("-")[0]) for d in deltas]))
     seen.append(("ok", [d.text async for d in client.stream("j3", offset=deltas[1].offset, timeout=1)]))
     await attempt(client.result("j3", timeout=1))
-    state = {band: [json.loads(f[b"job"]) for _, f in r.xrange(keys.jobs_of(band))]
-             for band in ("interactive", "default", "bulk")}
+    state = {
+        band: [json.loads(f[b"job"]) for _, f in r.xrange(keys.jobs_of(band))]
+        for band in ("interactive", "default", "bulk")
+    }
     return [*seen, state, sorted(r.hkeys(keys.ids)), [m for m, _ in r.zrange(keys.cancelled, 0, -1, withscores=True)]]
 
 
@@ -113,7 +121,20 @@ def test_both_clients_answer_every_call_the_same(redis_url, r):
     strip = json.dumps  # the stream names differ only in the queue name
     assert strip(via_async, default=str).replace("{a}", "{Q}") == strip(via_sync, default=str).replace("{s}", "{Q}")
     kinds = [item[0] for item in via_async[:13]]
-    assert kinds == ["ok", "ok", "JobRejected", "JobRejected", "QueueFullError", "ok", "QueueFullError", "ok", "ok",
-                     "ok", "ok", "ok", "ResultTimeout"]
+    assert kinds == [
+        "ok",
+        "ok",
+        "JobRejected",
+        "JobRejected",
+        "QueueFullError",
+        "ok",
+        "QueueFullError",
+        "ok",
+        "ok",
+        "ok",
+        "ok",
+        "ok",
+        "ResultTimeout",
+    ]
     assert via_async[13][1] == [("ab", 0, "10"), ("c", 2, "12"), ("d", 3, "13")]  # the rerun's repeat skipped
     assert via_async[14][1] == ["d"] and via_async[15][1].text == "abcd"  # resumed after "c"; the record

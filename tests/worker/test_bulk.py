@@ -17,8 +17,10 @@ from worker.stub_engine import StubEngine
 
 from .helpers import KEYS, REPO, assert_clean_queue, finals_by_id, offline, wait_for, worker_thread
 
-TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
-            "{% if add_generation_prompt %}<assistant>{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 
 
 def make_input(path) -> tuple[dict[str, tuple[str, int]], dict[str, str]]:
@@ -29,23 +31,43 @@ def make_input(path) -> tuple[dict[str, tuple[str, int]], dict[str, str]]:
         cid, max_tokens = f"req-{i}", 3 + i % 6
         if i % 3 == 0:  # OpenAI batch, chat
             messages = [{"role": "user", "content": f"question {i}"}]
-            lines.append({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
-                          "body": {"model": "any", "messages": messages, "max_tokens": max_tokens, "temperature": 0}})
+            lines.append(
+                {
+                    "custom_id": cid,
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": {"model": "any", "messages": messages, "max_tokens": max_tokens, "temperature": 0},
+                }
+            )
             good[cid] = (f"<user>question {i}</user><assistant>", max_tokens)
         elif i % 3 == 1:  # OpenAI batch, completions
-            lines.append({"custom_id": cid, "method": "POST", "url": "/v1/completions",
-                          "body": {"model": "any", "prompt": f"text {i}", "max_completion_tokens": max_tokens,
-                                   "temperature": 0, "stop": None}})
+            lines.append(
+                {
+                    "custom_id": cid,
+                    "method": "POST",
+                    "url": "/v1/completions",
+                    "body": {
+                        "model": "any",
+                        "prompt": f"text {i}",
+                        "max_completion_tokens": max_tokens,
+                        "temperature": 0,
+                        "stop": None,
+                    },
+                }
+            )
             good[cid] = (f"text {i}", max_tokens)
         else:  # plain
             lines.append({"custom_id": cid, "prompt": f"plain {i}", "max_tokens": max_tokens, "temperature": 0.0})
             good[cid] = (f"plain {i}", max_tokens)
     text = [json.dumps(line) for line in lines]
-    bad = [("{not json", "invalid_json"), (json.dumps({"prompt": "no id"}), "missing_custom_id"),
-           (json.dumps({"custom_id": "req-7", "prompt": "again"}), "duplicate_custom_id"),
-           (json.dumps({"custom_id": "bad-field", "prompt": "x", "frequency_penalty": 1}), "invalid_request"),
-           (json.dumps({"custom_id": "bad-value", "prompt": "x", "temperature": -2}), "invalid_request"),
-           (json.dumps({"custom_id": "too-long", "prompt": "y" * 3000}), "rejected")]  # the engine's verdict
+    bad = [
+        ("{not json", "invalid_json"),
+        (json.dumps({"prompt": "no id"}), "missing_custom_id"),
+        (json.dumps({"custom_id": "req-7", "prompt": "again"}), "duplicate_custom_id"),
+        (json.dumps({"custom_id": "bad-field", "prompt": "x", "frequency_penalty": 1}), "invalid_request"),
+        (json.dumps({"custom_id": "bad-value", "prompt": "x", "temperature": -2}), "invalid_request"),
+        (json.dumps({"custom_id": "too-long", "prompt": "y" * 3000}), "rejected"),
+    ]  # the engine's verdict
     for k in range(20):  # spread the bad lines through the file
         raw, code = bad[k % len(bad)]
         if k >= len(bad):
@@ -98,8 +120,14 @@ def test_bulk_500_lines_killed_midway_and_resumed(redis_url, r, tmp_path):
         assert body["usage"]["completion_tokens"] == max_tokens
         assert (body["object"] == "chat.completion") == (int(res["custom_id"].split("-")[1]) % 3 == 0)
     errors = [json.loads(line) for line in err.read_text().splitlines()]
-    got = {(f"line:{e['line']}" if e["custom_id"] is None or e["error"]["code"] == "duplicate_custom_id"
-            else e["custom_id"]): e["error"]["code"] for e in errors}
+    got = {
+        (
+            f"line:{e['line']}"
+            if e["custom_id"] is None or e["error"]["code"] == "duplicate_custom_id"
+            else e["custom_id"]
+        ): e["error"]["code"]
+        for e in errors
+    }
     assert len(errors) == len(got) == len(expected_errors)  # each error exactly once, across the restart
     assert got == expected_errors
     too_long = next(e for e in errors if e["custom_id"] == "too-long")
@@ -113,8 +141,14 @@ def test_bulk_500_lines_killed_midway_and_resumed(redis_url, r, tmp_path):
     assert set(finals) == {job_id_for(summary["run_id"], cid) for cid in [*good, "too-long"]}
     assert_clean_queue(r)
     # a third run finds everything answered and enqueues nothing
-    third = subprocess.run(bulk_cmd(redis_url, str(inp), str(out), "--errors", str(err), "--no-progress"),
-                           cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    third = subprocess.run(
+        bulk_cmd(redis_url, str(inp), str(out), "--errors", str(err), "--no-progress"),
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     summary3 = json.loads(third.stdout.strip().splitlines()[-1])
     assert summary3["enqueued"] == summary3["awaited"] == summary3["errors"] == 0
     answered_in_errors = [key for key in expected_errors if not key.startswith("line:")]

@@ -19,8 +19,14 @@ from .helpers import KEYS, REPO, offline, run_burst, wait_for, worker_thread
 
 
 def _openai(cid: str, prompt: str, max_tokens: int, model: str = "my-model") -> str:
-    return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/completions",
-                       "body": {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}})
+    return json.dumps(
+        {
+            "custom_id": cid,
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+        }
+    )
 
 
 def _bulk(redis_url: str, *args: str, **kwargs) -> subprocess.CompletedProcess | subprocess.Popen:
@@ -34,9 +40,13 @@ def _bulk(redis_url: str, *args: str, **kwargs) -> subprocess.CompletedProcess |
 @pytest.mark.slow
 def test_summary_model_echo_error_ids_and_a_last_line_without_newline(redis_url, r, tmp_path):
     inp, out, err = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "err.jsonl"
-    lines = [_openai("a", "alpha", 3), "{broken", json.dumps({"prompt": "no id"}),
-             json.dumps({"custom_id": "plain", "prompt": "beta", "max_tokens": 2, "temperature": 0}),
-             _openai("z", "omega", 4, model="other-model")]
+    lines = [
+        _openai("a", "alpha", 3),
+        "{broken",
+        json.dumps({"prompt": "no id"}),
+        json.dumps({"custom_id": "plain", "prompt": "beta", "max_tokens": 2, "temperature": 0}),
+        _openai("z", "omega", 4, model="other-model"),
+    ]
     inp.write_text("\n".join(lines))  # no trailing newline
     assert BulkRun(r, inp, out, err, progress=False).total_lines == len(lines)
     with worker_thread(StubEngine(), redis_url):
@@ -48,8 +58,7 @@ def test_summary_model_echo_error_ids_and_a_last_line_without_newline(redis_url,
     results = {line["custom_id"]: line for line in map(json.loads, out.read_text().splitlines())}
     assert results["a"]["response"]["body"]["model"] == "my-model"
     assert results["z"]["response"]["body"]["model"] == "other-model"  # the last line, without its newline
-    assert results["z"]["response"]["body"]["choices"][0]["text"] == offline("omega", max_tokens=4,
-                                                                              temperature=0.0)[0]
+    assert results["z"]["response"]["body"]["choices"][0]["text"] == offline("omega", max_tokens=4, temperature=0.0)[0]
     assert results["plain"]["response"]["body"]["model"] is None  # a plain line names no model
     errors = [json.loads(x) for x in err.read_text().splitlines()]
     assert sorted(e["line"] for e in errors) == [2, 3]

@@ -48,8 +48,12 @@ def test_celery_round_trip_equals_native(redis_url, r, monkeypatch):
         assert sent.get(timeout=20)["token_ids"] == seeded.token_ids
 
         # bad kwargs: FAILURE with the reason, re-raised by get(); the worker keeps serving
-        bad = [generate.delay(prompt="x", max_tokenz=3), generate.delay(prompt="   "),
-               generate.delay(prompt="x", temperature=-1), app.send_task("pagedq.generate", args=["a", "b"])]
+        bad = [
+            generate.delay(prompt="x", max_tokenz=3),
+            generate.delay(prompt="   "),
+            generate.delay(prompt="x", temperature=-1),
+            app.send_task("pagedq.generate", args=["a", "b"]),
+        ]
         reasons = ["max_tokenz", "prompt must not be empty", "temperature", "only positional argument"]
         for res, reason in zip(bad, reasons):
             try:
@@ -90,8 +94,19 @@ def test_killed_worker_messages_are_redelivered_and_answered_once(redis_url, r, 
     generate = app.tasks["pagedq.generate"]
     prompts = [f"celery crash {i}" for i in range(24)]
     results = [generate.delay(prompt=p, max_tokens=30, temperature=0) for p in prompts]
-    stub = ["--engine", "stub", "--stub-step-delay", "0.02", "--max-num-seqs", "4", "--max-waiting", "4",
-            "--celery", "--celery-visibility-timeout", "2"]
+    stub = [
+        "--engine",
+        "stub",
+        "--stub-step-delay",
+        "0.02",
+        "--max-num-seqs",
+        "4",
+        "--max-waiting",
+        "4",
+        "--celery",
+        "--celery-visibility-timeout",
+        "2",
+    ]
     # The first worker dies abruptly (os._exit, like kill -9) as soon as job 9 enters its engine: a crash in
     # mid-step, with jobs running and read ahead. (A kill at a random moment could also land in kombu's own
     # gap between RPOP and its write to the unacked hash, where Celery on Redis loses the message whoever

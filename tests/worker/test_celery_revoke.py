@@ -50,8 +50,9 @@ def test_revoke_before_any_worker_read_it_is_never_generated(redis_url, r):
     app = make_app(redis_url)
     res = app.tasks["pagedq.generate"].apply_async(kwargs=dict(prompt="never run me", max_tokens=5))
     # a worker serving another queue gets the broadcast but never sees the message
-    with worker_thread(RecordingEngine(), redis_url, celery_broker=redis_url, celery_queue="elsewhere",
-                       celery_poll_s=0.01):
+    with worker_thread(
+        RecordingEngine(), redis_url, celery_broker=redis_url, celery_queue="elsewhere", celery_poll_s=0.01
+    ):
         res.revoke()
         assert_revoked(res, "revoked")  # stored at once, as Celery's revoke handler does for a PENDING task
         assert r.llen("pagedq") == 1 and r.zscore(KEYS.cancelled, res.id) is not None
@@ -123,8 +124,13 @@ def test_expires_stores_revoked_and_the_record_says_expired(redis_url, r):
 def test_plain_producer_with_task_routes_and_a_worker_serving_two_queues(redis_url, r):
     job = dict(prompt="plain producer", max_tokens=6, temperature=0)
     expected = offline("plain producer", max_tokens=6, temperature=0.0)[0]
-    routed = Celery("x", broker=redis_url, backend=redis_url, set_as_current=False,
-                    task_routes={"pagedq.generate": {"queue": "pagedq"}})  # the README's producer snippet
+    routed = Celery(
+        "x",
+        broker=redis_url,
+        backend=redis_url,
+        set_as_current=False,
+        task_routes={"pagedq.generate": {"queue": "pagedq"}},
+    )  # the README's producer snippet
     plain = Celery("y", broker=redis_url, backend=redis_url, set_as_current=False)  # Celery's default queue
     with worker_thread(StubEngine(), redis_url, celery_broker=redis_url, celery_poll_s=0.01):
         assert routed.send_task("pagedq.generate", kwargs=job).get(timeout=20)["text"] == expected
@@ -134,8 +140,9 @@ def test_plain_producer_with_task_routes_and_a_worker_serving_two_queues(redis_u
     time.sleep(0.3)
     assert unrouted.state == "PENDING" and r.llen("celery") == 2  # a pagedq-only worker leaves `celery` alone
 
-    with worker_thread(StubEngine(), redis_url, name="two", celery_broker=redis_url, celery_queue="pagedq, celery",
-                       celery_poll_s=0.01) as worker:
+    with worker_thread(
+        StubEngine(), redis_url, name="two", celery_broker=redis_url, celery_queue="pagedq, celery", celery_poll_s=0.01
+    ) as worker:
         assert worker.celery is not None and worker.celery.name == "pagedq,celery"
         assert unrouted.get(timeout=20)["text"] == expected
         # it owns the queues it serves, like a Celery worker: a task it does not know fails (and is acked)

@@ -22,9 +22,13 @@ from .helpers import KEYS, fast_settings, finals_by_id, offline, wait_for
 def _submit_random_jobs(client: Client, rng: random.Random, seed: int) -> dict[str, dict]:
     jobs: dict[str, dict] = {}
     for i in range(rng.randint(20, 60)):
-        job = dict(prompt=f"job {seed}-{i}" + (" POISON" if rng.random() < 0.05 else ""),
-                   max_tokens=rng.randint(1, 40), temperature=0.0, stream=rng.random() < 0.5,
-                   priority=rng.randint(-2, 2))
+        job = dict(
+            prompt=f"job {seed}-{i}" + (" POISON" if rng.random() < 0.05 else ""),
+            max_tokens=rng.randint(1, 40),
+            temperature=0.0,
+            stream=rng.random() < 0.5,
+            priority=rng.randint(-2, 2),
+        )
         if rng.random() < 0.15:
             job["deadline"] = time.time() + rng.uniform(0.0, 0.5)
         jobs[client.submit(**job)] = job
@@ -47,17 +51,23 @@ def _check_final(job: dict, records: list[dict]) -> None:
         assert (records[0]["text"], records[0]["token_ids"]) == expected, job
     else:
         assert (status == "cancelled" and job.get("cancelled")) or (status == "expired" and "deadline" in job), (
-            job, records[0])
+            job,
+            records[0],
+        )
 
 
 @pytest.mark.parametrize("seed", [5, 21])  # 21: three poison jobs fail alone in a row (the breaker's canary)
 def test_two_workers_under_random_traffic_settle_every_job_once(redis_url, r, seed):
     rng = random.Random(seed)
     client = Client(redis_url)
-    workers = [Worker(FaultyEngine(StubEngine(step_delay_s=0.002, num_kv_blocks=rng.choice([64, 4096])), "POISON"),
-                      Redis.from_url(redis_url), fast_settings(name=f"w{i}", max_attempts=3,
-                                                               max_waiting=rng.choice([4, 64])))
-               for i in range(2)]
+    workers = [
+        Worker(
+            FaultyEngine(StubEngine(step_delay_s=0.002, num_kv_blocks=rng.choice([64, 4096])), "POISON"),
+            Redis.from_url(redis_url),
+            fast_settings(name=f"w{i}", max_attempts=3, max_waiting=rng.choice([4, 64])),
+        )
+        for i in range(2)
+    ]
     threads = [threading.Thread(target=worker.run, daemon=True) for worker in workers]
     for thread in threads:
         thread.start()

@@ -22,8 +22,23 @@ def test_demo_answers_on_the_demo_model(demo_model_dir):
 
 @pytest.mark.slow
 def test_bench_prints_one_json_line(tiny_llama_dir):
-    proc = run_cli("bench", "worker", "--stub-jobs", "2000", "--e2e-jobs", "8", "--e2e-max-tokens", "8",
-                   "--e2e-repeats", "1", "--model", str(tiny_llama_dir), "--device", "cpu", timeout=240)
+    proc = run_cli(
+        "bench",
+        "worker",
+        "--stub-jobs",
+        "2000",
+        "--e2e-jobs",
+        "8",
+        "--e2e-max-tokens",
+        "8",
+        "--e2e-repeats",
+        "1",
+        "--model",
+        str(tiny_llama_dir),
+        "--device",
+        "cpu",
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert len(lines) == 1
@@ -43,8 +58,9 @@ def test_worker_start_up_freezes_the_engine_objects(tiny_llama_dir):
 
     from worker.cli import build_engine, build_parser
 
-    args = build_parser().parse_args(["worker", "--model", str(tiny_llama_dir), "--device", "cpu",
-                                      "--num-kv-blocks", "8"])
+    args = build_parser().parse_args(
+        ["worker", "--model", str(tiny_llama_dir), "--device", "cpu", "--num-kv-blocks", "8"]
+    )
     frozen = gc.get_freeze_count()
     try:
         engine, model = build_engine(args)
@@ -56,29 +72,66 @@ def test_worker_start_up_freezes_the_engine_objects(tiny_llama_dir):
 
 @pytest.mark.slow
 def test_bench_mixed_reports_both_sides_of_the_comparison():
-    proc = run_cli("bench", "worker", "--mixed", "--mixed-bulk-jobs", "300", "--mixed-bulk-tokens", "8",
-                   "--mixed-web-jobs", "4", "--mixed-web-every", "0.02", "--mixed-step-delay", "0.002",
-                   "--mixed-max-num-seqs", "8", timeout=240)
+    proc = run_cli(
+        "bench",
+        "worker",
+        "--mixed",
+        "--mixed-bulk-jobs",
+        "300",
+        "--mixed-bulk-tokens",
+        "8",
+        "--mixed-web-jobs",
+        "4",
+        "--mixed-web-every",
+        "0.02",
+        "--mixed-step-delay",
+        "0.002",
+        "--mixed-max-num-seqs",
+        "8",
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     mixed = json.loads(proc.stdout.strip().splitlines()[-1])["mixed"]
     for side in ("interactive_idle", "interactive_behind_backlog"):
         assert 0 < mixed[side]["ttft_p50_s"] <= mixed[side]["ttft_p99_s"] <= mixed[side]["total_p99_s"]
     assert mixed["bulk_tokens_per_s_mixed"] > 0 and mixed["bulk_tokens_per_s_bulk_only"] > 0
-    assert mixed["bulk_throughput_ratio"] == round(mixed["bulk_tokens_per_s_mixed"]
-                                                   / mixed["bulk_tokens_per_s_bulk_only"], 3)
+    assert mixed["bulk_throughput_ratio"] == round(
+        mixed["bulk_tokens_per_s_mixed"] / mixed["bulk_tokens_per_s_bulk_only"], 3
+    )
 
 
 @pytest.mark.slow
 def test_bench_mixed_runs_on_the_real_engine(tiny_llama_dir):
-    proc = run_cli("bench", "worker", "--mixed", "--mixed-engine", "llm", "--model", str(tiny_llama_dir),
-                   "--device", "cpu", "--mixed-bulk-jobs", "40", "--mixed-bulk-tokens", "4", "--mixed-web-jobs", "3",
-                   "--mixed-web-every", "0.02", "--mixed-max-num-seqs", "8", timeout=300)
+    proc = run_cli(
+        "bench",
+        "worker",
+        "--mixed",
+        "--mixed-engine",
+        "llm",
+        "--model",
+        str(tiny_llama_dir),
+        "--device",
+        "cpu",
+        "--mixed-bulk-jobs",
+        "40",
+        "--mixed-bulk-tokens",
+        "4",
+        "--mixed-web-jobs",
+        "3",
+        "--mixed-web-every",
+        "0.02",
+        "--mixed-max-num-seqs",
+        "8",
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     mixed = json.loads(proc.stdout.strip().splitlines()[-1])["mixed"]
     assert mixed["engine"].startswith(f"llm {tiny_llama_dir} on cpu, mean step ")
     step = mixed["engine_step_s"]
-    assert step > 0 and abs(mixed["interactive_p99_target_s"] - (2 * mixed["interactive_idle"]["total_p99_s"]
-                                                                  + step)) < 1e-3
+    assert (
+        step > 0
+        and abs(mixed["interactive_p99_target_s"] - (2 * mixed["interactive_idle"]["total_p99_s"] + step)) < 1e-3
+    )
     for side in ("interactive_idle", "interactive_behind_backlog"):
         assert 0 < mixed[side]["ttft_p50_s"] <= mixed[side]["ttft_p99_s"] <= mixed[side]["total_p99_s"]
     assert mixed["bulk_tokens_per_s_mixed"] > 0 and mixed["bulk_tokens_per_s_bulk_only"] > 0

@@ -23,5 +23,6 @@ def test_every_engine_implements_the_protocol(tiny_llama_dir):
 def test_the_worker_refuses_an_engine_that_lacks_part_of_it():
     class NoStep:
         def add_request(self, *a, **k): ...
+
     with pytest.raises(TypeError, match="WorkerEngine"):
         Worker(NoStep(), Redis(), fast_settings())

@@ -21,8 +21,14 @@ def _worker(env_url: str | None, tmp_path, *args: str) -> subprocess.CompletedPr
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/local/bin:/usr/bin:/bin"}
     if env_url is not None:
         env["PAGEDQ_REDIS_URL"] = env_url
-    return subprocess.run([sys.executable, "-m", "worker", "worker", "--engine", "stub", "--burst", "--block-ms", "100",
-                           *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "worker", "worker", "--engine", "stub", "--burst", "--block-ms", "100", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_clients_connect_to_the_url_in_the_environment(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -55,8 +61,9 @@ def test_the_worker_serves_the_redis_of_the_environment(redis_url: str, tmp_path
 def test_the_worker_says_why_it_starts_a_private_redis(tmp_path) -> None:
     proc = _worker(None, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    started = [json.loads(line) for line in (proc.stderr + proc.stdout).splitlines()
-               if "embedded_redis_started" in line]
+    started = [
+        json.loads(line) for line in (proc.stderr + proc.stdout).splitlines() if "embedded_redis_started" in line
+    ]
     assert len(started) == 1
     assert "neither --redis nor PAGEDQ_REDIS_URL" in started[0]["reason"]
     assert started[0]["url"].startswith("redis://127.0.0.1:")
@@ -66,11 +73,19 @@ def test_the_worker_says_why_it_starts_a_private_redis(tmp_path) -> None:
 def test_the_worker_takes_its_queue_and_stub_engine_from_the_environment(redis_url: str, tmp_path) -> None:
     with Client(redis_url, queue="envq") as client:
         job_id = client.submit(prompt="queue named by PAGEDQ_QUEUE", max_tokens=3)
-    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/local/bin:/usr/bin:/bin", "PAGEDQ_REDIS_URL": redis_url,
-           "PAGEDQ_QUEUE": "envq", "PAGEDQ_ENGINE": "stub", "PAGEDQ_BURST": "1", "PAGEDQ_BLOCK_MS": "100",
-           "PAGEDQ_NAME": "env-named"}
-    proc = subprocess.run([sys.executable, "-m", "worker", "worker"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120)
+    env = {
+        "PYTHONPATH": str(REPO),
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "PAGEDQ_REDIS_URL": redis_url,
+        "PAGEDQ_QUEUE": "envq",
+        "PAGEDQ_ENGINE": "stub",
+        "PAGEDQ_BURST": "1",
+        "PAGEDQ_BLOCK_MS": "100",
+        "PAGEDQ_NAME": "env-named",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker", "worker"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     started = [json.loads(line) for line in proc.stderr.splitlines() if "worker_started" in line]
     assert started and started[0]["queue"] == "envq" and started[0]["worker"] == "env-named"
@@ -80,12 +95,17 @@ def test_the_worker_takes_its_queue_and_stub_engine_from_the_environment(redis_u
 
 @pytest.mark.slow  # a `python -m worker` process
 def test_a_status_run_imports_no_torch_and_reads_its_queues_from_the_environment(redis_url: str) -> None:
-    code = ("import sys\nfrom worker.cli import main\nmain(['status', '--json'])\n"
-            "print('torch' in sys.modules, file=sys.stderr)\n")
-    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/local/bin:/usr/bin:/bin", "PAGEDQ_REDIS_URL": redis_url,
-           "PAGEDQ_QUEUE": "q1, q2"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
+    code = (
+        "import sys\nfrom worker.cli import main\nmain(['status', '--json'])\n"
+        "print('torch' in sys.modules, file=sys.stderr)\n"
+    )
+    env = {
+        "PYTHONPATH": str(REPO),
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "PAGEDQ_REDIS_URL": redis_url,
+        "PAGEDQ_QUEUE": "q1, q2",
+    }
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [q["queue"] for q in json.loads(proc.stdout)["queues"]] == ["q1", "q2"]
     assert proc.stderr.strip().splitlines()[-1] == "False"

@@ -72,8 +72,7 @@ def test_liveness_fails_while_the_loop_is_stuck_and_recovers(redis_url, monkeypa
         engine.in_step.clear()
         Client(redis_url).submit(prompt="stuck", max_tokens=3)
         assert engine.in_step.wait(10), "the worker never stepped the engine"
-        _, _, body = wait_for(lambda: (a := get(port, "/health"))[0] == 503 and a, timeout=10,
-                                   what="liveness failing")
+        _, _, body = wait_for(lambda: (a := get(port, "/health"))[0] == 503 and a, timeout=10, what="liveness failing")
         assert json.loads(body)["alive"] is False and json.loads(body)["last_turn_age_s"] > 0.5
         assert get(port, "/ready")[0] == 503  # a stuck worker is not ready either
         engine.gate.set()
@@ -91,13 +90,15 @@ def killable_redis(request):
 
 
 def test_readiness_follows_redis(killable_redis):
-    with worker_thread(StubEngine(), killable_redis.url, metrics_port=0, metrics_every_s=0.05,
-                       redis_outage_s=60.0) as w:
+    with worker_thread(
+        StubEngine(), killable_redis.url, metrics_port=0, metrics_every_s=0.05, redis_outage_s=60.0
+    ) as w:
         port = w.metrics.port
         wait_for(lambda: get(port, "/ready")[0] == 200, what="ready")
         killable_redis.kill()
-        _, _, body = wait_for(lambda: (a := get(port, "/ready"))[0] == 503 and a, timeout=10,
-                                   what="not ready without Redis")
+        _, _, body = wait_for(
+            lambda: (a := get(port, "/ready"))[0] == 503 and a, timeout=10, what="not ready without Redis"
+        )
         ready = json.loads(body)
         assert ready["ready"] is False and ready["redis"] is False and ready["engine_loaded"] is True
         assert "redis_error" in ready

@@ -74,8 +74,10 @@ def test_a_cancelled_backlog_job_never_reaches_the_engine(redis_url, r):
         running = client.submit(prompt="long", max_tokens=300, ignore_eos=True, band="bulk")
         queued = client.submit(prompt="never runs", max_tokens=4, band="bulk")
         held = wait_for(lambda: worker.held.get(JobKey("bulk", queued)), what="the second job held")
-        wait_for(lambda: held.state is JobState.BACKLOG and worker.held.get(JobKey("bulk", running)).in_engine,
-                 what="one job running, the other in the backlog")
+        wait_for(
+            lambda: held.state is JobState.BACKLOG and worker.held.get(JobKey("bulk", running)).in_engine,
+            what="one job running, the other in the backlog",
+        )
         assert client.cancel(queued)
         record = client.result(queued, timeout=10)
         assert (record.status, record.text, record.attempts) == ("cancelled", "", 0)

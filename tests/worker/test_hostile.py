@@ -26,11 +26,9 @@ HOSTILE = [
     (f'{{"id": "deep-300", "prompt": "x", "metadata": {{"a": {nested(300)}}}}}', "deep-300", "nested"),
     (f'{{"id": "deep-1500", "prompt": "x", "metadata": {{"a": {nested(1500)}}}}}', None, "nested"),
     (nested(5000), None, "nested"),
-    ('{"id": "brackets-in-text", "prompt": "' + "[" * 100 + '", "max_tokens": "x"}', "brackets-in-text",
-     "max_tokens"),
+    ('{"id": "brackets-in-text", "prompt": "' + "[" * 100 + '", "max_tokens": "x"}', "brackets-in-text", "max_tokens"),
     ('{"id": "top-k", "prompt": "x", "top_k": 9223372036854775808}', "top-k", "top_k"),
-    ('{"id": "max-tokens", "prompt": "x", "max_tokens": 1000000000000000000000000000000}', "max-tokens",
-     "max_tokens"),
+    ('{"id": "max-tokens", "prompt": "x", "max_tokens": 1000000000000000000000000000000}', "max-tokens", "max_tokens"),
     ('{"id": "seed", "prompt": "x", "seed": 1180591620717411303424}', "seed", "seed"),
     ('{"id": "token-ids", "prompt_token_ids": [5, 18446744073709551616]}', "token-ids", "prompt_token_ids"),
     ('{"id": "stop-ids", "prompt": "x", "stop_token_ids": [9223372036854775808]}', "stop-ids", "stop_token_ids"),
@@ -39,8 +37,11 @@ HOSTILE = [
     ('{"id": "temperature", "prompt": "x", "temperature": 1e300}', "temperature", "temperature"),
     ('{"id": "inf", "prompt": "x", "temperature": Infinity}', "inf", "temperature"),
     ('{"id": "many-stops", "prompt": "x", "stop": [' + ",".join(['"s"'] * 100) + "]}", "many-stops", "stop"),
-    ('{"id": "big-meta", "prompt": "x", "metadata": {"a": "' + "m" * (MAX_METADATA_BYTES + 1) + '"}}', "big-meta",
-     "metadata"),
+    (
+        '{"id": "big-meta", "prompt": "x", "metadata": {"a": "' + "m" * (MAX_METADATA_BYTES + 1) + '"}}',
+        "big-meta",
+        "metadata",
+    ),
     ('{"id": "too-big", "prompt": "' + "p" * MAX_ENTRY_BYTES + '"}', None, "bytes"),
     (b'{"id": "bin-1", "prompt": "\xff\xfe"}', None, "unicode"),
     (b"\x80\x81\xfe not json at all", None, "json"),
@@ -77,11 +78,13 @@ def test_every_hostile_entry_gets_one_rejection_and_the_good_jobs_around_it_stay
 
 def test_limits_are_exactly_the_documented_ones(redis_url, r):
     """At the limit is accepted, one past it is rejected (JSON depth counts the job object as level 1)."""
+
     def meta(depth_of_job: int) -> dict:  # metadata whose innermost list sits at depth_of_job of the job
         value: object = []
         for _ in range(depth_of_job - 3):  # job 1, metadata 2, "a" 3
             value = [value]
         return {"a": value}
+
     ok = dict(id="at-limit", prompt="x", max_tokens=2, temperature=0.0, metadata=meta(MAX_JSON_DEPTH))
     r.xadd(KEYS.jobs, {"job": json.dumps(ok)})
     r.xadd(KEYS.jobs, {"job": json.dumps({**ok, "id": "past-limit", "metadata": meta(MAX_JSON_DEPTH + 1)})})
@@ -98,6 +101,7 @@ def test_an_entry_that_cannot_even_be_rejected_is_dead_lettered_raw(redis_url, r
 
     def broken_record(**fields):
         raise RuntimeError("cannot build the record")
+
     monkeypatch.setattr(worker.admission, "FinalRecord", broken_record)
     raw = b'{"id": "doomed", "prompt": "x", "top_k": "\xff"}'
     entry = r.xadd(KEYS.jobs, {"job": raw}).decode()
@@ -108,8 +112,10 @@ def test_an_entry_that_cannot_even_be_rejected_is_dead_lettered_raw(redis_url, r
     data = json.loads(letters[0][1][b"data"])
     assert data["job"] is None and data["entry_id"] == entry and "cannot build the record" in data["error"]
     assert r.get(KEYS.final("doomed")) is None and r.get(KEYS.final(entry)) is None
-    assert Client(redis_url).result(after, timeout=1).text == offline("after the doomed one", max_tokens=4,
-                                                                       temperature=0.0)[0]
+    assert (
+        Client(redis_url).result(after, timeout=1).text
+        == offline("after the doomed one", max_tokens=4, temperature=0.0)[0]
+    )
     assert worker.stats["completed"] == 1
     assert_clean_queue(r)
 
@@ -124,10 +130,16 @@ def self_referencing() -> dict:
     return d
 
 
-@pytest.mark.parametrize("metadata, reason", [
-    ({"a": Opaque()}, "not a json value"), ({"a": float("nan")}, "not a json number"),
-    ({1: "x"}, "metadata"), (self_referencing(), "nested"), ({"a": "m" * (MAX_METADATA_BYTES + 1)}, "bytes"),
-])
+@pytest.mark.parametrize(
+    "metadata, reason",
+    [
+        ({"a": Opaque()}, "not a json value"),
+        ({"a": float("nan")}, "not a json number"),
+        ({1: "x"}, "metadata"),
+        (self_referencing(), "nested"),
+        ({"a": "m" * (MAX_METADATA_BYTES + 1)}, "bytes"),
+    ],
+)
 def test_client_refuses_metadata_that_is_not_bounded_json(redis_url, r, metadata, reason):
     client = Client(redis_url)
     with pytest.raises(JobRejected, match="metadata") as info:
@@ -136,10 +148,19 @@ def test_client_refuses_metadata_that_is_not_bounded_json(redis_url, r, metadata
     assert r.xlen(KEYS.jobs) == 0
 
 
-@pytest.mark.parametrize("field, value", [
-    ("top_k", 2**63), ("max_tokens", 10**20), ("seed", 2**70), ("temperature", float("inf")),
-    ("stop_token_ids", [2**63]), ("prompt_token_ids", [2**64]), ("priority", 10**20), ("deadline", float("nan")),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("top_k", 2**63),
+        ("max_tokens", 10**20),
+        ("seed", 2**70),
+        ("temperature", float("inf")),
+        ("stop_token_ids", [2**63]),
+        ("prompt_token_ids", [2**64]),
+        ("priority", 10**20),
+        ("deadline", float("nan")),
+    ],
+)
 def test_client_refuses_out_of_range_numbers_naming_the_field(redis_url, r, field, value):
     fields = {"prompt": "x", field: value} if field != "prompt_token_ids" else {field: value}
     with pytest.raises(JobRejected, match=field):
@@ -147,10 +168,20 @@ def test_client_refuses_out_of_range_numbers_naming_the_field(redis_url, r, fiel
     assert r.xlen(KEYS.jobs) == 0
 
 
-@pytest.mark.parametrize("field, value", [
-    ("top_k", 2**63), ("max_tokens", 2**63), ("n", 2**40), ("seed", 2**70), ("temperature", float("inf")),
-    ("top_p", float("nan")), ("repetition_penalty", 1e300), ("stop_token_ids", [2**63]), ("logprobs", 2**63),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("top_k", 2**63),
+        ("max_tokens", 2**63),
+        ("n", 2**40),
+        ("seed", 2**70),
+        ("temperature", float("inf")),
+        ("top_p", float("nan")),
+        ("repetition_penalty", 1e300),
+        ("stop_token_ids", [2**63]),
+        ("logprobs", 2**63),
+    ],
+)
 def test_sampling_params_bound_every_number(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})

@@ -35,8 +35,9 @@ def test_priority_maps_to_bands():
 
 def test_interactive_jobs_go_ahead_of_a_bulk_backlog(redis_url, r):
     client = Client(redis_url)
-    bulk = client.submit_many([dict(prompt=f"bulk {i}", max_tokens=16, temperature=0.0, band="bulk")
-                               for i in range(400)])
+    bulk = client.submit_many(
+        [dict(prompt=f"bulk {i}", max_tokens=16, temperature=0.0, band="bulk") for i in range(400)]
+    )
     assert r.xlen(KEYS.jobs_of("bulk")) == 400 and r.xlen(KEYS.jobs) == 0
     engine = StubEngine(max_num_seqs=8, step_delay_s=0.002)
     web = {}
@@ -89,6 +90,7 @@ def test_backpressure_and_dead_letters_are_per_band(redis_url, r):
     assert [d[1][b"id"].decode() for d in dead] == [poison] and r.xlen(KEYS.dead) == 0
     assert json.loads(dead[0][1][b"data"])["band"] == "bulk"
     from worker.dlq import dead_letters, retry
+
     assert [(d["id"], d["band"]) for d in dead_letters(r, "default")] == [(poison, "bulk")]
     assert retry(r, "default") == [poison] and r.xlen(KEYS.jobs_of("bulk")) == 1  # back into its own band
     run_burst(StubEngine(), redis_url)
@@ -119,18 +121,21 @@ def test_an_interactive_job_takes_kv_blocks_from_running_bulk_jobs_exactly(redis
     web_prompt = [5, 7, 11, 13] * 4
     engine = LLMEngine(str(tiny_llama_dir), device="cpu", num_kv_blocks=16, block_size=16)
     client = Client(redis_url)
-    bulk = [client.submit(prompt_token_ids=p, max_tokens=100, temperature=0.0, ignore_eos=True, stream=True,
-                          band="bulk") for p in bulk_prompts]
+    bulk = [
+        client.submit(prompt_token_ids=p, max_tokens=100, temperature=0.0, ignore_eos=True, stream=True, band="bulk")
+        for p in bulk_prompts
+    ]
     with worker_thread(engine, redis_url):
         wait_for(lambda: r.xlen(KEYS.result(bulk[0])) >= 20, what="the bulk jobs holding KV blocks")
-        web = client.submit(prompt_token_ids=web_prompt, max_tokens=80, temperature=0.0, ignore_eos=True,
-                            priority=10)
+        web = client.submit(prompt_token_ids=web_prompt, max_tokens=80, temperature=0.0, ignore_eos=True, priority=10)
         records = [client.result(job_id, timeout=60) for job_id in [web, *bulk]]
     assert engine.stats()["num_preemptions"] > 0  # 8 + 8 + 6 blocks wanted of 16: bulk jobs gave theirs up
     roomy = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=256)
-    oracle = roomy.generate([web_prompt, *bulk_prompts],
-                            [SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)]
-                            + [SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)] * 2)
+    oracle = roomy.generate(
+        [web_prompt, *bulk_prompts],
+        [SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)]
+        + [SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)] * 2,
+    )
     for record, expected in zip(records, oracle):
         assert record.status == "completed" and record.token_ids == list(expected.outputs[0].token_ids)
     assert_bands_clean(r)

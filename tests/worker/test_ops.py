@@ -27,8 +27,15 @@ def test_metrics_endpoint_matches_reality(redis_url, r):
 
         def settled():
             m = scrape(port)
-            return m if (m.get(("pagedq_jobs_finished_total", (("status", "completed"),))) == 20
-                         and m.get(("pagedq_dead_letters", DEFAULT)) == 1) else None
+            return (
+                m
+                if (
+                    m.get(("pagedq_jobs_finished_total", (("status", "completed"),))) == 20
+                    and m.get(("pagedq_dead_letters", DEFAULT)) == 1
+                )
+                else None
+            )
+
         m = wait_for(settled, timeout=20, what="20 completed and 1 dead letter in the metrics")
         finals = [client.result(j, timeout=1) for j in ids]
         tokens = sum(f.usage.completion_tokens for f in finals)
@@ -48,8 +55,16 @@ def test_metrics_endpoint_matches_reality(redis_url, r):
 
         def busy():
             m = scrape(port)
-            return m if (m[("pagedq_running_requests", ())] == 1 and m[("pagedq_queue_depth", DEFAULT)] == 4
-                         and m[("pagedq_held_jobs", ())] == 4) else None
+            return (
+                m
+                if (
+                    m[("pagedq_running_requests", ())] == 1
+                    and m[("pagedq_queue_depth", DEFAULT)] == 4
+                    and m[("pagedq_held_jobs", ())] == 4
+                )
+                else None
+            )
+
         m = wait_for(busy, timeout=10, what="running job and queue depth in the metrics")
         used = engine.num_total_blocks - engine.num_free_blocks
         assert m[("pagedq_kv_blocks_used", ())] == used > 0  # constant while the one job runs
@@ -69,12 +84,22 @@ def test_status_against_a_live_worker(redis_url, r):
     client.submit(messages=[{"role": "user", "content": "hi"}], max_tokens=2)  # no chat template: rejected
     engine = StubEngine(step_delay_s=0.005)
     with worker_thread(engine, redis_url, device="cpu", model="stub-model", name="status-w"):
-        wait_for(lambda: (json.loads(r.get(KEYS.heartbeat("status-w")) or b"{}").get("running") == 1
-                          and json.loads(r.get(KEYS.heartbeat("status-w")))["rejected"] == 1),
-                 timeout=10, what="a heartbeat with the job running and one rejected")
+        wait_for(
+            lambda: (
+                json.loads(r.get(KEYS.heartbeat("status-w")) or b"{}").get("running") == 1
+                and json.loads(r.get(KEYS.heartbeat("status-w")))["rejected"] == 1
+            ),
+            timeout=10,
+            what="a heartbeat with the job running and one rejected",
+        )
         client.submit_many([dict(prompt=f"later {i}", max_tokens=2) for i in range(2)])
-        r.xadd(KEYS.dead, {"id": "old-dead", "data": json.dumps({"job": {"id": "old-dead", "prompt": "x"},
-                                                                  "error": "boom", "attempts": 4})})
+        r.xadd(
+            KEYS.dead,
+            {
+                "id": "old-dead",
+                "data": json.dumps({"job": {"id": "old-dead", "prompt": "x"}, "error": "boom", "attempts": 4}),
+            },
+        )
         proc = run_cli("status", "--redis", redis_url, "--json", timeout=60)
         assert proc.returncode == 0, proc.stderr[-2000:]
         (queue,) = json.loads(proc.stdout)["queues"]
@@ -82,7 +107,12 @@ def test_status_against_a_live_worker(redis_url, r):
         assert queue["dead_letters"] == 1 and queue["pending"] + queue["undelivered"] == queue["depth"]
         (w,) = queue["workers"]
         assert (w["worker"], w["state"], w["device"], w["model"], w["running"]) == (
-            "status-w", "running", "cpu", "stub-model", 1)
+            "status-w",
+            "running",
+            "cpu",
+            "stub-model",
+            1,
+        )
         assert 0 <= w["heartbeat_age_s"] < 3 and 0 < w["kv_utilization"] <= 1 and w["rejected"] == 1
         table = run_cli("status", "--redis", redis_url, timeout=60)
         assert table.returncode == 0

@@ -21,8 +21,9 @@ pytestmark = pytest.mark.slow
 
 def expected_text(prompt: str, max_tokens: int) -> str:
     engine = StubEngine()
-    engine.add_request("x", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                  output_kind=RequestOutputKind.FINAL_ONLY))
+    engine.add_request(
+        "x", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY)
+    )
     while True:
         for out in engine.step():
             return out.outputs[0].text
@@ -73,8 +74,22 @@ def test_kill_9_then_restart_and_second_worker(redis_url, r, tmp_path):
 def test_sigterm_drains_in_flight_jobs_and_exits_0(redis_url, r, tmp_path):
     client = Client(redis_url)
     jobs = submit_jobs(client, 20, 40, "drain")
-    proc = start_worker(redis_url, "--engine", "stub", "--stub-step-delay", "0.02", "--max-num-seqs", "4",
-                        "--max-waiting", "2", "--name", "d", "--drain-timeout", "30", log=tmp_path / "d.log")
+    proc = start_worker(
+        redis_url,
+        "--engine",
+        "stub",
+        "--stub-step-delay",
+        "0.02",
+        "--max-num-seqs",
+        "4",
+        "--max-waiting",
+        "2",
+        "--name",
+        "d",
+        "--drain-timeout",
+        "30",
+        log=tmp_path / "d.log",
+    )
     wait_for(lambda: r.xlen(KEYS.completions) >= 4, timeout=60, what="some jobs done")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
@@ -114,8 +129,19 @@ def test_a_job_that_kills_its_worker_sinks_only_itself(redis_url, r, tmp_path):
     crasher = client.submit(prompt="this one CRASHES the worker", max_tokens=12, temperature=0.0)
     good.update(submit_jobs(client, 10, 12, "after"))
     env = {"PAGEDQ_FAULT_PROMPT": "CRASHES", "PAGEDQ_FAULT_MODE": "exit"}
-    stub = ["--engine", "stub", "--stub-step-delay", "0.01", "--max-num-seqs", "32", "--max-attempts", "3",
-            "--name", "a", "--burst"]
+    stub = [
+        "--engine",
+        "stub",
+        "--stub-step-delay",
+        "0.01",
+        "--max-num-seqs",
+        "32",
+        "--max-attempts",
+        "3",
+        "--name",
+        "a",
+        "--burst",
+    ]
     codes = []
     while not codes or codes[-1] != 0:
         assert len(codes) < 8, f"the worker kept dying: exit codes {codes}"

@@ -28,8 +28,16 @@ from .helpers import (
 
 def test_results_match_offline_and_deltas_concatenate(redis_url, r):
     client = Client(redis_url)
-    jobs = [dict(prompt=f"hello {i}", max_tokens=3 + i % 5, temperature=0.0, stream=i % 2 == 0,
-                 metadata={"i": i, "tags": ["a", {"b": None}]}) for i in range(30)]
+    jobs = [
+        dict(
+            prompt=f"hello {i}",
+            max_tokens=3 + i % 5,
+            temperature=0.0,
+            stream=i % 2 == 0,
+            metadata={"i": i, "tags": ["a", {"b": None}]},
+        )
+        for i in range(30)
+    ]
     jobs += [dict(prompt_token_ids=[5, 6, 7 + i], max_tokens=4, temperature=0.7, seed=i, stream=True) for i in range(5)]
     ids = client.submit_many(jobs)
     worker = run_burst(StubEngine(), redis_url)
@@ -69,16 +77,28 @@ def test_stream_is_resumable_from_an_offset(redis_url):
 def test_raw_xadd_with_redis_cli(redis_url, r):
     """A producer in any language: plain XADD of a JSON job, results read back with plain commands."""
     port = redis_url.rsplit(":", 1)[1].split("/")[0]
-    job = json.dumps({"id": "cli-job-1", "prompt": "from the shell", "max_tokens": 5, "temperature": 0,
-                      "metadata": {"from": "redis-cli"}})
+    job = json.dumps(
+        {
+            "id": "cli-job-1",
+            "prompt": "from the shell",
+            "max_tokens": 5,
+            "temperature": 0,
+            "metadata": {"from": "redis-cli"},
+        }
+    )
     subprocess.run(["redis-cli", "-p", port, "XADD", KEYS.jobs, "*", "job", job], check=True, capture_output=True)
     run_burst(StubEngine(), redis_url)
-    out = subprocess.run(["redis-cli", "-p", port, "GET", KEYS.final("cli-job-1")], check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        ["redis-cli", "-p", port, "GET", KEYS.final("cli-job-1")], check=True, capture_output=True, text=True
+    ).stdout
     final = json.loads(out)
     text, tokens = offline("from the shell", max_tokens=5, temperature=0.0)
     assert (final["status"], final["text"], final["token_ids"], final["metadata"]) == (
-        "completed", text, tokens, {"from": "redis-cli"})
+        "completed",
+        text,
+        tokens,
+        {"from": "redis-cli"},
+    )
     assert result_stream(r, "cli-job-1")[-1][1]["text"] == text
 
 
@@ -111,8 +131,11 @@ def test_bad_input_is_rejected_with_its_reason_and_the_worker_keeps_serving(redi
     assert all(len(v) == 1 for v in finals.values())
     for raw, reason in BAD_JOBS:
         job_id = json.loads(raw).get("id") if raw.startswith("{") else None
-        record = finals[job_id][0] if job_id else next(
-            v[0] for v in finals.values() if v[0]["status"] == "rejected" and reason in v[0]["error"].lower())
+        record = (
+            finals[job_id][0]
+            if job_id
+            else next(v[0] for v in finals.values() if v[0]["status"] == "rejected" and reason in v[0]["error"].lower())
+        )
         assert record["status"] == "rejected" and reason in record["error"].lower(), (raw[:40], record)
     assert any("no 'job' field" in v[0]["error"] for v in finals.values() if v[0]["error"])
     assert client.result(good, timeout=1).text == offline("still fine", max_tokens=4, temperature=0.0)[0]
@@ -120,12 +143,20 @@ def test_bad_input_is_rejected_with_its_reason_and_the_worker_keeps_serving(redi
     assert_clean_queue(r)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(prompt=""), "prompt"), (dict(), "exactly one"), (dict(prompt="x", max_tokens=0), "max_tokens"),
-    (dict(prompt="x", temperature=-0.5), "temperature"), (dict(prompt="x", top_p=1.5), "top_p"),
-    (dict(prompt="x", bogus=1), "bogus"), (dict(prompt="x", max_tokens="3"), "max_tokens"),
-    (dict(prompt="x", job_id="has space"), "id"), (dict(prompt_token_ids=[-1]), "prompt_token_ids"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(prompt=""), "prompt"),
+        (dict(), "exactly one"),
+        (dict(prompt="x", max_tokens=0), "max_tokens"),
+        (dict(prompt="x", temperature=-0.5), "temperature"),
+        (dict(prompt="x", top_p=1.5), "top_p"),
+        (dict(prompt="x", bogus=1), "bogus"),
+        (dict(prompt="x", max_tokens="3"), "max_tokens"),
+        (dict(prompt="x", job_id="has space"), "id"),
+        (dict(prompt_token_ids=[-1]), "prompt_token_ids"),
+    ],
+)
 def test_client_rejects_bad_parameters_before_enqueuing(redis_url, r, kwargs, field):
     client = Client(redis_url)
     with pytest.raises(JobRejected, match=field):
@@ -152,8 +183,9 @@ def test_queue_full_error(redis_url, r):
 def test_priority_orders_admission(redis_url, r):
     client = Client(redis_url)
     priorities = [0, 5, -3, 9, 1, 5, 2, -1]
-    ids = [client.submit(prompt=f"job {i}", max_tokens=2, temperature=0.0, priority=p)
-           for i, p in enumerate(priorities)]
+    ids = [
+        client.submit(prompt=f"job {i}", max_tokens=2, temperature=0.0, priority=p) for i, p in enumerate(priorities)
+    ]
     run_burst(StubEngine(max_num_seqs=1), redis_url)
     order = list(finals_by_id(r))
     expected = [ids[i] for i in sorted(range(len(ids)), key=lambda i: (-priorities[i], i))]
@@ -171,8 +203,10 @@ def test_cancel_queued_and_running_frees_blocks(redis_url, r):
         assert client.cancel(queued) and client.cancel(running)
         res = client.result(running, timeout=5)
         assert res.status == "cancelled" and res.finish_reason == "abort"
-        assert 3 <= len(res.token_ids) < 1000 and res.text == offline("long one", max_tokens=len(res.token_ids),
-                                                                      temperature=0.0)[0]
+        assert (
+            3 <= len(res.token_ids) < 1000
+            and res.text == offline("long one", max_tokens=len(res.token_ids), temperature=0.0)[0]
+        )
         q = client.result(queued, timeout=5)
         assert q.status == "cancelled" and q.token_ids == [] and q.timings.ttft is None
         assert client.cancel(other)
@@ -297,9 +331,11 @@ def test_heartbeat_reports_the_worker(redis_url, r):
     client.submit(prompt="slow", max_tokens=300, temperature=0.0)
     engine = StubEngine(step_delay_s=0.01)
     with worker_thread(engine, redis_url, device="cpu", model="stub-model"):
+
         def beat():
             raw = r.get(KEYS.heartbeat("w-test"))
             return json.loads(raw) if raw and json.loads(raw)["running"] == 1 else None
+
         hb = wait_for(beat, timeout=5)
         assert hb["device"] == "cpu" and hb["model"] == "stub-model" and hb["queue"] == "default"
         assert 0 < hb["kv_utilization"] <= 1 and hb["total_blocks"] == engine.num_total_blocks

@@ -40,13 +40,26 @@ def test_200_jobs_match_llm_generate(redis_url, r, tiny_llama_dir, tmp_path):
     raw = {"id": "raw-xadd", **{k: v for k, v in jobs[-1].items() if v is not None}}
     r.xadd(KEYS.jobs, {"job": json.dumps(raw)})  # the language-agnostic path
     ids.append("raw-xadd")
-    proc = start_worker(redis_url, "--model", str(tiny_llama_dir), "--device", "cpu", "--burst",
-                        "--max-num-seqs", "64", "--name", "real", log=tmp_path / "w.log")
+    proc = start_worker(
+        redis_url,
+        "--model",
+        str(tiny_llama_dir),
+        "--device",
+        "cpu",
+        "--burst",
+        "--max-num-seqs",
+        "64",
+        "--name",
+        "real",
+        log=tmp_path / "w.log",
+    )
     assert proc.wait(timeout=240) == 0, (tmp_path / "w.log").read_text()[-3000:]
 
     llm = LLM(str(tiny_llama_dir), device="cpu")
-    params = [SamplingParams(**{k: v for k, v in j.items() if k not in ("prompt", "prompt_token_ids", "stream",
-                                                                    "metadata")}) for j in jobs]
+    params = [
+        SamplingParams(**{k: v for k, v in j.items() if k not in ("prompt", "prompt_token_ids", "stream", "metadata")})
+        for j in jobs
+    ]
     oracle = llm.generate([j["prompt"] if j["prompt"] is not None else j["prompt_token_ids"] for j in jobs], params)
     events = [json.loads(line) for line in (tmp_path / "w.log").read_text().splitlines() if line.startswith("{")]
     problems = [e for e in events if e["level"] in ("warning", "error")]
@@ -58,11 +71,16 @@ def test_200_jobs_match_llm_generate(redis_url, r, tiny_llama_dir, tmp_path):
         want = expected.outputs[0]
         assert record["status"] == "completed", record
         assert (record["token_ids"], record["text"], record["finish_reason"]) == (
-            list(want.token_ids), want.text, want.finish_reason), job
+            list(want.token_ids),
+            want.text,
+            want.finish_reason,
+        ), job
         assert record["metadata"] == job["metadata"]
         _assert_same_prompt_logprobs(record["prompt_logprobs"], expected.prompt_logprobs)
-        assert record["usage"] == {"prompt_tokens": len(expected.prompt_token_ids),
-                                   "completion_tokens": len(want.token_ids)}
+        assert record["usage"] == {
+            "prompt_tokens": len(expected.prompt_token_ids),
+            "completion_tokens": len(want.token_ids),
+        }
         if job["stream"]:
             deltas = [d for kind, d in result_stream(r, job_id) if kind == "delta"]
             assert "".join(d["text"] for d in deltas) == record["text"]
@@ -99,5 +117,6 @@ def test_cancelled_running_job_keeps_its_partial_output(redis_url, r, tiny_llama
     assert final.status == "cancelled" and final.finish_reason == "abort"
     assert 3 <= len(final.token_ids) < 400
     expected = LLM(str(tiny_llama_dir)).generate(
-        "fox cache block", SamplingParams(max_tokens=len(final.token_ids), temperature=0.0, ignore_eos=True))[0]
+        "fox cache block", SamplingParams(max_tokens=len(final.token_ids), temperature=0.0, ignore_eos=True)
+    )[0]
     assert final.token_ids == expected.outputs[0].token_ids and final.text == expected.outputs[0].text

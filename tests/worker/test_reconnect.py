@@ -33,8 +33,9 @@ from .helpers import (
 
 @pytest.fixture(params=sorted(REDIS_SERVERS))
 def durable_redis(request):
-    server = EmbeddedRedis(binary=REDIS_SERVERS[request.param],
-                           extra_args=("--appendonly", "yes", "--appendfsync", "always"))
+    server = EmbeddedRedis(
+        binary=REDIS_SERVERS[request.param], extra_args=("--appendonly", "yes", "--appendfsync", "always")
+    )
     server.start()
     try:
         yield server
@@ -46,8 +47,9 @@ def test_worker_rides_out_a_redis_restart(durable_redis):
     client = Client(durable_redis.url)
     prompts = [f"outage {i}" for i in range(12)]
     ids = [client.submit(prompt=p, max_tokens=60, temperature=0.0, stream=True) for p in prompts]
-    with worker_thread(StubEngine(step_delay_s=0.02), durable_redis.url, redis_outage_s=30.0,
-                       metrics_port=0, metrics_every_s=0.1) as worker:
+    with worker_thread(
+        StubEngine(step_delay_s=0.02), durable_redis.url, redis_outage_s=30.0, metrics_port=0, metrics_every_s=0.1
+    ) as worker:
         wait_for(lambda: worker.tokens_generated > 0, what="generation to start")
         durable_redis.kill()
         before = worker.tokens_generated
@@ -57,8 +59,10 @@ def test_worker_rides_out_a_redis_restart(durable_redis):
         wait_for(lambda: len(finals_by_id(r)) == len(ids), timeout=30, what="every final record")
         assert worker.num_redis_outages >= 1 and worker.exit_code == 0
         counted = ("pagedq_redis_outages_total", ())
-        wait_for(lambda: scrape(worker.metrics.port).get(counted) == worker.num_redis_outages,
-                 what="the outage counted in the metrics")
+        wait_for(
+            lambda: scrape(worker.metrics.port).get(counted) == worker.num_redis_outages,
+            what="the outage counted in the metrics",
+        )
     assert all(len(records) == 1 for records in finals_by_id(r).values())
     for job_id, prompt in zip(ids, prompts):
         res = client.result(job_id, timeout=1)
@@ -71,8 +75,7 @@ def test_worker_rides_out_a_redis_restart(durable_redis):
 def test_worker_gives_up_after_the_outage_limit_and_leaves_its_jobs(durable_redis):
     client = Client(durable_redis.url)
     ids = [client.submit(prompt=f"lost {i}", max_tokens=500, temperature=0.0) for i in range(4)]
-    worker = Worker(StubEngine(step_delay_s=0.02), Redis.from_url(durable_redis.url),
-                    fast_settings(redis_outage_s=0.5))
+    worker = Worker(StubEngine(step_delay_s=0.02), Redis.from_url(durable_redis.url), fast_settings(redis_outage_s=0.5))
 
     def kill_once_generating() -> None:
         wait_for(lambda: worker.tokens_generated > 0, what="generation to start")

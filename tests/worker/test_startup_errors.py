@@ -29,16 +29,21 @@ REPO = Path(__file__).resolve().parents[2]
 HUB_HINT = "pagedq loads local checkpoint folders only; no model hub is reachable"
 
 
-def run_cli(args: list[str], cwd: Path, env: dict[str, str] | None = None,
-            module: str = "worker") -> subprocess.CompletedProcess[str]:
+def run_cli(
+    args: list[str], cwd: Path, env: dict[str, str] | None = None, module: str = "worker"
+) -> subprocess.CompletedProcess[str]:
     """`python -m worker ARGS` (module "worker") or the `pagedq` script's entry point, worker.cli:main
     (module "pagedq"), from this checkout (the editable install may point elsewhere), no Redis in env."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PAGEDQ_", "CELERY_"))}
     base["PYTHONPATH"] = str(REPO)
-    command = [sys.executable, "-m", module] if module == "worker" else \
-        [sys.executable, "-c", "import sys; from worker.cli import main; sys.exit(main())"]
-    return subprocess.run([*command, *args], cwd=cwd, env={**base, **(env or {})}, capture_output=True,
-                          text=True, timeout=120)
+    command = (
+        [sys.executable, "-m", module]
+        if module == "worker"
+        else [sys.executable, "-c", "import sys; from worker.cli import main; sys.exit(main())"]
+    )
+    return subprocess.run(
+        [*command, *args], cwd=cwd, env={**base, **(env or {})}, capture_output=True, text=True, timeout=120
+    )
 
 
 def assert_readable(result: subprocess.CompletedProcess[str], cause: str, *needles: str) -> dict[str, object]:
@@ -104,8 +109,9 @@ def test_metrics_port_in_use_names_the_flag(tmp_path: Path) -> None:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        result = run_cli(["worker", "--redis", closed_url(), "--engine", "stub", "--burst",
-                          "--metrics-port", str(port)], tmp_path)
+        result = run_cli(
+            ["worker", "--redis", closed_url(), "--engine", "stub", "--burst", "--metrics-port", str(port)], tmp_path
+        )
     record = assert_readable(result, "metrics_port", f"--metrics-port {port} is in use")
     assert record["port"] == port and record["flag"] == "--metrics-port"
 
@@ -122,8 +128,10 @@ def test_wrong_password_is_one_line_without_the_password(tmp_path: Path) -> None
 def cluster_node() -> Iterator[str]:
     """A real two-node Redis Cluster where the default queue's slot lives on the second node; the URL of the
     first, which answers MOVED for the queue's keys."""
-    nodes = [EmbeddedRedis(extra_args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")).start()
-             for _ in range(2)]
+    nodes = [
+        EmbeddedRedis(extra_args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf")).start()
+        for _ in range(2)
+    ]
     try:
         first, second = (Redis(port=n.port) for n in nodes)
         slot = key_slot(QueueKeys("default").jobs.encode())
@@ -161,8 +169,9 @@ def test_worker_model_that_is_not_a_checkpoint_folder(tmp_path: Path) -> None:
 
 
 def test_generate_with_a_hub_id_says_only_local_folders_load(tmp_path: Path) -> None:
-    result = run_cli(["generate", "hi", "--model", "meta-llama/Llama-3.2-1B", "--device", "cpu"], tmp_path,
-                     module="pagedq")
+    result = run_cli(
+        ["generate", "hi", "--model", "meta-llama/Llama-3.2-1B", "--device", "cpu"], tmp_path, module="pagedq"
+    )
     assert_readable(result, "model", "meta-llama/Llama-3.2-1B is not a checkpoint folder (no such folder)", HUB_HINT)
 
 
@@ -183,4 +192,3 @@ def test_redact_hides_only_the_password() -> None:
     assert redact("rediss://:pw@h:1") == "rediss://:***@h:1"
     assert redact("redis://h:1/0") == "redis://h:1/0"
     assert redact("redis://:pw@[bad") == "redis://..."
-

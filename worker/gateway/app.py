@@ -37,8 +37,9 @@ class Gateway:
 
     def __init__(self, settings: GatewaySettings, redis: AsyncRedis | None = None) -> None:
         self.settings = settings
-        self.client = AsyncClient(settings.redis_url, settings.queue, max_queue_depth=settings.max_queue_depth,
-                                  redis=redis)
+        self.client = AsyncClient(
+            settings.redis_url, settings.queue, max_queue_depth=settings.max_queue_depth, redis=redis
+        )
         self.live = LiveWorkers(self.client.r, self.client.keys, settings.worker_cache_s)
         self.streams = StreamTracker()
         self.files = FileStore(self.client.r, self.client.keys, settings.file_ttl_s)
@@ -52,8 +53,11 @@ class Gateway:
         timeout = wait_timeout(body, self.settings)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(sse(self.client, endpoint, job_id, include_usage, timeout, self.streams),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                sse(self.client, endpoint, job_id, include_usage, timeout, self.streams),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         if body.stream_options is not None:
             raise OpenAIError(400, "stream_options is only allowed with stream: true", param="stream_options")
         try:
@@ -64,7 +68,6 @@ class Gateway:
         if record.status != "completed":
             raise record_error(record)
         return JSONResponse(endpoint.response(record))
-
 
     async def _result_while_connected(self, request: Request, job_id: str, timeout: float):
         """The job's final record; if the client goes away first, the job is cancelled (nobody will read it)."""
@@ -78,8 +81,9 @@ class Gateway:
             return waiter.result()
         waiter.cancel()
         self.streams.cancel_later(self.client, job_id)
-        raise OpenAIError(499, f"job {job_id}: the client closed the connection; the job was cancelled",
-                          code="client_closed")
+        raise OpenAIError(
+            499, f"job {job_id}: the client closed the connection; the job was cancelled", code="client_closed"
+        )
 
 
 async def _disconnected(request: Request) -> None:
@@ -93,8 +97,13 @@ def create_app(settings: GatewaySettings | None = None, redis: AsyncRedis | None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        structlog.get_logger("pagedq.gateway").info("gateway_started", queue=settings.queue, host=settings.host,
-                                                    port=settings.port, auth=bool(settings.api_keys))
+        structlog.get_logger("pagedq.gateway").info(
+            "gateway_started",
+            queue=settings.queue,
+            host=settings.host,
+            port=settings.port,
+            auth=bool(settings.api_keys),
+        )
         yield
         for task in list(gateway.batches.tasks):  # their lease expires: the next GET on any gateway resumes them
             task.cancel()
@@ -121,9 +130,19 @@ def create_app(settings: GatewaySettings | None = None, redis: AsyncRedis | None
     @app.get("/v1/models", dependencies=[auth])
     async def models() -> dict[str, Any]:
         served = await gateway.live.models()
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": info["created"],
-                                            "owned_by": "pagedq", "workers": info["workers"]}
-                                           for name, info in sorted(served.items())]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": info["created"],
+                    "owned_by": "pagedq",
+                    "workers": info["workers"],
+                }
+                for name, info in sorted(served.items())
+            ],
+        }
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -137,8 +156,9 @@ def create_app(settings: GatewaySettings | None = None, redis: AsyncRedis | None
         except Exception as exc:  # Redis down: the gateway can take nothing in
             return JSONResponse({"status": "unavailable", "redis": repr(exc)}, status_code=503)
         live = await gateway.live.heartbeats()
-        return JSONResponse({"status": "ok", "redis": "ok", "live_workers": len(live),
-                             "open_streams": gateway.streams.open})
+        return JSONResponse(
+            {"status": "ok", "redis": "ok", "live_workers": len(live), "open_streams": gateway.streams.open}
+        )
 
     return app
 
@@ -152,7 +172,6 @@ def _authenticate(keys: list[str]):
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not any(hmac.compare_digest(token.strip().encode(), k) for k in encoded):
-            raise OpenAIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                              code="invalid_api_key")
+            raise OpenAIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
 
     return check

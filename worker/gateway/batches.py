@@ -48,8 +48,14 @@ class BatchCreate(Strict):
 
 class Batches:
     def __init__(self, client: AsyncClient, files: FileStore, live: LiveWorkers, settings: GatewaySettings) -> None:
-        self.client, self.r, self.keys, self.files, self.live, self.s = client, client.r, client.keys, files, live, \
-            settings
+        self.client, self.r, self.keys, self.files, self.live, self.s = (
+            client,
+            client.r,
+            client.keys,
+            files,
+            live,
+            settings,
+        )
         self.tasks: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ the batch object
@@ -58,13 +64,28 @@ class Batches:
         batch_id = f"batch_{uuid.uuid4().hex}"
         now = int(time.time())
         output_file_id, error_file_id = f"file-{batch_id}-output", f"file-{batch_id}-errors"
-        obj = {"id": batch_id, "object": "batch", "endpoint": req.endpoint, "errors": None,
-               "input_file_id": req.input_file_id, "completion_window": req.completion_window,
-               "status": "validating", "output_file_id": output_file_id,
-               "error_file_id": error_file_id, "created_at": now, "in_progress_at": None,
-               "expires_at": now + 86_400, "finalizing_at": None, "completed_at": None, "failed_at": None,
-               "expired_at": None, "cancelling_at": None, "cancelled_at": None, "metadata": req.metadata,
-               "total": sum(1 for line in content.splitlines() if line.strip())}
+        obj = {
+            "id": batch_id,
+            "object": "batch",
+            "endpoint": req.endpoint,
+            "errors": None,
+            "input_file_id": req.input_file_id,
+            "completion_window": req.completion_window,
+            "status": "validating",
+            "output_file_id": output_file_id,
+            "error_file_id": error_file_id,
+            "created_at": now,
+            "in_progress_at": None,
+            "expires_at": now + 86_400,
+            "finalizing_at": None,
+            "completed_at": None,
+            "failed_at": None,
+            "expired_at": None,
+            "cancelling_at": None,
+            "cancelled_at": None,
+            "metadata": req.metadata,
+            "total": sum(1 for line in content.splitlines() if line.strip()),
+        }
         for kind, file_id in (("output", output_file_id), ("errors", error_file_id)):
             await self.files.declare_lines(file_id, f"{batch_id}_{kind}.jsonl", "batch_output")
         await self.r.hset(self.keys.batch(batch_id), mapping={k: json.dumps(v) for k, v in obj.items()})
@@ -131,9 +152,15 @@ class BatchRun:
             content = (await b.files.content(obj["input_file_id"])).decode("utf-8")
         except (UnicodeDecodeError, OpenAIError) as exc:  # not UTF-8, or the input file expired
             reason = "the input file is not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else exc.message
-            await b._set(batch_id, status="failed", failed_at=int(time.time()),
-                         errors={"object": "list", "data": [{"code": "invalid_file", "message": reason,
-                                                             "param": "input_file_id", "line": None}]})
+            await b._set(
+                batch_id,
+                status="failed",
+                failed_at=int(time.time()),
+                errors={
+                    "object": "list",
+                    "data": [{"code": "invalid_file", "message": reason, "param": "input_file_id", "line": None}],
+                },
+            )
             return
         source = self._requests(content, answered)
         await self._loop(source)
@@ -184,8 +211,9 @@ class BatchRun:
                     raise bulk.LineError("duplicate_custom_id", f"custom_id {custom_id!r} appeared on an earlier line")
                 seen.add(custom_id)
                 if ENDPOINT_KIND[self.obj["endpoint"]] != kind:
-                    raise bulk.LineError("invalid_request", f"line {line_no} does not match the batch's endpoint "
-                                                            f"{self.obj['endpoint']}")
+                    raise bulk.LineError(
+                        "invalid_request", f"line {line_no} does not match the batch's endpoint {self.obj['endpoint']}"
+                    )
                 if custom_id in answered:
                     continue
                 fields["priority"] = self.b.s.batch_priority
@@ -211,7 +239,7 @@ class BatchRun:
         ids = list(self.pending)
         finished = 0
         for i in range(0, len(ids), 1000):
-            chunk = ids[i:i + 1000]
+            chunk = ids[i : i + 1000]
             for job_id, raw in zip(chunk, await self.b.r.mget([self.b.keys.final(j) for j in chunk])):
                 if raw is not None:
                     await self._answer(job_id, FinalRecord.model_validate_json(raw))
@@ -234,16 +262,21 @@ class BatchRun:
 
     async def _write(self, which: str, key: str, line: dict[str, Any]) -> None:
         file_id = self.obj["output_file_id" if which == "output" else "error_file_id"]
-        await scripts.acall(self.b.r, "append_once",
-                            [self.b.keys.batch_answered(self.batch_id), self.b.keys.file_lines(file_id)],
-                            [key, json.dumps(line)])
+        await scripts.acall(
+            self.b.r,
+            "append_once",
+            [self.b.keys.batch_answered(self.batch_id), self.b.keys.file_lines(file_id)],
+            [key, json.dumps(line)],
+        )
 
 
-def _error_line(custom_id: str | None, line_no: int | None, code: str, message: str,
-                job_id: str | None = None) -> dict[str, Any]:
+def _error_line(
+    custom_id: str | None, line_no: int | None, code: str, message: str, job_id: str | None = None
+) -> dict[str, Any]:
     """bulk's error line in OpenAI's shape (which has no line number: the message names it)."""
-    entry = bulk.error_line(custom_id, line_no or 0, code, message if line_no is None else f"line {line_no}: "
-                            f"{message}", job_id)
+    entry = bulk.error_line(
+        custom_id, line_no or 0, code, message if line_no is None else f"line {line_no}: {message}", job_id
+    )
     entry.pop("line")
     return entry
 

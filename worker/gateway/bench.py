@@ -88,8 +88,9 @@ async def _drive(redis_url: str, base: str, args: argparse.Namespace, gateway_pi
 
     async def stream_native(i: int) -> tuple[float, int]:
         start = time.perf_counter()
-        job_id = await native.submit(prompt=f"s {i}", max_tokens=args.stream_tokens, temperature=0.0, stream=True,
-                                     ignore_eos=True)
+        job_id = await native.submit(
+            prompt=f"s {i}", max_tokens=args.stream_tokens, temperature=0.0, stream=True, ignore_eos=True
+        )
         first: float | None = None
         chunks = 0
         async for _ in native.stream(job_id, timeout=60):
@@ -131,9 +132,11 @@ async def _drive(redis_url: str, base: str, args: argparse.Namespace, gateway_pi
         start = time.perf_counter()
         runs = [await stream_call(i) for i in range(args.stream_requests)]
         elapsed = time.perf_counter() - start
-        result[f"{name}_stream"] = {"first_chunk": _ms([r[0] for r in runs]),
-                                    "chunks_per_s": round(sum(r[1] for r in runs) / elapsed, 1),
-                                    "chunks_per_request": round(statistics.mean(r[1] for r in runs), 1)}
+        result[f"{name}_stream"] = {
+            "first_chunk": _ms([r[0] for r in runs]),
+            "chunks_per_s": round(sum(r[1] for r in runs) / elapsed, 1),
+            "chunks_per_request": round(statistics.mean(r[1] for r in runs), 1),
+        }
     for client in https:
         await client.aclose()
     await native.aclose()
@@ -150,10 +153,29 @@ def run(args: argparse.Namespace) -> int:
     redis = EmbeddedRedis(extra_args=("--save", "", "--appendonly", "no")).start()
     logs = Path(tempfile.mkdtemp(prefix="pagedq-bench-gateway-"))
     port = free_port()
-    procs = [_spawn(["worker", "--engine", "stub", "--redis", redis.url, "--max-waiting", "1024", "--max-num-seqs",
-                     "512", "--num-kv-blocks", "1048576", "--log-level", "error"], logs / "bench-worker.log"),
-             _spawn(["serve", "--redis", redis.url, "--port", str(port), "--log-level", "error"],
-                    logs / "bench-gateway.log")]
+    procs = [
+        _spawn(
+            [
+                "worker",
+                "--engine",
+                "stub",
+                "--redis",
+                redis.url,
+                "--max-waiting",
+                "1024",
+                "--max-num-seqs",
+                "512",
+                "--num-kv-blocks",
+                "1048576",
+                "--log-level",
+                "error",
+            ],
+            logs / "bench-worker.log",
+        ),
+        _spawn(
+            ["serve", "--redis", redis.url, "--port", str(port), "--log-level", "error"], logs / "bench-gateway.log"
+        ),
+    ]
     try:
         base = f"http://127.0.0.1:{port}/v1"
         _wait_ready(base)
@@ -164,8 +186,13 @@ def run(args: argparse.Namespace) -> int:
         for proc in procs:
             proc.wait(timeout=30)
         redis.stop()
-    result.update(date=datetime.date.today().isoformat(), python=platform.python_version(), cpus=os.cpu_count(),
-                  requests=args.requests, concurrency=args.concurrency)
+    result.update(
+        date=datetime.date.today().isoformat(),
+        python=platform.python_version(),
+        cpus=os.cpu_count(),
+        requests=args.requests,
+        concurrency=args.concurrency,
+    )
     result["logs"] = str(logs)
     print(json.dumps(result))
     return 0

@@ -36,8 +36,12 @@ class CompletionEndpoint:
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):  # a list of prompts
             if len(prompt) != 1:
-                raise OpenAIError(400, "one prompt per request (send several requests, or use the Batch API)",
-                                  param="prompt", code="unsupported")
+                raise OpenAIError(
+                    400,
+                    "one prompt per request (send several requests, or use the Batch API)",
+                    param="prompt",
+                    code="unsupported",
+                )
             prompt = prompt[0]
         if isinstance(prompt, list):
             fields["prompt_token_ids"] = prompt
@@ -48,13 +52,25 @@ class CompletionEndpoint:
         return fields
 
     def envelope(self, job_id: str, choices: list[dict], **extra: Any) -> dict[str, Any]:
-        return {"id": self.id_prefix + job_id, "object": self.object_name, "created": self.created,
-                "model": self.model, "choices": choices, **extra}
+        return {
+            "id": self.id_prefix + job_id,
+            "object": self.object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
 
     def response(self, record: FinalRecord) -> dict[str, Any]:
-        choices = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
-                    "logprobs": completion_logprobs(c.token_ids, c.logprobs, self.k or 0)
-                    if self.k is not None else None} for c in choices_of(record)]
+        choices = [
+            {
+                "index": c.index,
+                "text": c.text,
+                "finish_reason": c.finish_reason,
+                "logprobs": completion_logprobs(c.token_ids, c.logprobs, self.k or 0) if self.k is not None else None,
+            }
+            for c in choices_of(record)
+        ]
         return self.envelope(record.id, choices, usage=usage(record))
 
     # --- streaming
@@ -62,10 +78,15 @@ class CompletionEndpoint:
         return []
 
     def delta_chunk(self, job_id: str, delta: Delta) -> dict[str, Any]:
-        lps = (completion_logprobs(delta.token_ids, delta.logprobs, self.k or 0) if self.k is not None else None)
-        return self.envelope(job_id, [{"index": delta.index, "text": delta.text, "logprobs": lps,
-                                       "finish_reason": None}])
+        lps = completion_logprobs(delta.token_ids, delta.logprobs, self.k or 0) if self.k is not None else None
+        return self.envelope(
+            job_id, [{"index": delta.index, "text": delta.text, "logprobs": lps, "finish_reason": None}]
+        )
 
     def closing(self, record: FinalRecord) -> list[dict[str, Any]]:
-        return [self.envelope(record.id, [{"index": c.index, "text": "", "logprobs": None,
-                                           "finish_reason": c.finish_reason}]) for c in choices_of(record)]
+        return [
+            self.envelope(
+                record.id, [{"index": c.index, "text": "", "logprobs": None, "finish_reason": c.finish_reason}]
+            )
+            for c in choices_of(record)
+        ]

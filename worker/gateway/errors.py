@@ -10,29 +10,49 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..job import FinalRecord
 
 # status -> OpenAI's error type
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_exceeded",
-               499: "client_closed_request",
-               500: "server_error", 503: "service_unavailable", 504: "timeout"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    429: "rate_limit_exceeded",
+    499: "client_closed_request",
+    500: "server_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
 
 
 class OpenAIError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": ERROR_TYPES.get(self.status, "server_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 def record_error(record: FinalRecord) -> OpenAIError:
     """The HTTP error for a job that did not complete (its final record's status and reason)."""
     status = {"rejected": 400, "expired": 504, "cancelled": 409}.get(record.status, 500)
-    return OpenAIError(status, f"job {record.id} {record.status}: {record.error or record.status}",
-                       code=record.status)
+    return OpenAIError(status, f"job {record.id} {record.status}: {record.error or record.status}", code=record.status)
 
 
 def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -46,8 +66,10 @@ def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
             parts.append(f"{where}: unsupported field")
         else:
             parts.append(f"{where}: {err.get('msg')}")
-    return JSONResponse(OpenAIError(400, "; ".join(parts) or "invalid request", param=param,
-                                    code="invalid_request").body(), status_code=400)
+    return JSONResponse(
+        OpenAIError(400, "; ".join(parts) or "invalid request", param=param, code="invalid_request").body(),
+        status_code=400,
+    )
 
 
 def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:

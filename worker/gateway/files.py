@@ -17,9 +17,20 @@ from .errors import OpenAIError
 
 MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's batch input limit
 
+
 def file_object(file_id: str, filename: str, size: int, purpose: str, created: int) -> dict[str, Any]:
-    return {"id": file_id, "object": "file", "bytes": size, "created_at": created, "filename": filename,
-            "purpose": purpose, "status": "processed", "expires_at": None, "status_details": None}
+    return {
+        "id": file_id,
+        "object": "file",
+        "bytes": size,
+        "created_at": created,
+        "filename": filename,
+        "purpose": purpose,
+        "status": "processed",
+        "expires_at": None,
+        "status_details": None,
+    }
+
 
 class FileStore:
     def __init__(self, redis_client: Any, keys: QueueKeys, ttl_s: int) -> None:
@@ -59,14 +70,16 @@ class FileStore:
             raise OpenAIError(404, f"no file {file_id!r}", param="file_id", code="file_not_found")
         return raw
 
+
 def router(store: FileStore, auth: Any) -> APIRouter:
     api = APIRouter(dependencies=[auth])
 
     @api.post("/v1/files")
     async def upload(file: UploadFile, purpose: str = Form(...)) -> dict[str, Any]:
         if purpose != "batch":
-            raise OpenAIError(400, f"purpose must be 'batch' (the only one served here), got {purpose!r}",
-                              param="purpose")
+            raise OpenAIError(
+                400, f"purpose must be 'batch' (the only one served here), got {purpose!r}", param="purpose"
+            )
         content = await file.read(MAX_FILE_BYTES + 1)
         if len(content) > MAX_FILE_BYTES:
             raise OpenAIError(413, f"files are limited to {MAX_FILE_BYTES} bytes", param="file")

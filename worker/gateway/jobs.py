@@ -20,9 +20,16 @@ OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "see
 def sampling_fields(body: SamplingBody, settings: GatewaySettings, max_tokens: int | None) -> dict[str, Any]:
     """Job keywords shared by completions and chat; fields the client left out keep the job's defaults."""
     fields: dict[str, Any] = {name: getattr(body, name) for name in OPTIONAL if getattr(body, name) is not None}
-    fields.update(max_tokens=max_tokens or settings.default_max_tokens, n=body.n, min_tokens=body.min_tokens,
-                  presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-                  ignore_eos=body.ignore_eos, stream=body.stream, priority=-body.priority)
+    fields.update(
+        max_tokens=max_tokens or settings.default_max_tokens,
+        n=body.n,
+        min_tokens=body.min_tokens,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        ignore_eos=body.ignore_eos,
+        stream=body.stream,
+        priority=-body.priority,
+    )
     if body.stop is not None:
         fields["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
     if body.timeout is not None:
@@ -45,21 +52,27 @@ async def check_model(live: LiveWorkers, model: str, queue: str) -> str:
     """503 when no worker is alive on the queue, 404 when none serves the model; the model id otherwise."""
     models = await live.models()
     if not models:
-        raise OpenAIError(503, f"no live worker serves queue {queue!r}", code="no_live_worker",
-                          headers={"Retry-After": "5"})
+        raise OpenAIError(
+            503, f"no live worker serves queue {queue!r}", code="no_live_worker", headers={"Retry-After": "5"}
+        )
     for name, info in models.items():
         if model in (name, info.get("path")):
             return name
-    raise OpenAIError(404, f"model {model!r} is not served here (served: {', '.join(sorted(models))})",
-                      param="model", code="model_not_found")
+    raise OpenAIError(
+        404,
+        f"model {model!r} is not served here (served: {', '.join(sorted(models))})",
+        param="model",
+        code="model_not_found",
+    )
 
 
 async def submit(client: AsyncClient, job: Job, retry_after_s: int) -> str:
     try:
         return (await client.submit_many([job]))[0]
     except QueueFullError as exc:
-        raise OpenAIError(429, f"the queue is full: {exc}", code="queue_full",
-                          headers={"Retry-After": str(retry_after_s)}) from None
+        raise OpenAIError(
+            429, f"the queue is full: {exc}", code="queue_full", headers={"Retry-After": str(retry_after_s)}
+        ) from None
     except JobRejected as exc:
         raise OpenAIError(400, str(exc), code="invalid_request") from None
 

@@ -22,10 +22,16 @@ BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0
 class GatewayMetrics:
     def __init__(self, open_streams: Callable[[], float]) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("pagedq_gateway_requests", "HTTP requests by route and status",
-                                ["route", "status"], registry=self.registry)
-        self.latency = Histogram("pagedq_gateway_request_seconds", "request latency (streams: to their end)",
-                                 ["route"], buckets=BUCKETS, registry=self.registry)
+        self.requests = Counter(
+            "pagedq_gateway_requests", "HTTP requests by route and status", ["route", "status"], registry=self.registry
+        )
+        self.latency = Histogram(
+            "pagedq_gateway_request_seconds",
+            "request latency (streams: to their end)",
+            ["route"],
+            buckets=BUCKETS,
+            registry=self.registry,
+        )
         self.streams = Gauge("pagedq_gateway_open_streams", "SSE responses in progress", registry=self.registry)
         self.streams.set_function(open_streams)
 
@@ -60,8 +66,14 @@ class ObserveRequests:
             self.metrics.requests.labels(route, str(status)).inc()
             self.metrics.latency.labels(route).observe(elapsed)
             if status >= 400:
-                self.log.info("request_failed", method=scope.get("method"), route=route, status=status,
-                              ms=round(elapsed * 1000, 3))
+                self.log.info(
+                    "request_failed",
+                    method=scope.get("method"),
+                    route=route,
+                    status=status,
+                    ms=round(elapsed * 1000, 3),
+                )
             else:
-                self.log.debug("request", method=scope.get("method"), route=route, status=status,
-                               ms=round(elapsed * 1000, 3))
+                self.log.debug(
+                    "request", method=scope.get("method"), route=route, status=status, ms=round(elapsed * 1000, 3)
+                )

@@ -24,8 +24,16 @@ def choices_of(record: FinalRecord) -> list[Choice]:
     """Every sample of the record, index order (records of n = 1 jobs carry no `choices`)."""
     if record.choices:
         return list(record.choices)
-    return [Choice(index=0, text=record.text, token_ids=record.token_ids, finish_reason=record.finish_reason,
-                   stop_reason=record.stop_reason, logprobs=record.logprobs)]
+    return [
+        Choice(
+            index=0,
+            text=record.text,
+            token_ids=record.token_ids,
+            finish_reason=record.finish_reason,
+            stop_reason=record.stop_reason,
+            logprobs=record.logprobs,
+        )
+    ]
 
 
 def top_k(entry: dict[str, float], k: int) -> list[tuple[str, float]]:
@@ -38,10 +46,12 @@ def completion_logprobs(token_ids: list[int], entries: list[dict[str, float]] | 
     if entries is None:
         return None
     pairs = list(zip(token_ids, entries))
-    return {"tokens": [token_name(t) for t, _ in pairs],
-            "token_logprobs": [e.get(str(t)) for t, e in pairs],
-            "top_logprobs": [{token_name(i): lp for i, lp in top_k(e, k)} for _, e in pairs],
-            "text_offset": None}
+    return {
+        "tokens": [token_name(t) for t, _ in pairs],
+        "token_logprobs": [e.get(str(t)) for t, e in pairs],
+        "top_logprobs": [{token_name(i): lp for i, lp in top_k(e, k)} for _, e in pairs],
+        "text_offset": None,
+    }
 
 
 def chat_logprobs(token_ids: list[int], entries: list[dict[str, float]] | None, k: int) -> dict | None:
@@ -49,9 +59,14 @@ def chat_logprobs(token_ids: list[int], entries: list[dict[str, float]] | None, 
         return None
     content = []
     for t, e in zip(token_ids, entries):
-        content.append({"token": token_name(t), "logprob": e.get(str(t)), "bytes": None,
-                        "top_logprobs": [{"token": token_name(i), "logprob": lp, "bytes": None}
-                                         for i, lp in top_k(e, k)]})
+        content.append(
+            {
+                "token": token_name(t),
+                "logprob": e.get(str(t)),
+                "bytes": None,
+                "top_logprobs": [{"token": token_name(i), "logprob": lp, "bytes": None} for i, lp in top_k(e, k)],
+            }
+        )
     return {"content": content, "refusal": None}
 
 

@@ -22,16 +22,34 @@ def _options() -> tuple[Option, ...]:
         choices = tuple(get_args(annotation)) if get_origin(annotation) is Literal else None
         bounds = {key: getattr(m, key) for m in info.metadata for key in ("ge", "gt", "le", "lt") if hasattr(m, key)}
         pattern = next((m.pattern for m in info.metadata if getattr(m, "pattern", None)), None)
-        out.append(Option(name, str if choices else cast(type, annotation), info.default, info.description or name,
-                          choices=choices, bounds=bounds, pattern=pattern))
+        out.append(
+            Option(
+                name,
+                str if choices else cast(type, annotation),
+                info.default,
+                info.description or name,
+                choices=choices,
+                bounds=bounds,
+                pattern=pattern,
+            )
+        )
     return tuple(out)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis", dest="redis_url", default=None, help="Redis URL (default: $PAGEDQ_REDIS_URL or "
-                   "redis://localhost:6379/0)")
-    p.add_argument("--api-key", dest="api_keys", action="append", default=None,
-                   help="accepted bearer token (repeat for several; default: $PAGEDQ_API_KEYS, else none: open)")
+    p.add_argument(
+        "--redis",
+        dest="redis_url",
+        default=None,
+        help="Redis URL (default: $PAGEDQ_REDIS_URL or redis://localhost:6379/0)",
+    )
+    p.add_argument(
+        "--api-key",
+        dest="api_keys",
+        action="append",
+        default=None,
+        help="accepted bearer token (repeat for several; default: $PAGEDQ_API_KEYS, else none: open)",
+    )
     add_options(p, _options())
 
 
@@ -58,8 +76,16 @@ def run(args: argparse.Namespace) -> int:
         import structlog
 
         structlog.get_logger("pagedq.gateway").warning(
-            "open_gateway", host=settings.host,
-            hint="no API keys are configured: anyone who reaches this address can use it (--api-key)")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning",
-                access_log=False, lifespan="on")
+            "open_gateway",
+            host=settings.host,
+            hint="no API keys are configured: anyone who reaches this address can use it (--api-key)",
+        )
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+    )
     return 0

@@ -37,8 +37,14 @@ class StreamTracker:
         task.add_done_callback(self.cancels.discard)
 
 
-async def sse(client: AsyncClient, endpoint: CompletionEndpoint, job_id: str, include_usage: bool,
-              timeout: float, tracker: StreamTracker) -> AsyncIterator[bytes]:
+async def sse(
+    client: AsyncClient,
+    endpoint: CompletionEndpoint,
+    job_id: str,
+    include_usage: bool,
+    timeout: float,
+    tracker: StreamTracker,
+) -> AsyncIterator[bytes]:
     finished = False
     tracker.open += 1
     try:
@@ -56,8 +62,9 @@ async def sse(client: AsyncClient, endpoint: CompletionEndpoint, job_id: str, in
             for chunk in endpoint.closing(record):
                 yield event(_with_usage(chunk, include_usage))
             if include_usage:
-                yield event({**endpoint.envelope(job_id, []), "object": _chunk_object(endpoint),
-                             "usage": usage(record)})
+                yield event(
+                    {**endpoint.envelope(job_id, []), "object": _chunk_object(endpoint), "usage": usage(record)}
+                )
         yield DONE
     except ResultTimeout:
         yield event(OpenAIError(504, f"job {job_id}: no output within {timeout} s", code="timeout").body())

@@ -43,8 +43,9 @@ class LiveWorkers:
         served: dict[str, dict] = {}
         for beat in beats:
             name = model_id(str(beat.get("model") or "unknown"))
-            entry = served.setdefault(name, {"created": int(beat.get("started_at") or time.time()), "workers": 0,
-                                             "path": beat.get("model")})
+            entry = served.setdefault(
+                name, {"created": int(beat.get("started_at") or time.time()), "workers": 0, "path": beat.get("model")}
+            )
             entry["created"] = min(entry["created"], int(beat.get("started_at") or time.time()))
             entry["workers"] += 1
         self._models = (beats, served)
