@@ -22,7 +22,8 @@ import redis.asyncio.cluster
 import redis.cluster
 
 # cluster scheme -> the plain scheme redis-py parses (the cluster client takes the same URL otherwise)
-CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+CLUSTER_URL_SCHEME = "redis+cluster"  # what error messages suggest
+CLUSTER_SCHEMES = {CLUSTER_URL_SCHEME: "redis", "rediss+cluster": "rediss"}
 PLAIN_SCHEMES = ("redis", "rediss", "unix")
 
 SyncRedis = redis.Redis | redis.cluster.RedisCluster

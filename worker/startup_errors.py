@@ -1,8 +1,8 @@
 """Mistakes at start a person can fix (Redis unreachable, wrong password, a cluster node, a bad URL, the metrics
 port in use, a model path that is not a checkpoint) as one line on stderr, one JSON log line, exit status 2.
 
-Every command function is wrapped once, where it is registered (worker/cli.py) and again, harmlessly, at the
-top-level dispatch (engine/cli.py main()). Only the exceptions recognised here are turned into a line; anything
+The `pagedq` entry point (worker/cli.py main()) wraps whichever command it dispatches; wrapping twice is a
+no-op. Only the exceptions recognised here are turned into a line; anything
 else propagates with its traceback, since it is a bug to see, not a mistake to explain. A Redis outage after
 the worker started is not one of these: the worker rides it out and exits with status 4 (worker/recovery.py).
 """
@@ -23,10 +23,10 @@ from redis.exceptions import AuthenticationError, ClusterError, RedisClusterExce
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from .connection import CLUSTER_URL_SCHEME, is_cluster_url
 from .errors import MetricsPortError
 
 EXIT_STARTUP = 2
-CLUSTER_SCHEME = "redis+cluster"  # the scheme worker/connection.py takes for a Redis Cluster
 # Replies only a Redis Cluster node gives: a plain URL pointed at one of its nodes.
 _CLUSTER_REPLIES = ("MOVED", "ASK", "CLUSTERDOWN", "CROSSSLOT", "TRYAGAIN")
 _READABLE = "__pagedq_readable_errors__"  # marks a wrapped function, so wrapping twice is a no-op
@@ -106,7 +106,7 @@ def _redis_problem(exc: BaseException, args: argparse.Namespace) -> StartupProbl
         )
     if isinstance(exc, ClusterError) or (isinstance(exc, ResponseError) and _cluster_reply(exc)):
         reply = _scrub(f"{getattr(exc, 'status_code', None) or ''} {exc}".strip(), url)
-        if url.startswith(f"{CLUSTER_SCHEME}://"):
+        if is_cluster_url(url):
             return StartupProblem("redis_cluster", f"the Redis cluster at {shown} is not serving: {reply}", fields)
         return StartupProblem(
             "redis_cluster",
@@ -140,7 +140,7 @@ def _cluster_url(shown: str) -> str:
         netloc = urlsplit(shown).netloc
     except ValueError:
         netloc = ""
-    return f"{CLUSTER_SCHEME}://{netloc or 'HOST:PORT'}"
+    return f"{CLUSTER_URL_SCHEME}://{netloc or 'HOST:PORT'}"
 
 
 def _redis_source(args: argparse.Namespace) -> tuple[str, str]:
