@@ -4,6 +4,7 @@ runs without the queue stack."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -134,7 +135,11 @@ def test_worker_accepts_a_numbered_cuda_device_which_the_engine_config_then_chec
     assert args.device == "cuda:1"
     if torch.cuda.device_count() < 2:  # this CPU machine: EngineConfig refuses it, in one line, exit 2
         assert main(["worker", "--device", "cuda:1", "--model", str(tiny_llama_dir), "--redis", NO_REDIS]) == 2
-        assert capsys.readouterr().err == "pagedq: error: device 'cuda:1' was asked for but CUDA is not available\n"
+        lines = capsys.readouterr().err.splitlines()  # one line for a person, one JSON log line (startup_errors)
+        plain = [line for line in lines if not line.startswith("{")]
+        logged = [json.loads(line) for line in lines if line.startswith("{")]
+        assert plain == ["pagedq worker: error: device 'cuda:1' was asked for but CUDA is not available"]
+        assert len(logged) == 1 and logged[0]["cause"] == "engine" and logged[0]["event"] == "startup_failed"
     else:
         assert str(build_engine(args)[0].config.device) == "cuda:1"
 

@@ -104,6 +104,18 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     add_options(p, (*ENGINE_OPTIONS, *WORKER_OPTIONS))
 
 
+class _CurrentStderr:
+    """Whatever sys.stderr is when a line is written. structlog's PrintLogger keeps the file it was given, and a
+    worker started later in the same process (tests capturing stderr, an embedding app replacing it) must not
+    write to a closed one: that raised in the worker loop and stopped it."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: str = "info") -> None:
     import structlog
 
@@ -116,7 +128,7 @@ def configure_logging(level: str = "info") -> None:
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(_CurrentStderr()),  # type: ignore[arg-type]  # a TextIO's write
         cache_logger_on_first_use=True,
     )
 
