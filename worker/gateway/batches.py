@@ -1,5 +1,5 @@
 """The Batch API: POST /v1/batches, GET /v1/batches/{id}, POST /v1/batches/{id}/cancel, on the machinery of
-`pagedq bulk` (worker/bulk.py: its line parser, job ids, idempotent enqueue script and output lines).
+`pagedq bulk` (worker/bulk_lines.py: its line parser, job ids, idempotent enqueue script and output lines).
 
 A batch's state is a Redis hash, its output and error files are Redis lists, and the gateway that runs it
 holds a lease: if that gateway dies, the next GET of the batch (on any gateway) takes the run over. The
@@ -20,11 +20,13 @@ import structlog
 from fastapi import APIRouter
 from pydantic import Field
 
-from .. import bulk, scripts
+from .. import bulk_lines, scripts
 from ..aclient import AsyncClient
+from ..bulk_lines import LineError
 from ..client import make_job
 from ..errors import JobRejected
 from ..job import FinalRecord
+from ..keys import JOB_FIELD
 from ..settings import GatewaySettings
 from .chat import ChatEndpoint
 from .completions import CompletionEndpoint
@@ -206,21 +208,21 @@ class BatchRun:
             if not text.strip():
                 continue
             try:
-                custom_id, fields, kind = bulk.parse_line(text)
+                custom_id, fields, kind = bulk_lines.parse_line(text)
                 if custom_id in seen:
-                    raise bulk.LineError("duplicate_custom_id", f"custom_id {custom_id!r} appeared on an earlier line")
+                    raise LineError("duplicate_custom_id", f"custom_id {custom_id!r} appeared on an earlier line")
                 seen.add(custom_id)
                 if ENDPOINT_KIND[self.obj["endpoint"]] != kind:
-                    raise bulk.LineError(
+                    raise LineError(
                         "invalid_request", f"line {line_no} does not match the batch's endpoint {self.obj['endpoint']}"
                     )
                 if custom_id in answered:
                     continue
                 fields["priority"] = self.b.s.batch_priority
-                job = make_job(job_id=bulk.job_id_for(self.batch_id, custom_id), **fields)
-            except (bulk.LineError, JobRejected) as exc:
-                code = exc.code if isinstance(exc, bulk.LineError) else "invalid_request"
-                cid = bulk._custom_id(text, exc) if isinstance(exc, bulk.LineError) else custom_id
+                job = make_job(job_id=bulk_lines.job_id_for(self.batch_id, custom_id), **fields)
+            except (LineError, JobRejected) as exc:
+                code = exc.code if isinstance(exc, LineError) else "invalid_request"
+                cid = bulk_lines.custom_id_of(text, exc) if isinstance(exc, LineError) else custom_id
                 key = f"line:{line_no}" if code == "duplicate_custom_id" or cid is None else cid
                 if key not in answered:
                     yield "error", key, _error_line(cid, line_no, code, str(exc))
@@ -228,7 +230,7 @@ class BatchRun:
             yield "job", custom_id, job, kind, fields.get("logprobs")
 
     async def _enqueue(self, batch: list[tuple]) -> None:
-        args: list[Any] = [self.b.s.file_ttl_s, bulk.JOB_FIELD]
+        args: list[Any] = [self.b.s.file_ttl_s, JOB_FIELD]
         for custom_id, job, kind, k in batch:
             self.pending[job.id] = (custom_id, kind, k)
             args += [job.id, job.to_json()]
@@ -252,7 +254,7 @@ class BatchRun:
             self.model = next(iter(sorted(await self.b.live.models())), "")
         if record.status == "completed":
             endpoint = (ChatEndpoint if kind == "chat" else CompletionEndpoint)(None, self.model, int(time.time()), k)
-            line = bulk.output_line(custom_id, job_id, {}, kind, body=endpoint.response(record))
+            line = bulk_lines.output_line(custom_id, job_id, {}, kind, body=endpoint.response(record))
             await self._write("output", custom_id, line)
         else:
             error = record_error(record)
@@ -274,7 +276,7 @@ def _error_line(
     custom_id: str | None, line_no: int | None, code: str, message: str, job_id: str | None = None
 ) -> dict[str, Any]:
     """bulk's error line in OpenAI's shape (which has no line number: the message names it)."""
-    entry = bulk.error_line(
+    entry = bulk_lines.error_line(
         custom_id, line_no or 0, code, message if line_no is None else f"line {line_no}: {message}", job_id
     )
     entry.pop("line")
