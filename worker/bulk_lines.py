@@ -14,23 +14,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .job import LATER_SAMPLING_DEFAULTS, SAMPLING_FIELDS
+
 OPENAI_IGNORED = {"model", "user"}  # the worker serves one model (model is echoed in the output); user: informational
 OPENAI_RENAMED = {"max_completion_tokens": "max_tokens"}
+# What a line may set: the prompt (one of three forms), the job's sampling fields (worker/job.py, the one list) and
+# its scheduling fields. `n` is not among them: a bulk line is one completion.
 JOB_FIELDS = {
     "prompt",
     "prompt_token_ids",
     "messages",
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "logprobs",
-    "prompt_logprobs",
+    *SAMPLING_FIELDS,
+    *(set(LATER_SAMPLING_DEFAULTS) - {"n"}),
     "priority",
     "deadline",
     "metadata",

@@ -1,0 +1,35 @@
+"""The batch line format (worker/bulk_lines.py): every job field a line may set reaches the job."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from worker.bulk_lines import LineError, parse_request
+from worker.client import make_job
+
+
+def _openai_line(**body: object) -> str:
+    request = {"custom_id": "c1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi", **body}}
+    return json.dumps(request)
+
+
+def test_penalties_and_min_tokens_of_an_openai_body_reach_the_job() -> None:
+    line = _openai_line(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.1, min_tokens=2)
+    custom_id, fields, kind, model = parse_request(line)
+    job = make_job(job_id="j1", **fields)
+    assert (custom_id, kind, model) == ("c1", "completion", None)
+    assert (job.presence_penalty, job.frequency_penalty, job.repetition_penalty, job.min_tokens) == (0.5, 0.25, 1.1, 2)
+
+
+def test_a_plain_line_takes_the_same_fields() -> None:
+    _, fields, _, _ = parse_request(json.dumps({"custom_id": "p", "prompt": "hi", "frequency_penalty": 1.0}))
+    assert make_job(job_id="j2", **fields).frequency_penalty == 1.0
+
+
+@pytest.mark.parametrize("line", [_openai_line(n=2), json.dumps({"custom_id": "p", "prompt": "hi", "n": 2})])
+def test_n_above_one_is_refused_on_either_form(line: str) -> None:
+    with pytest.raises(LineError) as caught:
+        parse_request(line)
+    assert caught.value.code == "invalid_request"
