@@ -32,11 +32,16 @@ def test_metrics_endpoint_matches_reality(redis_url, r):
                 if (
                     m.get(("pagedq_jobs_finished_total", (("status", "completed"),))) == 20
                     and m.get(("pagedq_dead_letters", DEFAULT)) == 1
+                    # counters move when the worker settles a job; gauges when it next samples (metrics_every_s):
+                    # the scrape that counts all 21 may precede either, so wait for both to be in
+                    and m.get(("pagedq_jobs_finished_total", (("status", "failed"),))) == 1
+                    and m.get(("pagedq_kv_blocks_free", ())) == 512
+                    and m.get(("pagedq_queue_depth", DEFAULT)) == 0
                 )
                 else None
             )
 
-        m = wait_for(settled, timeout=20, what="20 completed and 1 dead letter in the metrics")
+        m = wait_for(settled, timeout=20, what="20 completed, 1 dead-lettered and the cache free in the metrics")
         finals = [client.result(j, timeout=1) for j in ids]
         tokens = sum(f.usage.completion_tokens for f in finals)
         assert m[("pagedq_generated_tokens_total", ())] == tokens
