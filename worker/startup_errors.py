@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -82,6 +83,8 @@ def explain(exc: BaseException, args: argparse.Namespace) -> StartupProblem | No
     """The readable form of a known start-up mistake; None for anything else (a bug keeps its traceback)."""
     if isinstance(exc, MetricsPortError):
         return StartupProblem("metrics_port", str(exc), {"flag": exc.flag, "port": exc.port, "addr": exc.addr})
+    if getattr(args, "celery", False) and _is_broker_error(exc):
+        return _broker_problem(exc, args)
     if isinstance(exc, (RedisConnectionError, RedisTimeoutError, ResponseError, RedisClusterException, ValueError)):
         problem = _redis_problem(exc, args)
         if problem is not None:
@@ -94,6 +97,26 @@ def explain(exc: BaseException, args: argparse.Namespace) -> StartupProblem | No
     if isinstance(exc, FileNotFoundError) and exc.filename:  # e.g. `pagedq bulk` given a missing input file
         return StartupProblem("file_not_found", f"no such file: {exc.filename}", {"path": str(exc.filename)})
     return None
+
+
+def _is_broker_error(exc: BaseException) -> bool:
+    """kombu's error for a broker it cannot reach (the Celery front door connects at start)."""
+    from kombu.exceptions import OperationalError
+
+    return isinstance(exc, OperationalError)
+
+
+def _broker_problem(exc: BaseException, args: argparse.Namespace) -> StartupProblem:
+    """The Celery broker is the flag's, else $CELERY_BROKER_URL's, else the queue's Redis (worker/cli.py's order)."""
+    if getattr(args, "celery_broker", None):
+        source, url = "--celery-broker", str(args.celery_broker)
+    elif os.environ.get("CELERY_BROKER_URL"):
+        source, url = "CELERY_BROKER_URL", os.environ["CELERY_BROKER_URL"]
+    else:
+        source, url = _redis_source(args)
+    shown = redact(url)
+    message = f"cannot reach the Celery broker at {shown} ({source}): {_scrub(str(exc), url)}"
+    return StartupProblem("celery_broker_unreachable", message, {"broker_url": shown, "source": source})
 
 
 def _redis_problem(exc: BaseException, args: argparse.Namespace) -> StartupProblem | None:

@@ -124,6 +124,15 @@ def test_wrong_password_is_one_line_without_the_password(tmp_path: Path) -> None
     assert "wrong-secret" not in result.stderr + result.stdout
 
 
+def test_celery_broker_unreachable_names_the_broker_flag(tmp_path: Path) -> None:
+    broker = f"redis://:broker-secret@127.0.0.1:{free_port()}/0"
+    with EmbeddedRedis() as server:  # the queue's Redis is up; only the broker is not
+        args = ["worker", "--redis", server.url, "--engine", "stub", "--burst", "--celery", "--celery-broker", broker]
+        result = run_cli(args, tmp_path)
+    record = assert_readable(result, "celery_broker_unreachable", "cannot reach the Celery broker", "--celery-broker")
+    assert record["source"] == "--celery-broker" and "broker-secret" not in result.stderr
+
+
 @pytest.fixture
 def cluster_node() -> Iterator[str]:
     """A real two-node Redis Cluster where the default queue's slot lives on the second node; the URL of the
