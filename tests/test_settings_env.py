@@ -14,6 +14,7 @@ import torch
 
 from worker.cli import build_engine, build_parser, main, settings_from_args
 from worker.config import WorkerSettings
+from worker.embedded_redis import EmbeddedRedis
 
 REPO = Path(__file__).resolve().parents[1]
 NO_REDIS = "redis://127.0.0.1:1/0"  # never dialled by these tests: only set so no private redis-server starts
@@ -134,7 +135,8 @@ def test_worker_accepts_a_numbered_cuda_device_which_the_engine_config_then_chec
     args = parse("worker", "--device", "cuda:1", "--model", str(tiny_llama_dir))
     assert args.device == "cuda:1"
     if torch.cuda.device_count() < 2:  # this CPU machine: EngineConfig refuses it, in one line, exit 2
-        assert main(["worker", "--device", "cuda:1", "--model", str(tiny_llama_dir), "--redis", NO_REDIS]) == 2
+        with EmbeddedRedis() as server:  # the worker checks Redis before it builds the engine
+            assert main(["worker", "--device", "cuda:1", "--model", str(tiny_llama_dir), "--redis", server.url]) == 2
         lines = capsys.readouterr().err.splitlines()  # one line for a person, one JSON log line (startup_errors)
         plain = [line for line in lines if not line.startswith("{")]
         logged = [json.loads(line) for line in lines if line.startswith("{")]

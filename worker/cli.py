@@ -195,9 +195,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
             reason="no Redis configured (neither --redis nor PAGEDQ_REDIS_URL): started a private redis-server",
         )
     try:
+        redis_client = connect(args.redis)
+        redis_client.ping()  # a wrong or unreachable Redis is reported now, not after a model load of minutes
         engine, model = build_engine(args)
         device = _engine_device(engine, args.device)
-        worker = Worker(wrap_from_env(engine), connect(args.redis), settings_from_args(args, device, model))
+        worker = Worker(wrap_from_env(engine), redis_client, settings_from_args(args, device, model))
         return worker.run()
     finally:
         if embedded is not None:

@@ -105,12 +105,12 @@ def test_unknown_url_scheme_names_the_value(tmp_path: Path) -> None:
 
 
 def test_metrics_port_in_use_names_the_flag(tmp_path: Path) -> None:
-    with socket.socket() as holder:
+    with EmbeddedRedis() as server, socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
         result = run_cli(
-            ["worker", "--redis", closed_url(), "--engine", "stub", "--burst", "--metrics-port", str(port)], tmp_path
+            ["worker", "--redis", server.url, "--engine", "stub", "--burst", "--metrics-port", str(port)], tmp_path
         )
     record = assert_readable(result, "metrics_port", f"--metrics-port {port} is in use")
     assert record["port"] == port and record["flag"] == "--metrics-port"
@@ -172,7 +172,8 @@ def test_cluster_node_serving_no_slots_says_use_the_cluster_scheme(tmp_path: Pat
 
 def test_worker_model_that_is_not_a_checkpoint_folder(tmp_path: Path) -> None:
     (tmp_path / "Llama-typo").mkdir()
-    result = run_cli(["worker", "--model", "Llama-typo", "--redis", closed_url(), "--device", "cpu"], tmp_path)
+    with EmbeddedRedis() as server:  # Redis is checked first: it must answer for the model to be loaded
+        result = run_cli(["worker", "--model", "Llama-typo", "--redis", server.url, "--device", "cpu"], tmp_path)
     record = assert_readable(result, "model", "Llama-typo is not a checkpoint folder (no config.json in it)", HUB_HINT)
     assert record["model"] == "Llama-typo"
 
