@@ -10,8 +10,6 @@ import asyncio
 import contextlib
 import importlib
 import json
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 import openai
@@ -24,22 +22,15 @@ from worker.stub_engine import StubEngine
 from worker.worker import Worker
 
 from ..gateway.conftest import gateway_thread, wait_for
+from ..worker.helpers import running
 from .test_cluster_queue import offline, settings
 
 
-@contextlib.contextmanager
-def serving(url: str, queue: str, **overrides: Any) -> Iterator[Worker]:
+def serving(url: str, queue: str, **overrides: Any) -> contextlib.AbstractContextManager[Worker]:
     worker = Worker(
         StubEngine(step_delay_s=0.002), connect(url), settings(queue, burst=False, model="stub-model", **overrides)
     )
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    try:
-        yield worker
-    finally:
-        worker.request_stop(drain_timeout_s=2.0)
-        thread.join(timeout=20)
-        assert not thread.is_alive(), "worker thread did not stop"
+    return running(worker)
 
 
 def test_async_client_submit_stream_result_cancel(queue: str, url: str) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import threading
 import time
 from typing import Any
 
@@ -25,6 +24,7 @@ from worker.keys import QueueKeys
 from worker.stub_engine import StubEngine
 from worker.worker import Worker
 
+from ..worker.helpers import running
 from .conftest import Cluster
 
 
@@ -93,18 +93,11 @@ def test_cancel_a_running_job(cluster, queue, url) -> None:
     client = Client(url, queue)
     job_id = client.submit("long one", max_tokens=1000, temperature=0, stream=True)
     assert not client.cancel("never-submitted")
-    worker = Worker(StubEngine(step_delay_s=0.01), connect(url), settings(queue, burst=False))
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    try:
+    with running(Worker(StubEngine(step_delay_s=0.01), connect(url), settings(queue, burst=False))):
         first = next(iter(client.stream(job_id, timeout=10)))  # it runs
         assert first.token_ids
         assert client.cancel(job_id)
         record = client.result(job_id, timeout=10)
-    finally:
-        worker.request_stop(drain_timeout_s=2.0)
-        thread.join(timeout=20)
-    assert not thread.is_alive()
     assert record.status == "cancelled" and 0 < len(record.token_ids) < 1000
     assert record.text == offline("long one", max_tokens=len(record.token_ids), temperature=0)
     assert not client.cancel(job_id)  # finished: nothing to cancel
@@ -114,10 +107,7 @@ def test_cancel_a_running_job(cluster, queue, url) -> None:
 def test_status_shows_the_queue_and_its_worker(cluster, queue, url, capsys) -> None:
     client = Client(url, queue)
     client.submit("one", max_tokens=3)
-    worker = Worker(StubEngine(), connect(url), settings(queue, burst=False))
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    try:
+    with running(Worker(StubEngine(), connect(url), settings(queue, burst=False))) as worker:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not worker.stats["completed"]:
             time.sleep(0.02)
@@ -125,9 +115,6 @@ def test_status_shows_the_queue_and_its_worker(cluster, queue, url, capsys) -> N
         assert [w["worker"] for w in st["workers"]] == [f"w-{queue}"] and st["workers"][0]["state"] == "running"
         assert queue in status.discover_queues(client.r)  # SCAN over every master finds it
         assert status.run(argparse.Namespace(redis=url, queue=[queue], json=True)) == 0
-    finally:
-        worker.request_stop(drain_timeout_s=2.0)
-        thread.join(timeout=20)
     shown = _json_line(capsys.readouterr().out)["queues"][0]
     assert shown["queue"] == queue and shown["depth"] == 0 and shown["workers"][0]["state"] == "running"
     client.close()

@@ -61,7 +61,13 @@ def fast_settings(**overrides: Any) -> WorkerSettings:
 @contextlib.contextmanager
 def worker_thread(engine: Any, redis_url: str, **overrides: Any) -> Iterator[Worker]:
     """A worker running in a thread; stopped (drained) on exit."""
-    worker = Worker(engine, Redis.from_url(redis_url), fast_settings(**overrides))
+    with running(Worker(engine, Redis.from_url(redis_url), fast_settings(**overrides))) as worker:
+        yield worker
+
+
+@contextlib.contextmanager
+def running(worker: Worker) -> Iterator[Worker]:
+    """`worker` run in a thread; on exit it is drained and joined, and what the loop raised is raised here."""
     errors: list[BaseException] = []
 
     def target() -> None:
