@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from typing import Any
 
 from engine import BeamSearchParams, RequestOutputKind, SamplingParams
 from engine.block_manager import BlockManager
@@ -109,3 +110,12 @@ def stop_cut_after_min_tokens(text: str, prefix_text: str, stop: str) -> str:
     at = text.find(stop, max(0, len(prefix_text) - len(stop) + 1))
     assert at != -1, f"{stop!r} does not recur in {text!r} after {prefix_text!r}"
     return text[:at]
+
+
+# Pools small enough that random mixed traffic is preempted (recompute or swap), with and without the prefix cache:
+# the differential tests (async vs sync, tight vs roomy) run in each.
+TIGHT_POOLS: dict[str, dict[str, Any]] = {
+    "recompute": dict(num_kv_blocks=24, max_num_batched_tokens=16),
+    "swap": dict(num_kv_blocks=24, max_num_batched_tokens=16, preemption_mode="swap", swap_space_gib=0.001),
+    "no-prefix-cache": dict(num_kv_blocks=34, max_num_batched_tokens=24, enable_prefix_caching=False, max_num_seqs=8),
+}

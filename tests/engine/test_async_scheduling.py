@@ -8,7 +8,7 @@ import random
 import pytest
 
 from engine import LLMEngine, RequestOutputKind
-from tests.engine.helpers import random_engine_traffic
+from tests.engine.helpers import TIGHT_POOLS, random_engine_traffic
 
 
 def _with_more_features(requests: list[tuple], seed: int) -> list[tuple]:
@@ -83,15 +83,7 @@ def _assert_same(a, b) -> None:
                     assert [v for _, v in ex] == pytest.approx([v for _, v in ey], abs=1e-4), rid
 
 
-@pytest.mark.parametrize(
-    "engine_kwargs",
-    [
-        dict(num_kv_blocks=24, max_num_batched_tokens=16),
-        dict(num_kv_blocks=24, max_num_batched_tokens=16, preemption_mode="swap", swap_space_gib=0.001),
-        dict(num_kv_blocks=34, max_num_batched_tokens=24, enable_prefix_caching=False, max_num_seqs=8),
-    ],
-    ids=["recompute", "swap", "no-prefix-cache"],
-)
+@pytest.mark.parametrize("engine_kwargs", TIGHT_POOLS.values(), ids=TIGHT_POOLS.keys())
 def test_async_equals_sync_on_random_mixed_traffic_under_pressure(tiny_llama_dir, engine_kwargs):
     """n / best_of, beams, seeds, greedy, penalties, top-k/p, min_tokens, stop ids and strings, logprobs, prompt
     logprobs, priorities, arrivals over time, aborts, chunked prefill, prefix caching and preemption, at once."""

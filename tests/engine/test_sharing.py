@@ -10,7 +10,7 @@ import pytest
 from engine import LLM, LLMEngine, RequestOutputKind, SamplingParams
 from engine.block_manager import BlockManager
 from tests.conftest import random_tokens as _tokens
-from tests.engine.helpers import random_engine_traffic
+from tests.engine.helpers import TIGHT_POOLS, random_engine_traffic
 
 
 # ---- block manager ----------------------------------------------------------------------------
@@ -345,15 +345,7 @@ def _serve(model_dir: str, requests: list[tuple], **engine_kwargs) -> tuple[dict
     return finals, engine.scheduler.num_preemptions
 
 
-@pytest.mark.parametrize(
-    "engine_kwargs",
-    [
-        dict(num_kv_blocks=24, max_num_batched_tokens=16),
-        dict(num_kv_blocks=24, max_num_batched_tokens=16, preemption_mode="swap", swap_space_gib=0.001),
-        dict(num_kv_blocks=34, max_num_batched_tokens=24, enable_prefix_caching=False, max_num_seqs=8),
-    ],
-    ids=["recompute", "swap", "no-prefix-cache"],
-)
+@pytest.mark.parametrize("engine_kwargs", TIGHT_POOLS.values(), ids=TIGHT_POOLS.keys())
 def test_random_mixed_traffic_under_pressure_matches_a_roomy_run(tiny_llama_dir, engine_kwargs):
     """Every feature at once in a pool that forces preemption: each request's outputs equal a roomy run's."""
     preemptions = 0
