@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from engine.bench_args import OWN_FLAGS, WORKLOADS
-from engine.bench_args import add_throughput_arguments as add_arguments  # noqa: F401  (the CLI's name)
 from engine.options import engine_kwargs_from
 
 

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.bench_args import SAMPLINGS
-from engine.bench_args import add_host_arguments as add_arguments  # noqa: F401  (the CLI's name)
 
 _STAND_IN_SHAPE = dict(
     hidden_size=64,

@@ -8,6 +8,7 @@ import pytest
 
 from engine import bench_host
 from engine.bench import _config_only_folder
+from engine.bench_args import add_host_arguments
 
 
 def test_timeline_accounting_counts_decode_steps_only():
@@ -27,7 +28,7 @@ def test_stand_in_tokens_flow_through_the_real_engine(sampling, async_scheduling
     """The stand-in's deterministic draws are what the engine reports (through the async placeholder feed too),
     and every decode step is one device span."""
     parser = argparse.ArgumentParser()
-    bench_host.add_arguments(parser)
+    add_host_arguments(parser)
     vocab, output_len = 1000, 6
     args = parser.parse_args(
         [
