@@ -21,6 +21,8 @@ import redis.asyncio
 import redis.asyncio.cluster
 import redis.cluster
 
+from .errors import PagedQError
+
 # cluster scheme -> the plain scheme redis-py parses (the cluster client takes the same URL otherwise)
 CLUSTER_URL_SCHEME = "redis+cluster"  # what error messages suggest
 CLUSTER_SCHEMES = {CLUSTER_URL_SCHEME: "redis", "rediss+cluster": "rediss"}
@@ -30,9 +32,16 @@ SyncRedis = redis.Redis | redis.cluster.RedisCluster
 AsyncRedis = redis.asyncio.Redis | redis.asyncio.cluster.RedisCluster
 
 
-class ClusterUnsupported(SystemExit):
-    """A part of pagedq that cannot run on a Redis Cluster was given a cluster URL. A SystemExit, so that the
-    command that hit it stops with this one-line message (a configuration error, not a crash)."""
+class ClusterUnsupported(PagedQError, ValueError):
+    """A part of pagedq that cannot run on a Redis Cluster was given a cluster URL: a configuration error, which
+    the CLI reports in one line (worker/startup_errors.py)."""
+
+    def __init__(self, what: str, url: str) -> None:
+        super().__init__(
+            f"{what} does not support Redis Cluster ({url}): give it a plain redis:// URL "
+            "(the queue itself may stay on the cluster)"
+        )
+        self.what, self.url = what, url
 
 
 def is_cluster_url(url: str) -> bool:
@@ -76,10 +85,7 @@ def refuse_cluster(what: str, *urls: str | None) -> None:
     """Stop (ClusterUnsupported) when one of urls names a cluster: `what` cannot use one."""
     for url in urls:
         if url and is_cluster_url(url):
-            raise ClusterUnsupported(
-                f"pagedq: {what} does not support Redis Cluster ({url}): "
-                "give it a plain redis:// URL (the queue itself may stay on the cluster)"
-            )
+            raise ClusterUnsupported(what, url)
 
 
 def probe_client(client: SyncRedis, timeout_s: float) -> SyncRedis:

@@ -24,7 +24,7 @@ from redis.exceptions import AuthenticationError, ClusterError, RedisClusterExce
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .connection import CLUSTER_URL_SCHEME, is_cluster_url
+from .connection import CLUSTER_URL_SCHEME, ClusterUnsupported, is_cluster_url
 from .errors import MetricsPortError
 
 EXIT_STARTUP = 2
@@ -83,6 +83,9 @@ def explain(exc: BaseException, args: argparse.Namespace) -> StartupProblem | No
     """The readable form of a known start-up mistake; None for anything else (a bug keeps its traceback)."""
     if isinstance(exc, MetricsPortError):
         return StartupProblem("metrics_port", str(exc), {"flag": exc.flag, "port": exc.port, "addr": exc.addr})
+    if isinstance(exc, ClusterUnsupported):
+        message = str(exc).replace(exc.url, redact(exc.url))
+        return StartupProblem("cluster_unsupported", message, {"what": exc.what, "redis_url": redact(exc.url)})
     if getattr(args, "celery", False) and _is_broker_error(exc):
         return _broker_problem(exc, args)
     if isinstance(exc, (RedisConnectionError, RedisTimeoutError, ResponseError, RedisClusterException, ValueError)):

@@ -121,9 +121,12 @@ def test_status_without_queue_finds_queues_on_every_master(cluster: Cluster) -> 
 
 def test_celery_with_a_cluster_url_fails_at_start_in_one_line(url: str, queue: str) -> None:
     res = pagedq("worker", "--redis", url, "--queue", queue, "--engine", "stub", "--burst", "--celery")
-    assert res.returncode == 1
-    assert res.stderr.strip().count("\n") == 0, res.stderr  # one line, no traceback
-    assert "does not support Redis Cluster" in res.stderr and "Celery" in res.stderr
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr  # a start-up error: exit 2
+    lines = res.stderr.strip().splitlines()
+    plain = [line for line in lines if not line.startswith("{")]
+    logged = [json.loads(line) for line in lines if line.startswith("{")]
+    assert len(plain) == 1 and "does not support Redis Cluster" in plain[0] and "Celery" in plain[0], lines
+    assert len(logged) == 1 and logged[0]["cause"] == "cluster_unsupported", lines
     with pytest.raises(ClusterUnsupported, match="does not support Redis Cluster") as refused:
         Worker(StubEngine(), connect(url), settings(queue, celery_broker="redis://127.0.0.1:1/0", celery_backend=url))
     assert f"({url})" in str(refused.value)  # the backend is the cluster here, the broker is plain
