@@ -1,5 +1,5 @@
 """The engine's commands (`python -m engine generate|bench ...`): they need only the engine's dependencies and import
-nothing of worker/. The `pagedq` command (worker/cli.py) registers them next to the queue's commands."""
+nothing of worker/. The `pagedq` command (worker/cli/main.py) registers them next to the queue's commands."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ def package_version() -> str:
 
 def register_commands(commands: argparse._SubParsersAction) -> argparse._SubParsersAction:
     """Add `generate` and `bench throughput|host|kernels` to a command group; returns the `bench` group, where
-    the queue's CLI (worker/cli.py) adds its own benches."""
-    from engine.bench_args import add_host_arguments, add_throughput_arguments
+    the queue's CLI (worker/cli/main.py) adds its own benches."""
+    from engine.bench.args import add_host_arguments, add_throughput_arguments
     from engine.options import add_engine_arguments
 
     generate = commands.add_parser("generate", help="generate offline for prompts given on the command line")
@@ -86,13 +86,15 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _bench_throughput(args: argparse.Namespace) -> int:
-    from engine import bench  # torch: only once a bench runs, so building the parser stays torch-free
+    from engine.bench import (
+        throughput as bench,  # torch: only once a bench runs, so building the parser stays torch-free
+    )
 
     return bench.main(args)
 
 
 def _bench_host(args: argparse.Namespace) -> int:
-    from engine import bench_host
+    from engine.bench import host as bench_host
 
     return bench_host.main(args)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from engine.models import registry
+from engine.models.architectures import check_supported
 from engine.options import EngineOptions
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
@@ -110,7 +110,7 @@ class ModelConfig:
             raise FileNotFoundError(f"{folder} is not a checkpoint folder ({what}); {LOCAL_CHECKPOINTS_ONLY}")
         hf = AutoConfig.from_pretrained(folder)
         architecture = (getattr(hf, "architectures", None) or ["?"])[0]
-        registry.check_supported(architecture)
+        check_supported(architecture)
         rope_type = (getattr(hf, "rope_parameters", None) or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")

@@ -2,7 +2,7 @@
 
 Torch-free on purpose: `pagedq worker/status/dlq --help` build their parsers from this module on machines
 without torch. `EngineConfig` (engine/config.py) inherits these fields and validates them; the CLIs
-(engine/cli.py here, worker/cli.py through its pydantic settings model) derive their flags from `engine_options()`.
+(engine/cli.py here, worker/cli/main.py through its pydantic settings model) derive their flags from `engine_options()`.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ def test_ci_run_is_the_readme_test_command():
 
 
 def test_image_command_parses_with_the_worker_cli():
-    from worker.cli import build_parser
+    from worker.cli.main import build_parser
 
     cmd = _json_instruction("CMD")
     assert cmd[:2] == ["sh", "-c"]
@@ -57,7 +57,7 @@ def test_image_command_parses_with_the_worker_cli():
 
 
 def test_image_healthcheck_asks_the_worker_liveness_path():
-    from worker import metrics
+    from worker.ops import metrics
 
     check = _json_instruction("HEALTHCHECK")
     assert check[:2] == ["python3", "-c"]

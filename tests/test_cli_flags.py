@@ -12,7 +12,7 @@ import tomllib
 
 from engine.cli import build_parser as engine_parser
 from engine.options import engine_options
-from worker.cli import build_parser as pagedq_parser
+from worker.cli.main import build_parser as pagedq_parser
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -28,7 +28,7 @@ def test_engine_and_kernels_import_without_the_queue_stack():
         "        if name.split('.')[0] in {'redis', 'celery', 'pydantic', 'structlog', 'kombu'}:\n"
         "            raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import engine, kernels, engine.llm_engine, engine.cli, engine.options, engine.bench_args\n"
+        "import engine, kernels, engine.llm_engine, engine.cli, engine.options, engine.bench.args\n"
         "print('ok')\n"
     )
     result = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True)

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.cli import build_engine, build_parser, main, settings_from_args
-from worker.config import WorkerSettings
-from worker.embedded_redis import EmbeddedRedis
+from worker.cli.engine import build_engine
+from worker.cli.main import build_parser, main, settings_from_args
+from worker.ops.embedded_redis import EmbeddedRedis
+from worker.service.config import WorkerSettings
 
 REPO = Path(__file__).resolve().parents[1]
 NO_REDIS = "redis://127.0.0.1:1/0"  # never dialled by these tests: only set so no private redis-server starts
@@ -178,7 +179,7 @@ def test_engine_knobs_reach_engine_config(tiny_llama_dir, monkeypatch: pytest.Mo
 
 def test_pagedq_status_and_dlq_help_import_no_torch() -> None:
     code = (
-        "import sys\nfrom worker.cli import main\n"
+        "import sys\nfrom worker.cli.main import main\n"
         "for argv in (['status', '--help'], ['dlq', '--help'], ['bulk', '--help'], ['serve', '--help']):\n"
         "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
         "print('torch' in sys.modules, 'engine.config' in sys.modules)\n"

@@ -1,13 +1,13 @@
 """pagedq worker: a Redis Streams job queue feeding the continuous-batching engine.
 
-Producers only need ``Client`` / ``AsyncClient`` (no torch import); the worker loop lives in worker.worker.
+Producers only need ``Client`` / ``AsyncClient`` (no torch import); the worker loop lives in worker.service.loop.
 """
 
-from .aclient import AsyncClient
-from .client import Client
-from .errors import JobFailed, JobRejected, PagedQError, QueueFullError, ResultTimeout
-from .job import Delta, FinalRecord, Job
-from .keys import QueueKeys
+from worker.client.async_client import AsyncClient
+from worker.client.sync_client import Client
+from worker.protocol.errors import JobFailed, JobRejected, PagedQError, QueueFullError, ResultTimeout
+from worker.protocol.job import Delta, FinalRecord, Job
+from worker.protocol.keys import QueueKeys
 
 __all__ = [
     "AsyncClient",

@@ -1,7 +1,7 @@
 """Which model class serves which checkpoint architecture (config.json's `architectures[0]`).
 
-Adding an architecture: write its model file in engine/models/ (composing engine/layers/) and add one line here.
-Classes are imported only when a model is built, so reading this table needs no model code.
+Adding an architecture: write its model file in engine/models/ (composing engine/layers/) and add one line to
+engine/models/architectures.py. Classes are imported only when a model is built.
 """
 
 from __future__ import annotations
@@ -9,27 +9,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from engine.models.architectures import ARCHITECTURES, check_supported, supported_architectures
+
 if TYPE_CHECKING:  # for the annotation only: the table stays readable without model code
     from engine.models.llama import LlamaForCausalLM
 
-# architecture name -> (module, class): Mistral, Qwen2 and Qwen3 share the Llama module tree (their differences,
-# qkv bias and per-head q/k norm, are ModelConfig flags the shared layers read).
-_MODELS: dict[str, tuple[str, str]] = {
-    "LlamaForCausalLM": ("engine.models.llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": ("engine.models.llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": ("engine.models.llama", "LlamaForCausalLM"),
-    "Qwen3ForCausalLM": ("engine.models.llama", "LlamaForCausalLM"),
-}
-
-
-def supported_architectures() -> tuple[str, ...]:
-    return tuple(_MODELS)
-
-
-def check_supported(architecture: str) -> None:
-    """ValueError naming the supported architectures if `architecture` has no model class."""
-    if architecture not in _MODELS:
-        raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(_MODELS)}")
+# the table itself (not a copy): registering an architecture here is seen by engine/config.py's check too
+_MODELS = ARCHITECTURES
+__all__ = ["check_supported", "model_class", "supported_architectures"]
 
 
 def model_class(architecture: str) -> type[LlamaForCausalLM]:

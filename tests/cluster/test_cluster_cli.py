@@ -20,12 +20,12 @@ from redis import Redis
 from redis.cluster import RedisCluster, key_slot
 from redis.exceptions import MovedError
 
-from worker import status
-from worker.client import Client
-from worker.connection import ClusterUnsupported, connect, connect_async, probe_client
-from worker.keys import QueueKeys
-from worker.stub_engine import StubEngine
-from worker.worker import Worker
+from worker.client.sync_client import Client
+from worker.ops import status
+from worker.protocol.connection import ClusterUnsupported, connect, connect_async, probe_client
+from worker.protocol.keys import QueueKeys
+from worker.service.loop import Worker
+from worker.testing.stub_engine import StubEngine
 
 from .conftest import Cluster
 from .test_cluster_queue import offline, run_burst, settings
@@ -173,7 +173,7 @@ def test_readiness_probe_pings_every_master(url: str) -> None:
 
 
 def test_tls_cluster_scheme_maps_to_rediss_and_plain_urls_stay_single_server() -> None:
-    from worker.connection import _split, is_cluster_url
+    from worker.protocol.connection import _split, is_cluster_url
 
     # rediss+cluster cannot be connected to here (no TLS cluster): check the URL redis-py is handed
     assert _split("rediss+cluster://user:pw@node.example:7000/0?ssl_cert_reqs=none") == (

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from engine.bench import WORKLOADS, draw_workload
+from engine.bench.throughput import WORKLOADS, draw_workload
 from engine.cli import main
 
 

@@ -6,9 +6,9 @@ import argparse
 
 import pytest
 
-from engine import bench_host
-from engine.bench import _config_only_folder
-from engine.bench_args import add_host_arguments
+from engine.bench import host as bench_host
+from engine.bench.args import add_host_arguments
+from engine.bench.throughput import _config_only_folder
 
 
 def test_timeline_accounting_counts_decode_steps_only():

@@ -18,9 +18,9 @@ import httpx
 import pytest
 import uvicorn
 
-from worker.embedded_redis import EmbeddedRedis, free_port
 from worker.gateway import create_app
-from worker.settings import GatewaySettings
+from worker.gateway.settings import GatewaySettings
+from worker.ops.embedded_redis import EmbeddedRedis, free_port
 
 from ..worker.helpers import REDIS_SERVERS, REPO, wait_for, worker_thread  # noqa: F401  (re-exported)
 

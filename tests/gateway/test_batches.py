@@ -11,8 +11,8 @@ import openai
 import pytest
 
 from engine import LLM, LLMEngine, SamplingParams
-from worker.keys import QueueKeys
-from worker.stub_engine import StubEngine
+from worker.protocol.keys import QueueKeys
+from worker.testing.stub_engine import StubEngine
 
 from .conftest import gateway_thread, wait_for, worker_thread
 

@@ -8,7 +8,7 @@ import openai
 
 from engine import LLM, LLMEngine, SamplingParams
 from worker import Client
-from worker.keys import QueueKeys
+from worker.protocol.keys import QueueKeys
 
 from .conftest import gateway_thread, llm_tokens, wait_for, wait_live, worker_thread
 

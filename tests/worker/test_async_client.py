@@ -8,7 +8,7 @@ import json
 import pytest
 
 from worker import AsyncClient, Client, JobRejected, QueueFullError
-from worker.stub_engine import StubEngine
+from worker.testing.stub_engine import StubEngine
 
 from .helpers import worker_thread
 
@@ -64,8 +64,8 @@ class SyncBehindAsync:
 
 async def scenario(client, r, queue: str) -> list:
     """Every public call, good and bad, against a real Redis with no worker: what each returned or raised."""
-    from worker.errors import ResultTimeout
-    from worker.keys import QueueKeys
+    from worker.protocol.errors import ResultTimeout
+    from worker.protocol.keys import QueueKeys
 
     keys, seen = QueueKeys(queue), []
 

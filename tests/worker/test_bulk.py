@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from worker.bulk import job_id_for
-from worker.stub_engine import StubEngine
+from worker.bulk.run import job_id_for
+from worker.testing.stub_engine import StubEngine
 
 from .helpers import KEYS, REPO, assert_clean_queue, finals_by_id, offline, wait_for, worker_thread
 

@@ -12,8 +12,8 @@ import sys
 import pytest
 from redis import Redis
 
-from worker.bulk import BulkRun, job_id_for
-from worker.stub_engine import StubEngine
+from worker.bulk.run import BulkRun, job_id_for
+from worker.testing.stub_engine import StubEngine
 
 from .helpers import KEYS, REPO, offline, run_burst, wait_for, worker_thread
 

@@ -1,4 +1,4 @@
-"""The batch line format (worker/bulk_lines.py): every job field a line may set reaches the job."""
+"""The batch line format (worker/bulk/lines.py): every job field a line may set reaches the job."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from worker.bulk_lines import LineError, parse_request
-from worker.client import make_job
+from worker.bulk.lines import LineError, parse_request
+from worker.client.core import make_job
 
 
 def _openai_line(**body: object) -> str:

@@ -12,9 +12,9 @@ import pytest
 from redis import Redis
 
 from worker import Client
-from worker.faults import FaultyEngine
-from worker.stub_engine import StubEngine
-from worker.worker import Worker
+from worker.service.loop import Worker
+from worker.testing.faults import FaultyEngine
+from worker.testing.stub_engine import StubEngine
 
 from .helpers import KEYS, fast_settings, finals_by_id, offline, wait_for
 

@@ -56,7 +56,8 @@ def test_worker_start_up_freezes_the_engine_objects(tiny_llama_dir):
     (LLMEngine does not.)"""
     import gc
 
-    from worker.cli import build_engine, build_parser
+    from worker.cli.engine import build_engine
+    from worker.cli.main import build_parser
 
     args = build_parser().parse_args(
         ["worker", "--model", str(tiny_llama_dir), "--device", "cpu", "--num-kv-blocks", "8"]

@@ -1,4 +1,4 @@
-"""The worker's engine interface (worker.engine_api.WorkerEngine) is what the engines really offer."""
+"""The worker's engine interface (worker.service.engine_api.WorkerEngine) is what the engines really offer."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import pytest
 from redis import Redis
 
 from engine import LLMEngine
-from worker.engine_api import WorkerEngine
-from worker.faults import FaultyEngine
-from worker.stub_engine import StubEngine
-from worker.worker import Worker
+from worker.service.engine_api import WorkerEngine
+from worker.service.loop import Worker
+from worker.testing.faults import FaultyEngine
+from worker.testing.stub_engine import StubEngine
 
 from .helpers import fast_settings
 

@@ -1,4 +1,4 @@
-"""PAGEDQ_REDIS_URL configures every command and client that talks to Redis (worker/settings.py), and the worker
+"""PAGEDQ_REDIS_URL configures every command and client that talks to Redis (protocol/settings.py), and the worker
 starts a private redis-server only when nothing configures one, saying so in its log."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from redis import Redis
 
 from worker import AsyncClient, Client
-from worker.keys import QueueKeys
+from worker.protocol.keys import QueueKeys
 
 from .helpers import REPO
 
@@ -96,7 +96,7 @@ def test_the_worker_takes_its_queue_and_stub_engine_from_the_environment(redis_u
 @pytest.mark.slow  # a `python -m worker` process
 def test_a_status_run_imports_no_torch_and_reads_its_queues_from_the_environment(redis_url: str) -> None:
     code = (
-        "import sys\nfrom worker.cli import main\nmain(['status', '--json'])\n"
+        "import sys\nfrom worker.cli.main import main\nmain(['status', '--json'])\n"
         "print('torch' in sys.modules, file=sys.stderr)\n"
     )
     env = {

@@ -12,9 +12,9 @@ import pytest
 
 from engine import LLM, LLMEngine, SamplingParams
 from worker import Client, QueueFullError
-from worker.faults import FaultyEngine
-from worker.keys import band_for_priority
-from worker.stub_engine import StubEngine
+from worker.protocol.keys import band_for_priority
+from worker.testing.faults import FaultyEngine
+from worker.testing.stub_engine import StubEngine
 
 from .helpers import KEYS, assert_clean_queue, offline, run_burst, wait_for, worker_thread
 
@@ -89,7 +89,7 @@ def test_backpressure_and_dead_letters_are_per_band(redis_url, r):
     dead = r.xrange(KEYS.dead_of("bulk"))
     assert [d[1][b"id"].decode() for d in dead] == [poison] and r.xlen(KEYS.dead) == 0
     assert json.loads(dead[0][1][b"data"])["band"] == "bulk"
-    from worker.dlq import dead_letters, retry
+    from worker.ops.dlq import dead_letters, retry
 
     assert [(d["id"], d["band"]) for d in dead_letters(r, "default")] == [(poison, "bulk")]
     assert retry(r, "default") == [poison] and r.xlen(KEYS.jobs_of("bulk")) == 1  # back into its own band

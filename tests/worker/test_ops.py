@@ -8,8 +8,8 @@ import json
 import pytest
 
 from worker import Client
-from worker.faults import FaultyEngine
-from worker.stub_engine import StubEngine
+from worker.testing.faults import FaultyEngine
+from worker.testing.stub_engine import StubEngine
 
 from .helpers import KEYS, run_burst, run_cli, scrape, wait_for, worker_thread
 

@@ -10,8 +10,8 @@ import signal
 import pytest
 
 from worker import Client
-from worker.engine_api import RequestOutputKind, SamplingParams
-from worker.stub_engine import StubEngine
+from worker.service.engine_api import RequestOutputKind, SamplingParams
+from worker.testing.stub_engine import StubEngine
 
 from .helpers import KEYS, assert_clean_queue, finals_by_id, result_stream, start_worker, wait_for
 

@@ -13,10 +13,10 @@ import pytest
 from redis import Redis
 
 from worker import Client
-from worker.embedded_redis import EmbeddedRedis
-from worker.recovery import EXIT_REDIS_LOST
-from worker.stub_engine import StubEngine
-from worker.worker import Worker
+from worker.ops.embedded_redis import EmbeddedRedis
+from worker.service.loop import Worker
+from worker.service.recovery import EXIT_REDIS_LOST
+from worker.testing.stub_engine import StubEngine
 
 from .helpers import (
     KEYS,

@@ -1,4 +1,4 @@
-"""Start-up mistakes read as one line on stderr plus one JSON log line, exit status 2 (worker/startup_errors.py).
+"""Start-up mistakes read as one line on stderr plus one JSON log line, exit status 2 (worker/cli/startup_errors.py).
 
 Each case runs the real command in a subprocess against a real (or a closed) Redis port, as a person would.
 """
@@ -19,9 +19,9 @@ import pytest
 from redis import Redis
 from redis.crc import key_slot
 
-from worker.embedded_redis import EmbeddedRedis, free_port
-from worker.keys import QueueKeys
-from worker.startup_errors import redact, with_readable_errors
+from worker.cli.startup_errors import redact, with_readable_errors
+from worker.ops.embedded_redis import EmbeddedRedis, free_port
+from worker.protocol.keys import QueueKeys
 
 pytestmark = pytest.mark.slow  # each case runs the real command as a process
 
@@ -39,7 +39,7 @@ def run_cli(
     command = (
         [sys.executable, "-m", module]
         if module == "worker"
-        else [sys.executable, "-c", "import sys; from worker.cli import main; sys.exit(main())"]
+        else [sys.executable, "-c", "import sys; from worker.cli.main import main; sys.exit(main())"]
     )
     return subprocess.run(
         [*command, *args], cwd=cwd, env={**base, **(env or {})}, capture_output=True, text=True, timeout=120

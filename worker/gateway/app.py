@@ -12,24 +12,24 @@ import structlog
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..aclient import AsyncClient
-from ..connection import AsyncRedis
-from ..errors import ResultTimeout
-from ..settings import GatewaySettings
-from . import errors
-from .batches import Batches
-from .batches import router as batch_router
-from .chat import ChatEndpoint
-from .completions import CompletionEndpoint
-from .errors import OpenAIError, record_error
-from .files import FileStore
-from .files import router as file_router
-from .jobs import build, check_model, submit, wait_timeout
-from .metrics import GatewayMetrics, ObserveRequests
-from .render import now
-from .schemas import ChatCompletionRequest, CompletionRequest
-from .streaming import StreamTracker, sse
-from .workers import LiveWorkers
+from worker.client.async_client import AsyncClient
+from worker.gateway import errors
+from worker.gateway.batches import Batches
+from worker.gateway.batches import router as batch_router
+from worker.gateway.chat import ChatEndpoint
+from worker.gateway.completions import CompletionEndpoint
+from worker.gateway.errors import OpenAIError, record_error
+from worker.gateway.files import FileStore
+from worker.gateway.files import router as file_router
+from worker.gateway.jobs import build, check_model, submit, wait_timeout
+from worker.gateway.metrics import GatewayMetrics, ObserveRequests
+from worker.gateway.render import now
+from worker.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from worker.gateway.settings import GatewaySettings
+from worker.gateway.streaming import StreamTracker, sse
+from worker.gateway.workers import LiveWorkers
+from worker.protocol.connection import AsyncRedis
+from worker.protocol.errors import ResultTimeout
 
 
 class Gateway:

@@ -1,9 +1,9 @@
 """The Batch API: POST /v1/batches, GET /v1/batches/{id}, POST /v1/batches/{id}/cancel, on the machinery of
-`pagedq bulk` (worker/bulk_lines.py: its line parser, job ids, idempotent enqueue script and output lines).
+`pagedq bulk` (worker/bulk/lines.py: its line parser, job ids, idempotent enqueue script and output lines).
 
 A batch's state is a Redis hash, its output and error files are Redis lists, and the gateway that runs it
 holds a lease: if that gateway dies, the next GET of the batch (on any gateway) takes the run over. The
-rerun enqueues nothing twice (bulk's enqueue script) and writes no line twice (worker/scripts.py's append_once).
+rerun enqueues nothing twice (bulk's enqueue script) and writes no line twice (protocol/scripts.py's append_once).
 Batch jobs run at a low priority (settings.batch_priority), below interactive traffic.
 """
 
@@ -20,20 +20,21 @@ import structlog
 from fastapi import APIRouter
 from pydantic import Field
 
-from .. import bulk_lines, scripts
-from ..aclient import AsyncClient
-from ..bulk_lines import LineError
-from ..client import make_job
-from ..errors import JobRejected
-from ..job import FinalRecord
-from ..keys import JOB_FIELD
-from ..settings import GatewaySettings
-from .chat import ChatEndpoint
-from .completions import CompletionEndpoint
-from .errors import OpenAIError, record_error
-from .files import FileStore
-from .schemas import Strict
-from .workers import LiveWorkers
+from worker.bulk import lines as bulk_lines
+from worker.bulk.lines import LineError
+from worker.client.async_client import AsyncClient
+from worker.client.core import make_job
+from worker.gateway.chat import ChatEndpoint
+from worker.gateway.completions import CompletionEndpoint
+from worker.gateway.errors import OpenAIError, record_error
+from worker.gateway.files import FileStore
+from worker.gateway.schemas import Strict
+from worker.gateway.settings import GatewaySettings
+from worker.gateway.workers import LiveWorkers
+from worker.protocol import scripts
+from worker.protocol.errors import JobRejected
+from worker.protocol.job import FinalRecord
+from worker.protocol.keys import JOB_FIELD
 
 LEASE_S = 15
 POLL_S = 0.05

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..job import Delta, FinalRecord
-from ..settings import GatewaySettings
-from .completions import CompletionEndpoint
-from .jobs import sampling_fields
-from .render import chat_logprobs, choices_of, usage
-from .schemas import ChatCompletionRequest
+from worker.gateway.completions import CompletionEndpoint
+from worker.gateway.jobs import sampling_fields
+from worker.gateway.render import chat_logprobs, choices_of, usage
+from worker.gateway.schemas import ChatCompletionRequest
+from worker.gateway.settings import GatewaySettings
+from worker.protocol.job import Delta, FinalRecord
 
 
 class ChatEndpoint(CompletionEndpoint):

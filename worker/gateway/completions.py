@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..job import Delta, FinalRecord
-from ..settings import GatewaySettings
-from .errors import OpenAIError
-from .jobs import sampling_fields
-from .render import choices_of, completion_logprobs, usage
-from .schemas import CompletionRequest, SamplingBody
+from worker.gateway.errors import OpenAIError
+from worker.gateway.jobs import sampling_fields
+from worker.gateway.render import choices_of, completion_logprobs, usage
+from worker.gateway.schemas import CompletionRequest, SamplingBody
+from worker.gateway.settings import GatewaySettings
+from worker.protocol.job import Delta, FinalRecord
 
 
 class CompletionEndpoint:

@@ -7,7 +7,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..job import FinalRecord
+from worker.protocol.job import FinalRecord
 
 # status -> OpenAI's error type
 ERROR_TYPES = {

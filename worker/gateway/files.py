@@ -12,8 +12,8 @@ from typing import Any
 from fastapi import APIRouter, Form, UploadFile
 from fastapi.responses import Response
 
-from ..keys import QueueKeys
-from .errors import OpenAIError
+from worker.gateway.errors import OpenAIError
+from worker.protocol.keys import QueueKeys
 
 MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's batch input limit
 

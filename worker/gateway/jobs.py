@@ -5,14 +5,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..aclient import AsyncClient
-from ..client import make_job
-from ..errors import JobRejected, QueueFullError
-from ..job import Job, new_job_id
-from ..settings import GatewaySettings
-from .errors import OpenAIError
-from .schemas import SamplingBody
-from .workers import LiveWorkers
+from worker.client.async_client import AsyncClient
+from worker.client.core import make_job
+from worker.gateway.errors import OpenAIError
+from worker.gateway.schemas import SamplingBody
+from worker.gateway.settings import GatewaySettings
+from worker.gateway.workers import LiveWorkers
+from worker.protocol.errors import JobRejected, QueueFullError
+from worker.protocol.job import Job, new_job_id
 
 OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop_token_ids")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from ..job import Choice, FinalRecord
+from worker.protocol.job import Choice, FinalRecord
 
 
 def token_name(token_id: int | str) -> str:

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..job import MAX_N, MAX_PROMPT_CHARS
+from worker.protocol.job import MAX_N, MAX_PROMPT_CHARS
 
 MAX_TOKENS_LIMIT = 1_000_000
 SEED_BOUND = 2**63 - 1

@@ -7,8 +7,8 @@ from typing import Literal, cast, get_args, get_origin
 
 from pydantic import ValidationError
 
-from ..cli_options import Option, add_options
-from ..settings import GatewaySettings
+from worker.flags import Option, add_options
+from worker.gateway.settings import GatewaySettings
 
 
 def _options() -> tuple[Option, ...]:
@@ -67,8 +67,8 @@ def settings_from_args(args: argparse.Namespace) -> GatewaySettings:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from ..cli import configure_logging
-    from .app import create_app
+    from worker.gateway.app import create_app
+    from worker.logs import configure_logging
 
     settings = settings_from_args(args)
     configure_logging(settings.log_level)

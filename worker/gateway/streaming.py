@@ -11,11 +11,11 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ..aclient import AsyncClient
-from ..errors import ResultTimeout
-from .completions import CompletionEndpoint
-from .errors import OpenAIError, record_error
-from .render import usage
+from worker.client.async_client import AsyncClient
+from worker.gateway.completions import CompletionEndpoint
+from worker.gateway.errors import OpenAIError, record_error
+from worker.gateway.render import usage
+from worker.protocol.errors import ResultTimeout
 
 DONE = b"data: [DONE]\n\n"
 

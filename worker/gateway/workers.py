@@ -1,4 +1,4 @@
-"""Live workers of the queue, from their heartbeats (worker/leases.py): what /v1/models lists and what
+"""Live workers of the queue, from their heartbeats (worker/service/leases.py): what /v1/models lists and what
 decides 503. A heartbeat key expires unless its worker refreshes it, so an existing key is a live worker."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import time
 from typing import Any
 
-from ..keys import QueueKeys
+from worker.protocol.keys import QueueKeys
 
 STALE_S = 3600.0  # members of the workers set scored older than this are not even looked up
 

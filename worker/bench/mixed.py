@@ -1,0 +1,196 @@
+"""`pagedq bench worker --mixed`: interactive jobs behind a bulk backlog, against the same jobs on an idle
+queue, and the bulk backlog's throughput against a bulk-only run; one worker on the stub engine (or, with
+`--mixed-engine llm`, the real engine on `--model`, default the demo model), all in the same run and the same
+process. Prints one JSON line."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from worker.client.sync_client import Client
+from worker.flags import Option
+from worker.protocol.connection import connect
+from worker.protocol.job import FinalRecord
+from worker.service.config import WorkerSettings
+from worker.service.engine_api import WorkerEngine
+from worker.service.loop import Worker
+from worker.testing.stub_engine import StubEngine
+
+OPTIONS: tuple[Option, ...] = (
+    Option("mixed", bool, False, "mixed traffic: interactive behind a bulk backlog"),
+    Option("mixed_bulk_jobs", int, 3000, "bulk backlog jobs", bounds={"ge": 1}),
+    Option("mixed_bulk_tokens", int, 32, "tokens per bulk job", bounds={"ge": 1}),
+    Option("mixed_web_jobs", int, 20, "interactive jobs", bounds={"ge": 1}),
+    Option("mixed_web_tokens", int, 8, "tokens per interactive job", bounds={"ge": 1}),
+    Option("mixed_web_every", float, 0.1, "seconds between interactive submissions", bounds={"ge": 0}),
+    Option("mixed_step_delay", float, 0.01, "stub engine seconds per step", bounds={"ge": 0}),
+    Option("mixed_max_num_seqs", int, 32, "the stub engine's max_num_seqs", bounds={"ge": 1}),
+    Option(
+        "mixed_engine",
+        str,
+        "stub",
+        "llm: the real engine on --model (default: the demo model) with --device, "
+        "--dtype, --block-size, --num-kv-blocks, --max-num-batched-tokens; a fresh one per run",
+        choices=("stub", "llm"),
+    ),
+)
+
+
+def _engine(args: argparse.Namespace) -> WorkerEngine:
+    if args.mixed_engine == "stub":
+        return StubEngine(max_num_seqs=args.mixed_max_num_seqs, step_delay_s=args.mixed_step_delay)
+    from engine import LLMEngine, SamplingParams
+    from engine.options import engine_kwargs_from
+
+    engine = LLMEngine(args.model, **{**engine_kwargs_from(args), "max_num_seqs": args.mixed_max_num_seqs})
+    engine.add_request("warm-up", "warm up", SamplingParams(max_tokens=4))  # first-step costs out of the runs
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.reset_step_stats()
+    return engine
+
+
+def _step_s(args: argparse.Namespace, engine: WorkerEngine) -> float:
+    """One engine step: the stub's delay, or the real engine's mean step over the run."""
+    if args.mixed_engine == "stub":
+        return args.mixed_step_delay
+    stats_of = getattr(engine, "stats", None)  # LLMEngine's; the worker protocol does not need it
+    if stats_of is None:
+        raise TypeError(f"--mixed-engine {args.mixed_engine}: {type(engine).__name__} reports no step stats")
+    stats = stats_of()
+    return sum(stats[f"{phase}_ms_per_step"] for phase in ("schedule", "execute", "postprocess")) / 1e3
+
+
+def _worker(args: argparse.Namespace, url: str, queue: str, burst: bool, **overrides: Any) -> Worker:
+    settings = WorkerSettings(queue=queue, name=f"bench-{queue}", burst=burst, heartbeat_every_s=60.0, **overrides)
+    return Worker(_engine(args), connect(url), settings)
+
+
+def _submit_web(client: Client, args: argparse.Namespace) -> list[str]:
+    ids = []
+    for i in range(args.mixed_web_jobs):
+        ids.append(
+            client.submit(
+                prompt=f"web request {i}",
+                max_tokens=args.mixed_web_tokens,
+                temperature=0.0,
+                ignore_eos=True,
+                priority=10,
+            )
+        )
+        time.sleep(args.mixed_web_every)
+    return ids
+
+
+def _latencies(client: Client, ids: list[str]) -> dict[str, float]:
+    records = [client.result(job_id, timeout=600) for job_id in ids]
+    assert all(r.ok for r in records), [r.error for r in records if not r.ok][:3]
+    ttft = np.array([r.timings.ttft for r in records])
+    total = np.array([r.timings.total for r in records])
+    return {
+        "ttft_p50_s": round(float(np.percentile(ttft, 50)), 4),
+        "ttft_p99_s": round(float(np.percentile(ttft, 99)), 4),
+        "total_p50_s": round(float(np.percentile(total, 50)), 4),
+        "total_p99_s": round(float(np.percentile(total, 99)), 4),
+    }
+
+
+def _bulk(client: Client, args: argparse.Namespace) -> list[str]:
+    jobs = [
+        dict(
+            prompt=f"bulk document {i}",
+            max_tokens=args.mixed_bulk_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+            band="bulk",
+        )
+        for i in range(args.mixed_bulk_jobs)
+    ]
+    ids = []
+    for i in range(0, len(jobs), 1000):
+        ids += client.submit_many(jobs[i : i + 1000])
+    return ids
+
+
+def idle_run(url: str, args: argparse.Namespace) -> dict[str, float]:
+    client = Client(url, queue="mixidle")
+    worker = _worker(args, url, "mixidle", burst=False)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        ids = _submit_web(client, args)
+        return _latencies(client, ids)
+    finally:
+        worker.request_stop(drain_timeout_s=5.0)
+        thread.join(timeout=30)
+
+
+def mixed_run(url: str, args: argparse.Namespace) -> tuple[dict[str, float], float, float]:
+    """Interactive latencies behind the backlog, and the backlog's bulk tokens/s over the whole burst run."""
+    client = Client(url, queue="mixed")
+    bulk = _bulk(client, args)
+    web: list[str] = []
+
+    def web_traffic() -> None:  # once the backlog is under way
+        while client.r.xlen(client.keys.completions) < min(100, len(bulk) // 10):
+            time.sleep(0.01)
+        web.extend(_submit_web(client, args))
+
+    thread = threading.Thread(target=web_traffic, daemon=True)
+    thread.start()
+    seconds, engine = _timed_burst(args, url, "mixed")
+    thread.join(timeout=600)
+    return _latencies(client, web), _bulk_tokens(client, bulk) / seconds, _step_s(args, engine)
+
+
+def bulk_only_run(url: str, args: argparse.Namespace) -> float:
+    client = Client(url, queue="bulkonly")
+    bulk = _bulk(client, args)
+    seconds, _ = _timed_burst(args, url, "bulkonly", reserve_seqs=0)  # all slots: what bulk had before bands
+    return _bulk_tokens(client, bulk) / seconds
+
+
+def _timed_burst(args: argparse.Namespace, url: str, queue: str, **overrides: Any) -> tuple[float, WorkerEngine]:
+    worker = _worker(args, url, queue, burst=True, **overrides)
+    start = time.perf_counter()
+    worker.run()
+    return time.perf_counter() - start, worker.engine
+
+
+def _bulk_tokens(client: Client, ids: list[str]) -> int:
+    pipe = client.r.pipeline(transaction=False)
+    for job_id in ids:
+        pipe.get(client.keys.final(job_id))
+    records = [FinalRecord.model_validate_json(raw) for raw in pipe.execute()]
+    return sum(len(r.token_ids) for r in records if r.ok)
+
+
+def bench_mixed(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    idle = idle_run(url, args)
+    mixed, mixed_tok_s, step = mixed_run(url, args)
+    only_tok_s = bulk_only_run(url, args)
+    engine = (
+        f"stub, {args.mixed_step_delay} s/step"
+        if args.mixed_engine == "stub"
+        else f"llm {args.model or 'demo model'} on {args.device}, mean step {step:.4f} s (mixed run)"
+    )
+    return {
+        "engine": f"{engine}, max_num_seqs {args.mixed_max_num_seqs}",
+        "engine_step_s": round(step, 4),
+        "bulk_jobs": args.mixed_bulk_jobs,
+        "bulk_tokens": args.mixed_bulk_tokens,
+        "interactive_jobs": args.mixed_web_jobs,
+        "interactive_tokens": args.mixed_web_tokens,
+        "interactive_idle": idle,
+        "interactive_behind_backlog": mixed,
+        "interactive_p99_target_s": round(2 * idle["total_p99_s"] + step, 4),
+        "interactive_p99_met": mixed["total_p99_s"] <= 2 * idle["total_p99_s"] + step,
+        "bulk_tokens_per_s_mixed": round(mixed_tok_s, 1),
+        "bulk_tokens_per_s_bulk_only": round(only_tok_s, 1),
+        "bulk_throughput_ratio": round(mixed_tok_s / only_tok_s, 3),
+    }

@@ -1,0 +1,122 @@
+"""`pagedq bench worker`: (a) the queue layer against the stub engine, (b) the real engine through Redis
+against LLM.generate on the same workload, in the same run. Prints one JSON line."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import time
+from typing import Any
+
+from worker.client.sync_client import Client
+from worker.ops.embedded_redis import EmbeddedRedis
+from worker.protocol.connection import connect
+from worker.protocol.job import FinalRecord
+from worker.service.config import WorkerSettings
+from worker.service.loop import Worker
+from worker.testing.stub_engine import StubEngine
+
+
+def _enqueue(client: Client, jobs: list[dict]) -> None:
+    for i in range(0, len(jobs), 1000):
+        client.submit_many(jobs[i : i + 1000])
+
+
+def _run_burst(engine: Any, url: str, queue: str, max_waiting: int) -> float:
+    settings = WorkerSettings(
+        queue=queue, name=f"bench-{queue}", burst=True, max_waiting=max_waiting, heartbeat_every_s=60.0
+    )
+    worker = Worker(engine, connect(url), settings)
+    start = time.perf_counter()
+    worker.run()
+    return time.perf_counter() - start
+
+
+def _finals(client: Client, ids: list[str]) -> list[FinalRecord]:
+    pipe = client.r.pipeline(transaction=False)
+    for job_id in ids:
+        pipe.get(client.keys.final(job_id))
+    return [FinalRecord.model_validate_json(raw) for raw in pipe.execute()]
+
+
+def bench_queue(url: str, n: int, stream: bool) -> dict:
+    """Jobs/s admitted and published by one worker process whose engine costs nothing."""
+    queue = "benchstream" if stream else "benchq"
+    client = Client(url, queue=queue)
+    jobs = [
+        {"prompt": f"job {i}", "max_tokens": 4 if stream else 1, "temperature": 0.0, "stream": stream} for i in range(n)
+    ]
+    _enqueue(client, jobs)
+    engine = StubEngine(max_num_seqs=512, num_kv_blocks=1 << 20)
+    elapsed = _run_burst(engine, url, queue, max_waiting=1024)
+    done = client.r.xlen(client.keys.completions)  # one final record per job, all "completed" here
+    return {"jobs": done, "seconds": round(elapsed, 3), "jobs_per_s": round(done / elapsed, 1)}
+
+
+def bench_e2e(url: str, args: argparse.Namespace) -> dict:
+    """Output tokens/s of the real engine fed through Redis vs LLM.generate on the same engine and prompts.
+    Alternates the two `repeats` times and compares the best of each (shared machines are noisy)."""
+    from engine import LLM, SamplingParams
+    from engine.options import engine_kwargs_from
+    from engine.startup import freeze_startup_objects
+
+    model = args.model
+    if model is None:
+        from engine.demo_model import demo_model_path
+
+        model = str(demo_model_path())
+    llm = LLM(model, **engine_kwargs_from(args))
+    freeze_startup_objects()  # as the worker does, so both sides run with the same GC state
+    n, max_tokens = args.e2e_jobs, args.e2e_max_tokens
+    prompts = [f"Request {i}: write a short note about queues and caches number {i}." for i in range(n)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:4], params)  # warm-up (allocations, kernels)
+    offline_runs, worker_runs, identical = [], [], 0
+    client = Client(url, queue="benche2e")
+    for _ in range(max(1, getattr(args, "e2e_repeats", 1))):
+        start = time.perf_counter()
+        offline = llm.generate(prompts, params)
+        offline_runs.append(sum(len(o.outputs[0].token_ids) for o in offline) / (time.perf_counter() - start))
+        ids = client.submit_many(
+            [{"prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True} for p in prompts]
+        )
+        seconds = _run_burst(llm.llm_engine, url, "benche2e", max_waiting=max(args.max_num_seqs, n))
+        finals = _finals(client, ids)
+        worker_runs.append(sum(len(r.token_ids) for r in finals if r.ok) / seconds)
+        identical = sum(r.token_ids == list(o.outputs[0].token_ids) for r, o in zip(finals, offline))
+    return {
+        "model": os.path.basename(str(model).rstrip("/")),
+        "device": args.device,
+        "jobs": n,
+        "max_tokens": max_tokens,
+        "offline_tokens_per_s": round(max(offline_runs), 1),
+        "worker_tokens_per_s": round(max(worker_runs), 1),
+        "worker_vs_offline": round(max(worker_runs) / max(offline_runs), 3),
+        "runs": {"offline": [round(x, 1) for x in offline_runs], "worker": [round(x, 1) for x in worker_runs]},
+        "token_identical_jobs": identical,
+    }
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    result: dict[str, Any] = {
+        "bench": "worker",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus",
+        "python": platform.python_version(),
+    }
+    with EmbeddedRedis() as redis_server:
+        if getattr(args, "mixed", False):
+            from worker.bench.mixed import bench_mixed
+
+            result["mixed"] = bench_mixed(redis_server.url, args)
+            print(json.dumps(result), flush=True)
+            return 0
+        result["queue"] = bench_queue(redis_server.url, args.stub_jobs, stream=False)
+        result["queue_streamed_4_tokens"] = bench_queue(redis_server.url, max(args.stub_jobs // 4, 1), stream=True)
+        if args.e2e_jobs > 0:
+            result["e2e"] = bench_e2e(redis_server.url, args)
+    print(json.dumps(result), flush=True)
+    return 0

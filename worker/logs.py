@@ -1,0 +1,38 @@
+"""The JSON log every pagedq command writes on stderr (structlog), configured once per process by its command.
+
+A leaf module: it imports no other part of worker/, so any layer may configure or use the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+
+class _CurrentStderr:
+    """Whatever sys.stderr is when a line is written. structlog's PrintLogger keeps the file it was given, and a
+    worker started later in the same process (tests capturing stderr, an embedding app replacing it) must not
+    write to a closed one: that raised in the worker loop and stopped it."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def configure_logging(level: str = "info") -> None:
+    import structlog
+
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(_CurrentStderr()),  # type: ignore[arg-type]  # a TextIO's write
+        cache_logger_on_first_use=True,
+    )

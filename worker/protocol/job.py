@@ -1,0 +1,275 @@
+"""The job and result records of the wire protocol (pydantic v2, strict, unknown fields forbidden)."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from worker.protocol import limits
+from worker.protocol.errors import JobFailed, JobRejected
+from worker.protocol.limits import check_metadata
+
+MAX_PROMPT_CHARS = 1_000_000  # a hard cap before tokenisation; the engine also enforces max_model_len
+MAX_JOB_ID_CHARS = 200
+SALVAGE_MAX_DEPTH = 500  # json.loads recurses; this deep is still far from Python's limit
+MAX_ERRORS_SHOWN = 10  # validation errors quoted in a rejection reason
+Status = Literal["completed", "failed", "cancelled", "expired", "rejected"]
+SAMPLING_FIELDS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "logprobs",
+    "prompt_logprobs",
+)
+# Sampling fields added after the first wire version: sent only when not at their default, so workers that
+# predate them (which reject unknown fields) still accept every job that does not use them.
+LATER_SAMPLING_DEFAULTS = {
+    "n": 1,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_tokens": 0,
+}
+MAX_N = 16  # parallel samples per job (they share the prompt's KV blocks)
+
+
+_ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
+TokenId = Annotated[int, Field(ge=0, le=limits.MAX_TOKEN_ID)]
+StopString = Annotated[str, Field(min_length=1, max_length=limits.MAX_STOP_CHARS)]
+
+
+def new_job_id() -> str:
+    return uuid.uuid4().hex
+
+
+class ChatMessage(BaseModel):
+    """One chat turn; the worker renders a list of these with the checkpoint's chat template."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    role: str = Field(min_length=1, max_length=64)
+    content: str = Field(max_length=MAX_PROMPT_CHARS)
+
+
+class Job(BaseModel):
+    """One generation job, as enqueued. JSON numbers may be ints where floats are expected, never the reverse."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+    id: str = Field(
+        default_factory=new_job_id, min_length=1, max_length=MAX_JOB_ID_CHARS, pattern=r"^[A-Za-z0-9_.:\-]+$"
+    )
+    prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+    prompt_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+    messages: list[ChatMessage] | None = Field(default=None, max_length=limits.MAX_MESSAGES)
+    max_tokens: int = Field(default=16, ge=1, le=limits.MAX_TOKENS)
+    temperature: float = Field(default=1.0, ge=0.0, le=limits.MAX_TEMPERATURE, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int = Field(default=-1, ge=-1, le=limits.MAX_TOP_K)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    seed: int | None = Field(default=None, ge=limits.SEED_RANGE[0], le=limits.SEED_RANGE[1])
+    stop: list[StopString] | None = Field(default=None, max_length=limits.MAX_STOP_STRINGS)
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=limits.MAX_STOP_TOKEN_IDS)
+    ignore_eos: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # score the prompt (e.g. documents' perplexity)
+    stream: bool = False
+    priority: int = Field(default=0, ge=-limits.MAX_PRIORITY, le=limits.MAX_PRIORITY)
+    deadline: float | None = Field(default=None, ge=0.0, le=limits.MAX_DEADLINE, allow_inf_nan=False)  # unix time
+    metadata: dict[str, Any] | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)  # parallel samples of one prompt (the engine's, one job)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
+    min_tokens: int = Field(default=0, ge=0)
+
+    _metadata_is_json = field_validator("metadata")(check_metadata)
+
+    @model_validator(mode="after")
+    def _check(self) -> Job:
+        given = [self.prompt, self.prompt_token_ids, self.messages]
+        if sum(x is not None for x in given) != 1:
+            raise ValueError("exactly one of prompt, prompt_token_ids or messages must be given")
+        if self.messages is not None:
+            if not self.messages:
+                raise ValueError("messages must not be empty")
+            if sum(len(m.content) for m in self.messages) > MAX_PROMPT_CHARS:
+                raise ValueError(f"messages hold more than {MAX_PROMPT_CHARS} characters")
+        if self.prompt is not None and not self.prompt.strip():
+            raise ValueError("prompt must not be empty")
+        if self.prompt_token_ids is not None:
+            if not self.prompt_token_ids:
+                raise ValueError("prompt_token_ids must not be empty")
+            if min(self.prompt_token_ids) < 0:
+                raise ValueError("prompt_token_ids must be non-negative token ids")
+        if self.stop is not None and not all(self.stop):
+            raise ValueError("stop must hold non-empty strings")
+        if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative token ids")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens must not exceed max_tokens")
+        return self
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for engine.SamplingParams."""
+        return {name: getattr(self, name) for name in (*SAMPLING_FIELDS, *LATER_SAMPLING_DEFAULTS)}
+
+    def chat(self) -> list[dict[str, str]] | None:
+        """The messages as plain dicts (what tokenizer.apply_chat_template takes)."""
+        return None if self.messages is None else [m.model_dump() for m in self.messages]
+
+    def to_json(self) -> str:
+        # A job without messages serialises without the key, so workers that predate chat still accept it.
+        exclude = {name for name, default in LATER_SAMPLING_DEFAULTS.items() if getattr(self, name) == default}
+        if self.messages is None:
+            exclude.add("messages")
+        return self.model_dump_json(exclude=exclude or None)
+
+
+def parse_job(raw: bytes | str) -> Job:
+    """Validate one job stream entry's JSON; raise JobRejected naming every problem (the size and depth
+    limits are checked on the raw bytes first, so no parser recurses through a hostile document)."""
+    raw_bytes = raw.encode() if isinstance(raw, str) else raw
+    problem = limits.entry_problem(raw_bytes)
+    if problem is not None:
+        raise JobRejected(problem)
+    try:
+        return Job.model_validate_json(raw_bytes)
+    except ValidationError as exc:
+        raise JobRejected(describe_errors(exc)) from None
+
+
+def build_job(**fields: Any) -> Job:
+    """Validate a job given as Python keywords (the client side); raise JobRejected before anything is sent."""
+    if isinstance(fields.get("stop"), str):
+        fields["stop"] = [fields["stop"]]
+    try:
+        return Job.model_validate(fields)
+    except ValidationError as exc:
+        raise JobRejected(describe_errors(exc)) from None
+    except RecursionError:  # a self-referencing or absurdly deep Python object among the fields
+        raise JobRejected("invalid job: a field is nested too deeply (or refers to itself)") from None
+
+
+def describe_errors(exc: ValidationError) -> str:
+    parts, errors = [], exc.errors(include_url=False)
+    for err in errors[:MAX_ERRORS_SHOWN]:  # a million bad token ids must not make a million-line reason
+        where = ".".join(str(p) for p in err["loc"]) or "job"
+        parts.append(f"{where}: {err['msg']}")
+    if len(errors) > MAX_ERRORS_SHOWN:
+        parts.append(f"and {len(errors) - MAX_ERRORS_SHOWN} more")
+    return "invalid job: " + "; ".join(parts)
+
+
+def salvage(raw: bytes | str | None) -> tuple[str | None, dict[str, Any] | None]:
+    """Best-effort (id, metadata) of a malformed job, so its rejection can still be addressed to it.
+
+    Never raises: a document too big or too deep to parse safely, or whose metadata is not within the
+    limits, yields (None, None) or (id, None)."""
+    try:
+        raw_bytes = raw.encode() if isinstance(raw, str) else raw
+        if (
+            not isinstance(raw_bytes, bytes)
+            or len(raw_bytes) > limits.MAX_ENTRY_BYTES
+            or limits.json_depth(raw_bytes) > SALVAGE_MAX_DEPTH
+        ):
+            return None, None
+        data = json.loads(raw_bytes)
+        if not isinstance(data, dict):
+            return None, None
+        job_id = data.get("id")
+        if not (isinstance(job_id, str) and valid_job_id(job_id)):
+            job_id = None
+        meta = data.get("metadata")
+        try:
+            meta = check_metadata(meta) if isinstance(meta, dict) else None
+        except ValueError:
+            meta = None
+        return job_id, meta
+    except Exception:  # the entry's fault, whatever it is: reject it under its entry id
+        return None, None
+
+
+def valid_job_id(job_id: str) -> bool:
+    """The job id grammar (native jobs, Celery task ids, bulk ids): [A-Za-z0-9_.:-]{1,200}."""
+    # fullmatch, not match: "$" also matches before a final newline
+    return len(job_id) <= MAX_JOB_ID_CHARS and _ID_RE.fullmatch(job_id) is not None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Timings(BaseModel):
+    """Seconds. queue_wait: enqueue to admission; ttft: enqueue to first token; total: enqueue to final."""
+
+    queue_wait: float | None = None
+    ttft: float | None = None
+    total: float | None = None
+
+
+class Choice(BaseModel):
+    """One of the n samples of a job with n > 1, in the final record's ``choices`` (index order)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[str, float]] | None = None
+
+
+class FinalRecord(BaseModel):
+    """The one final record of a job, in its result stream and in the completions stream."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    status: Status
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    usage: Usage = Field(default_factory=Usage)
+    timings: Timings = Field(default_factory=Timings)
+    metadata: dict[str, Any] | None = None
+    error: str | None = None
+    logprobs: list[dict[str, float]] | None = None
+    prompt_logprobs: list[dict[str, float] | None] | None = None  # entry j: prompt token j; the first is None
+    worker: str | None = None
+    attempts: int = 1
+    # n > 1: every sample (the top-level text/token_ids/finish_reason/logprobs are sample 0's); None when n = 1
+    choices: list[Choice] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "completed"
+
+    def raise_for_status(self) -> FinalRecord:
+        if not self.ok:
+            raise JobFailed(self)
+        return self
+
+
+class Delta(BaseModel):
+    """One streamed piece of output. ``pos`` is the number of tokens generated before it: a redelivered job
+    restarts at pos 0, so consumers skip what they already have. ``offset`` is the result stream entry id to
+    resume from. With n > 1 each sample has its own ``index`` and ``pos``."""
+
+    text: str
+    token_ids: list[int]
+    pos: int
+    offset: str = ""
+    index: int = 0  # the sample it belongs to (n > 1); pos counts that sample's tokens
+    logprobs: list[dict[str, float]] | None = None

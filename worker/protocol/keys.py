@@ -1,0 +1,138 @@
+"""Every Redis key and name the queue uses, in one place (the wire protocol's key layout).
+
+All keys of one queue share the hash tag ``{queue}`` so they live in one Redis Cluster slot: the Lua
+scripts touch several of them atomically, which Cluster only allows within a slot. Shard by queue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "pagedq"
+# A queue name goes inside a Redis Cluster hash tag (pagedq:{Q}:...): no braces, colons or spaces.
+QUEUE_PATTERN = r"^[^{}:\s]{1,100}$"
+GROUP = "workers"  # the consumer group every worker of a queue joins
+JOB_FIELD = "job"  # the job stream entry field holding the job's JSON
+TYPE_FIELD = "type"  # result stream entries: "delta" or "final"
+DATA_FIELD = "data"  # result stream entries: the JSON payload
+# Priority bands, highest first: one job stream each. "default" is the stream queues had before bands
+# (`pagedq:{Q}:jobs`), so jobs already queued there are served as they are.
+BANDS = ("interactive", "default", "bulk")
+DEFAULT_BAND = "default"
+
+
+def band_for_priority(priority: int) -> str:
+    """The band a job's `priority` sends it to when no band is named: > 0 interactive, < 0 bulk."""
+    return "interactive" if priority > 0 else "bulk" if priority < 0 else DEFAULT_BAND
+
+
+def band_rank(band: str) -> int:
+    """0 for the highest band."""
+    return BANDS.index(band)
+
+
+def check_band(band: str) -> str:
+    if band not in BANDS:
+        raise ValueError(f"band must be one of {', '.join(BANDS)}, got {band!r}")
+    return band
+
+
+@dataclass(frozen=True)
+class QueueKeys:
+    """Key names of one queue. Build with ``QueueKeys("default")``."""
+
+    queue: str = "default"
+
+    def __post_init__(self) -> None:
+        if not self.queue or any(c in self.queue for c in "{}: \t\n"):
+            raise ValueError(f"queue name must be non-empty without braces, colons or spaces, got {self.queue!r}")
+
+    @property
+    def base(self) -> str:
+        return f"{PREFIX}:{{{self.queue}}}"
+
+    @property
+    def jobs(self) -> str:
+        """Stream of pending jobs (consumer group GROUP). Entries are deleted once acknowledged."""
+        return f"{self.base}:jobs"
+
+    def jobs_of(self, band: str) -> str:
+        """The job stream of a band (the default band's is `jobs`, the stream of queues before bands)."""
+        return self.jobs if check_band(band) == DEFAULT_BAND else f"{self.base}:jobs:{band}"
+
+    def dead_of(self, band: str) -> str:
+        """The dead-letter stream of a band (the default band's is `dead`)."""
+        return self.dead if check_band(band) == DEFAULT_BAND else f"{self.base}:dead:{band}"
+
+    @property
+    def completions(self) -> str:
+        """Capped stream of every final record of the queue (MAXLEN ~)."""
+        return f"{self.base}:completions"
+
+    @property
+    def dead(self) -> str:
+        """Dead-letter stream: jobs that failed max_attempts times, with their last error."""
+        return f"{self.base}:dead"
+
+    @property
+    def cancelled(self) -> str:
+        """Sorted set of cancel requests: member job id, score the unix time of the request."""
+        return f"{self.base}:cancelled"
+
+    @property
+    def ids(self) -> str:
+        """Hash of unfinished job ids (field: job id), set by Client.submit and by a worker reading the job,
+        removed with the final record: what lets Client.cancel tell an unknown id from a queued one."""
+        return f"{self.base}:ids"
+
+    @property
+    def runs(self) -> str:
+        """Hash: job id -> times the job was started alone (as a suspect), written before each such run, so
+        a job that kills its worker while alone is charged for it; removed with the final record."""
+        return f"{self.base}:runs"
+
+    @property
+    def workers(self) -> str:
+        """Sorted set of worker names, scored by their last heartbeat (unix time)."""
+        return f"{self.base}:workers"
+
+    @property
+    def celery_deliveries(self) -> str:
+        """Hash: Celery task id -> times a worker received it (Celery on Redis has no delivery counter)."""
+        return f"{self.base}:celery:deliveries"
+
+    def bulk_enqueued(self, run_id: str) -> str:
+        """Set of job ids a `pagedq bulk` run has enqueued (makes its enqueue idempotent across restarts)."""
+        return f"{self.base}:bulk:{run_id}:enqueued"
+
+    def file(self, file_id: str) -> str:
+        """Hash of one file of the gateway's Files API: fields meta (JSON) and content (its bytes)."""
+        return f"{self.base}:file:{file_id}"
+
+    def file_lines(self, file_id: str) -> str:
+        """List of the lines of a file a batch writes as it goes (its output or error file)."""
+        return f"{self.base}:file:{file_id}:lines"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash of one batch of the gateway's Batch API (its OpenAI batch object's fields, JSON-encoded)."""
+        return f"{self.base}:batch:{batch_id}"
+
+    def batch_answered(self, batch_id: str) -> str:
+        """Set of the custom_ids (or "line:<n>" for lines without one) a batch has written a line for."""
+        return f"{self.base}:batch:{batch_id}:answered"
+
+    def batch_runner(self, batch_id: str) -> str:
+        """A gateway's lease on running a batch (expires unless renewed: another gateway takes over)."""
+        return f"{self.base}:batch:{batch_id}:runner"
+
+    def result(self, job_id: str) -> str:
+        """Per-job result stream: delta records (if streamed), then exactly one final record."""
+        return f"{self.base}:result:{job_id}"
+
+    def final(self, job_id: str) -> str:
+        """The job's final record as a JSON string; its existence means "finished" (set once, atomically)."""
+        return f"{self.base}:final:{job_id}"
+
+    def heartbeat(self, worker: str) -> str:
+        """A worker's heartbeat: JSON status, expires unless refreshed."""
+        return f"{self.base}:worker:{worker}"
