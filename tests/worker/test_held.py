@@ -13,7 +13,7 @@ import pytest
 
 from worker import Client
 from worker.protocol.job import parse_job
-from worker.held import HeldJob, HeldJobs, IllegalMove, JobKey, JobState
+from worker.service.held import HeldJob, HeldJobs, IllegalMove, JobKey, JobState
 from worker.testing.stub_engine import StubEngine
 
 from .helpers import KEYS, finals_by_id, offline, run_burst, wait_for, worker_thread
