@@ -154,3 +154,10 @@ def test_the_checker_sees_a_circle_and_an_upward_import(tmp_path: Path) -> None:
     found = {n: set(imports_of(n, p, known)) for n, p in known.items()}
     assert found == {"worker.protocol.a": {"worker.cli.b"}, "worker.cli.b": {"worker.protocol.a"}}
     assert layer_of("worker.protocol.a")[1] < layer_of("worker.cli.b")[1]
+
+
+@pytest.mark.parametrize(("top", "limit"), [("worker", 300), ("engine", 400), ("kernels", 400)])
+def test_modules_stay_small(top: str, limit: int) -> None:
+    """Small flat files: a module past its limit is split by concern, not left to grow."""
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in (ROOT / top).rglob("*.py")}
+    assert {path: n for path, n in sizes.items() if n > limit} == {}

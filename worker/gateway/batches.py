@@ -35,6 +35,7 @@ from worker.protocol import scripts
 from worker.protocol.errors import JobRejected
 from worker.protocol.job import FinalRecord
 from worker.protocol.keys import JOB_FIELD
+from worker.protocol.replies import text as reply_text
 
 LEASE_S = 15
 POLL_S = 0.05
@@ -51,14 +52,8 @@ class BatchCreate(Strict):
 
 class Batches:
     def __init__(self, client: AsyncClient, files: FileStore, live: LiveWorkers, settings: GatewaySettings) -> None:
-        self.client, self.r, self.keys, self.files, self.live, self.s = (
-            client,
-            client.r,
-            client.keys,
-            files,
-            live,
-            settings,
-        )
+        self.client, self.files, self.live, self.s = client, files, live, settings
+        self.r, self.keys = client.r, client.keys
         self.tasks: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ the batch object
@@ -100,7 +95,7 @@ class Batches:
         raw = await self.r.hgetall(self.keys.batch(batch_id))
         if not raw:
             raise OpenAIError(404, f"no batch {batch_id!r}", param="batch_id", code="batch_not_found")
-        obj = {_text(k): json.loads(v) for k, v in raw.items()}
+        obj = {reply_text(k): json.loads(v) for k, v in raw.items()}
         completed = await self.r.llen(self.keys.file_lines(obj["output_file_id"]))
         failed = await self.r.llen(self.keys.file_lines(obj["error_file_id"]))
         obj["request_counts"] = {"total": obj.pop("total"), "completed": completed, "failed": failed}
@@ -150,7 +145,7 @@ class BatchRun:
         self.model = ""  # what the live workers serve, looked up once the first job has finished
         if obj["status"] == "validating":
             await b._set(batch_id, status="in_progress", in_progress_at=int(time.time()))
-        answered = {_text(a) for a in await b.r.smembers(b.keys.batch_answered(batch_id))}
+        answered = {reply_text(a) for a in await b.r.smembers(b.keys.batch_answered(batch_id))}
         try:
             content = (await b.files.content(obj["input_file_id"])).decode("utf-8")
         except (UnicodeDecodeError, OpenAIError) as exc:  # not UTF-8, or the input file expired
@@ -300,8 +295,3 @@ def router(batches: Batches, auth: Any) -> APIRouter:
         return await batches.cancel(batch_id)
 
     return api
-
-
-def _text(value: bytes | str) -> str:
-    """A Redis reply as text (this client returns bytes)."""
-    return value.decode() if isinstance(value, bytes) else value
