@@ -91,7 +91,7 @@ def test_gateway_completion_and_batch(queue: str, url: str) -> None:
 
 
 def test_celery_broker_on_a_plain_redis_serves_a_queue_on_the_cluster(cluster, monkeypatch) -> None:
-    """What the README offers instead of a cluster broker: kombu on a plain Redis, the queue on the cluster."""
+    """What docs/deployment.md offers instead of a cluster broker: kombu on a plain Redis, the queue on the cluster."""
     from worker.ops.embedded_redis import EmbeddedRedis
 
     from .conftest import queue_on

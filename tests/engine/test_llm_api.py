@@ -78,18 +78,18 @@ def test_an_idle_engine_reports_no_kv_slot_utilization(tiny_llama_dir):
     assert engine.kv_slot_utilization == 0.0  # the finished request's blocks are free (cached ones count as free)
 
 
-def _readme_block(heading: str) -> str:
-    """The first ```python block after a README heading."""
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+def _docs_block(page: str, heading: str) -> str:
+    """The first ```python block after a heading of a docs/ page."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / page).read_text()
     after = text[text.index(heading) :]
     start = after.index("```python\n") + len("```python\n")
     return after[start : after.index("```", start)]
 
 
-def test_readme_memory_sharing_snippet_runs_and_shares(tiny_llama_dir):
-    snippet = _readme_block("### Memory sharing").replace('"path/to/checkpoint"', repr(str(tiny_llama_dir)))
+def test_docs_memory_sharing_snippet_runs_and_shares(tiny_llama_dir):
+    snippet = _docs_block("engine.md", "## Memory sharing").replace('"path/to/checkpoint"', repr(str(tiny_llama_dir)))
     namespace: dict = {}
-    exec(compile(snippet, "README.md (memory sharing)", "exec"), namespace)  # it runs as written
+    exec(compile(snippet, "docs/engine.md (memory sharing)", "exec"), namespace)  # it runs as written
     story, outs = namespace["story"], namespace["outs"]
     prompt_len = len(outs[0].prompt_token_ids)
     full_blocks = (prompt_len - 1) // 16  # the cache always leaves the last prompt token to compute

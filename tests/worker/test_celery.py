@@ -110,7 +110,7 @@ def test_killed_worker_messages_are_redelivered_and_answered_once(redis_url, r, 
     # The first worker dies abruptly (os._exit, like kill -9) as soon as job 9 enters its engine: a crash in
     # mid-step, with jobs running and read ahead. (A kill at a random moment could also land in kombu's own
     # gap between RPOP and its write to the unacked hash, where Celery on Redis loses the message whoever
-    # consumes it: documented in the README, and not what this test is about.)
+    # consumes it: documented in docs/celery.md, and not what this test is about.)
     crash = {"PAGEDQ_FAULT_PROMPT": "celery crash 9", "PAGEDQ_FAULT_MODE": "exit"}
     first = start_worker(redis_url, *stub, "--name", "a", log=tmp_path / "a.log", env=crash)
     assert first.wait(timeout=60) == 86  # faults.FaultyEngine's exit status

@@ -130,7 +130,7 @@ def test_plain_producer_with_task_routes_and_a_worker_serving_two_queues(redis_u
         backend=redis_url,
         set_as_current=False,
         task_routes={"pagedq.generate": {"queue": "pagedq"}},
-    )  # the README's producer snippet
+    )  # the producer snippet of docs/celery.md
     plain = Celery("y", broker=redis_url, backend=redis_url, set_as_current=False)  # Celery's default queue
     with worker_thread(StubEngine(), redis_url, celery_broker=redis_url, celery_poll_s=0.01):
         assert routed.send_task("pagedq.generate", kwargs=job).get(timeout=20)["text"] == expected

@@ -1,0 +1,160 @@
+"""The README's snippets run for real, so the front page keeps working (issue 18).
+
+Every ```python block of README.md is run as written, with only its placeholders swapped for real things: the
+engine's on a tiny random-weight checkpoint (with a chat template), the clients' and Celery's against a private
+redis-server with a stub-engine worker in a thread, the openai SDK's against `pagedq serve`'s app on uvicorn in a
+thread. The bulk front door is a command: its `pagedq bulk` line runs through the real CLI (in this process) on the
+README's JSONL lines. A placeholder that is not found fails the test (it would otherwise run against a default).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import shlex
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.gateway import conftest as gateway_fixtures
+from tests.gateway.conftest import CHAT_TEMPLATE, gateway_thread, wait_live
+from tests.worker.helpers import offline, worker_thread
+from worker import Client
+from worker.testing.stub_engine import StubEngine
+
+# The gateway tests' fixtures, used here too: one fresh redis-server per test, the tiny llama with a chat template.
+redis_url = gateway_fixtures.redis_url
+chat_llama_dir = gateway_fixtures.chat_llama_dir
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+REDIS_PLACEHOLDER = '"redis://localhost:6379/0"'
+
+# Each ```python block holds exactly one of these lines; each has its test below.
+SNIPPETS = {
+    "engine": "from engine import LLM, SamplingParams",
+    "client": "from worker import Client",
+    "async_client": "from worker import AsyncClient",
+    "celery": "from worker.celery.app import generate",
+    "openai": "from openai import OpenAI",
+}
+
+
+def blocks(language: str) -> list[str]:
+    """The README's fenced blocks of one language, in order."""
+    return re.findall(rf"^```{language}\n(.*?)^```$", README.read_text(), flags=re.MULTILINE | re.DOTALL)
+
+
+def snippet(key: str) -> str:
+    found = [block for block in blocks("python") if SNIPPETS[key] in block]
+    assert len(found) == 1, f"{len(found)} README python blocks hold {SNIPPETS[key]!r}"
+    return found[0]
+
+
+def run(key: str, replacements: dict[str, str]) -> dict[str, Any]:
+    """Run one snippet with its placeholders replaced; returns its namespace."""
+    code = snippet(key)
+    for placeholder, value in replacements.items():
+        assert placeholder in code, f"the README's {key} snippet no longer holds {placeholder}"
+        code = code.replace(placeholder, value)
+    printed: list[str] = []  # what the snippet prints (the worker thread's logs go to stdout too)
+
+    def capture(*args: object, sep: str = " ", end: str = "\n", **_: object) -> None:
+        printed.append(sep.join(map(str, args)) + end)
+
+    namespace: dict[str, Any] = {"__name__": f"readme_{key}", "print": capture}
+    exec(compile(code, f"README.md ({key} snippet)", "exec"), namespace)
+    namespace["printed"] = "".join(printed)
+    return namespace
+
+
+def test_every_python_snippet_is_run_by_a_test() -> None:
+    python = blocks("python")
+    assert python, "no ```python block found in README.md"
+    for block in python:
+        keys = [key for key, line in SNIPPETS.items() if line in block]
+        assert len(keys) == 1, f"a README python block is not run by tests/test_readme.py:\n{block}"
+    assert len(python) == len(SNIPPETS)
+
+
+def test_engine_snippet(chat_llama_dir: Path) -> None:
+    ns = run("engine", {'"path/to/hf_checkpoint"': repr(str(chat_llama_dir))})
+    outs, chats = ns["outs"], ns["chats"]
+    assert len(outs) == 2 and outs[1].prompt_token_ids == [1, 2, 3]
+    assert ns["text"] == outs[0].outputs[0].text and 1 <= len(outs[0].outputs[0].token_ids) <= 32
+    again = ns["llm"].generate("Hello", ns["SamplingParams"](max_tokens=32, temperature=0.0))
+    assert again[0].outputs[0].token_ids == outs[0].outputs[0].token_ids  # greedy: the same answer
+    assert len(chats) == 1 and chats[0].outputs[0].finish_reason in ("stop", "length")
+
+
+def test_client_snippet(redis_url: str) -> None:
+    with worker_thread(StubEngine(), redis_url):
+        ns = run("client", {REDIS_PLACEHOLDER: repr(redis_url)})
+        record = ns["record"]
+        assert record.status == "completed" and record.text
+        assert ns["printed"] == record.text  # the streamed deltas add up to the final text
+        assert record.text == offline("What is the capital of France?", max_tokens=32, temperature=0.0)[0]
+        assert record.metadata == {"user": 7}
+        assert Client(redis_url).cancel(ns["job_id"]) is False  # what the snippet's last line returned
+
+
+def test_async_client_snippet(redis_url: str) -> None:
+    with worker_thread(StubEngine(), redis_url):
+        ns = run("async_client", {REDIS_PLACEHOLDER: repr(redis_url)})
+    texts = ns["texts"]
+    assert len(texts) == 2 and all(isinstance(t, str) and t for t in texts)
+
+
+def test_celery_snippet(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import worker.celery.app as celery_app
+
+    for name in ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "PAGEDQ_CELERY_QUEUE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PAGEDQ_REDIS_URL", redis_url)  # the snippet's comment: else PAGEDQ_REDIS_URL
+    importlib.reload(celery_app)  # the module's app reads its broker URL at import
+    try:
+        with worker_thread(StubEngine(), redis_url, celery_broker=redis_url, celery_poll_s=0.01):
+            ns = run("celery", {})
+        record = ns["record"]
+        assert record["status"] == "completed"
+        assert record["text"] == offline("What is the capital of France?", max_tokens=32, temperature=0.0)[0]
+    finally:
+        monkeypatch.undo()
+        importlib.reload(celery_app)
+
+
+def test_bulk_snippet(redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from worker.cli.main import main
+
+    (requests,) = blocks("jsonl")
+    commands = [line for block in blocks("bash") for line in block.splitlines() if line.startswith("pagedq bulk ")]
+    assert len(commands) == 1, commands
+    argv = shlex.split(commands[0], comments=True)
+    assert argv[:2] == ["pagedq", "bulk"]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / argv[2]).write_text(requests)
+    previous = signal.getsignal(signal.SIGTERM)  # the command installs its own SIGTERM handler
+    try:
+        with worker_thread(StubEngine(chat_template=CHAT_TEMPLATE), redis_url):
+            code = main([*argv[1:], "--redis", redis_url, "--no-progress"])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert code == 0
+    (summary,) = [json.loads(s) for s in capsys.readouterr().out.splitlines() if s.startswith('{"run_id"')]
+    assert summary["completed"] == 2 and summary["errors"] == 0, summary
+    lines = [json.loads(line) for line in (tmp_path / argv[3]).read_text().splitlines()]
+    assert sorted(line["custom_id"] for line in lines) == ["q1", "q2"]
+    assert all(line["response"]["status_code"] == 200 and line["error"] is None for line in lines)
+
+
+def test_openai_snippet(redis_url: str) -> None:
+    with worker_thread(StubEngine(chat_template=CHAT_TEMPLATE), redis_url), gateway_thread(redis_url) as base:
+        wait_live(base)
+        ns = run("openai", {'"http://127.0.0.1:8000/v1"': repr(base)})
+    r = ns["r"]
+    assert r.choices[0].message.content and r.usage.completion_tokens >= 1
+    out = ns["printed"]
+    assert out.startswith(r.choices[0].message.content)
+    assert "completion_tokens" in out  # the stream's last chunk: usage (stream_options.include_usage)
