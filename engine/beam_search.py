@@ -86,9 +86,10 @@ class BeamSearchManager:
             max_tokens=params.max_tokens,
             temperature=0.0,
             ignore_eos=True,
-            logprobs=group.num_candidates,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
+        # Set past validation: a wide beam takes more candidates than a request may ask logprobs for
+        root.sampling_params.logprobs = group.num_candidates
         root.is_beam = True
         self.groups[root.request_id] = group
         self.scheduler.add_request(root)

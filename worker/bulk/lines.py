@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from worker.protocol.job import LATER_SAMPLING_DEFAULTS, SAMPLING_FIELDS
+from worker.protocol.job import SAMPLING_FIELDS
 
 OPENAI_IGNORED = {"model", "user"}  # the worker serves one model (model is echoed in the output); user: informational
 OPENAI_RENAMED = {"max_completion_tokens": "max_tokens"}
@@ -24,8 +24,7 @@ JOB_FIELDS = {
     "prompt",
     "prompt_token_ids",
     "messages",
-    *SAMPLING_FIELDS,
-    *(set(LATER_SAMPLING_DEFAULTS) - {"n"}),
+    *(set(SAMPLING_FIELDS) - {"n"}),
     "priority",
     "deadline",
     "metadata",

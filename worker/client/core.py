@@ -10,12 +10,14 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+from engine.limits import SAMPLING_LIMITS
 from worker.protocol.errors import JobRejected, QueueFullError, ResultTimeout
 from worker.protocol.job import Delta, FinalRecord, Job, build_job
 from worker.protocol.keys import BANDS, DATA_FIELD, JOB_FIELD, TYPE_FIELD, QueueKeys, band_for_priority, check_band
 from worker.protocol.replies import text
 
 POLL_MS = 1_000  # longest single XREAD BLOCK; timeouts are enforced between blocks
+FLOAT_FIELDS = tuple(name for name, limit in SAMPLING_LIMITS.items() if limit.kind is float and limit.in_job)
 
 
 def make_job(
@@ -45,7 +47,7 @@ def make_job(
         deadline=deadline,
         metadata=metadata,
     )
-    for name in ("temperature", "top_p", "min_p"):  # ints are fine where floats are meant
+    for name in FLOAT_FIELDS:  # ints are fine where floats are meant
         if type(fields.get(name)) is int:
             fields[name] = float(fields[name])
     if job_id is not None:

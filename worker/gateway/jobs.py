@@ -12,26 +12,21 @@ from worker.gateway.schemas import SamplingBody
 from worker.gateway.settings import GatewaySettings
 from worker.gateway.workers import LiveWorkers
 from worker.protocol.errors import JobRejected, QueueFullError
-from worker.protocol.job import Job, new_job_id
+from worker.protocol.job import SAMPLING_FIELDS, Job, new_job_id
 
-OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop_token_ids")
+# The job's sampling fields the shared body carries under their own names (max_tokens and logprobs are each
+# endpoint's: the caller passes the one, CompletionEndpoint/ChatEndpoint set the other)
+BODY_SAMPLING_FIELDS = tuple(name for name in SAMPLING_FIELDS if name in SamplingBody.model_fields)
 
 
 def sampling_fields(body: SamplingBody, settings: GatewaySettings, max_tokens: int | None) -> dict[str, Any]:
     """Job keywords shared by completions and chat; fields the client left out keep the job's defaults."""
-    fields: dict[str, Any] = {name: getattr(body, name) for name in OPTIONAL if getattr(body, name) is not None}
-    fields.update(
-        max_tokens=max_tokens or settings.default_max_tokens,
-        n=body.n,
-        min_tokens=body.min_tokens,
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        ignore_eos=body.ignore_eos,
-        stream=body.stream,
-        priority=-body.priority,
-    )
-    if body.stop is not None:
-        fields["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+    fields: dict[str, Any] = {
+        name: getattr(body, name) for name in BODY_SAMPLING_FIELDS if getattr(body, name) is not None
+    }
+    if isinstance(body.stop, str):
+        fields["stop"] = [body.stop]
+    fields.update(max_tokens=max_tokens or settings.default_max_tokens, stream=body.stream, priority=-body.priority)
     if body.timeout is not None:
         if body.timeout > settings.max_timeout_s:
             raise OpenAIError(400, f"timeout must be at most {settings.max_timeout_s} s", param="timeout")

@@ -1,7 +1,8 @@
 """OpenAI request bodies (POST /v1/completions, /v1/chat/completions) as strict pydantic models.
 
 Unknown fields are refused (400 naming them), never dropped. vLLM's extra sampling parameters that the
-engine has are accepted (the SDK sends them through `extra_body`). Every number is bounded.
+engine has are accepted (the SDK sends them through `extra_body`). Every number is bounded; the sampling
+parameters' bounds are the engine's table (engine/limits.py), which the job and SamplingParams also read.
 """
 
 from __future__ import annotations
@@ -10,10 +11,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from worker.protocol.job import MAX_N, MAX_PROMPT_CHARS
+from engine import limits as sampling
+from worker.protocol.job import MAX_PROMPT_CHARS, bounded, optional
 
-MAX_TOKENS_LIMIT = 1_000_000
-SEED_BOUND = 2**63 - 1
 MAX_STOP = 16
 
 
@@ -29,21 +29,21 @@ class SamplingBody(Strict):
     """Fields both endpoints share: OpenAI's, then vLLM's extras."""
 
     model: str = Field(min_length=1, max_length=512)
-    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    temperature: float | None = optional(sampling.TEMPERATURE)
+    top_p: float | None = optional(sampling.TOP_P)
+    n: int = bounded(sampling.N)
     stop: str | list[str] | None = Field(default=None, max_length=MAX_STOP)
-    seed: int | None = Field(default=None, ge=-SEED_BOUND, le=SEED_BOUND)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    seed: int | None = optional(sampling.SEED)
+    presence_penalty: float = bounded(sampling.PRESENCE_PENALTY)
+    frequency_penalty: float = bounded(sampling.FREQUENCY_PENALTY)
     user: str | None = Field(default=None, max_length=256)  # informational, logged
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extra parameters (extra_body)
-    top_k: int | None = Field(default=None, ge=-1, le=1_000_000)
-    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
-    min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS_LIMIT)
+    top_k: int | None = optional(sampling.TOP_K)
+    min_p: float | None = optional(sampling.MIN_P)
+    repetition_penalty: float | None = optional(sampling.REPETITION_PENALTY)
+    min_tokens: int = bounded(sampling.MIN_TOKENS)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP)
     priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)  # vLLM's sense: lower is served first
@@ -53,8 +53,8 @@ class SamplingBody(Strict):
 
 class CompletionRequest(SamplingBody):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(max_length=MAX_PROMPT_CHARS)
-    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_tokens: int | None = optional(sampling.MAX_TOKENS)
+    logprobs: int | None = optional(sampling.LOGPROBS)
 
 
 class TextPart(Strict):
@@ -73,7 +73,7 @@ class ChatMessage(Strict):
 
 class ChatCompletionRequest(SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1, max_length=10_000)
-    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)  # deprecated by OpenAI, still sent
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    max_tokens: int | None = optional(sampling.MAX_TOKENS)  # deprecated by OpenAI, still sent
+    max_completion_tokens: int | None = optional(sampling.MAX_TOKENS)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = optional(sampling.LOGPROBS)

@@ -9,6 +9,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from engine import limits as sampling
+from engine.limits import SAMPLING_LIMITS, D, Limit, Num
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from worker.protocol import limits
 from worker.protocol.errors import JobFailed, JobRejected
 from worker.protocol.limits import check_metadata
@@ -18,29 +21,30 @@ MAX_JOB_ID_CHARS = 200
 SALVAGE_MAX_DEPTH = 500  # json.loads recurses; this deep is still far from Python's limit
 MAX_ERRORS_SHOWN = 10  # validation errors quoted in a rejection reason
 Status = Literal["completed", "failed", "cancelled", "expired", "rejected"]
-SAMPLING_FIELDS = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
+# The job's sampling fields, the one list (the gateway's job fields and the Batch lines derive theirs from it): the
+# numeric ones of the engine's table of bounds (engine/limits.py) that a job carries, then the others.
+SAMPLING_FIELDS: tuple[str, ...] = (
+    *(name for name, limit in SAMPLING_LIMITS.items() if limit.in_job),
     "stop",
     "stop_token_ids",
     "ignore_eos",
-    "logprobs",
-    "prompt_logprobs",
 )
 # Sampling fields added after the first wire version: sent only when not at their default, so workers that
 # predate them (which reject unknown fields) still accept every job that does not use them.
 LATER_SAMPLING_DEFAULTS = {
-    "n": 1,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "min_tokens": 0,
+    name: SAMPLING_LIMITS[name].default
+    for name in ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
 }
-MAX_N = 16  # parallel samples per job (they share the prompt's KV blocks)
+
+
+def bounded(limit: Limit[Num, D]) -> D:
+    """A pydantic field of a sampling parameter: its default and its range, from the table (engine/limits.py)."""
+    return Field(limit.default, **limit.bounds())
+
+
+def optional(limit: Limit[Num, D]) -> Num | None:
+    """The same, defaulting to None (unset: the job's default applies), as the OpenAI requests have them."""
+    return Field(None, **limit.bounds())
 
 
 _ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
@@ -72,26 +76,26 @@ class Job(BaseModel):
     prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
     prompt_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
     messages: list[ChatMessage] | None = Field(default=None, max_length=limits.MAX_MESSAGES)
-    max_tokens: int = Field(default=16, ge=1, le=limits.MAX_TOKENS)
-    temperature: float = Field(default=1.0, ge=0.0, le=limits.MAX_TEMPERATURE, allow_inf_nan=False)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int = Field(default=-1, ge=-1, le=limits.MAX_TOP_K)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0, allow_inf_nan=False)
-    seed: int | None = Field(default=None, ge=limits.SEED_RANGE[0], le=limits.SEED_RANGE[1])
+    max_tokens: int = bounded(sampling.MAX_TOKENS)
+    temperature: float = bounded(sampling.TEMPERATURE)
+    top_p: float = bounded(sampling.TOP_P)
+    top_k: int = bounded(sampling.TOP_K)
+    min_p: float = bounded(sampling.MIN_P)
+    seed: int | None = bounded(sampling.SEED)
     stop: list[StopString] | None = Field(default=None, max_length=limits.MAX_STOP_STRINGS)
     stop_token_ids: list[TokenId] | None = Field(default=None, max_length=limits.MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # score the prompt (e.g. documents' perplexity)
+    logprobs: int | None = bounded(sampling.LOGPROBS)
+    prompt_logprobs: int | None = bounded(sampling.PROMPT_LOGPROBS)  # score the prompt (e.g. documents' perplexity)
     stream: bool = False
     priority: int = Field(default=0, ge=-limits.MAX_PRIORITY, le=limits.MAX_PRIORITY)
     deadline: float | None = Field(default=None, ge=0.0, le=limits.MAX_DEADLINE, allow_inf_nan=False)  # unix time
     metadata: dict[str, Any] | None = None
-    n: int = Field(default=1, ge=1, le=MAX_N)  # parallel samples of one prompt (the engine's, one job)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=10.0)
-    min_tokens: int = Field(default=0, ge=0)
+    n: int = bounded(sampling.N)  # parallel samples of one prompt (the engine's, one job)
+    presence_penalty: float = bounded(sampling.PRESENCE_PENALTY)
+    frequency_penalty: float = bounded(sampling.FREQUENCY_PENALTY)
+    repetition_penalty: float = bounded(sampling.REPETITION_PENALTY)
+    min_tokens: int = bounded(sampling.MIN_TOKENS)
 
     _metadata_is_json = field_validator("metadata")(check_metadata)
 
@@ -122,7 +126,12 @@ class Job(BaseModel):
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for engine.SamplingParams."""
-        return {name: getattr(self, name) for name in (*SAMPLING_FIELDS, *LATER_SAMPLING_DEFAULTS)}
+        return {name: getattr(self, name) for name in SAMPLING_FIELDS}
+
+    def to_sampling_params(self, output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> SamplingParams:
+        """The engine's parameters for this job (the worker streams deltas). Raises ValueError where the engine
+        refuses them, which a validated job never meets: both check the same table."""
+        return SamplingParams(**self.sampling_kwargs(), output_kind=output_kind)
 
     def chat(self) -> list[dict[str, str]] | None:
         """The messages as plain dicts (what tokenizer.apply_chat_template takes)."""

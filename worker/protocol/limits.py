@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from engine.limits import MAX_TOKEN_ID  # noqa: F401 (prompt and stop token ids; the sampling bounds: engine/limits.py)
+
 MAX_ENTRY_BYTES = 8 * 1024 * 1024  # a job's JSON: a 1M-character prompt, \u-escaped, still fits
 MAX_JSON_DEPTH = 32  # objects and arrays, the job object itself counting as level 1
 MAX_METADATA_BYTES = 64 * 1024  # metadata as compact JSON (it is copied into every final record)
@@ -21,13 +23,8 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024  # per stop string
 MAX_STOP_TOKEN_IDS = 1024
 MAX_MESSAGES = 10_000
-MAX_TOKEN_ID = 2**31 - 1  # token ids travel as int32 or int64 tensors; vocabularies are far smaller
-MAX_TOKENS = 1_000_000  # max_tokens; the engine also enforces prompt + max_tokens <= max_model_len
-MAX_TOP_K = 1_000_000  # above any vocabulary: the same as disabled
-MAX_TEMPERATURE = 100.0
 MAX_PRIORITY = 1_000_000  # |priority|
 MAX_DEADLINE = 1e11  # unix seconds (year 5138): larger is a unit mistake (ms, ns)
-SEED_RANGE = (-(2**63), 2**64 - 1)  # the engine folds any 64-bit seed into its hash
 
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _DEPTH_DELTA = np.zeros(256, dtype=np.int8)

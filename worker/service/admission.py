@@ -17,7 +17,7 @@ from worker.protocol.job import FinalRecord, Job, parse_job, salvage
 from worker.protocol.keys import BANDS, DEFAULT_BAND, GROUP, JOB_FIELD, QueueKeys, band_rank
 from worker.protocol.replies import text
 from worker.service.config import WorkerSettings
-from worker.service.engine_api import RequestOutputKind, SamplingParams, WorkerEngine
+from worker.service.engine_api import WorkerEngine
 from worker.service.held import HeldJob, JobKey, JobState
 from worker.service.publisher import Publisher
 
@@ -183,16 +183,13 @@ class Lanes:
 
 
 def prepare(engine: WorkerEngine, t: HeldJob) -> None:
-    """Once per held job: the prompt as the engine gets it and the KV blocks it will take there, both from
-    the engine. Raises ValueError (the job is rejected) for input the engine or its tokenizer refuses."""
+    """Once per held job: the prompt as the engine gets it, its SamplingParams (built here only: every run of the
+    job uses them) and the KV blocks it will take there, from the engine. Raises ValueError (the job is rejected)
+    for input the engine or its tokenizer refuses."""
     prompt = engine_prompt(engine, t.job)
-    params = sampling_params(t.job)
+    params = t.job.to_sampling_params()
     t.blocks_needed = engine.blocks_needed(engine.num_prompt_tokens(prompt), params.max_tokens, params.num_samples)
-    t.engine_input = prompt
-
-
-def sampling_params(job: Job) -> SamplingParams:
-    return SamplingParams(**job.sampling_kwargs(), output_kind=RequestOutputKind.DELTA)
+    t.engine_input, t.sampling_params = prompt, params
 
 
 def pick(

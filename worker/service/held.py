@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from engine.sampling_params import SamplingParams
 from worker.protocol.job import Job
 from worker.protocol.keys import BANDS, band_for_priority
 
@@ -100,6 +101,7 @@ class HeldJob:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     engine_input: str | list[int] | None = None  # the prompt as the engine gets it (chat rendered); see prepared
+    sampling_params: SamplingParams | None = None  # built once, when prepared (admission.prepare); every run uses it
     blocks_needed: int = 0  # KV blocks it takes in the engine at its longest, by the engine's own count
     last_error: str | None = None
     samples: dict[int, Sample] = field(default_factory=dict)  # n > 1 only, by sample index

@@ -21,7 +21,7 @@ from worker.protocol.connection import refuse_cluster
 from worker.protocol.keys import BANDS, GROUP, QueueKeys, band_rank
 from worker.protocol.replies import text
 from worker.service.absorb import absorb, absorb_abort
-from worker.service.admission import Intake, Lanes, engine_priority, pick, prepare, sampling_params
+from worker.service.admission import Intake, Lanes, engine_priority, pick, prepare
 from worker.service.config import WorkerSettings
 from worker.service.engine_api import RequestOutput, WorkerEngine
 from worker.service.heartbeat import Heartbeat
@@ -313,10 +313,10 @@ class Worker(Recovery):
         return False
 
     def _add_to_engine(self, t: HeldJob, alone: bool) -> None:
-        if t.engine_input is None:  # admission prepares every job before it reaches here
+        if t.engine_input is None or t.sampling_params is None:  # admission prepares every job before it reaches here
             raise RuntimeError(f"job {t.key} reached the engine unprepared")
         try:
-            self.engine.add_request(t.request_id, t.engine_input, sampling_params(t.job), priority=engine_priority(t))
+            self.engine.add_request(t.request_id, t.engine_input, t.sampling_params, priority=engine_priority(t))
         except ValueError as exc:  # the engine's verdict on bad input (too long, token out of vocab, ...)
             self.intake.reject(t, str(exc))
             self.held.finish(t)
