@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -18,6 +18,7 @@ MAX_JOB_ID_CHARS = 200
 SALVAGE_MAX_DEPTH = 500  # json.loads recurses; this deep is still far from Python's limit
 MAX_ERRORS_SHOWN = 10  # validation errors quoted in a rejection reason
 Status = Literal["completed", "failed", "cancelled", "expired", "rejected"]
+STATUSES: tuple[Status, ...] = get_args(Status)  # the per-status counters (heartbeat, metrics) in this order
 SAMPLING_FIELDS = (
     "max_tokens",
     "temperature",
