@@ -11,9 +11,9 @@ import structlog
 
 from worker.protocol.connection import refuse_cluster
 from worker.service.config import WorkerSettings
-from worker.service.engine_api import WorkerEngine
+from worker.service.engine_api import WorkerEngine, require_engine
 from worker.service.front_door import FrontDoor
-from worker.service.loop import ServiceLoop, require_engine
+from worker.service.loop import ServiceLoop
 
 if TYPE_CHECKING:  # both are imported only when the settings switch them on (celery is slow to import)
     from worker.celery.intake import CeleryIntake

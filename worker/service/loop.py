@@ -25,7 +25,7 @@ from worker.protocol.keys import BANDS, QueueKeys
 from worker.service.absorb import absorb
 from worker.service.admission import Intake, Lanes, engine_priority, pick, prepare, sampling_params
 from worker.service.config import WorkerSettings
-from worker.service.engine_api import WorkerEngine
+from worker.service.engine_api import WorkerEngine, require_engine
 from worker.service.exchange import Exchange
 from worker.service.finish import Finisher
 from worker.service.front_door import FrontDoor
@@ -37,11 +37,6 @@ from worker.service.publisher import Publisher
 from worker.service.recovery import REDIS_DOWN, Recovery, Stop
 from worker.service.snapshot import EngineFigures, MetricsSink, WorkerSnapshot
 from worker.service.timers import Timers
-
-
-def require_engine(engine: object) -> None:
-    if not isinstance(engine, WorkerEngine):
-        raise TypeError(f"{type(engine).__name__} does not implement worker.service.engine_api.WorkerEngine")
 
 
 class ServiceLoop:
@@ -269,7 +264,7 @@ class ServiceLoop:
     # ------------------------------------------------------------------ figures
     def snapshot(self, costly: bool = False) -> WorkerSnapshot:
         """The loop's figures now; costly adds those that take a call each (engine.stats(), each door's depth)."""
-        stats = self.engine.stats() if costly and callable(getattr(self.engine, "stats", None)) else {}  # type: ignore[attr-defined]
+        preemptions, depths = self._costly_figures() if costly else (0, {})
         return WorkerSnapshot(
             state="draining" if self.stopping else "running",
             held_jobs=len(self.held),
@@ -277,15 +272,19 @@ class ServiceLoop:
             engine=EngineFigures.of(self.engine),
             tokens_generated=self.tokens_generated,
             redis_outages=self.recovery.redis_outages,
-            preemptions=int(stats.get("num_preemptions", 0)),
-            front_door_depths=self._door_depths() if costly else {},
+            preemptions=preemptions,
+            front_door_depths=depths,
         )
 
-    def _door_depths(self) -> dict[str, int]:
-        depths = {}
-        for door in self.front_doors:
-            try:
-                depths[door.name] = door.depth()
-            except Exception as exc:  # its broker is away: the gauge keeps its value, the rest is still updated
-                self.log.error("metrics_update_failed", error=repr(exc))
-        return depths
+    def _costly_figures(self) -> tuple[int, dict[str, int]]:
+        """One that fails is left out (its gauge keeps its value) and logged: the rest of the metrics, liveness
+        included, are still updated."""
+        preemptions, depths = 0, {}
+        try:
+            engine_stats = getattr(self.engine, "stats", None)  # an optional extra of the engine
+            preemptions = int(engine_stats().get("num_preemptions", 0)) if callable(engine_stats) else 0
+            for door in self.front_doors:
+                depths[door.name] = door.depth()  # a broker round trip
+        except Exception as exc:
+            self.log.error("metrics_update_failed", error=repr(exc))
+        return preemptions, depths
