@@ -27,17 +27,17 @@ WORKER_LAYERS: dict[str, int] = {
     "worker.gateway": 4,
     "worker.ops": 5,
     "worker.testing": 5,
-    "worker.bench": 6,
-    "worker.cli": 7,
-    "worker.__main__": 8,
-    "worker": 8,
+    # The Worker as its settings describe it: the service loop with the Celery front door and the metrics endpoint,
+    # which sit above the service layer the loop is in; bench and cli run it, so it sits below them.
+    "worker.assembly": 6,
+    "worker.bench": 7,
+    "worker.cli": 8,
+    "worker.__main__": 9,
+    "worker": 9,
 }
 # Upward imports still to remove, each (importer, imported). Empty is the goal; a pair listed here that no longer
 # occurs fails too, so the list only shrinks.
-KNOWN_UPWARD: set[tuple[str, str]] = {
-    ("worker.service.loop", "worker.celery.intake"),
-    ("worker.service.loop", "worker.ops.metrics"),
-}
+KNOWN_UPWARD: set[tuple[str, str]] = set()
 
 
 def module_name(path: Path) -> str:

@@ -1,6 +1,7 @@
 """pagedq worker: a Redis Streams job queue feeding the continuous-batching engine.
 
-Producers only need ``Client`` / ``AsyncClient`` (no torch import); the worker loop lives in worker.service.loop.
+Producers only need ``Client`` / ``AsyncClient`` (no torch import); the worker is worker.assembly.Worker
+(its loop: worker.service.loop).
 """
 
 from worker.client.async_client import AsyncClient

@@ -15,10 +15,10 @@ from typing import Any
 import openai
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
+from worker.assembly import Worker
 from worker.client.async_client import AsyncClient
 from worker.client.sync_client import Client
 from worker.protocol.connection import connect
-from worker.service.loop import Worker
 from worker.testing.stub_engine import StubEngine
 
 from ..gateway.conftest import gateway_thread, wait_for

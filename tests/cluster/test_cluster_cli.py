@@ -20,11 +20,11 @@ from redis import Redis
 from redis.cluster import RedisCluster, key_slot
 from redis.exceptions import MovedError
 
+from worker.assembly import Worker
 from worker.client.sync_client import Client
 from worker.ops import status
 from worker.protocol.connection import ClusterUnsupported, connect, connect_async, probe_client
 from worker.protocol.keys import QueueKeys
-from worker.service.loop import Worker
 from worker.testing.stub_engine import StubEngine
 
 from .conftest import Cluster

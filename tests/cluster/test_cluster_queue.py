@@ -14,13 +14,13 @@ from redis import Redis
 from redis.cluster import RedisCluster, key_slot
 from redis.exceptions import MovedError
 
+from worker.assembly import Worker
 from worker.client.sync_client import Client
 from worker.ops import dlq, status
 from worker.protocol.connection import connect
 from worker.protocol.keys import QueueKeys
 from worker.service.config import WorkerSettings
 from worker.service.engine_api import RequestOutputKind, SamplingParams
-from worker.service.loop import Worker
 from worker.testing.faults import FaultyEngine
 from worker.testing.stub_engine import StubEngine
 

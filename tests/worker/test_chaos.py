@@ -12,7 +12,7 @@ import pytest
 from redis import Redis
 
 from worker import Client
-from worker.service.loop import Worker
+from worker.assembly import Worker
 from worker.testing.faults import FaultyEngine
 from worker.testing.stub_engine import StubEngine
 

@@ -6,8 +6,8 @@ import pytest
 from redis import Redis
 
 from engine import LLMEngine
+from worker.assembly import Worker
 from worker.service.engine_api import WorkerEngine
-from worker.service.loop import Worker
 from worker.testing.faults import FaultyEngine
 from worker.testing.stub_engine import StubEngine
 

@@ -257,7 +257,7 @@ def test_poison_job_is_dead_lettered_and_its_batch_completes(redis_url, r):
 
 def test_broken_engine_stops_the_worker_and_dead_letters_nothing(redis_url, r):
     """Every job failing alone means the engine is broken, not the jobs: stop, leave them for a healthy worker."""
-    from worker.service.loop import Worker
+    from worker.assembly import Worker
     from worker.service.recovery import EXIT_ENGINE_BROKEN
 
     client = Client(redis_url)

@@ -13,8 +13,8 @@ import pytest
 from redis import Redis
 
 from worker import Client
+from worker.assembly import Worker
 from worker.ops.embedded_redis import EmbeddedRedis
-from worker.service.loop import Worker
 from worker.service.recovery import EXIT_REDIS_LOST
 from worker.testing.stub_engine import StubEngine
 

@@ -12,13 +12,13 @@ from typing import Any
 
 import numpy as np
 
+from worker.assembly import Worker
 from worker.client.sync_client import Client
 from worker.flags import Option
 from worker.protocol.connection import connect
 from worker.protocol.job import FinalRecord
 from worker.service.config import WorkerSettings
 from worker.service.engine_api import WorkerEngine
-from worker.service.loop import Worker
 from worker.testing.stub_engine import StubEngine
 
 OPTIONS: tuple[Option, ...] = (

@@ -11,12 +11,12 @@ import platform
 import time
 from typing import Any
 
+from worker.assembly import Worker
 from worker.client.sync_client import Client
 from worker.ops.embedded_redis import EmbeddedRedis
 from worker.protocol.connection import connect
 from worker.protocol.job import FinalRecord
 from worker.service.config import WorkerSettings
-from worker.service.loop import Worker
 from worker.testing.stub_engine import StubEngine
 
 

@@ -1,7 +1,8 @@
 """Celery messages into the worker's own admission: the Celery front door, consumed inside the worker loop.
 
-Each turn the worker polls the Celery queue without blocking (kombu `basic_get`: RPOP, and the message
-enters kombu's `unacked` hash), turns each `pagedq.generate` message into a held job (the task id is the
+This is a front door of the service loop (worker/service/front_door.py), built from the settings by
+worker/assembly.py. Each turn the worker polls the Celery queue without blocking (kombu `basic_get`: RPOP,
+and the message enters kombu's `unacked` hash), turns each `pagedq.generate` message into a held job (the task id is the
 job id) and admits it with the native jobs. When a job is finished its final record goes through the same
 FINALIZE script as any job; then `settle()` stores the result in Celery's result backend
 (`mark_as_done`, `mark_as_failure`, or `mark_as_revoked` for a cancelled or expired job, as Celery's
@@ -32,8 +33,9 @@ from worker.client.core import make_job
 from worker.protocol.errors import GenerationFailed, JobRejected
 from worker.protocol.job import FinalRecord, valid_job_id
 from worker.protocol.keys import QueueKeys
+from worker.service.admission import Intake
+from worker.service.config import WorkerSettings
 from worker.service.held import CELERY_ORIGIN, HeldJob
-from worker.service.publisher import Publisher
 
 TASK_NAME = "pagedq.generate"
 ACCEPT = {"application/json"}  # never unpickle what comes off the broker
@@ -45,13 +47,12 @@ class CeleryIntake:
         app: Any,
         redis_client: Any,
         keys: QueueKeys,
-        publisher: Publisher,
-        intake: Any,
+        worker_name: str,
         log: Any,
         queues: list[str] | None = None,
         poll_interval_s: float = 0.05,
     ) -> None:
-        self.app, self.r, self.keys, self.publisher, self.intake = app, redis_client, keys, publisher, intake
+        self.app, self.r, self.keys, self.worker_name = app, redis_client, keys, worker_name
         from worker.celery.app import queue_of
 
         self.queues = [app.amqp.queues[name] for name in queues or [queue_of(app)]]
@@ -60,20 +61,20 @@ class CeleryIntake:
         self.channel = self.conn.default_channel
         for queue in self.queues:
             queue(self.channel).declare()  # the exchange binding producers route through
-        self.control = ControlListener(app, redis_client, keys, f"pagedq@{intake.settings.name}", self.log)
+        self.control = ControlListener(app, redis_client, keys, f"pagedq@{worker_name}", self.log)
         self.visibility_timeout = float(self.channel.visibility_timeout)
         self.restore_every_s = min(max(self.visibility_timeout / 4, 0.25), 30.0)
-        self.poll_interval_s = poll_interval_s
+        self._poll_interval_s = poll_interval_s
         self.pending: dict[str, tuple[Any, Context]] = {}  # job id -> (kombu message, request context)
         self._next_poll = 0.0
         self._next_restore = 0.0
 
     @classmethod
-    def for_worker(cls, worker: Any) -> CeleryIntake:
-        """The intake of a Worker, from its settings (broker, backend, queue, visibility timeout)."""
+    def from_settings(cls, settings: WorkerSettings, redis_client: Any, log: Any) -> CeleryIntake:
+        """The front door a worker's settings describe (broker, backend, queues, visibility timeout)."""
         from worker.celery.app import make_app, parse_queues
 
-        s = worker.s
+        s = settings
         queues = parse_queues(s.celery_queue)
         app = make_app(
             s.celery_broker,
@@ -81,16 +82,12 @@ class CeleryIntake:
             queue=queues[0],
             visibility_timeout_s=s.celery_visibility_timeout_s,
         )
-        return cls(
-            app,
-            worker.r,
-            worker.keys,
-            worker.publisher,
-            worker.intake,
-            worker.log,
-            queues=queues,
-            poll_interval_s=s.celery_poll_s,
-        )
+        return cls(app, redis_client, QueueKeys(s.queue), s.name, log, queues=queues, poll_interval_s=s.celery_poll_s)
+
+    @property
+    def poll_interval_s(self) -> float:
+        """After an empty poll, the wait before the next (the idle loop blocks no longer than this)."""
+        return self._poll_interval_s
 
     @property
     def name(self) -> str:
@@ -98,8 +95,9 @@ class CeleryIntake:
         return ",".join(queue.name for queue in self.queues)
 
     # ------------------------------------------------------------------ intake
-    def poll(self, count: int) -> list[HeldJob]:
-        """Up to count new jobs, without blocking. After an empty poll, wait poll_interval_s before the next."""
+    def poll(self, count: int, intake: Intake) -> list[HeldJob]:
+        """Up to count new jobs, without blocking, held through the loop's intake. After an empty poll, wait
+        poll_interval_s before the next."""
         now = time.monotonic()
         if count <= 0 or now < self._next_poll:
             return []
@@ -111,13 +109,13 @@ class CeleryIntake:
                     break
                 messages.append(message)
         if len(messages) < count:  # every queue is empty
-            self._next_poll = now + self.poll_interval_s
+            self._next_poll = now + self._poll_interval_s
         parsed = [p for p in (self._parse(m) for m in messages) if p is not None]
-        return self._admit_parsed(parsed) if parsed else []
+        return self._admit_parsed(parsed, intake) if parsed else []
 
-    def _admit_parsed(self, parsed: list[tuple[Any, Context, Any, str | None]]) -> list[HeldJob]:
+    def _admit_parsed(self, parsed: list[tuple[Any, Context, Any, str | None]], intake: Intake) -> list[HeldJob]:
         # One round trip: finished already? (redelivered after a crash between FINALIZE and ack) and
-        # count this delivery (a redelivered job is a suspect: it runs alone, see Worker._hold).
+        # count this delivery (a redelivered job is a suspect: it runs alone, see worker/service/holding.py).
         pipe = self.r.pipeline(transaction=False)
         for _, ctx, _, _ in parsed:
             pipe.get(self.keys.final(ctx.id))
@@ -133,14 +131,12 @@ class CeleryIntake:
             if final is not None:
                 self.settle([ctx.id])
             elif error is not None:
-                record = FinalRecord(id=ctx.id, status="rejected", error=error, worker=self.intake.settings.name)
+                record = FinalRecord(id=ctx.id, status="rejected", error=error, worker=self.worker_name)
                 self.log.warning("job_rejected", job_id=ctx.id, error=error)
-                self.publisher.final(record, CELERY_ORIGIN, None)
-                self.intake.stats["rejected"] += 1
+                intake.publisher.final(record, CELERY_ORIGIN, None)
+                intake.stats["rejected"] += 1
             elif old is None:
-                jobs.append(
-                    self.intake.track(CELERY_ORIGIN, None, job, recovered=deliveries > 1, enqueued_at=time.time())
-                )
+                jobs.append(intake.track(CELERY_ORIGIN, None, job, recovered=deliveries > 1, enqueued_at=time.time()))
         return jobs
 
     def _parse(self, message: Any) -> tuple[Any, Context, Any, str | None] | None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import threading
 
+from worker.assembly import Worker
 from worker.client.sync_client import Client
 from worker.ops.embedded_redis import EmbeddedRedis
 from worker.protocol.connection import connect
 from worker.service.config import WorkerSettings
-from worker.service.loop import Worker
 
 QUESTIONS = [
     "What is the capital of France?",

@@ -118,10 +118,10 @@ def settings_from_args(args: argparse.Namespace, device: str, model: str) -> Wor
 def cmd_worker(args: argparse.Namespace) -> int:
     import structlog
 
+    from worker.assembly import Worker
     from worker.ops.embedded_redis import EmbeddedRedis
     from worker.protocol.connection import connect
     from worker.protocol.settings import configured_redis_url
-    from worker.service.loop import Worker
     from worker.testing import faults
 
     configure_logging(args.log_level)

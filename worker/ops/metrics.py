@@ -6,7 +6,8 @@ engine loaded and Redis answers a PING now, else 503. Both answer a JSON body sa
 
 Nothing here runs per token: the worker counts generated tokens in a plain int per step, observes the
 latency histograms once per finished job, and update() (on a timer, default 1 s, in the worker's thread)
-reads the engine's counters and asks Redis for the queue's state in one pipelined round trip.
+takes the loop's figures as a snapshot (worker/service/snapshot.py: this class is its MetricsSink) and asks
+Redis for the queue's state in one pipelined round trip.
 A private registry per worker, so several workers in one process (tests) do not collide.
 """
 
@@ -24,8 +25,10 @@ from prometheus_client.exposition import ThreadingWSGIServer
 
 from worker.protocol.connection import SyncRedis, probe_client
 from worker.protocol.errors import MetricsPortError
+from worker.protocol.job import FinalRecord
 from worker.protocol.keys import BANDS, GROUP, QueueKeys
 from worker.protocol.replies import text
+from worker.service.snapshot import WorkerSnapshot
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 # The loop turns at least every block_ms (1 s) plus one engine step; a long CPU prefill can take seconds.
@@ -34,8 +37,11 @@ READY_PING_TIMEOUT_S = 1.0
 
 
 class Metrics:
-    def __init__(self, port: int, queue: str, addr: str = "127.0.0.1") -> None:
+    def __init__(self, port: int, queue: str, redis_client: Any, addr: str = "127.0.0.1", every_s: float = 1.0) -> None:
+        """redis_client: the worker's (the queue's state; the readiness probe is a short-timeout copy of it);
+        every_s: how often the worker calls update() (liveness allows ten of those)."""
         self.keys = QueueKeys(queue)
+        self.r, self.every_s = redis_client, every_s
         self.registry = reg = CollectorRegistry()
         q = ["queue"]
 
@@ -122,16 +128,16 @@ class Metrics:
             body["redis_error"] = error
         return ready, body
 
-    def _watch(self, worker: Any) -> None:
-        """Called from the worker loop: it turned; the engine is there; a probe client like the worker's."""
+    def _watch(self) -> None:
+        """Called from the worker loop: it turned, and so its engine is loaded; a probe client like the worker's."""
         self.last_turn = time.monotonic()
-        self.engine_loaded = worker.engine is not None
-        self.stale_after_s = max(LIVENESS_STALE_S, 10 * float(worker.s.metrics_every_s))
+        self.engine_loaded = True
+        self.stale_after_s = max(LIVENESS_STALE_S, 10 * float(self.every_s))
         if self._probe is None:
-            self._probe = probe_client(worker.r, READY_PING_TIMEOUT_S)  # a cluster client for a cluster
+            self._probe = probe_client(self.r, READY_PING_TIMEOUT_S)  # a cluster client for a cluster
 
     # ---- metrics -----------------------------------------------------------------------------
-    def observe(self, record: Any) -> None:
+    def observe(self, record: FinalRecord) -> None:
         """Once per finished job."""
         timings = record.timings
         if timings.ttft is not None:
@@ -139,29 +145,27 @@ class Metrics:
         if record.status == "completed" and timings.total is not None:
             self.e2e.observe(timings.total)
 
-    def update(self, worker: Any) -> None:
+    def update(self, snapshot: WorkerSnapshot) -> None:
         """On the metrics timer: engine gauges, counter deltas, and the queue's state from Redis."""
-        self._watch(worker)
-        engine = worker.engine
-        total, free = engine.num_total_blocks, engine.num_free_blocks
-        self.blocks_total.set(total)
-        self.blocks_free.set(free)
-        self.blocks_used.set(total - free)
-        self.slot_util.set(float(getattr(engine, "kv_slot_utilization", 0.0)))
-        self.running.set(engine.num_running_requests)
-        self.waiting.set(engine.num_waiting_requests)
-        self.held.set(len(worker.held))
-        stats = engine.stats() if callable(getattr(engine, "stats", None)) else {}
-        self._advance(self.tokens, "tokens", worker.tokens_generated)
-        self._advance(self.preemptions, "preemptions", int(stats.get("num_preemptions", 0)))
-        self._advance(self.outages, "outages", worker.num_redis_outages)
-        for status, count in worker.stats.items():
+        self._watch()
+        engine = snapshot.engine
+        self.blocks_total.set(engine.total_blocks)
+        self.blocks_free.set(engine.free_blocks)
+        self.blocks_used.set(engine.total_blocks - engine.free_blocks)
+        self.slot_util.set(engine.kv_slot_utilization)
+        self.running.set(engine.running)
+        self.waiting.set(engine.waiting)
+        self.held.set(snapshot.held_jobs)
+        self._advance(self.tokens, "tokens", snapshot.tokens_generated)
+        self._advance(self.preemptions, "preemptions", snapshot.preemptions)
+        self._advance(self.outages, "outages", snapshot.redis_outages)
+        for status, count in snapshot.stats.items():
             seen = self._seen_status.get(status, 0)
             self.jobs.labels(self.keys.queue, status).inc(count - seen)
             self._seen_status[status] = count
-        self._queue_state(worker.r)
-        if worker.celery is not None:
-            self.celery_depth.set(worker.celery.depth())
+        self._queue_state(self.r)
+        if snapshot.front_door_depths:  # the Celery front door, the only one there is
+            self.celery_depth.set(sum(snapshot.front_door_depths.values()))
 
     def _advance(self, counter: Any, name: str, value: int) -> None:
         if value > self._seen[name]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -21,6 +21,7 @@ MAX_JOB_ID_CHARS = 200
 SALVAGE_MAX_DEPTH = 500  # json.loads recurses; this deep is still far from Python's limit
 MAX_ERRORS_SHOWN = 10  # validation errors quoted in a rejection reason
 Status = Literal["completed", "failed", "cancelled", "expired", "rejected"]
+STATUSES: tuple[Status, ...] = get_args(Status)  # the per-status counters (heartbeat, metrics) in this order
 # The job's sampling fields, the one list (the gateway's job fields and the Batch lines derive theirs from it): the
 # numeric ones of the engine's table of bounds (engine/limits.py) that a job carries, then the others.
 SAMPLING_FIELDS: tuple[str, ...] = (

@@ -69,7 +69,7 @@ class Intake:
         self, origin: str, entry_id: str | None, job: Job, recovered: bool = False, enqueued_at: float = 0.0
     ) -> HeldJob:
         """A held job in read order. A recovered one (its worker died holding it) is a suspect: the worker
-        charges it its lost run and its runs alone (Worker._hold) and runs it alone."""
+        charges it its lost run and its runs alone (service/holding.py) and runs it alone."""
         self.seq += 1
         t = HeldJob(
             JobKey(origin, job.id),

@@ -56,3 +56,9 @@ class WorkerEngine(Protocol):
 
     @property
     def waiting_blocks_needed(self) -> int: ...
+
+
+def require_engine(engine: object) -> None:
+    """A TypeError naming what is passed as an engine and is not one (before anything is built around it)."""
+    if not isinstance(engine, WorkerEngine):
+        raise TypeError(f"{type(engine).__name__} does not implement worker.service.engine_api.WorkerEngine")

@@ -7,10 +7,13 @@ import json
 import os
 import socket
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from worker.protocol.keys import QueueKeys
-from worker.service.engine_api import WorkerEngine
+from worker.service.config import WorkerSettings
+from worker.service.front_door import FrontDoor
+from worker.service.snapshot import WorkerSnapshot
 
 
 class Heartbeat:
@@ -25,20 +28,28 @@ class Heartbeat:
             **info,
         }
 
-    def beat(self, engine: WorkerEngine, held: int, stats: dict, state: str = "running") -> None:
+    @classmethod
+    def of(cls, redis_client: Any, keys: QueueKeys, settings: WorkerSettings, doors: Sequence[FrontDoor]) -> Heartbeat:
+        # `celery_queue` is the key `pagedq status` shows the front doors' queues under (Celery's is the only door)
+        doors_served = ",".join(door.name for door in doors) or None
+        info = {"device": settings.device, "model": settings.model, "celery_queue": doors_served}
+        return cls(redis_client, keys, settings.name, settings.heartbeat_every_s, info)
+
+    def beat(self, snapshot: WorkerSnapshot) -> None:
         now = time.time()
+        engine = snapshot.engine
         payload = {
             **self.info,
-            **stats,
-            "state": state,
+            **snapshot.stats,
+            "state": snapshot.state,
             "updated_at": now,
-            "held_jobs": held,
-            "running": engine.num_running_requests,
-            "waiting": engine.num_waiting_requests,
-            "free_blocks": engine.num_free_blocks,
-            "total_blocks": engine.num_total_blocks,
-            "kv_utilization": 1.0 - engine.num_free_blocks / max(engine.num_total_blocks, 1),
-            "kv_slot_utilization": float(getattr(engine, "kv_slot_utilization", 0.0)),
+            "held_jobs": snapshot.held_jobs,
+            "running": engine.running,
+            "waiting": engine.waiting,
+            "free_blocks": engine.free_blocks,
+            "total_blocks": engine.total_blocks,
+            "kv_utilization": 1.0 - engine.free_blocks / max(engine.total_blocks, 1),
+            "kv_slot_utilization": engine.kv_slot_utilization,
         }
         ttl = max(int(self.interval * 3), 2)
         pipe = self.r.pipeline(transaction=False)

@@ -25,28 +25,21 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from worker.protocol import scripts
-from worker.service.engine_api import SamplingParams
-from worker.service.held import HeldJob, JobState
-
-if TYPE_CHECKING:
-    from redis import Redis
-    from structlog.typing import FilteringBoundLogger
-
-    from worker.protocol.keys import QueueKeys
-    from worker.service.admission import Intake
-    from worker.service.config import WorkerSettings
-    from worker.service.engine_api import RequestOutput, WorkerEngine
-    from worker.service.held import HeldJobs
-    from worker.service.leases import Leases
-    from worker.service.publisher import Publisher
+from worker.service.admission import Intake
+from worker.service.config import WorkerSettings
+from worker.service.engine_api import RequestOutput, SamplingParams, WorkerEngine
+from worker.service.held import HeldJob, HeldJobs, JobState
+from worker.service.leases import Leases
 
 EXIT_ENGINE_BROKEN = 3  # process status when the breaker stopped the worker: restart it
 EXIT_REDIS_LOST = 4  # process status when Redis stayed unreachable past redis_outage_s
@@ -97,45 +90,65 @@ def wait_for_redis(redis_client: Any, step: Callable[[], bool], give_up_at: Call
             time.sleep(max(0.0, min(next_ping, give_up_at()) - time.monotonic()))
 
 
+@dataclass
+class Stop:
+    """Whether and when the loop stops, and with what status: shared by the loop (signals, drain) and Recovery
+    (which stops it at once)."""
+
+    requested: bool = False
+    by: float = math.inf  # time.monotonic() past which in-flight jobs are left unacknowledged
+    exit_code: int = 0
+
+    def now(self, exit_code: int) -> None:
+        self.exit_code = self.exit_code or exit_code
+        self.requested, self.by = True, 0.0
+
+
 class Recovery:
-    """The Worker's failure handling (a mixin: it uses the Worker's engine, held jobs, backlog, intake,
-    publisher, leases, breaker, settings and logger)."""
+    """The loop's failure handling, called by the loop with the jobs at hand; it holds what it acts on."""
 
-    # What the mixin uses of the Worker, declared for the type checker (worker.py sets and defines them all).
-    engine: WorkerEngine
-    r: Redis
-    s: WorkerSettings
-    keys: QueueKeys
-    log: FilteringBoundLogger
-    held: HeldJobs
-    intake: Intake
-    publisher: Publisher
-    leases: Leases
-    breaker: EngineBreaker
-    exit_code: int
-    num_redis_outages: int
-    stopping: bool
-    stop_by: float
+    def __init__(
+        self,
+        engine: WorkerEngine,
+        redis_client: Any,
+        settings: WorkerSettings,
+        held: HeldJobs,
+        intake: Intake,
+        leases: Leases,
+        stop: Stop,
+        log: Any,
+    ) -> None:
+        self.engine, self.r, self.s, self.keys = engine, redis_client, settings, intake.keys
+        self.held, self.intake, self.publisher, self.leases = held, intake, intake.publisher, leases
+        self.stop, self.log = stop, log
+        self.breaker = EngineBreaker(settings.engine_failure_limit)
+        self.redis_outages = 0  # outages ridden out (a metrics counter)
 
-    if TYPE_CHECKING:
+    def step_succeeded(self) -> None:
+        self.breaker.step_succeeded()
 
-        def _leave_engine(self, t: HeldJob) -> RequestOutput | None: ...
-        def _step(self) -> None: ...
+    def leave_engine(self, t: HeldJob) -> RequestOutput | None:
+        """Abort t in the engine; its state is the caller's to set next."""
+        try:
+            return self.engine.abort_request(t.request_id)
+        except Exception as exc:
+            self.log.error("abort_failed", job_id=t.id, error=repr(exc))
+            return None
 
-    def _on_step_error(self, exc: Exception) -> None:
+    def on_step_error(self, exc: Exception) -> None:
         """A step raised: with one job in the batch it is the culprit, otherwise every job becomes a suspect."""
         batch = self.held.in_state(JobState.IN_ENGINE)
         self.log.error("engine_step_failed", error=repr(exc), batch=len(batch))
         for t in batch:
-            self._leave_engine(t)
+            self.leave_engine(t)
         if len(batch) == 1:
-            self._job_error(batch[0], exc)
+            self.job_error(batch[0], exc)
             return
         for t in batch:
             t.move(JobState.SUSPECT)
             t.reset_output()
 
-    def _job_error(self, t: HeldJob, exc: Exception) -> None:
+    def job_error(self, t: HeldJob, exc: Exception) -> None:
         t.last_error = f"{type(exc).__name__}: {exc}"
         self.log.warning("job_attempt_failed", job_id=t.id, attempts=t.attempts, error=t.last_error)
         if self.breaker.job_failed_alone(t.id) and not self._engine_answers_canary():
@@ -147,7 +160,7 @@ class Recovery:
         t.move(JobState.SUSPECT)
         t.reset_output()
 
-    def _may_run_alone(self, t: HeldJob) -> bool:
+    def may_run_alone(self, t: HeldJob) -> bool:
         """Before a suspect runs alone: record the run in Redis first (if its worker dies during it, the job
         is charged), unless it has already used max_attempts runs and has failed alone at least once; then
         it is dead-lettered. A job is never condemned for a batch it was only part of."""
@@ -177,28 +190,29 @@ class Recovery:
             self.engine.abort_request(request_id)
         return False
 
-    def _ride_out_outage(self, exc: Exception) -> None:
-        """Redis is unreachable: keep generating, buffer the results, reconnect; or give up past the limit."""
+    def ride_out_outage(self, exc: Exception, step: Callable[[], None]) -> None:
+        """Redis is unreachable: keep generating (step: the loop's engine step), buffer the results, reconnect;
+        or give up past the limit."""
         self.log.warning("redis_unavailable", error=repr(exc), held=len(self.held), buffered=len(self.publisher))
         started = time.monotonic()
+
+        def step_if_busy() -> bool:
+            if not self.engine.has_unfinished_requests():
+                return False
+            step()
+            return True
+
         try:
-            wait_for_redis(self.r, self._step_if_busy, lambda: min(started + self.s.redis_outage_s, self.stop_by))
+            wait_for_redis(self.r, step_if_busy, lambda: min(started + self.s.redis_outage_s, self.stop.by))
         except REDIS_DOWN as lost:
             self._stop_now("redis_lost", EXIT_REDIS_LOST, lost, seconds=round(time.monotonic() - started, 3))
             return
         self.leases.ensure_group()  # a Redis that came back empty has neither the group nor the scripts
         scripts.load_all(self.r)
-        self.num_redis_outages += 1
+        self.redis_outages += 1
         self.log.info("redis_reconnected", seconds=round(time.monotonic() - started, 3), buffered=len(self.publisher))
-
-    def _step_if_busy(self) -> bool:
-        if not self.engine.has_unfinished_requests():
-            return False
-        self._step()
-        return True
 
     def _stop_now(self, event: str, exit_code: int, exc: Exception, **fields: Any) -> None:
         """Stop at once and settle nothing more: the jobs are fine, the worker's engine or Redis is not."""
         self.log.error(event, error=repr(exc), unacknowledged=len(self.held), **fields)
-        self.exit_code = self.exit_code or exit_code
-        self.stopping, self.stop_by = True, 0.0
+        self.stop.now(exit_code)

@@ -1,0 +1,56 @@
+"""The loop's figures at one moment, as a frozen value: what the heartbeat publishes and the metrics export, so
+neither reads attributes off the loop. The metrics sink is a protocol here; worker/ops/metrics.py implements it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from worker.protocol.job import FinalRecord
+from worker.service.engine_api import WorkerEngine
+
+
+@dataclass(frozen=True)
+class EngineFigures:
+    running: int
+    waiting: int
+    free_blocks: int
+    total_blocks: int
+    kv_slot_utilization: float
+
+    @classmethod
+    def of(cls, engine: WorkerEngine) -> EngineFigures:
+        return cls(
+            running=engine.num_running_requests,
+            waiting=engine.num_waiting_requests,
+            free_blocks=engine.num_free_blocks,
+            total_blocks=engine.num_total_blocks,
+            kv_slot_utilization=float(getattr(engine, "kv_slot_utilization", 0.0)),  # an optional extra
+        )
+
+
+@dataclass(frozen=True)
+class WorkerSnapshot:
+    state: str  # "running" or "draining"
+    held_jobs: int
+    stats: Mapping[str, int]  # final records written, by status (STATUSES order)
+    engine: EngineFigures
+    tokens_generated: int
+    redis_outages: int
+    # The figures that cost a call each (engine.stats(), a broker round trip per door): the metrics timer asks
+    # for them, the heartbeat does not.
+    preemptions: int = 0
+    front_door_depths: Mapping[str, int] = field(default_factory=dict)  # door name -> jobs waiting behind it
+
+
+class MetricsSink(Protocol):
+    def observe(self, record: FinalRecord) -> None:
+        """Once per final record."""
+        ...
+
+    def update(self, snapshot: WorkerSnapshot) -> None:
+        """On the metrics timer (settings.metrics_every_s), in the loop's thread."""
+        ...
+
+    def close(self) -> None: ...
