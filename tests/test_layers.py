@@ -35,9 +35,6 @@ WORKER_LAYERS: dict[str, int] = {
     "worker.__main__": 9,
     "worker": 9,
 }
-# Upward imports still to remove, each (importer, imported). Empty is the goal; a pair listed here that no longer
-# occurs fails too, so the list only shrinks.
-KNOWN_UPWARD: set[tuple[str, str]] = set()
 
 
 def module_name(path: Path) -> str:
@@ -107,8 +104,7 @@ def test_worker_packages_import_only_the_layers_below(graph: dict[str, set[str]]
             target_package, target_rank = layer_of(target)
             if target_package != package and target_rank >= rank:
                 upward.add((module, target))
-    assert upward - KNOWN_UPWARD == set(), "imports that run up or sideways between worker/'s layers"
-    assert KNOWN_UPWARD - upward == set(), "gone from the code: remove these from KNOWN_UPWARD"
+    assert upward == set(), "imports that run up or sideways between worker/'s layers"
 
 
 def test_no_import_cycles(graph: dict[str, set[str]]) -> None:
