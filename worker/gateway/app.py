@@ -69,6 +69,34 @@ class Gateway:
             raise record_error(record)
         return JSONResponse(endpoint.response(record))
 
+    async def models(self) -> dict[str, Any]:
+        """GET /v1/models: what the live workers serve."""
+        served = await self.live.models()
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": info["created"],
+                    "owned_by": "pagedq",
+                    "workers": info["workers"],
+                }
+                for name, info in sorted(served.items())
+            ],
+        }
+
+    async def health(self) -> JSONResponse:
+        """GET /health: 503 while Redis is unreachable (the gateway can take nothing in)."""
+        try:
+            await self.client.r.ping()
+        except Exception as exc:
+            return JSONResponse({"status": "unavailable", "redis": repr(exc)}, status_code=503)
+        live = await self.live.heartbeats()
+        return JSONResponse(
+            {"status": "ok", "redis": "ok", "live_workers": len(live), "open_streams": self.streams.open}
+        )
+
     async def _result_while_connected(self, request: Request, job_id: str, timeout: float):
         """The job's final record; if the client goes away first, the job is cancelled (nobody will read it)."""
         waiter = asyncio.ensure_future(self.client.result(job_id, timeout=timeout))
@@ -129,20 +157,7 @@ def create_app(settings: GatewaySettings | None = None, redis: AsyncRedis | None
 
     @app.get("/v1/models", dependencies=[auth])
     async def models() -> dict[str, Any]:
-        served = await gateway.live.models()
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": info["created"],
-                    "owned_by": "pagedq",
-                    "workers": info["workers"],
-                }
-                for name, info in sorted(served.items())
-            ],
-        }
+        return await gateway.models()
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -151,14 +166,7 @@ def create_app(settings: GatewaySettings | None = None, redis: AsyncRedis | None
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        try:
-            await gateway.client.r.ping()
-        except Exception as exc:  # Redis down: the gateway can take nothing in
-            return JSONResponse({"status": "unavailable", "redis": repr(exc)}, status_code=503)
-        live = await gateway.live.heartbeats()
-        return JSONResponse(
-            {"status": "ok", "redis": "ok", "live_workers": len(live), "open_streams": gateway.streams.open}
-        )
+        return await gateway.health()
 
     return app
 
