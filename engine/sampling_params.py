@@ -60,9 +60,8 @@ class SamplingParams:
 
         for name, limit in limits.SAMPLING_LIMITS.items():
             value = getattr(self, name)
-            check(
-                (value is None and limit.default is None) or limit.contains(value), name, f"must be {limit.describe()}"
-            )
+            if not ((value is None and limit.default is None) or limit.contains(value)):  # worded only on failure
+                check(False, name, f"must be {limit.describe()}")
         check(self.best_of is None or self.best_of >= self.n, "best_of", "must be at least n")
         check(self.min_tokens <= self.max_tokens, "min_tokens", "must not exceed max_tokens")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must hold non-empty strings")
