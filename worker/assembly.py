@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import structlog
-
+from worker.logs import worker_logger
 from worker.protocol.connection import refuse_cluster
 from worker.service.config import WorkerSettings
 from worker.service.engine_api import WorkerEngine, require_engine
@@ -32,8 +31,7 @@ class Worker(ServiceLoop):
             refuse_cluster("Celery's broker and backend (kombu)", settings.celery_broker, settings.celery_backend)
             from worker.celery.intake import CeleryIntake  # celery is only imported when the front door is on
 
-            log = structlog.get_logger("pagedq.worker").bind(worker=settings.name)  # the loop's logger, as it binds it
-            self.celery = CeleryIntake.from_settings(settings, redis_client, log)
+            self.celery = CeleryIntake.from_settings(settings, redis_client, worker_logger(settings.name))
             doors.append(self.celery)
         metrics: Metrics | None = None
         if settings.metrics_port is not None:

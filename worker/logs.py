@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from structlog.typing import FilteringBoundLogger
 
 
 class _CurrentStderr:
@@ -19,6 +23,13 @@ class _CurrentStderr:
 
     def flush(self) -> None:
         sys.stderr.flush()
+
+
+def worker_logger(name: str) -> FilteringBoundLogger:
+    """The worker's log, with its consumer name bound: the loop and what the assembly builds for it share it."""
+    import structlog
+
+    return structlog.get_logger("pagedq.worker").bind(worker=name)
 
 
 def configure_logging(level: str = "info") -> None:

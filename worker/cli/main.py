@@ -141,9 +141,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
         redis_client.ping()  # a wrong or unreachable Redis is reported now, not after a model load of minutes
         engine, model = build_engine(args)
         device = engine_device(engine, args.device)
-        if faults.requested():  # test-only, switched on by its environment variables; loud in the log
+        wrapped = faults.wrap_from_env(engine)  # test-only, switched on by its environment variables
+        if wrapped is not engine:
             log.warning("fault_injection_on", **faults.requested_by())
-            engine = faults.wrap_from_env(engine)
+            engine = wrapped
         worker = Worker(engine, redis_client, settings_from_args(args, device, model))
         return worker.run()
     finally:

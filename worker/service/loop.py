@@ -17,8 +17,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import structlog
-
+from worker.logs import worker_logger
 from worker.protocol import scripts
 from worker.protocol.job import STATUSES
 from worker.protocol.keys import BANDS, QueueKeys
@@ -52,7 +51,7 @@ class ServiceLoop:
         self.engine, self.r, self.s = engine, redis_client, settings
         self.front_doors, self.metrics = tuple(front_doors), metrics
         self.keys = keys = QueueKeys(settings.queue)
-        self.log = log = structlog.get_logger("pagedq.worker").bind(worker=settings.name)
+        self.log = log = worker_logger(settings.name)
         self.publisher = Publisher(keys, settings.name, settings.result_ttl_s, settings.completions_maxlen)
         self.stats: dict[str, int] = {status: 0 for status in STATUSES}
         self.intake = Intake(keys, settings, self.publisher, log, self.stats)
@@ -221,24 +220,26 @@ class ServiceLoop:
         try:
             prepare(self.engine, t)
             return True
-        except ValueError as exc:  # the engine's verdict on bad input (too long, token out of vocab, ...)
+        except Exception as exc:
+            self._engine_refused(t, exc)
+        return False
+
+    def _engine_refused(self, t: HeldJob, exc: Exception) -> None:
+        """A ValueError is the engine's verdict on bad input (too long, token out of vocab, ...): rejected;
+        anything else is a failed run of the job (recovery decides)."""
+        if isinstance(exc, ValueError):
             self.intake.reject(t, str(exc))
             self.held.finish(t)
-        except Exception as exc:
+        else:
             self.recovery.job_error(t, exc)
-        return False
 
     def _add_to_engine(self, t: HeldJob, alone: bool) -> None:
         if t.engine_input is None or t.sampling_params is None:  # admission prepares every job before it reaches here
             raise RuntimeError(f"job {t.key} reached the engine unprepared")
         try:
             self.engine.add_request(t.request_id, t.engine_input, t.sampling_params, priority=engine_priority(t))
-        except ValueError as exc:  # the engine's verdict on bad input (too long, token out of vocab, ...)
-            self.intake.reject(t, str(exc))
-            self.held.finish(t)
-            return
         except Exception as exc:
-            self.recovery.job_error(t, exc)
+            self._engine_refused(t, exc)
             return
         t.move(JobState.IN_ENGINE)
         t.alone, t.admitted_at = alone, time.time()

@@ -64,11 +64,6 @@ class FaultyEngine:
         return outputs
 
 
-def requested() -> bool:
-    """Whether this process was started with fault injection on (the worker then wraps its engine, and says so)."""
-    return bool(os.environ.get(ENV_PROMPT))
-
-
 def requested_by() -> dict[str, str]:
     """The variables that switched it on, for the log line."""
     return {name: os.environ[name] for name in (ENV_PROMPT, ENV_MODE) if name in os.environ}
