@@ -4,8 +4,9 @@
 
 The images install the project itself with `pip install --no-deps .` after these, so what an image leaves out of
 pyproject's lists stays out:
-  gateway     the `worker` extra only: `pagedq serve`, `status`, `dlq` and `bulk` import no torch
-              (tests/test_settings_env.py), so no torch, triton, transformers or numpy.
+  gateway     the `worker` extra and, of the engine's dependencies, numpy only (worker/protocol/limits.py uses
+              it): `pagedq serve`, `status`, `dlq` and `bulk` import no torch (tests/test_settings_env.py), so no
+              torch, triton, transformers, tokenizers or safetensors.
   worker-cpu  the engine's dependencies without torch (the Dockerfile installs torch's CPU wheel first, from
               PyTorch's CPU index) and without triton (on the CPU the kernels are the PyTorch reference;
               kernels/__init__.py imports Triton only for its backend), plus the `worker` and `demo` extras
@@ -22,10 +23,10 @@ from pathlib import Path
 import tomllib
 
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
-# image -> (take the engine's dependencies?, the extras, the distributions left out)
-IMAGES: dict[str, tuple[bool, tuple[str, ...], frozenset[str]]] = {
-    "gateway": (False, ("worker",), frozenset()),
-    "worker-cpu": (True, ("worker", "demo"), frozenset({"torch", "triton"})),
+# image -> (the extras, the engine's dependencies left out)
+IMAGES: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
+    "gateway": (("worker",), frozenset({"torch", "triton", "transformers", "tokenizers", "safetensors"})),
+    "worker-cpu": (("worker", "demo"), frozenset({"torch", "triton"})),
 }
 
 
@@ -41,11 +42,11 @@ def requirements(image: str, pyproject: Path = PYPROJECT) -> list[str]:
     if image not in IMAGES:
         raise SystemExit(f"unknown image {image!r}: one of {', '.join(IMAGES)}")
     project = tomllib.loads(pyproject.read_text())["project"]
-    engine_deps, extras, left_out = IMAGES[image]
-    lines = list(project["dependencies"]) if engine_deps else []
+    extras, left_out = IMAGES[image]
+    lines = [line for line in project["dependencies"] if distribution(line) not in left_out]
     for extra in extras:
         lines += project["optional-dependencies"][extra]
-    return [line for line in lines if distribution(line) not in left_out]
+    return lines
 
 
 if __name__ == "__main__":
