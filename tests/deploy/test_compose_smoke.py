@@ -121,7 +121,7 @@ def _run(stack: LocalStack, password: str) -> None:
         model=model, messages=[{"role": "user", "content": QUESTION}], max_tokens=8, temperature=0
     )
     content = reply.choices[0].message.content or ""
-    assert reply.usage is not None and reply.usage.completion_tokens == 8
+    assert reply.usage is not None and 1 <= reply.usage.completion_tokens <= 8
     assert content and record["text"].startswith(content), (content, record["text"])  # greedy: the same start
 
     # Redis runs with the compose file's arguments: a password, and the append-only file on
