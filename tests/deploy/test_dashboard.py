@@ -98,3 +98,21 @@ def test_the_dashboard_has_the_panels_operators_need() -> None:
     assert uids == {"prometheus"} and "uid: prometheus" in datasource and "url: http://prometheus:9090" in datasource
     provider = (ROOT / "monitoring/grafana/provisioning/dashboards/pagedq.yml").read_text()
     assert "path: /etc/grafana/dashboards" in provider
+
+
+def test_the_dashboard_lays_out_as_grafana_draws_it() -> None:
+    """Unique panel ids, every panel inside the 24-column grid, no two panels overlapping, a query per panel."""
+    board = dashboard.load()
+    panels = board["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    cells: set[tuple[int, int]] = set()
+    for panel in panels:
+        grid = panel["gridPos"]
+        assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24, panel["title"]
+        mine = {
+            (x, y) for x in range(grid["x"], grid["x"] + grid["w"]) for y in range(grid["y"], grid["y"] + grid["h"])
+        }
+        assert not mine & cells, f"{panel['title']!r} overlaps another panel"
+        cells |= mine
+        assert panel["type"] == "row" or panel["targets"], panel["title"]
+    assert (board["uid"], board["title"]) == ("pagedq", "pagedq")
