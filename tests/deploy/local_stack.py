@@ -213,6 +213,19 @@ class LocalStack:
             time.sleep(0.5)
         raise AssertionError(f"{name}'s healthcheck did not pass in {timeout_s} s: {last}\n{self.log(name)}")
 
+    def wait_exit(self, name: str, timeout_s: float, keep_running: list[str]) -> int:
+        """Until `name` exits (its code); fails at once, with the logs, if one of `keep_running` exits first."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            code = self.procs[name].poll()
+            if code is not None:
+                return code
+            for other in keep_running:
+                assert self.procs[other].poll() is None, f"{other} exited:\n{self.log(other)}"
+            time.sleep(0.2)
+        logs = "\n".join(f"--- {n}\n{self.log(n)}" for n in self.procs)
+        raise AssertionError(f"{name} did not exit in {timeout_s} s:\n{logs}")
+
     def stop(self) -> None:
         """SIGTERM every process (as `docker compose down`), in reverse start order; SIGKILL after 20 s."""
         for proc in reversed(list(self.procs.values())):
