@@ -226,18 +226,23 @@ class LocalStack:
         logs = "\n".join(f"--- {n}\n{self.log(n)}" for n in self.procs)
         raise AssertionError(f"{name} did not exit in {timeout_s} s:\n{logs}")
 
-    def stop(self) -> None:
-        """SIGTERM every process (as `docker compose down`), in reverse start order; SIGKILL after 20 s."""
-        for proc in reversed(list(self.procs.values())):
+    def stop(self, grace_s: dict[str, float] | None = None) -> dict[str, int]:
+        """SIGTERM every process (as `docker compose down`), in reverse start order; SIGKILL after its grace
+        period (compose's stop_grace_period, default 10 s). Returns each one's exit code (-9: it was killed)."""
+        codes = {}
+        for name, proc in reversed(list(self.procs.items())):
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGTERM)
             try:
-                proc.wait(timeout=20)
+                proc.wait(timeout=(grace_s or {}).get(name, 10.0))
             except subprocess.TimeoutExpired:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+            codes[name] = proc.returncode
+        self.procs.clear()
+        return codes
 
 
 def _executable(path: Path, text: str) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import signal
 import subprocess
 import urllib.request
 from pathlib import Path
@@ -80,10 +81,24 @@ def test_cpu_profile_runs_as_local_processes(tmp_path: Path, demo_model_dir: Pat
     assert "triton" in not_in_image["worker-cpu"] and "torch" not in not_in_image["worker-cpu"]
 
     stack = LocalStack(services, tmp_path, {build_dir: str(demo_model_dir.parent)}, not_in_image)
+    grace = {svc.name: _seconds(project["services"][svc.name].get("stop_grace_period", "10s")) for svc in services}
     try:
         _run(stack, password)
+        # `docker compose down`: SIGTERM, then SIGKILL after stop_grace_period; each service ends cleanly before
+        codes = stack.stop(grace)
+        # uvicorn shuts down, then re-raises the SIGTERM it caught: -15 here, 0 as a container's PID 1 (which
+        # a signal's default action never ends); -9 would mean it outlived its grace period
+        assert codes.pop("gateway") in (0, -signal.SIGTERM)
+        assert codes == {"producer": 0, "worker-cpu": 0, "redis": 0}, codes  # the worker drained and exited 0
     finally:
         stack.stop()
+
+
+def _seconds(duration: str) -> float:
+    """A compose duration ("45s", "1m30s")."""
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)", duration)
+    assert parts, duration
+    return sum(float(n) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit] for n, unit in parts)
 
 
 def _run(stack: LocalStack, password: str) -> None:
