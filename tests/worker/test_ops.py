@@ -4,6 +4,7 @@ against the final records, the engine and Redis; `pagedq status` against a live 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -46,9 +47,9 @@ def test_metrics_endpoint_matches_reality(redis_url, r):
         tokens = sum(f.usage.completion_tokens for f in finals)
         assert m[("pagedq_generated_tokens_total", ())] == tokens
         assert m[("pagedq_jobs_finished_total", (("status", "failed"),))] == 1
-        assert m[("pagedq_time_to_first_token_seconds_count", ())] == 20
-        assert m[("pagedq_e2e_latency_seconds_count", ())] == 20
-        assert abs(m[("pagedq_e2e_latency_seconds_sum", ())] - sum(f.timings.total for f in finals)) < 1e-3
+        assert m[("pagedq_time_to_first_token_seconds_count", DEFAULT)] == 20
+        assert m[("pagedq_e2e_latency_seconds_count", DEFAULT)] == 20
+        assert abs(m[("pagedq_e2e_latency_seconds_sum", DEFAULT)] - sum(f.timings.total for f in finals)) < 1e-3
         assert m[("pagedq_kv_blocks", ())] == 512 and m[("pagedq_kv_blocks_free", ())] == 512
         assert m[("pagedq_queue_depth", DEFAULT)] == r.xlen(KEYS.jobs) == 0
         assert m[("pagedq_preemptions_total", ())] == 0
@@ -80,6 +81,42 @@ def test_metrics_endpoint_matches_reality(redis_url, r):
         client.cancel(long_id)
         for job_id in held:
             assert client.result(job_id, timeout=10).status == "completed"
+
+
+def test_latency_per_band_and_every_workers_heartbeat_in_the_metrics(redis_url, r):
+    """Each band's histograms count its own jobs (summed from the final records); the heartbeat gauge is the
+    workers set's score for each worker, and a worker that left the set loses its series."""
+    client = Client(redis_url)
+    priorities = {"interactive": 1, "default": 0, "bulk": -1}
+    ids = {
+        band: client.submit_many([dict(prompt=f"{band} {i}", max_tokens=3, priority=p) for i in range(n)])
+        for (band, p), n in zip(priorities.items(), (3, 2, 1))
+    }
+    elsewhere = time.time() - 60  # another worker's last beat; "long-gone" beat beyond the hour exported
+    r.zadd(KEYS.workers, {"elsewhere": elsewhere, "long-gone": time.time() - 7200})
+    with worker_thread(StubEngine(), redis_url, metrics_port=0, metrics_every_s=0.05, name="beating") as worker:
+        counts = {band: len(ids[band]) for band in priorities}
+
+        def settled():
+            m = scrape(worker.metrics.port)
+            done = all(m.get(("pagedq_e2e_latency_seconds_count", (("band", b),))) == n for b, n in counts.items())
+            return m if done and ("pagedq_worker_heartbeat_timestamp_seconds", (("worker", "beating"),)) in m else None
+
+        m = wait_for(settled, timeout=20, what="every band's jobs in its histograms, and this worker's heartbeat")
+        for band, job_ids in ids.items():
+            finals = [client.result(j, timeout=1) for j in job_ids]
+            labels = (("band", band),)
+            assert m[("pagedq_time_to_first_token_seconds_count", labels)] == len(job_ids)
+            assert abs(m[("pagedq_e2e_latency_seconds_sum", labels)] - sum(f.timings.total for f in finals)) < 1e-3
+        beats = {dict(k[1])["worker"]: v for k, v in m.items() if k[0] == "pagedq_worker_heartbeat_timestamp_seconds"}
+        assert beats.keys() == {"beating", "elsewhere"}  # "long-gone" is older than the window
+        assert beats["elsewhere"] == elsewhere and abs(beats["beating"] - r.zscore(KEYS.workers, "beating")) < 6
+        r.zrem(KEYS.workers, "elsewhere")
+        wait_for(
+            lambda: all(dict(k[1]).get("worker") != "elsewhere" for k in scrape(worker.metrics.port)),
+            timeout=10,
+            what="the series of a worker that left the set removed",
+        )
 
 
 @pytest.mark.slow

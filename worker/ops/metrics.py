@@ -5,9 +5,10 @@ loop turned within `stale_after_s`, else 503. GET /ready: readiness, 200 once th
 engine loaded and Redis answers a PING now, else 503. Both answer a JSON body saying why. Other paths: 404.
 
 Nothing here runs per token: the worker counts generated tokens in a plain int per step, observes the
-latency histograms once per finished job, and update() (on a timer, default 1 s, in the worker's thread)
+latency histograms (per band) once per finished job, and update() (on a timer, default 1 s, in the worker's thread)
 takes the loop's figures as a snapshot (worker/service/snapshot.py: this class is its MetricsSink) and asks
-Redis for the queue's state in one pipelined round trip.
+Redis for the queue's state in one pipelined round trip (the bands' streams, and the workers' heartbeats:
+every worker exports the queue's heartbeat table, so a dashboard sees a worker that stopped beating).
 A private registry per worker, so several workers in one process (tests) do not collide.
 """
 
@@ -34,6 +35,9 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 # The loop turns at least every block_ms (1 s) plus one engine step; a long CPU prefill can take seconds.
 LIVENESS_STALE_S = 30.0
 READY_PING_TIMEOUT_S = 1.0
+# Workers whose last heartbeat is older than this are not exported (a crashed worker stays in the set until then,
+# and shows on a dashboard as a growing age; the gateway forgets workers after the same hour, gateway/workers.py).
+HEARTBEAT_WINDOW_S = 3600.0
 
 
 class Metrics:
@@ -72,15 +76,30 @@ class Metrics:
         ).labels(queue)
         self.jobs = Counter("pagedq_jobs_finished", "Jobs finished by this worker", [*q, "status"], registry=reg)
         self.ttft = Histogram(
-            "pagedq_time_to_first_token_seconds", "Enqueue to first token", q, buckets=LATENCY_BUCKETS, registry=reg
-        ).labels(queue)
-        self.e2e = Histogram(
-            "pagedq_e2e_latency_seconds",
-            "Enqueue to final record (completed jobs)",
-            q,
+            "pagedq_time_to_first_token_seconds",
+            "Enqueue to first token, by the band the job was served in",
+            [*q, "band"],
             buckets=LATENCY_BUCKETS,
             registry=reg,
-        ).labels(queue)
+        )
+        self.e2e = Histogram(
+            "pagedq_e2e_latency_seconds",
+            "Enqueue to final record (completed jobs), by band",
+            [*q, "band"],
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        # A timestamp, not an age: `time() - ...` keeps growing between scrapes when a worker stops beating.
+        self.heartbeats = Gauge(
+            "pagedq_worker_heartbeat_timestamp_seconds",
+            "Unix time of each registered worker's last heartbeat (the queue's worker set)",
+            [*q, "worker"],
+            registry=reg,
+        )
+        for band in BANDS:  # every band's series from the start (at 0), so rate() and the dashboard see them
+            self.ttft.labels(queue, band)
+            self.e2e.labels(queue, band)
+        self._beating: set[str] = set()  # the workers exported last time (a worker that left is removed)
         self._seen = {"tokens": 0, "preemptions": 0, "outages": 0}
         self._seen_status: dict[str, int] = {}
         self.stale_after_s = LIVENESS_STALE_S
@@ -137,13 +156,13 @@ class Metrics:
             self._probe = probe_client(self.r, READY_PING_TIMEOUT_S)  # a cluster client for a cluster
 
     # ---- metrics -----------------------------------------------------------------------------
-    def observe(self, record: FinalRecord) -> None:
-        """Once per finished job."""
-        timings = record.timings
+    def observe(self, record: FinalRecord, band: str) -> None:
+        """Once per finished job; band: the priority band it was served in."""
+        timings, q = record.timings, self.keys.queue
         if timings.ttft is not None:
-            self.ttft.observe(timings.ttft)
+            self.ttft.labels(q, band).observe(timings.ttft)
         if record.status == "completed" and timings.total is not None:
-            self.e2e.observe(timings.total)
+            self.e2e.labels(q, band).observe(timings.total)
 
     def update(self, snapshot: WorkerSnapshot) -> None:
         """On the metrics timer: engine gauges, counter deltas, and the queue's state from Redis."""
@@ -180,7 +199,9 @@ class Metrics:
             pipe.xpending(k.jobs_of(band), GROUP)
             pipe.xlen(k.dead_of(band))
             pipe.xrange(k.jobs_of(band), "-", "+", count=1)
+        pipe.zrangebyscore(k.workers, time.time() - HEARTBEAT_WINDOW_S, "+inf", withscores=True, start=0, num=100)
         replies = pipe.execute(raise_on_error=False)
+        self._heartbeats(replies[-1])
         for i, band in enumerate(BANDS):
             depth, summary, dead, first = replies[4 * i : 4 * i + 4]
             pending = 0 if isinstance(summary, Exception) else int(summary["pending"])  # NOGROUP before any worker
@@ -194,6 +215,17 @@ class Metrics:
             if first and not isinstance(first, Exception):
                 age = max(time.time() - int(text(first[0][0]).split("-")[0]) / 1000.0, 0.0)
             self.oldest_age.labels(q, band).set(age)
+
+    def _heartbeats(self, reply: Any) -> None:
+        """The queue's workers scored by their last heartbeat; those gone from the set lose their series."""
+        if isinstance(reply, Exception):
+            return
+        beats = {text(name): float(score) for name, score in reply}
+        for gone in self._beating - beats.keys():
+            self.heartbeats.remove(self.keys.queue, gone)
+        for name, at in beats.items():
+            self.heartbeats.labels(self.keys.queue, name).set(at)
+        self._beating = set(beats)
 
     def close(self) -> None:
         self.server.shutdown()

@@ -50,7 +50,7 @@ class Finisher:
         self.publisher.final(record, t.origin, t.entry_id)
         self.stats[status] += 1
         if self.metrics is not None:
-            self.metrics.observe(record)
+            self.metrics.observe(record, t.band)
         self.held.finish(t)
         log = self.log.bind(job_id=t.id)
         if status == "completed":

@@ -45,8 +45,8 @@ class WorkerSnapshot:
 
 
 class MetricsSink(Protocol):
-    def observe(self, record: FinalRecord) -> None:
-        """Once per final record."""
+    def observe(self, record: FinalRecord, band: str) -> None:
+        """Once per final record; band: the priority band the job was served in."""
         ...
 
     def update(self, snapshot: WorkerSnapshot) -> None:

