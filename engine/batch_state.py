@@ -39,6 +39,8 @@ class SamplingPlan:
     uses_penalties: bool
     seeds: np.ndarray  # each draw's row seed, a host copy (for stand-ins of the device: the row may be reused)
     max_num_logprobs: int | None = None
+    # logit_bias of the draws whose rows have one, sparse: (draw, token id, bias) triples; None when none
+    logit_bias: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 @dataclass
@@ -53,6 +55,7 @@ class RowInfo:
     wants_logprobs: bool
     banned_ids: np.ndarray  # EOS and stop ids, masked until min_tokens outputs exist
     num_prompt_logprobs_done: int
+    logit_bias: tuple[np.ndarray, np.ndarray] | None = None  # (int64 token ids, float32 biases); None without
 
     @property
     def num_output_tokens(self) -> int:
@@ -160,6 +163,7 @@ class BatchState:
             new.wants_logprobs,
             banned,
             new.num_prompt_logprobs_done,
+            _bias_arrays(params.logit_bias),
         )
         self._set_blocks(row, 0, new.block_ids)
         self.block_table[row, len(new.block_ids) :] = 0  # not read (context lengths bound it), but deterministic
@@ -231,6 +235,7 @@ class BatchState:
         )
         if any(info.wants_logprobs for info in infos):
             plan.max_num_logprobs = max(info.params.logprobs or 0 for info in infos)
+        plan.logit_bias = _sparse_bias(infos)
         return plan
 
     def sampling_batch(self, plan: SamplingPlan) -> SamplingBatch:
@@ -256,6 +261,13 @@ class BatchState:
             prompt_mask, output_counts = self._penalty_state()
             batch.prompt_token_mask, batch.output_token_counts = prompt_mask[index], output_counts[index]
         batch.banned_token_mask = self._banned_mask(plan.infos, plan.positions)
+        if plan.logit_bias is not None:
+            draws, ids, values = plan.logit_bias
+            batch.logit_bias = (
+                torch.from_numpy(draws).to(device),
+                torch.from_numpy(ids).to(device),
+                torch.from_numpy(values).to(device),
+            )
         return batch
 
     def record_draws(self, plan: SamplingPlan, token_ids: torch.Tensor) -> None:
@@ -285,6 +297,24 @@ class BatchState:
         mask = torch.zeros(len(infos), self.vocab_size, dtype=torch.bool, device=self.device)
         mask[torch.from_numpy(rows).to(self.device), torch.from_numpy(ids).to(self.device)] = True
         return mask
+
+
+def _sparse_bias(infos: list[RowInfo]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The draws' logit biases as (draw, token id, bias) triples: at most 300 per draw, never [B, vocab]."""
+    biased = [(i, info.logit_bias) for i, info in enumerate(infos) if info.logit_bias is not None]
+    if not biased:
+        return None
+    draws = np.concatenate([np.full(len(ids), i, np.int64) for i, (ids, _) in biased])
+    ids = np.concatenate([ids for _, (ids, _) in biased])
+    values = np.concatenate([values for _, (_, values) in biased])
+    return draws, ids, values
+
+
+def _bias_arrays(logit_bias: dict[int, float] | None) -> tuple[np.ndarray, np.ndarray] | None:
+    if not logit_bias:
+        return None
+    count = len(logit_bias)
+    return np.fromiter(logit_bias.keys(), np.int64, count), np.fromiter(logit_bias.values(), np.float32, count)
 
 
 def _grown(tensor: torch.Tensor, rows: int) -> torch.Tensor:
