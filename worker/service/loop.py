@@ -52,7 +52,9 @@ class ServiceLoop:
         self.front_doors, self.metrics = tuple(front_doors), metrics
         self.keys = keys = QueueKeys(settings.queue)
         self.log = log = worker_logger(settings.name)
-        self.publisher = Publisher(keys, settings.name, settings.result_ttl_s, settings.completions_maxlen)
+        self.publisher = Publisher(
+            keys, settings.name, settings.result_ttl_s, settings.completions_maxlen, getattr(engine, "tokenizer", None)
+        )
         self.stats: dict[str, int] = {status: 0 for status in STATUSES}
         self.intake = Intake(keys, settings, self.publisher, log, self.stats)
         self.lanes = Lanes(settings.band_min_share, settings.reserve_seqs)
