@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from engine import limits as sampling
-from worker.protocol.job import MAX_PROMPT_CHARS, LogitBias, TokenId, bounded, optional
+from worker.protocol.job import MAX_PROMPT_CHARS, LogitBias, TokenId, bounded, optional, token_id_keys
 
 MAX_STOP = 16
 
@@ -52,6 +52,7 @@ class SamplingBody(Strict):
     return_tokens_as_token_ids: bool = False
     # OpenAI's: token id (a string key in JSON) -> bias in [-100, 100], at most 300 (vLLM's bounds)
     logit_bias: dict[TokenId, LogitBias] | None = Field(default=None, max_length=sampling.LOGIT_BIAS_MAX_ENTRIES)
+    _logit_bias_keys = field_validator("logit_bias", mode="before")(lambda value: token_id_keys(value))
     priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)  # vLLM's sense: lower is served first
     # seconds: becomes the job's deadline (the job is expired if it has not finished by then)
     timeout: float | None = Field(default=None, gt=0.0)

@@ -56,6 +56,14 @@ StopString = Annotated[str, Field(min_length=1, max_length=limits.MAX_STOP_CHARS
 LogitBias = Annotated[float, Field(**sampling.LOGIT_BIAS.bounds())]
 
 
+def token_id_keys(value: Any) -> Any:
+    """logit_bias keys as JSON has them (decimal strings: OpenAI's, Celery's and the Batch lines' JSON) become
+    token ids, for strict validation; anything else is left for it to refuse."""
+    if isinstance(value, dict):
+        return {int(k) if isinstance(k, str) and k.isdecimal() and len(k) < 20 else k: v for k, v in value.items()}
+    return value
+
+
 def new_job_id() -> str:
     return uuid.uuid4().hex
 
@@ -109,13 +117,7 @@ class Job(BaseModel):
 
     _metadata_is_json = field_validator("metadata")(check_metadata)
 
-    @field_validator("logit_bias", mode="before")
-    @classmethod
-    def _token_id_keys(cls, value: Any) -> Any:
-        """Keys as JSON has them (decimal strings: Celery's and the Batch lines' JSON, OpenAI's) become ids."""
-        if isinstance(value, dict):
-            return {int(k) if isinstance(k, str) and k.isdecimal() and len(k) < 20 else k: v for k, v in value.items()}
-        return value
+    _logit_bias_keys = field_validator("logit_bias", mode="before")(lambda value: token_id_keys(value))
 
     @model_validator(mode="after")
     def _check(self) -> Job:
