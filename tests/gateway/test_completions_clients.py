@@ -268,3 +268,26 @@ def test_backpressure_counts_every_prompt_and_the_prompt_cap_is_a_400(served):
         assert sdk.completions.create(model=served.model, prompt=PROMPTS[:2], max_tokens=2).choices[1].index == 1
     reply = httpx.post(served.base + "/completions", json=dict(model=served.model, prompt=["x"] * 257), timeout=30)
     assert reply.status_code == 400 and "256" in json.loads(reply.text)["error"]["message"]
+
+
+def test_tokenize_and_detokenize_in_vllms_shape(served, llm):
+    root, tokenizer = served.base.removesuffix("/v1"), llm.get_tokenizer()
+    ids = tokenizer.encode(PROMPT)
+    got = httpx.post(root + "/tokenize", json=dict(model=served.model, prompt=PROMPT, return_token_strs=True)).json()
+    assert got == {
+        "count": len(ids),
+        "max_model_len": llm.llm_engine.max_model_len,
+        "tokens": ids,
+        "token_strs": tokenizer.convert_ids_to_tokens(ids),
+    }
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    chat = httpx.post(root + "/tokenize", json=dict(model=served.model, messages=messages)).json()
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat["tokens"] == tokenizer.encode(rendered, add_special_tokens=False)
+    answered = served.sdk.chat.completions.create(model=served.model, messages=messages, max_tokens=1)
+    assert answered.usage.prompt_tokens == chat["count"]  # what the worker fed the engine
+    back = httpx.post(root + "/detokenize", json=dict(model=served.model, tokens=ids))
+    assert back.json() == {"prompt": PROMPT}
+    bad = httpx.post(root + "/detokenize", json=dict(model=served.model, tokens=[10**9]))
+    both = httpx.post(root + "/tokenize", json=dict(model=served.model))
+    assert (bad.status_code, both.status_code) == (400, 400)

@@ -27,6 +27,8 @@ from worker.gateway.render import now
 from worker.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from worker.gateway.settings import GatewaySettings
 from worker.gateway.streaming import StreamTracker, sse
+from worker.gateway.tokenize import Tokenizers
+from worker.gateway.tokenize import router as tokenize_router
 from worker.gateway.workers import LiveWorkers
 from worker.protocol.connection import AsyncRedis
 from worker.protocol.errors import ResultTimeout
@@ -44,6 +46,7 @@ class Gateway:
         self.streams = StreamTracker()
         self.files = FileStore(self.client.r, self.client.keys, settings.file_ttl_s)
         self.batches = Batches(self.client, self.files, self.live, settings)
+        self.tokenizers = Tokenizers(self.client.r, self.client.keys, self.live, settings.queue)
 
     async def generate(self, endpoint: CompletionEndpoint, request: Request) -> Response:
         body = endpoint.request_body()
@@ -149,6 +152,7 @@ def create_app(settings: GatewaySettings | None = None, redis: AsyncRedis | None
     auth = Depends(_authenticate(settings.api_keys))
     app.include_router(file_router(gateway.files, auth))
     app.include_router(batch_router(gateway.batches, auth))
+    app.include_router(tokenize_router(gateway.tokenizers, auth))
 
     @app.post("/v1/completions", dependencies=[auth])
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -36,6 +36,7 @@ from worker.service.publisher import Publisher
 from worker.service.recovery import REDIS_DOWN, Recovery, Stop
 from worker.service.snapshot import EngineFigures, MetricsSink, WorkerSnapshot
 from worker.service.timers import Timers
+from worker.service.tokenizer_files import publish_tokenizer
 
 
 class ServiceLoop:
@@ -131,6 +132,7 @@ class ServiceLoop:
     def _start(self) -> None:
         self.leases.ensure_group()
         scripts.load_all(self.r)
+        publish_tokenizer(self.r, self.keys, self.s.model, self.engine)  # for the gateway's /tokenize
         recovered = 0
         for band in BANDS:
             entries = self.leases.read_own_pending(band)
