@@ -37,7 +37,8 @@ SAMPLING_FIELDS: tuple[str, ...] = (
 LATER_SAMPLING_DEFAULTS = {
     name: SAMPLING_LIMITS[name].default
     for name in ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "best_of")
-} | {"include_stop_str_in_output": False, "logit_bias": None, "echo": False}
+} | {"include_stop_str_in_output": False, "logit_bias": None}
+LATER_JOB_DEFAULTS = {**LATER_SAMPLING_DEFAULTS, "echo": False}  # and the later fields that are not sampling
 
 
 def bounded(limit: Limit[Num, D]) -> D:
@@ -171,7 +172,7 @@ class Job(BaseModel):
 
     def to_json(self) -> str:
         # A job without messages serialises without the key, so workers that predate chat still accept it.
-        exclude = {name for name, default in LATER_SAMPLING_DEFAULTS.items() if getattr(self, name) == default}
+        exclude = {name for name, default in LATER_JOB_DEFAULTS.items() if getattr(self, name) == default}
         if self.messages is None:
             exclude.add("messages")
         return self.model_dump_json(exclude=exclude or None)
