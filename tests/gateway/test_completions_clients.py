@@ -236,10 +236,20 @@ def test_a_stop_string_on_the_last_allowed_token_is_cut_plain_and_streamed(serve
     sdk, model = served.sdk, served.model
     plain = sdk.completions.create(model=model, prompt=QUESTION, max_tokens=12, temperature=0, stop=["\n"])
     assert (plain.choices[0].text, plain.choices[0].finish_reason) == (" 34 + 30 = 64", "stop")
-    streamed, _ = _streamed(
-        sdk.completions.create(model=model, prompt=QUESTION, max_tokens=12, temperature=0, stop=["\n"], stream=True)
+    chunks = list(
+        sdk.completions.create(
+            model=model,
+            prompt=QUESTION,
+            max_tokens=12,
+            temperature=0,
+            stop=["\n"],
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},  # vLLM's: accepted
+            user="harness-1",
+        )
     )
-    assert streamed == [(0, " 34 + 30 = 64", "stop")]
+    assert _streamed(chunks)[0] == [(0, " 34 + 30 = 64", "stop")]
+    assert chunks[-1].usage.completion_tokens == 12
 
 
 def test_a_client_that_leaves_a_prompt_array_stream_cancels_every_job(served):

@@ -104,13 +104,17 @@ class Gateway:
 
     async def _results_while_connected(self, request: Request, job_ids: list[str], timeout: float):
         """The jobs' final records; if the client goes away first, every job is cancelled (nobody will read them)."""
-        waiter = asyncio.gather(*(self.client.result(job_id, timeout=timeout) for job_id in job_ids))
+        reads = [asyncio.ensure_future(self.client.result(job_id, timeout=timeout)) for job_id in job_ids]
+        waiter = asyncio.gather(*reads)
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait((waiter, gone), return_when=asyncio.FIRST_COMPLETED)
+            answered = waiter.done()
         finally:
             gone.cancel()
-        if waiter.done():
+            for read in reads:  # one read failed (timed out) or the client left: the others are not needed
+                read.cancel()
+        if answered:
             return waiter.result()
         waiter.cancel()
         for job_id in job_ids:
