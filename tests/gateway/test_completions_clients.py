@@ -25,6 +25,8 @@ from .conftest import AS_IDS, REDIS_SERVERS, gateway_thread, wait_for, wait_live
 
 PROMPT = "The capital of France is"
 PROMPTS = [PROMPT, "Paged attention stores the", "Redis streams carry jobs to"]
+pytestmark = pytest.mark.slow  # SmolLM2
+
 QUESTION = "Question: 34 + 30 = ?\nAnswer:"  # SmolLM2 answers " 34 + 30 = 64\n": 12 tokens, "\n" the 12th
 
 

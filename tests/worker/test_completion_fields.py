@@ -16,6 +16,8 @@ from worker.protocol.keys import QueueKeys
 
 from .helpers import REDIS_SERVERS, worker_thread
 
+pytestmark = pytest.mark.slow  # SmolLM2
+
 QUESTION = "Question: 34 + 30 = ?\nAnswer:"  # greedy: " 34 + 30 = 64\n", the "\n" its 12th token
 
 
