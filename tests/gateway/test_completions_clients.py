@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 import torch
+from redis import Redis
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, LLMEngine, SamplingParams
@@ -254,18 +255,25 @@ def test_a_stop_string_on_the_last_allowed_token_is_cut_plain_and_streamed(serve
     assert chunks[-1].usage.completion_tokens == 12
 
 
-def test_a_client_that_leaves_a_prompt_array_stream_cancels_every_job(served):
-    keys = QueueKeys()
-    redis = served.engine and __import__("redis").Redis.from_url(served.url)
+def test_a_client_that_leaves_a_prompt_array_cancels_every_job(served):
+    keys, redis = QueueKeys(), Redis.from_url(served.url)
+    long = dict(model=served.model, prompt=PROMPTS, max_tokens=400, temperature=0, extra_body={"ignore_eos": True})
+
+    def cancelled_after(before: int) -> list[str]:
+        wait_for(lambda: redis.xlen(keys.completions) >= before + 3, timeout=30, what="three final records")
+        entries = redis.xrange(keys.completions)[before:]
+        return [FinalRecord.model_validate_json(fields[DATA_FIELD.encode()]).status for _, fields in entries]
+
     before = redis.xlen(keys.completions)
-    stream = served.sdk.completions.create(
-        model=served.model, prompt=PROMPTS, max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True}
-    )
+    stream = served.sdk.completions.create(stream=True, **long)
     next(iter(stream))
     stream.close()
-    wait_for(lambda: redis.xlen(keys.completions) >= before + 3, timeout=30, what="three final records")
-    records = [FinalRecord.model_validate_json(e[1][DATA_FIELD.encode()]) for e in redis.xrange(keys.completions)]
-    assert [r.status for r in records[before:]] == ["cancelled"] * 3
+    assert cancelled_after(before) == ["cancelled"] * 3
+    before = redis.xlen(keys.completions)
+    impatient = openai.OpenAI(base_url=served.base, api_key="unused", max_retries=0, timeout=1.0)
+    with pytest.raises(openai.APITimeoutError):  # a non-streamed request whose client stops waiting
+        impatient.completions.create(**long)
+    assert cancelled_after(before) == ["cancelled"] * 3
     wait_for(lambda: not served.engine.has_unfinished_requests(), timeout=10, what="the engine emptied")
 
 
