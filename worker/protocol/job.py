@@ -1,4 +1,4 @@
-"""The job and result records of the wire protocol (pydantic v2, strict, unknown fields forbidden)."""
+"""The job of the wire protocol (pydantic v2, strict, unknown fields forbidden); its result records: records.py."""
 
 from __future__ import annotations
 
