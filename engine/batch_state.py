@@ -5,10 +5,12 @@ block-table entries from the first that changed) and freed when the scheduler na
 sampling reads lives in per-row tensors on the device, written once per admission: temperature / top-p / min-p,
 top-k and seed, the penalties, and, once any request uses penalties, a prompt-token mask and output-token counts
 of [rows, vocab] that only a scatter of each step's new tokens updates (vLLM's model runner V2 keeps
-`prompt_bin_mask` and `output_bin_counts` the same way). So a step gathers its rows on the device and builds
-nothing of size [batch, vocab] on the host. Host numpy mirrors of the columns answer the per-step questions
-(any filters? all greedy?) without a device sync. The block table is a host numpy array patched by the diffs,
-as vLLM v1's CPU block table; each step copies its rows' slice to the device once.
+`prompt_bin_mask` and `output_bin_counts` the same way). A row's logit_bias is kept as two small arrays (ids,
+biases); a step with biased rows sends their (draw, id, bias) triples, which the sampler adds sparsely. So a step
+gathers its rows on the device and builds nothing of size [batch, vocab] on the host. Host numpy mirrors of the
+columns answer the per-step questions (any filters? all greedy? any bias?) without a device sync. The block table
+is a host numpy array patched by the diffs, as vLLM v1's CPU block table; each step copies its rows' slice to the
+device once.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class SamplingPlan:
     uses_penalties: bool
     seeds: np.ndarray  # each draw's row seed, a host copy (for stand-ins of the device: the row may be reused)
     max_num_logprobs: int | None = None
+    # logit_bias of the draws whose rows have one, sparse: (draw, token id, bias) triples; None when none
+    logit_bias: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
 
 @dataclass
@@ -53,6 +57,7 @@ class RowInfo:
     wants_logprobs: bool
     banned_ids: np.ndarray  # EOS and stop ids, masked until min_tokens outputs exist
     num_prompt_logprobs_done: int
+    logit_bias: tuple[np.ndarray, np.ndarray] | None = None  # (int64 token ids, float32 biases); None without
 
     @property
     def num_output_tokens(self) -> int:
@@ -74,6 +79,7 @@ class BatchState:
         self.floats = np.zeros((0, len(_FLOATS)), dtype=np.float32)  # host mirror of the device columns
         self.top_k_seed = np.zeros((0, 2), dtype=np.int64)
         self.uses_penalties = np.zeros(0, dtype=bool)
+        self.has_logit_bias = np.zeros(0, dtype=bool)  # host only: the bias itself is gathered per step (sparse)
         self.device_floats = torch.zeros(0, len(_FLOATS), device=device)
         self.device_top_k_seed = torch.zeros(0, 2, dtype=torch.long, device=device)
         self.last_token = torch.zeros(0, dtype=torch.long, device=device)  # each row's latest draw, on the device
@@ -96,6 +102,7 @@ class BatchState:
         self.floats = np.vstack([self.floats, np.zeros((extra, len(_FLOATS)), np.float32)])
         self.top_k_seed = np.vstack([self.top_k_seed, np.zeros((extra, 2), np.int64)])
         self.uses_penalties = np.concatenate([self.uses_penalties, np.zeros(extra, bool)])
+        self.has_logit_bias = np.concatenate([self.has_logit_bias, np.zeros(extra, bool)])
 
         def grow() -> None:
             self.device_floats = _grown(self.device_floats, capacity)
@@ -131,7 +138,7 @@ class BatchState:
             row = self.rows.pop(req_id, None)
             if row is not None:
                 self.info[row] = None
-                self.uses_penalties[row] = False
+                self.uses_penalties[row] = self.has_logit_bias[row] = False
                 self._free.append(row)
 
     def apply(self, plan: StepPlan) -> None:
@@ -160,6 +167,7 @@ class BatchState:
             new.wants_logprobs,
             banned,
             new.num_prompt_logprobs_done,
+            _bias_arrays(params.logit_bias),
         )
         self._set_blocks(row, 0, new.block_ids)
         self.block_table[row, len(new.block_ids) :] = 0  # not read (context lengths bound it), but deterministic
@@ -167,6 +175,7 @@ class BatchState:
         self.top_k_seed[row] = (params.top_k if params.top_k > 0 else self.vocab_size, new.sampling_seed)
         floats, top_k_seed = torch.from_numpy(self.floats[row].copy()), torch.from_numpy(self.top_k_seed[row].copy())
         self.uses_penalties[row] = params.needs_penalties
+        self.has_logit_bias[row] = bool(params.logit_bias)
 
         def write_row() -> None:
             self.device_floats[row] = floats.to(self.device)
@@ -231,6 +240,8 @@ class BatchState:
         )
         if any(info.wants_logprobs for info in infos):
             plan.max_num_logprobs = max(info.params.logprobs or 0 for info in infos)
+        if self.has_logit_bias[rows].any():  # no per-row Python loop for batches without a bias
+            plan.logit_bias = _sparse_bias(infos)
         return plan
 
     def sampling_batch(self, plan: SamplingPlan) -> SamplingBatch:
@@ -256,6 +267,13 @@ class BatchState:
             prompt_mask, output_counts = self._penalty_state()
             batch.prompt_token_mask, batch.output_token_counts = prompt_mask[index], output_counts[index]
         batch.banned_token_mask = self._banned_mask(plan.infos, plan.positions)
+        if plan.logit_bias is not None:
+            draws, ids, values = plan.logit_bias
+            batch.logit_bias = (
+                torch.from_numpy(draws).to(device),
+                torch.from_numpy(ids).to(device),
+                torch.from_numpy(values).to(device),
+            )
         return batch
 
     def record_draws(self, plan: SamplingPlan, token_ids: torch.Tensor) -> None:
@@ -285,6 +303,24 @@ class BatchState:
         mask = torch.zeros(len(infos), self.vocab_size, dtype=torch.bool, device=self.device)
         mask[torch.from_numpy(rows).to(self.device), torch.from_numpy(ids).to(self.device)] = True
         return mask
+
+
+def _sparse_bias(infos: list[RowInfo]) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The draws' logit biases as (draw, token id, bias) triples: at most 300 per draw, never [B, vocab]."""
+    biased = [(i, info.logit_bias) for i, info in enumerate(infos) if info.logit_bias is not None]
+    if not biased:
+        return None
+    draws = np.concatenate([np.full(len(ids), i, np.int64) for i, (ids, _) in biased])
+    ids = np.concatenate([ids for _, (ids, _) in biased])
+    values = np.concatenate([values for _, (_, values) in biased])
+    return draws, ids, values
+
+
+def _bias_arrays(logit_bias: dict[int, float] | None) -> tuple[np.ndarray, np.ndarray] | None:
+    if not logit_bias:
+        return None
+    count = len(logit_bias)
+    return np.fromiter(logit_bias.keys(), np.int64, count), np.fromiter(logit_bias.values(), np.float32, count)
 
 
 def _grown(tensor: torch.Tensor, rows: int) -> torch.Tensor:

@@ -13,13 +13,23 @@ from tokenizers.decoders import DecodeStream
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, skip_special_tokens: bool, stop: list[str], min_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        skip_special_tokens: bool,
+        stop: list[str],
+        min_tokens: int = 0,
+        include_stop_str_in_output: bool = False,
+    ) -> None:
         self._tokenizer = tokenizer
         self._backend = tokenizer.backend_tokenizer
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._skip_special_tokens = skip_special_tokens
         self._stop = stop
         self._max_stop_len = max((len(s) for s in stop), default=0)
+        self._include_stop = include_stop_str_in_output
+        # What a stream must hold back: a tail that could still grow into a stop string that will be cut
+        self._holdback = 0 if include_stop_str_in_output else max(0, self._max_stop_len - 1)
         self._min_tokens = min_tokens
         self._num_tokens = 0
         self.text = ""
@@ -45,8 +55,9 @@ class IncrementalDetokenizer:
                 best = (at, stop)
         if best is None:
             return None
-        self.text = self.text[: best[0]]
-        return best[1]
+        at, stop = best
+        self.text = self.text[: at + len(stop)] if self._include_stop else self.text[:at]
+        return stop
 
     def finalize(self, output_token_ids: list[int], stopped_by_string: bool) -> None:
         """At the end, let a full decode settle anything the stream still buffers (an unfinished UTF-8 byte run)."""
@@ -58,9 +69,7 @@ class IncrementalDetokenizer:
 
     def take_delta(self, finished: bool) -> str:
         """Text not yet reported. Until the end, hold back a tail that could still grow into a stop string."""
-        limit = len(self.text) if finished else max(self._num_reported_chars, len(self.text) - self._max_stop_len + 1)
-        if self._max_stop_len == 0:
-            limit = len(self.text)
+        limit = len(self.text) if finished else max(self._num_reported_chars, len(self.text) - self._holdback)
         delta = self.text[self._num_reported_chars : limit]
         self._num_reported_chars = limit
         return delta

@@ -80,8 +80,11 @@ class Limit(Generic[Num, D]):
 
 # Parallel samples of one request: they share the prompt's KV blocks
 N: Limit[int, int] = Limit("n", int, 1, 1, 16, openai=("n",))
-# At least n (SamplingParams checks that); neither the job nor the OpenAI surface carries it
-BEST_OF: Limit[int, int | None] = Limit("best_of", int, None, 1, MAX_INT, in_job=False, note="and at least n")
+MAX_BEST_OF = 16  # best_of samples all run at once, like n (the engine also caps it at max_num_seqs)
+# At least n (SamplingParams checks that); the n with the highest cumulative logprob are returned
+BEST_OF: Limit[int, int | None] = Limit(
+    "best_of", int, None, 1, MAX_BEST_OF, openai=("best_of",), note="and at least n"
+)
 # The engine also enforces prompt + max_tokens <= max_model_len
 MAX_TOKENS: Limit[int, int] = Limit("max_tokens", int, 16, 1, 1_000_000, openai=("max_tokens", "max_completion_tokens"))
 MIN_TOKENS: Limit[int, int] = Limit(
@@ -104,6 +107,10 @@ SEED: Limit[int, int | None] = Limit("seed", int, None, -(2**63), 2**64 - 1, ope
 # Top alternatives per token (vLLM's default max_logprobs); chat asks with logprobs: true and top_logprobs: k
 LOGPROBS: Limit[int, int | None] = Limit("logprobs", int, None, 0, 20, openai=("logprobs", "top_logprobs"))
 PROMPT_LOGPROBS: Limit[int, int | None] = Limit("prompt_logprobs", int, None, 0, 20)
+
+# logit_bias (token id -> a bias added to its logit before penalties and filters): vLLM's and OpenAI's bounds
+LOGIT_BIAS: Limit[float, float] = Limit("logit_bias", float, 0.0, -100.0, 100.0)  # each bias (not in the table)
+LOGIT_BIAS_MAX_ENTRIES = 300  # at most this many tokens biased per request
 
 AnyLimit = Limit[int, int] | Limit[int, int | None] | Limit[float, float]
 SAMPLING_LIMITS: dict[str, AnyLimit] = {

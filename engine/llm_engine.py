@@ -80,6 +80,10 @@ class LLMEngine:
                 f"({self.config.max_num_seqs}): all {params.best_of} samples run at once"
             )
         text, token_ids = self._validate_new(request_id, prompt, params.max_tokens)
+        vocab = self.model_config.vocab_size
+        out_of_vocab = [t for t in (params.logit_bias or ()) if t >= vocab]
+        if out_of_vocab:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {out_of_vocab[:5]}")
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         request = Request(
             request_id=request_id,

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.request import Request
+from engine.request import Request, RequestStatus
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -29,6 +29,8 @@ class _Sequence:
     detokenizer: IncrementalDetokenizer | None
     num_reported_tokens: int = 0
     num_detokenized_tokens: int = 0
+    # The token (EOS or a stop token id) that ended the sequence was kept out of its text (vLLM's rule)
+    skipped_stop_token: bool = False
 
 
 @dataclass
@@ -65,7 +67,11 @@ class OutputProcessor:
         if self.tokenizer is not None:
             params = request.sampling_params
             detokenizer = IncrementalDetokenizer(
-                self.tokenizer, params.skip_special_tokens, params.stop, params.min_tokens
+                self.tokenizer,
+                params.skip_special_tokens,
+                params.stop,
+                params.min_tokens,
+                params.include_stop_str_in_output,
             )
         sequence = _Sequence(request, detokenizer)
         group.sequences[request.index] = sequence
@@ -73,7 +79,13 @@ class OutputProcessor:
 
     def find_stop_strings(self, advanced: list[Request]) -> list[StopEvent]:
         """Detokenize each advanced sequence's new tokens; the running ones whose text now ends in a stop string
-        (the caller finishes them, then calls `report`)."""
+        (the caller finishes them, then calls `report`).
+
+        The order of checks is vLLM's (docs/engine.md): a token that stopped the sequence (EOS, a stop token
+        id) is not detokenized (unless include_stop_str_in_output) and no stop string is searched after it; a
+        stop string completed by the token that also reached max_tokens (or the model's length) wins over the
+        length: the text is cut there and the sequence reports "stop".
+        """
         events = []
         for request in advanced:
             group = self.groups[request.group_id]
@@ -81,8 +93,13 @@ class OutputProcessor:
             if sequence.detokenizer is None:
                 continue  # no tokenizer (token-id prompts only): no text, no stop strings
             stop = self._detokenize(sequence)
-            if stop is not None and not request.is_finished:
+            if stop is None:
+                continue
+            if not request.is_finished:
                 events.append(StopEvent(request, stop))
+            elif request.status is RequestStatus.FINISHED_LENGTH:
+                # already out of the scheduler (its blocks are free): only its reason changes
+                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop
         return events
 
     def report(self, advanced: list[Request]) -> list[RequestOutput]:
@@ -106,12 +123,16 @@ class OutputProcessor:
         if sequence.detokenizer is None:
             return None
         request, stop = sequence.request, None
-        for token in request.all_token_ids[request.num_prompt_tokens + sequence.num_detokenized_tokens :]:
+        new_tokens = request.all_token_ids[request.num_prompt_tokens + sequence.num_detokenized_tokens :]
+        token_stopped = request.status is RequestStatus.FINISHED_STOPPED and not isinstance(request.stop_reason, str)
+        if token_stopped and new_tokens and not request.sampling_params.include_stop_str_in_output:
+            new_tokens, sequence.skipped_stop_token = new_tokens[:-1], True
+        for token in new_tokens:
             stop = sequence.detokenizer.append(token)
             if stop is not None:
                 break
         sequence.num_detokenized_tokens = request.num_output_tokens
-        return stop
+        return None if token_stopped else stop
 
     def _report(self, group: RequestGroup, indices: list[int], maybe_finished: bool) -> RequestOutput | None:
         if maybe_finished and group.finished:
@@ -133,7 +154,10 @@ class OutputProcessor:
         for sequence in sequences:
             if sequence.detokenizer is not None:
                 stopped_by_string = isinstance(sequence.request.stop_reason, str)
-                sequence.detokenizer.finalize(sequence.request.output_token_ids, stopped_by_string)
+                token_ids = sequence.request.output_token_ids
+                if sequence.skipped_stop_token:
+                    token_ids = token_ids[:-1]
+                sequence.detokenizer.finalize(token_ids, stopped_by_string)
         if group.params.num_samples > group.params.n:  # keep the n most likely samples, best first
             sequences.sort(key=lambda s: s.request.cumulative_logprob, reverse=True)
         else:

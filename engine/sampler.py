@@ -1,4 +1,4 @@
-"""Batched sampling: penalties, temperature, top-k, top-p, min-p, seeded Gumbel-max, logprobs.
+"""Batched sampling: logit bias, penalties, temperature, top-k, top-p, min-p, seeded Gumbel-max, logprobs.
 
 Everything is one tensor op over the batch; no Python loop per request. Randomness comes from a
 counter-based hash of (request seed, output position, token id), so a request's samples do not depend
@@ -32,6 +32,8 @@ class SamplingBatch:
     prompt_token_mask: torch.Tensor | None = None  # [B, V] bool: token occurs in the prompt
     output_token_counts: torch.Tensor | None = None  # [B, V] fp32: occurrences in the output so far
     banned_token_mask: torch.Tensor | None = None  # [B, V] bool: EOS/stop ids before min_tokens
+    # logit_bias, sparse: (row, token id, bias) triples added to the logits first; None when no row has one
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     max_num_logprobs: int | None = None  # largest `logprobs` asked for in the batch, None if none
     needs_filters: bool = True  # False when no row uses top-k, top-p or min-p: skips the sort
 
@@ -53,6 +55,9 @@ class SamplerOutput:
 def sample(logits: torch.Tensor, batch: SamplingBatch, ops: kernels.KernelSet | None = None) -> SamplerOutput:
     """logits [B, V] fp32 (raw model output) -> one token per row. `ops`: the model's bound kernels (else bound now)."""
     raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_num_logprobs is not None else None
+    if batch.logit_bias is not None:  # before penalties and filters, as vLLM's logits processors
+        rows, ids, values = batch.logit_bias
+        logits = logits.index_put((rows, ids), values, accumulate=True)
     logits = apply_penalties(logits, batch)
     if batch.banned_token_mask is not None:
         logits = logits.masked_fill(batch.banned_token_mask, float("-inf"))

@@ -36,10 +36,14 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)  # None is accepted too, as for stop
     ignore_eos: bool = False
+    # Keep the stop string that ended the text (and the text of a stop token, EOS included) in the output
+    include_stop_str_in_output: bool = False
     logprobs: int | None = limits.LOGPROBS.default
     # per prompt token: its log-probability and the top-k alternatives
     prompt_logprobs: int | None = limits.PROMPT_LOGPROBS.default
     skip_special_tokens: bool = True
+    # token id -> a bias added to its logit before penalties and filters (OpenAI's logit_bias; vLLM's bounds)
+    logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -49,6 +53,8 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
         if self.top_k == 0:
             self.top_k = -1
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias) or None
         if self.best_of is None and _is_int(self.n):
             self.best_of = self.n
         self._validate()
@@ -71,6 +77,18 @@ class SamplingParams:
             f"must be token ids in [0, {limits.MAX_TOKEN_ID}]",
         )
         check(isinstance(self.output_kind, RequestOutputKind), "output_kind", "must be a RequestOutputKind")
+        if self.logit_bias is not None:
+            self._validate_logit_bias()
+
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias or {}
+        if len(bias) > limits.LOGIT_BIAS_MAX_ENTRIES:
+            raise ValueError(f"logit_bias must hold at most {limits.LOGIT_BIAS_MAX_ENTRIES} tokens, got {len(bias)}")
+        for token, value in bias.items():
+            if not (_is_int(token) and 0 <= token <= limits.MAX_TOKEN_ID):
+                raise ValueError(f"logit_bias keys must be token ids in [0, {limits.MAX_TOKEN_ID}], got {token!r}")
+            if not limits.LOGIT_BIAS.contains(value):
+                raise ValueError(f"logit_bias values must be {limits.LOGIT_BIAS.describe()}, got {value!r}")
 
     @property
     def num_samples(self) -> int:

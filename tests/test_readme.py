@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from engine import LLMEngine
 from tests.gateway import conftest as gateway_fixtures
 from tests.gateway.conftest import CHAT_TEMPLATE, gateway_thread, wait_live
 from tests.worker.helpers import offline, worker_thread
@@ -149,10 +150,13 @@ def test_bulk_snippet(redis_url: str, tmp_path: Path, monkeypatch: pytest.Monkey
     assert all(line["response"]["status_code"] == 200 and line["error"] is None for line in lines)
 
 
-def test_openai_snippet(redis_url: str) -> None:
-    with worker_thread(StubEngine(chat_template=CHAT_TEMPLATE), redis_url), gateway_thread(redis_url) as base:
+def test_openai_snippet(redis_url: str, chat_llama_dir) -> None:
+    engine = LLMEngine(str(chat_llama_dir), device="cpu", num_kv_blocks=64)  # real logprobs for the scoring request
+    with worker_thread(engine, redis_url), gateway_thread(redis_url) as base:
         wait_live(base)
         ns = run("openai", {'"http://127.0.0.1:8000/v1"': repr(base)})
+    assert ns["answer_logprob"] < 0 and ns["scored"].choices[0].text == ns["context"] + ns["answer"]
+    assert [c.index for c in ns["many"].choices] == [0, 1]
     r = ns["r"]
     assert r.choices[0].message.content and r.usage.completion_tokens >= 1
     out = ns["printed"]

@@ -72,8 +72,10 @@ def random_traffic(
 
 
 def random_engine_traffic(seed: int) -> list[tuple]:
-    """Generation (n, best_of, seeds, penalties, stop ids) and beam requests with priorities, arriving over time."""
+    """Generation (n, best_of, seeds, penalties, stop ids, logit bias) and beam requests with priorities, arriving
+    over time."""
     rng = random.Random(seed)
+    bias_rng = random.Random(-seed)  # its own stream: the rest of the traffic stays what it was
     prefixes = [random_tokens(rng.randint(4, 30), seed=seed * 10 + i) for i in range(3)]
     requests = []
     for i in range(rng.randint(6, 14)):
@@ -100,6 +102,9 @@ def random_engine_traffic(seed: int) -> list[tuple]:
             stop_token_ids=rng.choice([[], [7, 9]]),
             repetition_penalty=rng.choice([1.0, 1.2]),
             output_kind=RequestOutputKind.FINAL_ONLY,
+            logit_bias=bias_rng.choice(
+                [None, None, {bias_rng.randrange(3, 500): bias_rng.choice([-100.0, 4.0, 100.0])}]
+            ),
         )
         requests.append(("generate", f"g{i}", prompt, params, arrival, priority))
     return requests

@@ -75,3 +75,21 @@ def test_stop_string_waits_for_min_tokens(demo_llm):
     assert len(out.token_ids) > 10
     assert out.text == stop_cut_after_min_tokens(base.text, prefix_text, "\n\n")
     assert out.stop_reason == "\n\n" and out.token_ids == base.token_ids[: len(out.token_ids)]
+
+
+def test_issue_20_stop_string_on_the_last_allowed_token(demo_llm, demo_model_dir):
+    """SmolLM2 answers " 34 + 30 = 64\n": its 12th token, "\n", completes the stop string; with max_tokens 12 the
+    text is cut there and the finish is "stop", as with room to spare (it was left in, with "length"). On both
+    scheduling paths: the module's engine's and the other one."""
+    other = LLM(demo_model_dir, num_kv_blocks=32, async_scheduling=not demo_llm.llm_engine.config.async_scheduling)
+    prompt = "Question: 34 + 30 = ?\nAnswer:"
+    for llm in (demo_llm, other):
+        for max_tokens in (12, 13):
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=["\n"])
+            out = llm.generate(prompt, params)[0].outputs[0]
+            assert (out.text, out.finish_reason, out.stop_reason, len(out.token_ids)) == (
+                " 34 + 30 = 64",
+                "stop",
+                "\n",
+                12,
+            )

@@ -103,6 +103,9 @@ def wait_live(base_url: str) -> None:
     wait_for(lambda: httpx.get(base_url + "/models", timeout=5).json().get("data"), timeout=30, what="a live worker")
 
 
+AS_IDS = {"return_tokens_as_token_ids": True}  # vLLM's extra: logprobs name tokens "token_id:<id>"
+
+
 def llm_tokens(tokens: list[str]) -> list[int]:
     """Token ids from log-probability token names ("token_id:<id>", vLLM's return_tokens_as_token_ids)."""
     assert all(t.startswith("token_id:") for t in tokens), tokens

@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from engine import LLM, LLMEngine, SamplingParams
 
 from ..conftest import random_tokens
-from .conftest import gateway_thread, llm_tokens, wait_live, worker_thread
+from .conftest import AS_IDS, gateway_thread, llm_tokens, wait_live, worker_thread
 
 PROMPT = "The quick brown fox"
 
@@ -29,11 +29,11 @@ def test_completions_greedy_token_identical_to_llm_generate(redis_url, tiny_llam
         sdk = openai.OpenAI(base_url=base, api_key="unused")
         model = sdk.models.list().data[0].id
         got = [
-            sdk.completions.create(model=model, prompt=p, max_tokens=12, temperature=0, logprobs=1)
+            sdk.completions.create(model=model, prompt=p, max_tokens=12, temperature=0, logprobs=1, extra_body=AS_IDS)
             for p in (PROMPT, ids_prompt)
         ]
         wrapped = [
-            sdk.completions.create(model=model, prompt=[p], max_tokens=12, temperature=0, logprobs=1)
+            sdk.completions.create(model=model, prompt=[p], max_tokens=12, temperature=0, logprobs=1, extra_body=AS_IDS)
             for p in (PROMPT, ids_prompt)
         ]  # OpenAI's list-of-one-prompt forms
     assert [w.choices[0].logprobs.tokens for w in wrapped] == [g.choices[0].logprobs.tokens for g in got]
@@ -75,7 +75,7 @@ def test_sampling_fields_and_extras_reach_the_engine(redis_url, tiny_llama_dir):
 
         def gateway_tokens(params: dict, extra: dict) -> list[int]:
             response = sdk.completions.create(
-                model=model, prompt=PROMPT, logprobs=0, user="u-1", extra_body=extra, **params
+                model=model, prompt=PROMPT, logprobs=0, user="u-1", extra_body={**extra, **AS_IDS}, **params
             )
             return llm_tokens(response.choices[0].logprobs.tokens)
 
@@ -105,7 +105,13 @@ def test_chat_sync_and_async_sdk_equal_llm_generate(redis_url, chat_llama_dir):
         sdk = openai.OpenAI(base_url=base, api_key="unused")
         model = sdk.models.list().data[0].id
         sync = sdk.chat.completions.create(
-            model=model, messages=messages, max_completion_tokens=8, temperature=0, logprobs=True, top_logprobs=2
+            model=model,
+            messages=messages,
+            max_completion_tokens=8,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=2,
+            extra_body=AS_IDS,
         )
 
         async def both_async():
@@ -138,9 +144,12 @@ def test_unknown_and_out_of_range_fields_are_400(redis_url, tiny_llama_dir):
             dict(temperature=-1),
             dict(extra_body={"top_k": -5}),
             dict(n=100),
-            dict(best_of=2),
-            dict(echo=True),
-            dict(prompt=["a", "b"]),
+            dict(best_of=1, n=2),  # best_of must be at least n
+            dict(best_of=3, stream=True),  # best_of > n cannot stream
+            dict(suffix="x"),
+            dict(max_tokens=0),  # only with echo
+            dict(logit_bias={"1": 101}),
+            dict(prompt=[]),
             dict(extra_body={"min_tokens": 50}, max_tokens=5),
         ]
         errors = []
@@ -162,4 +171,5 @@ def test_unknown_and_out_of_range_fields_are_400(redis_url, tiny_llama_dir):
         assert set(body) == {"message", "type", "param", "code"} and body["type"] == "invalid_request_error"
     assert "bogus" in errors[0]["message"] and "unsupported" in errors[0]["message"]
     assert "min_tokens" in errors[-2]["message"]
+    assert "best_of" in errors[4]["message"] and "suffix" in errors[6]["message"]
     assert missing.value.body["code"] == "model_not_found"

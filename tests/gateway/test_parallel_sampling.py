@@ -10,7 +10,7 @@ from engine import LLM, LLMEngine, SamplingParams
 from worker import Client
 from worker.protocol.keys import QueueKeys
 
-from .conftest import gateway_thread, llm_tokens, wait_for, wait_live, worker_thread
+from .conftest import AS_IDS, gateway_thread, llm_tokens, wait_for, wait_live, worker_thread
 
 PROMPT = "Redis streams carry jobs"
 
@@ -25,7 +25,7 @@ def test_n3_seeded_samples_equal_the_engines(redis_url, chat_llama_dir):
         sdk = openai.OpenAI(base_url=base, api_key="x")
         model = sdk.models.list().data[0].id
         whole = sdk.completions.create(
-            model=model, prompt=PROMPT, n=3, temperature=0.8, seed=11, max_tokens=10, logprobs=0
+            model=model, prompt=PROMPT, n=3, temperature=0.8, seed=11, max_tokens=10, logprobs=0, extra_body=AS_IDS
         )
         chunks = list(
             sdk.completions.create(

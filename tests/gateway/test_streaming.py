@@ -13,7 +13,7 @@ import pytest
 from engine import LLM, LLMEngine, SamplingParams
 from worker import Client
 
-from .conftest import gateway_thread, llm_tokens, start_gateway_process, wait_for, wait_live, worker_thread
+from .conftest import AS_IDS, gateway_thread, llm_tokens, start_gateway_process, wait_for, wait_live, worker_thread
 
 PROMPT = "The quick brown fox"
 
@@ -38,7 +38,9 @@ def test_streamed_completion_and_chat_add_up_to_llm_generate(redis_url, chat_lla
             )
         )
         with_logprobs = list(
-            sdk.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, stream=True, logprobs=1)
+            sdk.completions.create(
+                model=model, prompt=PROMPT, max_tokens=12, temperature=0, stream=True, logprobs=1, extra_body=AS_IDS
+            )
         )
         chat_chunks = list(
             sdk.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0, stream=True)

@@ -64,7 +64,7 @@ def make_input(path) -> tuple[dict[str, tuple[str, int]], dict[str, str]]:
         ("{not json", "invalid_json"),
         (json.dumps({"prompt": "no id"}), "missing_custom_id"),
         (json.dumps({"custom_id": "req-7", "prompt": "again"}), "duplicate_custom_id"),
-        (json.dumps({"custom_id": "bad-field", "prompt": "x", "logit_bias": {"1": 5}}), "invalid_request"),
+        (json.dumps({"custom_id": "bad-field", "prompt": "x", "response_format": {"type": "text"}}), "invalid_request"),
         (json.dumps({"custom_id": "bad-value", "prompt": "x", "temperature": -2}), "invalid_request"),
         (json.dumps({"custom_id": "too-long", "prompt": "y" * 3000}), "rejected"),
     ]  # the engine's verdict

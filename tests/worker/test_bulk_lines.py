@@ -33,3 +33,33 @@ def test_n_above_one_is_refused_on_either_form(line: str) -> None:
     with pytest.raises(LineError) as caught:
         parse_request(line)
     assert caught.value.code == "invalid_request"
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        _openai_line(logit_bias={"28": 100, "5": -100}, best_of=3, include_stop_str_in_output=True),
+        json.dumps(
+            {
+                "custom_id": "p",
+                "prompt": "hi",
+                "logit_bias": {"28": 100, "5": -100},
+                "best_of": 3,
+                "include_stop_str_in_output": True,
+            }
+        ),
+    ],
+)
+def test_logit_bias_and_best_of_reach_the_job_on_either_form(line: str) -> None:
+    _, fields, _, _ = parse_request(line)
+    params = make_job(job_id="j3", **fields).to_sampling_params()
+    assert (params.logit_bias, params.best_of, params.n) == ({28: 100.0, 5: -100.0}, 3, 1)
+    assert params.include_stop_str_in_output
+
+
+def test_a_logit_bias_out_of_bounds_is_refused() -> None:
+    from worker.protocol.errors import JobRejected
+
+    _, fields, _, _ = parse_request(_openai_line(logit_bias={"28": 101}))
+    with pytest.raises(JobRejected, match="logit_bias"):
+        make_job(job_id="j4", **fields)

@@ -47,6 +47,10 @@ def test_celery_round_trip_equals_native(redis_url, r, monkeypatch):
         seeded = client.result(client.submit(prompt="seeded", max_tokens=9, temperature=0.8, seed=5), timeout=20)
         assert sent.get(timeout=20)["token_ids"] == seeded.token_ids
 
+        # issue 20's fields: logit_bias keys arrive as JSON strings, and are token ids again in the job
+        biased = generate.delay(prompt="bias", max_tokens=4, logit_bias={7: 50.0}, best_of=2, seed=1).get(timeout=20)
+        assert biased["status"] == "completed" and len(biased["token_ids"]) == 4
+
         # bad kwargs: FAILURE with the reason, re-raised by get(); the worker keeps serving
         bad = [
             generate.delay(prompt="x", max_tokenz=3),
@@ -82,7 +86,7 @@ def test_celery_round_trip_equals_native(redis_url, r, monkeypatch):
         assert client.cancel(results[0]["id"]) is False  # the task id is the job id: same final record
     finals = finals_by_id(r)
     assert all(len(records) == 1 for records in finals.values())
-    assert len(finals) == 1 + 1 + 1 + 1 + len(bad) + len(chunks)
+    assert len(finals) == 1 + 1 + 1 + 1 + 1 + len(bad) + len(chunks)
     assert_clean_celery(r)
 
 

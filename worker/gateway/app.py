@@ -27,6 +27,8 @@ from worker.gateway.render import now
 from worker.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from worker.gateway.settings import GatewaySettings
 from worker.gateway.streaming import StreamTracker, sse
+from worker.gateway.tokenize import Tokenizers
+from worker.gateway.tokenize import router as tokenize_router
 from worker.gateway.workers import LiveWorkers
 from worker.protocol.connection import AsyncRedis
 from worker.protocol.errors import ResultTimeout
@@ -44,30 +46,33 @@ class Gateway:
         self.streams = StreamTracker()
         self.files = FileStore(self.client.r, self.client.keys, settings.file_ttl_s)
         self.batches = Batches(self.client, self.files, self.live, settings)
+        self.tokenizers = Tokenizers(self.client.r, self.client.keys, self.live, settings.queue)
 
     async def generate(self, endpoint: CompletionEndpoint, request: Request) -> Response:
         body = endpoint.request_body()
         endpoint.model = await check_model(self.live, body.model, self.settings.queue)
-        job = build(endpoint.job_fields(self.settings))
-        job_id = await submit(self.client, job, self.settings.retry_after_s)
+        jobs = [build(fields) for fields in endpoint.jobs_fields(self.settings)]
+        if body.stream_options is not None and not body.stream:
+            raise OpenAIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        job_ids = await submit(self.client, jobs, self.settings.retry_after_s)  # all or none: backpressure counts each
         timeout = wait_timeout(body, self.settings)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                sse(self.client, endpoint, job_id, include_usage, timeout, self.streams),
+                sse(self.client, endpoint, job_ids, include_usage, timeout, self.streams),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
-        if body.stream_options is not None:
-            raise OpenAIError(400, "stream_options is only allowed with stream: true", param="stream_options")
         try:
-            record = await self._result_while_connected(request, job_id, timeout)
+            records = await self._results_while_connected(request, job_ids, timeout)
         except ResultTimeout:
-            await self.client.cancel(job_id)
-            raise OpenAIError(504, f"job {job_id}: no result within {timeout} s", code="timeout") from None
-        if record.status != "completed":
-            raise record_error(record)
-        return JSONResponse(endpoint.response(record))
+            for job_id in job_ids:
+                self.streams.cancel_later(self.client, job_id)
+            raise OpenAIError(504, f"job {job_ids[0]}: no result within {timeout} s", code="timeout") from None
+        for record in records:
+            if record.status != "completed":
+                raise record_error(record)
+        return JSONResponse(endpoint.response(records))
 
     async def models(self) -> dict[str, Any]:
         """GET /v1/models: what the live workers serve."""
@@ -97,20 +102,25 @@ class Gateway:
             {"status": "ok", "redis": "ok", "live_workers": len(live), "open_streams": self.streams.open}
         )
 
-    async def _result_while_connected(self, request: Request, job_id: str, timeout: float):
-        """The job's final record; if the client goes away first, the job is cancelled (nobody will read it)."""
-        waiter = asyncio.ensure_future(self.client.result(job_id, timeout=timeout))
+    async def _results_while_connected(self, request: Request, job_ids: list[str], timeout: float):
+        """The jobs' final records; if the client goes away first, every job is cancelled (nobody will read them)."""
+        reads = [asyncio.ensure_future(self.client.result(job_id, timeout=timeout)) for job_id in job_ids]
+        waiter = asyncio.gather(*reads)
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait((waiter, gone), return_when=asyncio.FIRST_COMPLETED)
+            answered = waiter.done()
         finally:
             gone.cancel()
-        if waiter.done():
+            for read in reads:  # one read failed (timed out) or the client left: the others are not needed
+                read.cancel()
+        if answered:
             return waiter.result()
         waiter.cancel()
-        self.streams.cancel_later(self.client, job_id)
+        for job_id in job_ids:
+            self.streams.cancel_later(self.client, job_id)
         raise OpenAIError(
-            499, f"job {job_id}: the client closed the connection; the job was cancelled", code="client_closed"
+            499, f"job {job_ids[0]}: the client closed the connection; its jobs were cancelled", code="client_closed"
         )
 
 
@@ -146,6 +156,7 @@ def create_app(settings: GatewaySettings | None = None, redis: AsyncRedis | None
     auth = Depends(_authenticate(settings.api_keys))
     app.include_router(file_router(gateway.files, auth))
     app.include_router(batch_router(gateway.batches, auth))
+    app.include_router(tokenize_router(gateway.tokenizers, auth))
 
     @app.post("/v1/completions", dependencies=[auth])
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -250,7 +250,7 @@ class BatchRun:
             self.model = next(iter(sorted(await self.b.live.models())), "")
         if record.status == "completed":
             endpoint = (ChatEndpoint if kind == "chat" else CompletionEndpoint)(None, self.model, int(time.time()), k)
-            line = bulk_lines.output_line(custom_id, job_id, {}, kind, body=endpoint.response(record))
+            line = bulk_lines.output_line(custom_id, job_id, {}, kind, body=endpoint.response([record]))
             await self._write("output", custom_id, line)
         else:
             error = record_error(record)

@@ -6,7 +6,7 @@ from typing import Any
 
 from worker.gateway.completions import CompletionEndpoint
 from worker.gateway.jobs import sampling_fields
-from worker.gateway.render import chat_logprobs, choices_of, usage
+from worker.gateway.render import TokenNames, chat_logprobs, choices_of, usage
 from worker.gateway.schemas import ChatCompletionRequest
 from worker.gateway.settings import GatewaySettings
 from worker.protocol.job import Delta, FinalRecord
@@ -19,6 +19,8 @@ class ChatEndpoint(CompletionEndpoint):
     def __init__(self, body: ChatCompletionRequest | None, model: str, created: int, k: int | None = None) -> None:
         self.body, self.model, self.created = body, model, created
         self.k = ((body.top_logprobs or 0) if body.logprobs else None) if body is not None else k
+        self.as_ids = bool(body and body.return_tokens_as_token_ids)
+        self.n = body.n if body is not None else 1
 
     def chat_body(self) -> ChatCompletionRequest:
         body = self.request_body()
@@ -26,25 +28,32 @@ class ChatEndpoint(CompletionEndpoint):
             raise TypeError(f"a chat endpoint got a {type(body).__name__}")
         return body
 
-    def job_fields(self, settings: GatewaySettings) -> dict[str, Any]:
+    def jobs_fields(self, settings: GatewaySettings) -> list[dict[str, Any]]:
         body = self.chat_body()
         fields = sampling_fields(body, settings, body.max_completion_tokens or body.max_tokens)
         fields["messages"] = [{"role": m.role, "content": m.text()} for m in body.messages]
         if self.k is not None:
             fields["logprobs"] = self.k
-        return fields
+        return [fields]
 
-    def response(self, record: FinalRecord) -> dict[str, Any]:
+    def _chat_logprobs(self, token_ids: list[int], entries: list | None, texts: dict[str, str] | None) -> dict | None:
+        if self.k is None:
+            return None
+        return chat_logprobs(token_ids, entries or [], self.k, TokenNames(texts, self.as_ids))
+
+    def response(self, records: list[FinalRecord]) -> dict[str, Any]:
+        (record,) = records
         choices = [
             {
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text, "refusal": None},
                 "finish_reason": c.finish_reason,
-                "logprobs": chat_logprobs(c.token_ids, c.logprobs, self.k) if self.k is not None else None,
+                "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, record.token_texts),
+                "stop_reason": c.stop_reason,
             }
             for c in choices_of(record)
         ]
-        return self.envelope(record.id, choices, usage=usage(record))
+        return self.envelope(record.id, choices, usage=usage(records))
 
     # --- streaming: object "chat.completion.chunk"; the first chunk of each choice names the role
     def chunk(self, job_id: str, choices: list[dict]) -> dict[str, Any]:
@@ -61,14 +70,17 @@ class ChatEndpoint(CompletionEndpoint):
             )
         ]
 
-    def delta_chunk(self, job_id: str, delta: Delta) -> dict[str, Any]:
-        lps = chat_logprobs(delta.token_ids, delta.logprobs, self.k) if self.k is not None else None
+    def delta_chunk(self, response_id: str, prompt_index: int, delta: Delta) -> dict[str, Any] | None:
+        lps = self._chat_logprobs(delta.token_ids, delta.logprobs, delta.token_texts)
         return self.chunk(
-            job_id, [{"index": delta.index, "delta": {"content": delta.text}, "logprobs": lps, "finish_reason": None}]
+            response_id,
+            [{"index": delta.index, "delta": {"content": delta.text}, "logprobs": lps, "finish_reason": None}],
         )
 
-    def closing(self, record: FinalRecord) -> list[dict[str, Any]]:
+    def closing(self, response_id: str, prompt_index: int, record: FinalRecord) -> list[dict[str, Any]]:
         return [
-            self.chunk(record.id, [{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason}])
+            self.chunk(
+                response_id, [{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason}]
+            )
             for c in choices_of(record)
         ]

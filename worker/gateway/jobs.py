@@ -61,9 +61,10 @@ async def check_model(live: LiveWorkers, model: str, queue: str) -> str:
     )
 
 
-async def submit(client: AsyncClient, job: Job, retry_after_s: int) -> str:
+async def submit(client: AsyncClient, jobs: list[Job], retry_after_s: int) -> list[str]:
+    """Every job of a request in one submission: all are queued, or none (429 when they do not all fit)."""
     try:
-        return (await client.submit_many([job]))[0]
+        return await client.submit_many(jobs)
     except QueueFullError as exc:
         raise OpenAIError(
             429, f"the queue is full: {exc}", code="queue_full", headers={"Retry-After": str(retry_after_s)}

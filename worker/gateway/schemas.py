@@ -7,12 +7,12 @@ parameters' bounds are the engine's table (engine/limits.py), which the job and 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from engine import limits as sampling
-from worker.protocol.job import MAX_PROMPT_CHARS, bounded, optional
+from worker.protocol.job import MAX_PROMPT_CHARS, LogitBias, TokenId, bounded, optional, token_id_keys
 
 MAX_STOP = 16
 
@@ -23,6 +23,7 @@ class Strict(BaseModel):
 
 class StreamOptions(Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: accepted; usage comes in the last chunk (include_usage)
 
 
 class SamplingBody(Strict):
@@ -46,15 +47,36 @@ class SamplingBody(Strict):
     min_tokens: int = bounded(sampling.MIN_TOKENS)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP)
+    include_stop_str_in_output: bool = False
+    # token strings in logprobs as "token_id:<id>" (vLLM's), not as the tokens' text
+    return_tokens_as_token_ids: bool = False
+    # OpenAI's: token id (a string key in JSON) -> bias in [-100, 100], at most 300 (vLLM's bounds)
+    logit_bias: dict[TokenId, LogitBias] | None = Field(default=None, max_length=sampling.LOGIT_BIAS_MAX_ENTRIES)
+    _logit_bias_keys = field_validator("logit_bias", mode="before")(lambda value: token_id_keys(value))
     priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)  # vLLM's sense: lower is served first
     # seconds: becomes the job's deadline (the job is expired if it has not finished by then)
     timeout: float | None = Field(default=None, gt=0.0)
 
 
+Prompt = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
+TokenPrompt = Annotated[list[TokenId], Field(max_length=MAX_PROMPT_CHARS)]
+
+
 class CompletionRequest(SamplingBody):
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(max_length=MAX_PROMPT_CHARS)
-    max_tokens: int | None = optional(sampling.MAX_TOKENS)
+    # OpenAI's four forms: a string, a list of strings, a token list, a list of token lists (one job each)
+    prompt: Prompt | list[TokenId] | list[Prompt] | list[TokenPrompt] = Field(max_length=MAX_PROMPT_CHARS)
+    echo: bool = False  # the prompt before the completion (with logprobs: the prompt's too)
+    best_of: int | None = optional(sampling.BEST_OF)
+    suffix: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)  # refused when given (as vLLM)
+    max_tokens: int | None = Field(None, ge=0, le=sampling.MAX_TOKENS.high)  # 0: only with echo (score the prompt)
     logprobs: int | None = optional(sampling.LOGPROBS)
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _zero_only_with_echo(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value == 0 and not info.data.get("echo"):
+            raise ValueError("max_tokens 0 needs echo: true (it scores the prompt without generating)")
+        return value
 
 
 class TextPart(Strict):

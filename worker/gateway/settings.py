@@ -25,6 +25,9 @@ class GatewaySettings(QueueSettings):
     default_max_tokens: int = Field(
         default=16, ge=1, le=1_000_000, description="max_tokens of a completion that gives none (OpenAI's default)"
     )
+    max_prompts: int = Field(
+        default=256, ge=1, le=100_000, description="prompts of one completions request at most (400 beyond)"
+    )
     max_timeout_s: float = Field(default=3600.0, gt=0, le=86_400, description="bound on a request's `timeout` (s)")
     worker_cache_s: float = Field(default=1.0, ge=0, le=60, description="seconds the live-worker lookup is reused")
     batch_priority: int = Field(

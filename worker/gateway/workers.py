@@ -4,18 +4,12 @@ decides 503. A heartbeat key expires unless its worker refreshes it, so an exist
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Any
 
-from worker.protocol.keys import QueueKeys
+from worker.protocol.keys import QueueKeys, model_id
 
 STALE_S = 3600.0  # members of the workers set scored older than this are not even looked up
-
-
-def model_id(model: str) -> str:
-    """The id a model is served under: a checkpoint folder's name (the worker reports its path)."""
-    return os.path.basename(model.rstrip("/")) or model
 
 
 class LiveWorkers:

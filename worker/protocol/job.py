@@ -1,11 +1,11 @@
-"""The job and result records of the wire protocol (pydantic v2, strict, unknown fields forbidden)."""
+"""The job of the wire protocol (pydantic v2, strict, unknown fields forbidden); its result records: records.py."""
 
 from __future__ import annotations
 
 import json
 import re
 import uuid
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -13,14 +13,14 @@ from engine import limits as sampling
 from engine.limits import SAMPLING_LIMITS, D, Limit, Num
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from worker.protocol import limits
-from worker.protocol.errors import JobFailed, JobRejected
+from worker.protocol.errors import JobRejected
 from worker.protocol.limits import check_metadata
+from worker.protocol.records import Choice, Delta, FinalRecord, Status, Timings, Usage  # noqa: F401 (re-exported)
 
 MAX_PROMPT_CHARS = 1_000_000  # a hard cap before tokenisation; the engine also enforces max_model_len
 MAX_JOB_ID_CHARS = 200
 SALVAGE_MAX_DEPTH = 500  # json.loads recurses; this deep is still far from Python's limit
 MAX_ERRORS_SHOWN = 10  # validation errors quoted in a rejection reason
-Status = Literal["completed", "failed", "cancelled", "expired", "rejected"]
 STATUSES: tuple[Status, ...] = get_args(Status)  # the per-status counters (heartbeat, metrics) in this order
 # The job's sampling fields, the one list (the gateway's job fields and the Batch lines derive theirs from it): the
 # numeric ones of the engine's table of bounds (engine/limits.py) that a job carries, then the others.
@@ -29,13 +29,16 @@ SAMPLING_FIELDS: tuple[str, ...] = (
     "stop",
     "stop_token_ids",
     "ignore_eos",
+    "include_stop_str_in_output",
+    "logit_bias",
 )
 # Sampling fields added after the first wire version: sent only when not at their default, so workers that
 # predate them (which reject unknown fields) still accept every job that does not use them.
 LATER_SAMPLING_DEFAULTS = {
     name: SAMPLING_LIMITS[name].default
-    for name in ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
-}
+    for name in ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "best_of")
+} | {"include_stop_str_in_output": False, "logit_bias": None}
+LATER_JOB_DEFAULTS = {**LATER_SAMPLING_DEFAULTS, "echo": False}  # and the later fields that are not sampling
 
 
 def bounded(limit: Limit[Num, D]) -> D:
@@ -51,6 +54,15 @@ def optional(limit: Limit[Num, D]) -> Num | None:
 _ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
 TokenId = Annotated[int, Field(ge=0, le=limits.MAX_TOKEN_ID)]
 StopString = Annotated[str, Field(min_length=1, max_length=limits.MAX_STOP_CHARS)]
+LogitBias = Annotated[float, Field(**sampling.LOGIT_BIAS.bounds())]
+
+
+def token_id_keys(value: Any) -> Any:
+    """logit_bias keys as JSON has them (decimal strings: OpenAI's, Celery's and the Batch lines' JSON) become
+    token ids, for strict validation; anything else is left for it to refuse."""
+    if isinstance(value, dict):
+        return {int(k) if isinstance(k, str) and k.isdecimal() and len(k) < 20 else k: v for k, v in value.items()}
+    return value
 
 
 def new_job_id() -> str:
@@ -97,8 +109,16 @@ class Job(BaseModel):
     frequency_penalty: float = bounded(sampling.FREQUENCY_PENALTY)
     repetition_penalty: float = bounded(sampling.REPETITION_PENALTY)
     min_tokens: int = bounded(sampling.MIN_TOKENS)
+    best_of: int | None = bounded(sampling.BEST_OF)  # sample this many, keep the n most likely (at least n)
+    include_stop_str_in_output: bool = False
+    # token id (a JSON string key) -> bias added to its logit, in [-100, 100] (OpenAI's and vLLM's bounds)
+    logit_bias: dict[TokenId, LogitBias] | None = Field(default=None, max_length=sampling.LOGIT_BIAS_MAX_ENTRIES)
+    # the records (and the first delta) also carry the prompt: its text and token ids (OpenAI's echo)
+    echo: bool = False
 
     _metadata_is_json = field_validator("metadata")(check_metadata)
+
+    _logit_bias_keys = field_validator("logit_bias", mode="before")(lambda value: token_id_keys(value))
 
     @model_validator(mode="after")
     def _check(self) -> Job:
@@ -123,15 +143,27 @@ class Job(BaseModel):
             raise ValueError("stop_token_ids must be non-negative token ids")
         if self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must not exceed max_tokens")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise ValueError("best_of > n cannot stream: the n best are known only at the end")
         return self
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for engine.SamplingParams."""
         return {name: getattr(self, name) for name in SAMPLING_FIELDS}
 
+    @property
+    def picks_best(self) -> bool:
+        """best_of > n: the engine samples more than it returns, and picks the n best only at the end."""
+        return self.best_of is not None and self.best_of > self.n
+
     def to_sampling_params(self, output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> SamplingParams:
-        """The engine's parameters for this job (the worker streams deltas). Raises ValueError where the engine
-        refuses them, which a validated job never meets: both check the same table."""
+        """The engine's parameters for this job (the worker streams deltas; a job that picks the best of its
+        samples gets only the final output). Raises ValueError where the engine refuses them, which a validated
+        job never meets: both check the same table."""
+        if self.picks_best:
+            output_kind = RequestOutputKind.FINAL_ONLY
         return SamplingParams(**self.sampling_kwargs(), output_kind=output_kind)
 
     def chat(self) -> list[dict[str, str]] | None:
@@ -140,7 +172,7 @@ class Job(BaseModel):
 
     def to_json(self) -> str:
         # A job without messages serialises without the key, so workers that predate chat still accept it.
-        exclude = {name for name, default in LATER_SAMPLING_DEFAULTS.items() if getattr(self, name) == default}
+        exclude = {name for name, default in LATER_JOB_DEFAULTS.items() if getattr(self, name) == default}
         if self.messages is None:
             exclude.add("messages")
         return self.model_dump_json(exclude=exclude or None)
@@ -214,72 +246,3 @@ def valid_job_id(job_id: str) -> bool:
     """The job id grammar (native jobs, Celery task ids, bulk ids): [A-Za-z0-9_.:-]{1,200}."""
     # fullmatch, not match: "$" also matches before a final newline
     return len(job_id) <= MAX_JOB_ID_CHARS and _ID_RE.fullmatch(job_id) is not None
-
-
-class Usage(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-
-class Timings(BaseModel):
-    """Seconds. queue_wait: enqueue to admission; ttft: enqueue to first token; total: enqueue to final."""
-
-    queue_wait: float | None = None
-    ttft: float | None = None
-    total: float | None = None
-
-
-class Choice(BaseModel):
-    """One of the n samples of a job with n > 1, in the final record's ``choices`` (index order)."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = Field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: list[dict[str, float]] | None = None
-
-
-class FinalRecord(BaseModel):
-    """The one final record of a job, in its result stream and in the completions stream."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    id: str
-    status: Status
-    text: str = ""
-    token_ids: list[int] = Field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    usage: Usage = Field(default_factory=Usage)
-    timings: Timings = Field(default_factory=Timings)
-    metadata: dict[str, Any] | None = None
-    error: str | None = None
-    logprobs: list[dict[str, float]] | None = None
-    prompt_logprobs: list[dict[str, float] | None] | None = None  # entry j: prompt token j; the first is None
-    worker: str | None = None
-    attempts: int = 1
-    # n > 1: every sample (the top-level text/token_ids/finish_reason/logprobs are sample 0's); None when n = 1
-    choices: list[Choice] | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "completed"
-
-    def raise_for_status(self) -> FinalRecord:
-        if not self.ok:
-            raise JobFailed(self)
-        return self
-
-
-class Delta(BaseModel):
-    """One streamed piece of output. ``pos`` is the number of tokens generated before it: a redelivered job
-    restarts at pos 0, so consumers skip what they already have. ``offset`` is the result stream entry id to
-    resume from. With n > 1 each sample has its own ``index`` and ``pos``."""
-
-    text: str
-    token_ids: list[int]
-    pos: int
-    offset: str = ""
-    index: int = 0  # the sample it belongs to (n > 1); pos counts that sample's tokens
-    logprobs: list[dict[str, float]] | None = None

@@ -6,6 +6,7 @@ scripts touch several of them atomically, which Cluster only allows within a slo
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 PREFIX = "pagedq"
@@ -133,6 +134,16 @@ class QueueKeys:
         """The job's final record as a JSON string; its existence means "finished" (set once, atomically)."""
         return f"{self.base}:final:{job_id}"
 
+    def tokenizer(self, model_id: str) -> str:
+        """Hash of a model's tokenizer files (and `digest`, `max_model_len`), published by its workers at start for
+        the gateway's /tokenize and /detokenize."""
+        return f"{self.base}:tokenizer:{model_id}"
+
     def heartbeat(self, worker: str) -> str:
         """A worker's heartbeat: JSON status, expires unless refreshed."""
         return f"{self.base}:worker:{worker}"
+
+
+def model_id(model: str) -> str:
+    """The id a model is served under: a checkpoint folder's name (the worker reports its path)."""
+    return os.path.basename(model.rstrip("/")) or model

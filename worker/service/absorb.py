@@ -20,6 +20,9 @@ def absorb(t: HeldJob, out: RequestOutput, now: float, publisher: Publisher) -> 
     prompt_logprobs = getattr(out, "prompt_logprobs", None)
     if prompt_logprobs:  # the first output brings them (JSON keys are strings)
         t.prompt_logprobs = [None if d is None else {str(k): float(v) for k, v in d.items()} for d in prompt_logprobs]
+    if t.prompt_token_ids is None and (t.job.echo or t.job.prompt_logprobs is not None):
+        t.prompt_token_ids = list(out.prompt_token_ids or ())
+        t.prompt_text = getattr(out, "prompt", None) or publisher.prompt_text(t.prompt_token_ids)
     several = t.job.n > 1
     for c in out.outputs:
         sample = t.samples.setdefault(c.index, Sample()) if several else t
@@ -44,8 +47,8 @@ def _fold(
     lps = _logprobs(c)
     if lps:
         sample.logprobs = (sample.logprobs or []) + lps
-    if t.job.stream and (c.token_ids or c.text):
-        publisher.delta(t.id, c.text, list(c.token_ids), pos, lps, index=index)
+    if t.job.stream and (c.token_ids or c.text or (t.job.echo and not t.prompt_streamed)):
+        publisher.delta(t, c.text, list(c.token_ids), pos, lps, index=index)
     if c.finish_reason is not None:
         sample.finish_reason, sample.stop_reason = c.finish_reason, c.stop_reason
 

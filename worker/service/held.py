@@ -98,6 +98,9 @@ class HeldJob:
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[dict[str, float]] | None = None
     prompt_logprobs: list[dict[str, float] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # kept for echo and prompt_logprobs (the records carry them)
+    prompt_text: str | None = None
+    prompt_streamed: bool = False  # echo: the first delta carried the prompt
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     engine_input: str | list[int] | None = None  # the prompt as the engine gets it (chat rendered); see prepared
@@ -155,6 +158,7 @@ class HeldJob:
         """Forget partial output before a rerun (deltas restart at pos 0; consumers dedupe by pos)."""
         self.token_ids, self.text_parts, self.logprobs, self.prompt_logprobs = [], [], None, None
         self.finish_reason = self.stop_reason = None
+        self.prompt_streamed = False
         self.samples = {}
         self.first_token_at = None
 

@@ -36,6 +36,7 @@ from worker.service.publisher import Publisher
 from worker.service.recovery import REDIS_DOWN, Recovery, Stop
 from worker.service.snapshot import EngineFigures, MetricsSink, WorkerSnapshot
 from worker.service.timers import Timers
+from worker.service.tokenizer_files import publish_tokenizer
 
 
 class ServiceLoop:
@@ -52,7 +53,9 @@ class ServiceLoop:
         self.front_doors, self.metrics = tuple(front_doors), metrics
         self.keys = keys = QueueKeys(settings.queue)
         self.log = log = worker_logger(settings.name)
-        self.publisher = Publisher(keys, settings.name, settings.result_ttl_s, settings.completions_maxlen)
+        self.publisher = Publisher(
+            keys, settings.name, settings.result_ttl_s, settings.completions_maxlen, getattr(engine, "tokenizer", None)
+        )
         self.stats: dict[str, int] = {status: 0 for status in STATUSES}
         self.intake = Intake(keys, settings, self.publisher, log, self.stats)
         self.lanes = Lanes(settings.band_min_share, settings.reserve_seqs)
@@ -129,6 +132,7 @@ class ServiceLoop:
     def _start(self) -> None:
         self.leases.ensure_group()
         scripts.load_all(self.r)
+        publish_tokenizer(self.r, self.keys, self.s.model, self.engine)  # for the gateway's /tokenize
         recovered = 0
         for band in BANDS:
             entries = self.leases.read_own_pending(band)

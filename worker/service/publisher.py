@@ -16,7 +16,8 @@ from redis.exceptions import NoScriptError
 from worker.protocol import scripts
 from worker.protocol.job import Choice, FinalRecord, Timings, Usage
 from worker.protocol.keys import BANDS, DATA_FIELD, DEFAULT_BAND, GROUP, TYPE_FIELD, QueueKeys
-from worker.service.held import CELERY_ORIGIN, HeldJob
+from worker.service.held import CELERY_ORIGIN, HeldJob, Sample
+from worker.service.token_texts import TokenTexts, ids_named
 
 FINALIZE_CHUNK = 256  # jobs per FINALIZE call: bounds how long one script blocks Redis
 log = structlog.get_logger("pagedq.publisher")
@@ -24,8 +25,17 @@ MAX_DEAD_RAW_BYTES = 1024 * 1024  # of a raw dead letter: enough to see what it 
 
 
 class Publisher:
-    def __init__(self, keys: QueueKeys, worker_name: str, result_ttl_s: int, completions_maxlen: int) -> None:
+    def __init__(
+        self,
+        keys: QueueKeys,
+        worker_name: str,
+        result_ttl_s: int,
+        completions_maxlen: int,
+        tokenizer: Any = None,
+    ) -> None:
         self.keys, self.worker_name = keys, worker_name
+        # None without a tokenizer (a stub engine): records then name no token texts
+        self.token_texts = TokenTexts(tokenizer) if tokenizer is not None else None
         self.ttl, self.maxlen = int(result_ttl_s), int(completions_maxlen)
         self.ops: list[tuple[Any, ...]] = []
         self.finals: list[tuple[str, str, str, str, str]] = []  # job_id, entry_id, final_json, dead_json, band
@@ -42,14 +52,24 @@ class Publisher:
         return len(self.ops) + len(self.finals) + len(self.celery_done)
 
     def delta(
-        self, job_id: str, text: str, token_ids: list[int], pos: int, logprobs: list | None, index: int | None = None
+        self, t: HeldJob, text: str, token_ids: list[int], pos: int, logprobs: list | None, index: int | None = None
     ) -> None:
         payload: dict[str, Any] = {"text": text, "token_ids": token_ids, "pos": pos}
         if logprobs:
             payload["logprobs"] = logprobs
         if index is not None:  # n > 1 only: single-sample deltas keep their original shape
             payload["index"] = index
-        key = self.keys.result(job_id)
+        prompt_ids: list[int] = []
+        if t.job.echo and not t.prompt_streamed:  # the first delta brings the prompt
+            t.prompt_streamed = True
+            prompt_ids = t.prompt_token_ids or []
+            payload.update(prompt_token_ids=prompt_ids, prompt_text=t.prompt_text)
+            if t.prompt_logprobs is not None:
+                payload["prompt_logprobs"] = t.prompt_logprobs
+        if self._names_tokens(t):
+            named = ids_named([*prompt_ids, *token_ids], [*(payload.get("prompt_logprobs") or ()), *(logprobs or ())])
+            payload["token_texts"] = self.token_texts.of(named) if self.token_texts else None
+        key = self.keys.result(t.id)
         self.ops.append(("XADD", key, "*", TYPE_FIELD, "delta", DATA_FIELD, json.dumps(payload)))
         if key not in self.expiring:  # one EXPIRE per stream, not per delta; FINALIZE sets it again
             self.expiring.add(key)
@@ -126,6 +146,12 @@ class Publisher:
                 for i, s in sorted(t.samples.items())
             ]
         completion_tokens = sum(len(s.token_ids) for s in t.samples.values()) if t.samples else len(t.token_ids)
+        token_texts = None
+        if self.token_texts is not None and self._names_tokens(t):
+            samples: list[HeldJob | Sample] = [*t.samples.values()] or [t]
+            entries = [e for s in samples for e in (s.logprobs or ())] + list(t.prompt_logprobs or ())
+            ids = [*(t.prompt_token_ids or ()), *(i for s in samples for i in s.token_ids)]
+            token_texts = self.token_texts.of(ids_named(ids, entries))
         usage = Usage.model_construct(prompt_tokens=t.prompt_tokens, completion_tokens=completion_tokens)
         return FinalRecord.model_construct(
             id=t.id,
@@ -143,7 +169,20 @@ class Publisher:
             worker=self.worker_name,
             attempts=t.attempts,
             choices=choices,
+            prompt_token_ids=t.prompt_token_ids,
+            prompt_text=t.prompt_text,
+            token_texts=token_texts,
         )
+
+    @staticmethod
+    def _names_tokens(t: HeldJob) -> bool:
+        """Whether t's records name their tokens as text: with logprobs or prompt logprobs (the gateway renders
+        them; a tokenizer-free consumer needs them too)."""
+        return t.job.logprobs is not None or t.job.prompt_logprobs is not None
+
+    def prompt_text(self, prompt_token_ids: list[int]) -> str | None:
+        """A prompt given as token ids, as text (echo); None without a tokenizer."""
+        return self.token_texts.decode(prompt_token_ids) if self.token_texts is not None else None
 
     def take(self) -> list[tuple[Any, ...]]:
         """Every queued write as commands: the deltas, then one FINALIZE call per FINALIZE_CHUNK jobs."""
