@@ -1,8 +1,8 @@
 # pagedq gateway (`pagedq serve`, OpenAI's API over the queue): no torch, no CUDA. Build from the repository root:
 #   docker build -f docker/gateway.Dockerfile -t pagedq-gateway .
 # The gateway and `pagedq status|dlq|bulk` import no torch (tests/test_settings_env.py), so this image installs
-# the `worker` extra and numpy only (docker/requirements.py), then the project with --no-deps. The build stage
-# holds the source tree; the runtime stage takes only the virtualenv.
+# the `worker` extra, numpy and transformers (torch-free, for /tokenize) (docker/requirements.py), then the
+# project with --no-deps. The build stage holds the source tree; the runtime stage takes only the virtualenv.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 FROM ${PYTHON_IMAGE} AS build
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -15,7 +15,7 @@ RUN python docker/requirements.py gateway > /tmp/requirements.txt && pip install
 COPY engine ./engine
 COPY kernels ./kernels
 COPY worker ./worker
-# --no-deps: the rest of the engine's dependencies (torch, triton, transformers) stays out: never imported here.
+# --no-deps: the rest of the engine's dependencies (torch, triton) stays out: never imported here.
 RUN pip install --no-deps .
 
 FROM ${PYTHON_IMAGE}

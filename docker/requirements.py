@@ -4,9 +4,10 @@
 
 The images install the project itself with `pip install --no-deps .` after these, so what an image leaves out of
 pyproject's lists stays out:
-  gateway     the `worker` extra and, of the engine's dependencies, numpy only (worker/protocol/limits.py uses
-              it): `pagedq serve`, `status`, `dlq` and `bulk` import no torch (tests/test_settings_env.py), so no
-              torch, triton, transformers, tokenizers or safetensors.
+  gateway     the `worker` extra and the engine's dependencies but torch and triton: `pagedq serve`, `status`,
+              `dlq` and `bulk` import no torch (tests/test_settings_env.py); numpy is used by
+              worker/protocol/limits.py, transformers (with tokenizers) by /tokenize and /detokenize, which load
+              the tokenizer the workers publish (worker/gateway/tokenize.py; transformers without torch).
   worker-cpu  the engine's dependencies without torch (the Dockerfile installs torch's CPU wheel first, from
               PyTorch's CPU index) and without triton (on the CPU the kernels are the PyTorch reference;
               kernels/__init__.py imports Triton only for its backend), plus the `worker` and `demo` extras
@@ -25,7 +26,7 @@ import tomllib
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 # image -> (the extras, the engine's dependencies left out)
 IMAGES: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
-    "gateway": (("worker",), frozenset({"torch", "triton", "transformers", "tokenizers", "safetensors"})),
+    "gateway": (("worker",), frozenset({"torch", "triton"})),
     "worker-cpu": (("worker", "demo"), frozenset({"torch", "triton"})),
 }
 

@@ -18,6 +18,7 @@ import subprocess
 import urllib.request
 from pathlib import Path
 
+import httpx
 import pytest
 from openai import OpenAI
 from redis import AuthenticationError, Redis
@@ -77,7 +78,7 @@ def test_cpu_profile_runs_as_local_processes(tmp_path: Path, demo_model_dir: Pat
             installed(["torch", *REQUIREMENTS.requirements("worker-cpu")]) - removed_after_build(cpu_image)
         ),
     }
-    assert {"torch", "triton", "transformers", "tokenizers"} <= not_in_image["gateway"]
+    assert {"torch", "triton"} <= not_in_image["gateway"]
     assert "triton" in not_in_image["worker-cpu"] and "torch" not in not_in_image["worker-cpu"]
 
     stack = LocalStack(services, tmp_path, {build_dir: str(demo_model_dir.parent)}, not_in_image)
@@ -134,6 +135,11 @@ def _run(stack: LocalStack, password: str) -> None:
     content = reply.choices[0].message.content or ""
     assert reply.usage is not None and 1 <= reply.usage.completion_tokens <= 8
     assert content and record["text"].startswith(content), (content, record["text"])  # greedy: the same start
+    # /tokenize loads the tokenizer the worker published, with transformers and no torch: the image's packages
+    base = f"http://127.0.0.1:{stack.addresses.published(gateway, 8000)}"
+    tokens = httpx.post(f"{base}/tokenize", json={"model": model, "prompt": QUESTION}, timeout=30).json()
+    text = httpx.post(f"{base}/detokenize", json={"model": model, "tokens": tokens["tokens"]}, timeout=30).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0 and text["prompt"] == QUESTION, (tokens, text)
 
     # Redis runs with the compose file's arguments: a password, and the append-only file on
     with pytest.raises((AuthenticationError, ResponseError)):
