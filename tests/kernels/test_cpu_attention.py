@@ -86,3 +86,12 @@ def test_cpu_backend_takes_only_attention_from_cpu_attention(monkeypatch):
         assert getattr(bound, name) is getattr(source, name), name
     monkeypatch.setenv("PAGEDQ_KERNELS", "reference")  # the oracle stays one switch away
     assert kernels.bind("cpu").paged_decode_attention is reference.paged_decode_attention
+
+
+def test_allocator_tuning_leaves_a_users_malloc_settings_alone(monkeypatch):
+    from kernels.cpu_allocator import tune_cpu_allocator
+
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
+    assert tune_cpu_allocator() is False
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
+    assert tune_cpu_allocator() is True  # glibc (this image): mallopt accepted both settings
