@@ -7,12 +7,14 @@ oracle these are tested against). Why this shape, measured on the 2-core CPU (do
     strided as fast as contiguous, and a `.contiguous()` copy would cost more than it saves;
   - a boolean length mask (a float -inf mask made SDPA 4x slower) and `enable_gqa`, so K/V are never repeated
     per query head;
-  - decode gathers only up to the longest context of the decode rows, not the step's widest table.
+  - decode sorts the sequences by context length and gathers a few length groups, each up to its own longest
+    context, never the step's widest table.
 SDPA accumulates in fp32 for bf16/fp16 inputs, as the reference does; only the summation order differs.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch.nn import functional as F
 
@@ -36,12 +38,27 @@ def paged_decode_attention(
     """One query per sequence at position context_len-1 over its context_len cached tokens.
 
     query [S, Hq, D]; block_tables [S, M] int32; context_lens [S] int32 -> [S, Hq, D].
+    Sequences are sorted by length and cut into a few groups, each gathered and padded to its own longest
+    context (length_groups): a step's contexts spread widely, and one batch padded to the longest wasted up to
+    half of the gather and of SDPA's work.
     """
     if query.shape[0] == 0:
         return torch.empty_like(query)
-    block_size = k_cache.shape[1]
-    longest = int(context_lens.max())  # a CPU tensor: no device sync to pay
-    tables = block_tables[:, : -(-longest // block_size)]
+    lens = context_lens.numpy()  # a CPU tensor: no device sync to pay
+    groups = length_groups(lens, k_cache.shape[1])
+    if len(groups) == 1:
+        return _decode_group(query, k_cache, v_cache, block_tables, context_lens, int(lens.max()), scale)
+    order = torch.from_numpy(np.argsort(lens, kind="stable"))
+    query, block_tables, context_lens = query[order], block_tables[order], context_lens[order]
+    out = torch.empty_like(query)
+    for start, end, longest in groups:
+        part = slice(start, end)
+        out[part] = _decode_group(query[part], k_cache, v_cache, block_tables[part], context_lens[part], longest, scale)
+    return torch.empty_like(out).index_copy_(0, order, out)
+
+
+def _decode_group(query, k_cache, v_cache, block_tables, context_lens, longest: int, scale: float) -> torch.Tensor:
+    tables = block_tables[:, : -(-longest // k_cache.shape[1])]
     keys, values = _gather(k_cache, tables), _gather(v_cache, tables)
     positions = torch.arange(keys.shape[2], device=query.device)
     mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]  # [S, 1, 1, L]
@@ -49,6 +66,37 @@ def paged_decode_attention(
         query[:, :, None, :], keys, values, attn_mask=mask, scale=scale, enable_gqa=True
     )
     return out[:, :, 0]
+
+
+# A group's fixed cost (an index_select pair and an SDPA call, ~40 us) in the units of its work, sequences x padded
+# tokens (~0.2 us each at head dim 64 on the 2-core CPU): a split must save more padded work than this to pay.
+GROUP_COST_TOKENS = 256
+MAX_LENGTH_GROUPS = 4
+
+
+def length_groups(context_lens: np.ndarray, block_size: int) -> list[tuple[int, int, int]]:
+    """(start, end, longest context) of each group of the sequences sorted by context length: the cut that saves the
+    most padded work, applied again to each side while it saves more than a group costs (at most 4 groups)."""
+    padded = -(-np.sort(context_lens) // block_size) * block_size  # what a group gathers per sequence, at most
+    groups = [(0, len(padded))]
+    while len(groups) < MAX_LENGTH_GROUPS:
+        best = max(((*_best_cut(padded, start, end), i) for i, (start, end) in enumerate(groups)), default=None)
+        if best is None or best[0] <= GROUP_COST_TOKENS:
+            break
+        _, cut, i = best
+        start, end = groups[i]
+        groups[i : i + 1] = [(start, cut), (cut, end)]
+    return [(start, end, int(padded[end - 1])) for start, end in groups]
+
+
+def _best_cut(padded: np.ndarray, start: int, end: int) -> tuple[int, int]:
+    """(padded work saved, cut) of the best split of sorted padded[start:end] into two groups; (0, start) if none."""
+    if end - start < 2:
+        return 0, start
+    cuts = np.arange(start + 1, end)
+    split_cost = (cuts - start) * padded[cuts - 1] + (end - cuts) * padded[end - 1]
+    best = int(np.argmin(split_cost))
+    return int((end - start) * padded[end - 1] - split_cost[best]), int(cuts[best])
 
 
 def paged_prefill_attention(

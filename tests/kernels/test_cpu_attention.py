@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from paged_cases import assert_close, edge_context_lens, make_paged_kv
@@ -22,6 +24,30 @@ def test_decode_matches_reference(dtype, group, head_dim, block_size):
     query = torch.randn(len(lens), NUM_KV_HEADS * group, head_dim).to(dtype)
     args = (query, k_cache, v_cache, tables, context_lens, head_dim**-0.5)
     assert_close(cpu_attention.paged_decode_attention(*args), reference.paged_decode_attention(*args))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_in_length_groups_matches_reference(dtype):
+    """A step whose contexts spread widely runs in several length groups, each padded to its own longest; the
+    outputs come back in the step's order."""
+    torch.manual_seed(3)
+    lens = torch.randint(1, 300, (24,)).tolist()
+    groups = cpu_attention.length_groups(torch.tensor(lens).numpy(), 16)
+    assert len(groups) > 1
+    k_cache, v_cache, tables, context_lens = make_paged_kv(lens, NUM_KV_HEADS, 64, 16, dtype, "cpu")
+    query = torch.randn(len(lens), NUM_KV_HEADS * 3, 64).to(dtype)
+    args = (query, k_cache, v_cache, tables, context_lens, 0.125)
+    assert_close(cpu_attention.paged_decode_attention(*args), reference.paged_decode_attention(*args))
+
+
+def test_length_groups_cover_the_sorted_sequences_once():
+    lens = torch.tensor([300, 5, 17, 290, 33, 7, 160, 150, 310, 2]).numpy()
+    groups = cpu_attention.length_groups(lens, 16)
+    assert groups[0][0] == 0 and groups[-1][1] == len(lens)
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(groups)) and len(groups) <= cpu_attention.MAX_LENGTH_GROUPS
+    padded = sorted(-(-n // 16) * 16 for n in lens)
+    assert [longest for _, _, longest in groups] == [padded[end - 1] for _, end, _ in groups]
+    assert cpu_attention.length_groups(torch.tensor([40, 41, 45]).numpy(), 16) == [(0, 3, 48)]  # nothing to save
 
 
 def test_decode_reads_only_up_to_each_context_len():
