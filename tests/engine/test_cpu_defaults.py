@@ -1,4 +1,4 @@
-"""The CPU KV pool: zeroed by the OS page by page (resident only where written), the same numerics as before."""
+"""CPU defaults: the KV pool zeroed by the OS page by page (resident only where written), async scheduling off."""
 
 from __future__ import annotations
 
@@ -28,3 +28,14 @@ def test_cpu_engine_caches_are_lazily_zeroed_and_serve(tiny_llama_dir):
     assert k_cache.eq(0).all() and v_cache.eq(0).all() and k_cache.data_ptr() != v_cache.data_ptr()
     out = llm.generate([[5, 6, 7]])
     assert len(out[0].outputs[0].token_ids) > 0 and k_cache.ne(0).any()
+
+
+def test_async_scheduling_defaults_per_device(monkeypatch, tiny_llama_dir):
+    """Off on CPU, on with CUDA (engine/config.py has the measurement); an explicit choice always wins."""
+    import engine.config
+    from engine.config import EngineConfig
+
+    monkeypatch.setattr(engine.config, "DEFAULT_ASYNC_SCHEDULING", None)  # as outside the tests
+    assert EngineConfig(model=str(tiny_llama_dir), device="cpu").async_scheduling is False
+    assert EngineConfig(model=str(tiny_llama_dir), device="cpu", async_scheduling=True).async_scheduling is True
+    assert engine.config.ASYNC_SCHEDULING_BY_DEVICE["cuda"] is True
