@@ -15,11 +15,11 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 # None: per device, ASYNC_SCHEDULING_BY_DEVICE; the tests set it for every engine (PAGEDQ_TEST_SCHEDULING,
 # tests/conftest.py).
 DEFAULT_ASYNC_SCHEDULING: bool | None = None
-# On CUDA the host's work hides behind the device's. On CPU the "device" is a thread whose ops use every core, and
-# overlapping the host's work with it made the step itself slower: `pagedq bench throughput --scheduling both`
-# on SmolLM2, 2 cores, 48 requests, measured sync faster twice (88.4 vs 80.5 and 54.4 vs 29.6 tok/s, the machine
-# shared; docs/benchmarks.md).
-ASYNC_SCHEDULING_BY_DEVICE = {"cuda": True, "cpu": False}
+# On CUDA the host's work hides behind the device's. On CPU the "device" is a thread on the same cores, so the
+# overlap was measured (docs/benchmarks.md): SmolLM2, 2 cores, two warmed engines in one process, 32 requests run
+# alternately async, sync, sync, async: 72.7 / 74.0 tok/s async against 69.3 / 70.7 sync (+4.5%). (Single runs of
+# `pagedq bench throughput --scheduling both` pointed either way: the first engine of a process ran slower.)
+ASYNC_SCHEDULING_BY_DEVICE = {"cuda": True, "cpu": True}
 # Said wherever a model path is not a checkpoint: a hub id like meta-llama/Llama-3.2-1B looks like a path here.
 LOCAL_CHECKPOINTS_ONLY = (
     "pagedq loads local checkpoint folders only; no model hub is reachable: download it elsewhere and pass the folder"

@@ -51,7 +51,7 @@ class EngineOptions:
     # Schedule and prepare step t+1 while step t runs on the device (engine/async_step.py); outputs are identical
     # either way. None: DEFAULT_ASYNC_SCHEDULING, else ASYNC_SCHEDULING_BY_DEVICE (engine/config.py).
     async_scheduling: bool | None = knob(
-        None, "schedule step t+1 while step t runs (default: on with CUDA, off on CPU: docs/engine.md)", negatable=True
+        None, "schedule step t+1 while step t runs (default: on; on CPU as measured, docs/engine.md)", negatable=True
     )
 
 
