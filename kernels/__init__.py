@@ -64,6 +64,8 @@ class KernelSet:
 def bind(device: torch.device | str) -> KernelSet:
     """The kernels for tensors on `device`. Raises NotImplementedError if the Triton backend lacks one."""
     backend = selected_backend(torch.device(device))
+    if backend == "cpu" and torch.device(device).type != "cpu":
+        raise ValueError(f"PAGEDQ_KERNELS=cpu runs on CPU tensors only, not on {device}: use triton or reference")
     if backend in ("reference", "cpu"):
         fast = cpu_attention if backend == "cpu" else reference
         impls = {name: getattr(fast if name in CPU_ATTENTION_NAMES else reference, name) for name in KERNEL_NAMES}

@@ -112,6 +112,9 @@ def test_cpu_backend_takes_only_attention_from_cpu_attention(monkeypatch):
         assert getattr(bound, name) is getattr(source, name), name
     monkeypatch.setenv("PAGEDQ_KERNELS", "reference")  # the oracle stays one switch away
     assert kernels.bind("cpu").paged_decode_attention is reference.paged_decode_attention
+    monkeypatch.setenv("PAGEDQ_KERNELS", "cpu")
+    with pytest.raises(ValueError, match="CPU tensors only"):
+        kernels.bind("cuda")  # refused when bound, not at the first decode
 
 
 def test_allocator_tuning_leaves_a_users_malloc_settings_alone(monkeypatch):
