@@ -99,6 +99,8 @@ def _step_parts(engine, workload: Workload) -> dict:
     outputs), timed part by part on the engine's model and cache (engine/bench/step_parts.py)."""
     from engine.bench.step_parts import measure_step_parts
 
+    if engine.config.device != "cpu":  # host timers and host tensors: a GPU step needs events and device inputs
+        return {"step_parts_skipped": "measured on CPU only so far"}
     batch = min(len(workload.prompts), engine.config.max_num_seqs)
     contexts = [len(p) + out // 2 for p, out in zip(workload.prompts[:batch], workload.output_lens[:batch])]
     runner = engine.model_runner
