@@ -49,7 +49,15 @@ def register_commands(commands: argparse._SubParsersAction) -> argparse._SubPars
     host = benches.add_parser("host", help="host time the device waits through per decode step, async vs sync")
     add_host_arguments(host)
     host.set_defaults(func=_bench_host)
-    kernels_bench = benches.add_parser("kernels", help="Triton kernels: bandwidth and TFLOP/s (CUDA)")
+    # Its flags are kernels/bench.py's own (that module imports torch, this parser must not): handed over as given.
+    kernels_bench = benches.add_parser(
+        "kernels",
+        help="kernels: bandwidth and TFLOP/s on CUDA; the CPU attention path next to SDPA with --device cpu "
+        "(flags: pagedq bench kernels --help)",
+        add_help=False,
+        prefix_chars="+",
+    )
+    kernels_bench.add_argument("kernel_args", nargs="*", help="the kernel benchmark's flags, as it reads them")
     kernels_bench.set_defaults(func=_bench_kernels)
     return benches
 
@@ -102,7 +110,7 @@ def _bench_host(args: argparse.Namespace) -> int:
 def _bench_kernels(args: argparse.Namespace) -> int:
     from kernels import bench as kernels_bench
 
-    return kernels_bench.main([])
+    return kernels_bench.main(args.kernel_args)
 
 
 def run_command(args: argparse.Namespace) -> int:

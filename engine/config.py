@@ -12,7 +12,14 @@ from engine.models.architectures import check_supported
 from engine.options import EngineOptions
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
-DEFAULT_ASYNC_SCHEDULING = True  # the tests switch it with PAGEDQ_TEST_SCHEDULING (tests/conftest.py)
+# None: per device, ASYNC_SCHEDULING_BY_DEVICE; the tests set it for every engine (PAGEDQ_TEST_SCHEDULING,
+# tests/conftest.py).
+DEFAULT_ASYNC_SCHEDULING: bool | None = None
+# On CUDA the host's work hides behind the device's. On CPU the "device" is a thread on the same cores, so the
+# overlap was measured (docs/benchmarks.md): SmolLM2, 2 cores, two warmed engines in one process, 32 requests run
+# alternately async, sync, sync, async: 72.7 / 74.0 tok/s async against 69.3 / 70.7 sync (+4.5%). (Single runs of
+# `pagedq bench throughput --scheduling both` pointed either way: the first engine of a process ran slower.)
+ASYNC_SCHEDULING_BY_DEVICE = {"cuda": True, "cpu": True}
 # Said wherever a model path is not a checkpoint: a hub id like meta-llama/Llama-3.2-1B looks like a path here.
 LOCAL_CHECKPOINTS_ONLY = (
     "pagedq loads local checkpoint folders only; no model hub is reachable: download it elsewhere and pass the folder"
@@ -38,8 +45,11 @@ class EngineConfig(EngineOptions):
     dtype: str | torch.dtype = EngineOptions.dtype  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
+        self.device = resolve_device(self.device)
         if self.async_scheduling is None:
             self.async_scheduling = DEFAULT_ASYNC_SCHEDULING
+        if self.async_scheduling is None:
+            self.async_scheduling = ASYNC_SCHEDULING_BY_DEVICE["cuda" if self.device.startswith("cuda") else "cpu"]
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -54,7 +64,6 @@ class EngineConfig(EngineOptions):
             raise ValueError(f"swap_space_gib must be > 0, got {self.swap_space_gib!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        self.device = resolve_device(self.device)
         self.dtype = resolve_dtype(self.dtype, self.device)
 
 

@@ -7,6 +7,8 @@ reached its final token is projected to logits and sampled.
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -84,6 +86,8 @@ class ModelRunner:
         shape = (num_blocks, self.block_size, self.model_config.num_kv_heads, self.model_config.head_dim)
 
         def make() -> torch.Tensor:
+            if device.type == "cpu" and not pin:
+                return _lazily_zeroed(shape, self.dtype)
             return torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin)
 
         return [(make(), make()) for _ in range(self.model_config.num_layers)]
@@ -226,6 +230,15 @@ def _draws(ordered: list[ScheduledChunk], infos: list[RowInfo], rows: np.ndarray
         infos[i].fan_out = 0
     ends = np.cumsum(lengths)
     return ends[draw_chunk] - 1, rows[draw_chunk], draw_index, (starts + lengths - num_prompt)[draw_chunk]
+
+
+def _lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor in its own anonymous mapping: the OS supplies zero pages on first touch, so the process
+    holds only the blocks it writes, not the whole pool (torch.zeros writes every page up front: a 1 GiB default
+    CPU pool was 1 GiB of resident memory before the first request)."""
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    pages = mmap.mmap(-1, max(num_bytes, 1))  # the tensor keeps the mapping alive
+    return torch.frombuffer(pages, dtype=torch.uint8)[:num_bytes].view(dtype).view(shape)
 
 
 def _copy_between(source: list, target: list, pairs: Sequence[tuple[int, int]]) -> None:

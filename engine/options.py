@@ -35,7 +35,11 @@ class EngineOptions:
     max_num_batched_tokens: int = knob(8192, "tokens per engine step at most: the prefill chunk budget")
     max_model_len: int | None = knob(None, "longest prompt + output served (default: the checkpoint's)")
     seed: int = knob(0, "seed of the engine's sampling")
-    cpu_kv_cache_gib: float = knob(1.0, "KV cache size on CPU when --num-kv-blocks is not given (GiB)")
+    cpu_kv_cache_gib: float = knob(
+        1.0,
+        "KV cache size on CPU when --num-kv-blocks is not given (GiB); mapped lazily, so resident memory grows "
+        "with the blocks written, up to this",
+    )
     enable_prefix_caching: bool = knob(True, "reuse the KV blocks of a shared prompt prefix", negatable=True)
     preemption_mode: str = knob(
         "recompute",
@@ -45,8 +49,10 @@ class EngineOptions:
     swap_space_gib: float = knob(4.0, "size of the CPU swap pool of --preemption-mode swap (GiB)")
     enforce_eager: bool = knob(False, "no CUDA graphs for decode steps")
     # Schedule and prepare step t+1 while step t runs on the device (engine/async_step.py); outputs are identical
-    # either way. None: DEFAULT_ASYNC_SCHEDULING (engine/config.py).
-    async_scheduling: bool | None = knob(None, "schedule step t+1 while step t runs (default: on)", negatable=True)
+    # either way. None: DEFAULT_ASYNC_SCHEDULING, else ASYNC_SCHEDULING_BY_DEVICE (engine/config.py).
+    async_scheduling: bool | None = knob(
+        None, "schedule step t+1 while step t runs (default: on; on CPU as measured, docs/engine.md)", negatable=True
+    )
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """Kernels of the paged engine, bound to a backend once per model.
 
 Every public function here has a plain-PyTorch reference in `kernels.reference` with the same signature and a
-Triton implementation in `kernels.triton_ops`. `bind(device)` picks the backend once (Triton on CUDA, the
-reference on CPU; `PAGEDQ_KERNELS=triton|reference` forces one, and with `TRITON_INTERPRET=1` the Triton path
-runs on CPU through Triton's interpreter) and returns a `KernelSet`: the engine binds one when it builds the
+Triton implementation in `kernels.triton_ops`. `bind(device)` picks the backend once (Triton on CUDA; on CPU
+"cpu": the reference with its paged attention replaced by `kernels.cpu_attention`, index_select + torch's SDPA;
+`PAGEDQ_KERNELS=triton|cpu|reference` forces one, and with `TRITON_INTERPRET=1` the Triton path runs on CPU
+through Triton's interpreter) and returns a `KernelSet`: the engine binds one when it builds the
 model, so the environment is read once, not per call. A kernel missing from the Triton backend raises at bind
 time instead of falling back to the reference. The module-level functions (`kernels.rms_norm`, ...) bind per
 call: for tests and one-off use.
@@ -17,9 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import reference
+from kernels import cpu_attention, reference
 
-_BACKENDS = ("triton", "reference")
+_BACKENDS = ("triton", "cpu", "reference")
+CPU_ATTENTION_NAMES = ("paged_decode_attention", "paged_prefill_attention")  # what "cpu" takes from cpu_attention
 KERNEL_NAMES = (
     "store_kv_cache",
     "paged_decode_attention",
@@ -34,13 +36,13 @@ KERNEL_NAMES = (
 
 
 def selected_backend(device: torch.device) -> str:
-    """The kernel backend for tensors on `device`: PAGEDQ_KERNELS if set, else Triton on CUDA only."""
+    """The kernel backend for tensors on `device`: PAGEDQ_KERNELS if set, else Triton on CUDA, "cpu" elsewhere."""
     forced = os.environ.get("PAGEDQ_KERNELS", "").strip().lower()
     if forced:
         if forced not in _BACKENDS:
             raise ValueError(f"PAGEDQ_KERNELS must be one of {_BACKENDS}, got {forced!r}")
         return forced
-    return "triton" if device.type == "cuda" else "reference"
+    return "triton" if device.type == "cuda" else "cpu"
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,12 @@ class KernelSet:
 def bind(device: torch.device | str) -> KernelSet:
     """The kernels for tensors on `device`. Raises NotImplementedError if the Triton backend lacks one."""
     backend = selected_backend(torch.device(device))
-    if backend == "reference":
-        return KernelSet(backend, **{name: getattr(reference, name) for name in KERNEL_NAMES})
+    if backend == "cpu" and torch.device(device).type != "cpu":
+        raise ValueError(f"PAGEDQ_KERNELS=cpu runs on CPU tensors only, not on {device}: use triton or reference")
+    if backend in ("reference", "cpu"):
+        fast = cpu_attention if backend == "cpu" else reference
+        impls = {name: getattr(fast if name in CPU_ATTENTION_NAMES else reference, name) for name in KERNEL_NAMES}
+        return KernelSet(backend, **impls)
     from kernels import triton_ops  # imported lazily: Triton reads TRITON_INTERPRET when kernels are defined
 
     impls = {name: getattr(triton_ops, name, None) for name in KERNEL_NAMES}

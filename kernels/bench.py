@@ -1,4 +1,5 @@
-"""Kernel benchmark: `python -m kernels.bench` or `pagedq bench kernels` (CUDA only; exits 2 without a GPU).
+"""Kernel benchmark: `python -m kernels.bench` or `pagedq bench kernels` (--device cuda exits 2 without a GPU;
+--device cpu, the default without one, measures the CPU attention path: kernels/bench_cpu.py).
 
 Each kernel is timed with triton.testing.do_bench (median) and reported next to what the device can do,
 measured in the same run:
@@ -282,21 +283,88 @@ def bench_copy_and_sampling(device, copy_gbps: float, num_layers: int = 32, num_
                 same_as_torch=same)  # fmt: skip
 
 
+# CUDA measures one fixed shape (Llama-3-8B's attention, bf16); the CPU path defaults to SmolLM2-135M's, fp32.
+_CPU_ONLY = ("heads", "head_dim", "dtype", "repeats", "prefill_lens")
+_DEFAULTS = {
+    "cuda": dict(batch=256, context_lens=[1024, 2048, 4096]),
+    "cpu": dict(batch=48, context_lens=[256], heads=(9, 3), head_dim=64, dtype="float32", repeats=20,
+                prefill_lens=[256, 200, 128, 64]),
+}  # fmt: skip
+
+
+def _heads(text: str) -> tuple[int, int]:
+    q, _, kv = text.partition(":")
+    try:
+        num_q, num_kv = int(q), int(kv)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected Q:KV head counts, got {text!r}") from None
+    if num_q < 1 or num_kv < 1 or num_q % num_kv:
+        raise argparse.ArgumentTypeError(f"expected Q:KV with KV dividing Q, got {text!r}")
+    return num_q, num_kv
+
+
 def _parse_args(argv):
     parser = argparse.ArgumentParser(
         prog="pagedq bench kernels", description=__doc__.splitlines()[0], allow_abbrev=False
     )
-    parser.add_argument("--batch", type=int, default=256, help="decode batch size (default 256)")
-    parser.add_argument("--context-lens", type=int, nargs="+", default=[1024, 2048, 4096],
-                        help="decode context lengths, one run each (default 1024 2048 4096)")  # fmt: skip
-    parser.add_argument("--skip-elementwise", action="store_true", help="only the attention kernels")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default=None,
+        help="cuda (the Triton kernels) or cpu (the CPU attention path; default when no GPU)",
+    )
+    parser.add_argument("--batch", type=int, default=None, help="decode batch size (default 256 on cuda, 48 on cpu)")
+    parser.add_argument(
+        "--context-lens",
+        type=int,
+        nargs="+",
+        default=None,
+        help="decode context lengths, one run each (default 1024 2048 4096 on cuda, 256 on cpu)",
+    )
+    parser.add_argument("--skip-elementwise", action="store_true", help="only the attention kernels (cuda)")
+    parser.add_argument(
+        "--heads", type=_heads, default=None, metavar="Q:KV", help="query:key-value heads (cpu only; default 9:3)"
+    )
+    parser.add_argument("--head-dim", type=int, default=None, help="head dimension (cpu only; default 64)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="cpu only; default float32")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per median (cpu only; default 20)")
+    parser.add_argument(
+        "--prefill-lens",
+        type=int,
+        nargs="+",
+        default=None,
+        help="prompt lengths of the prefill case (cpu only; default 256 200 128 64)",
+    )
+    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, help=f"KV block size (default {BLOCK_SIZE})")
+    args = parser.parse_args(argv)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    given = [name for name in _CPU_ONLY if getattr(args, name) is not None]
+    if args.device == "cuda" and given:
+        parser.error(f"--{given[0].replace('_', '-')} applies to --device cpu only (cuda measures a fixed shape)")
+    if args.device == "cuda" and args.block_size != BLOCK_SIZE:
+        parser.error(f"--block-size applies to --device cpu only (cuda measures block size {BLOCK_SIZE})")
+    for name, default in _DEFAULTS[args.device].items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    for name in ("batch", "head_dim", "repeats", "block_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if min(args.context_lens) < 1 or min(args.prefill_lens or [1]) < 1:
+        parser.error("context and prefill lengths must be positive")
+    return args  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
+    if args.device == "cpu":
+        from kernels.bench_cpu import main_cpu
+
+        return main_cpu(args, _report)
     if not torch.cuda.is_available():
-        print("pagedq bench kernels: needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured.")
+        print(
+            "pagedq bench kernels: --device cuda needs a CUDA GPU (torch.cuda.is_available() is False); "
+            "nothing measured."
+        )
         return 2
     device = torch.device("cuda")
     torch.manual_seed(0)

@@ -90,7 +90,27 @@ def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
         default="none",
         help="hf: transformers' generate on the same prompts, in the same run (default none)",
     )
-    parser.add_argument("--hf-batch-size", type=int, default=64, help="batch size of the hf baseline (default 64)")
+    parser.add_argument(
+        "--hf-batch-size",
+        type=_positive_list,
+        default=[64],
+        metavar="N[,N...]",
+        help="batch size(s) of the hf baseline, one run and one ratio each (default 64)",
+    )
+    parser.add_argument(
+        "--scheduling",
+        choices=["default", "both"],
+        default="default",
+        help="both: run the engine with async scheduling on and then off and report each (default: as the "
+        "engine flags say)",
+    )
+    parser.add_argument(
+        "--step-parts",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time one decode step of the workload's batch part by part, next to torch.mm on its matmul "
+        "shapes (roofline_ms_per_step)",
+    )
     parser.add_argument(
         "--sharing",
         choices=["n4", "prefix", "beam"],
@@ -121,6 +141,16 @@ def add_host_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts (default 0)")
     parser.add_argument("--device", default="cpu", help="cpu (stand-in device) or cuda (the real model, --model)")
     parser.add_argument("--model", default=None, help="checkpoint folder, for --device cuda")
+
+
+def _positive_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return values
 
 
 def _positive(text: str) -> int:

@@ -8,6 +8,7 @@ weights, identical request draws) so GPU figures compare with the baselines meas
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import resource
@@ -54,7 +55,8 @@ def _config_only_folder(shape: dict) -> Path:
     return folder
 
 
-def run_engine(model_dir: str, workload: Workload, engine_kwargs: dict) -> dict:
+def run_engine(model_dir: str, workload: Workload, engine_kwargs: dict, step_parts: bool = False) -> dict:
+    """The engine's run of the workload; with step_parts, then one decode step of its batch part by part."""
     from engine import LLMEngine, RequestOutputKind, SamplingParams
     from engine.startup import freeze_startup_objects
 
@@ -69,7 +71,7 @@ def run_engine(model_dir: str, workload: Workload, engine_kwargs: dict) -> dict:
     _sync(engine.config.device)
     seconds = time.perf_counter() - start
     stats = engine.stats()
-    return {
+    result = {
         "engine_seconds": seconds,
         "engine_output_tok_s": generated / seconds,
         "engine_generated_tokens": generated,
@@ -82,8 +84,30 @@ def run_engine(model_dir: str, workload: Workload, engine_kwargs: dict) -> dict:
         "num_steps": stats["num_steps"],
         "num_graph_steps": stats["num_graph_steps"],
         "graph_capture_s": engine.model_runner.graph_capture_seconds,
+        "async_scheduling": engine.config.async_scheduling,
+        "intra_op_threads": torch.get_num_threads(),
         **{key: stats[key] for key in ("schedule_ms_per_step", "execute_ms_per_step", "postprocess_ms_per_step")},
     }
+    if step_parts:
+        result.update(_step_parts(engine, workload))
+    engine.model_runner.device_queue.close()  # its thread holds the runner: let the engine go when the caller does
+    return result
+
+
+def _step_parts(engine, workload: Workload) -> dict:
+    """One decode step of the batch the engine ran (its first max_num_seqs requests, halfway through their
+    outputs), timed part by part on the engine's model and cache (engine/bench/step_parts.py)."""
+    from engine.bench.step_parts import measure_step_parts
+
+    if engine.config.device != "cpu":  # host timers and host tensors: a GPU step needs events and device inputs
+        return {"step_parts_skipped": "measured on CPU only so far"}
+    batch = min(len(workload.prompts), engine.config.max_num_seqs)
+    contexts = [len(p) + out // 2 for p, out in zip(workload.prompts[:batch], workload.output_lens[:batch])]
+    runner = engine.model_runner
+    needed = sum(-(-n // runner.block_size) for n in contexts)
+    if needed > runner.num_blocks:
+        return {"step_parts_skipped": f"the step needs {needed} KV blocks, the pool has {runner.num_blocks}"}
+    return measure_step_parts(runner.model, runner.kv_caches, runner.block_size, contexts)
 
 
 def _run_engine_once(engine, workload: Workload, kinds, params_cls) -> int:
@@ -192,16 +216,48 @@ def run(args: argparse.Namespace) -> dict:
         "output_tokens": workload.num_output_tokens,
         "torch": torch.__version__,
     }
-    result.update(run_engine(model_dir, workload, bench_engine_kwargs(args)))
+    result.update(_run_engines(model_dir, workload, args))
     if args.baseline == "hf":
-        from engine.config import resolve_dtype
-
-        dtype = resolve_dtype(args.dtype, result["device"])
-        result.update(run_hf(model_dir, workload, args.hf_batch_size, result["device"], dtype))
-        result["ratio"] = result["engine_output_tok_s"] / result["hf_output_tok_s"]
+        result.update(_run_hf_baselines(model_dir, workload, args, result))
     if torch.cuda.is_available():
         result["gpu"] = torch.cuda.get_device_name()
     return result
+
+
+def _run_engines(model_dir: str, workload: Workload, args: argparse.Namespace) -> dict:
+    """The engine's record; with --scheduling both, async and then sync, each one's tok/s and step time beside it
+    (the record's other fields are the engine's default mode's)."""
+    kwargs = bench_engine_kwargs(args)
+    if args.scheduling != "both":
+        return run_engine(model_dir, workload, kwargs, step_parts=args.step_parts)
+    from engine.config import EngineConfig
+
+    default = "async" if EngineConfig(model=model_dir, **kwargs).async_scheduling else "sync"
+    runs = {}
+    for mode in sorted(("async", "sync"), key=lambda m: m != default):  # the default first: its peak RSS is its own
+        runs[mode] = run_engine(
+            model_dir, workload, {**kwargs, "async_scheduling": mode == "async"}, args.step_parts and mode == default
+        )
+        gc.unfreeze()  # run_engine froze the engine it built (as the worker does): collect it before the next
+        gc.collect()
+    result = dict(runs[default])
+    for mode, run in runs.items():
+        result[f"engine_{mode}_output_tok_s"] = run["engine_output_tok_s"]
+        result[f"engine_{mode}_execute_ms_per_step"] = run["execute_ms_per_step"]
+    return result
+
+
+def _run_hf_baselines(model_dir: str, workload: Workload, args: argparse.Namespace, engine: dict) -> dict:
+    """transformers at each --hf-batch-size; the top-level hf fields and `ratio` are against the fastest of them
+    (the strongest baseline), every run with its own ratio in `hf_runs`."""
+    from engine.config import resolve_dtype
+
+    dtype = resolve_dtype(args.dtype, engine["device"])
+    runs = [run_hf(model_dir, workload, size, engine["device"], dtype) for size in args.hf_batch_size]
+    for run in runs:
+        run["ratio"] = engine["engine_output_tok_s"] / run["hf_output_tok_s"]
+    best = max(runs, key=lambda run: run["hf_output_tok_s"])
+    return {**best, "hf_runs": runs}
 
 
 def main(args: argparse.Namespace) -> int:

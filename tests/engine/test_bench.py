@@ -38,13 +38,25 @@ def test_bench_throughput_prints_one_json_line(tiny_llama_dir, capsys):
             "--baseline",
             "hf",
             "--hf-batch-size",
-            "3",
+            "3,6",
+            "--scheduling",
+            "both",
         ]
     )
     assert code == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     expected_tokens = sum(draw_workload(6, (8, 40), (4, 12), 512).output_lens)
     assert result["engine_generated_tokens"] == result["output_tokens"] == expected_tokens
+    # one hf run per batch size, each with its ratio; the top level is against the fastest
+    assert [run["hf_batch_size"] for run in result["hf_runs"]] == [3, 6]
+    best = max(result["hf_runs"], key=lambda run: run["hf_output_tok_s"])
+    assert result["hf_output_tok_s"] == best["hf_output_tok_s"] and result["ratio"] == best["ratio"]
+    assert result["engine_async_output_tok_s"] > 0 and result["engine_sync_output_tok_s"] > 0
+    # the decode step of the 6 requests, part by part, and the matmuls' time on its shapes
+    assert result["step_batch"] == 6
+    parts = ("step_attention_ms", "step_linear_ms", "step_lm_head_ms", "step_other_ms")
+    assert all(result[part] >= 0 for part in parts) and result["roofline_ms_per_step"] > 0
+    assert result["step_over_roofline"] == result["step_ms"] / result["roofline_ms_per_step"]
     for key in (
         "engine_output_tok_s",
         "hf_output_tok_s",

@@ -56,8 +56,35 @@ def test_elementwise_bytes_match_the_tensors_touched():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit")
 def test_bench_without_gpu_exits_2(capsys):
-    assert bench.main([]) == 2
+    assert bench.main(["--device", "cuda"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def test_cpu_bench_honours_its_flags(capsys):
+    """pagedq bench kernels hands its flags to the benchmark (they were once dropped): each shows in the records."""
+    from engine.cli import main
+
+    argv = ["bench", "kernels", "--device", "cpu", "--batch", "3", "--context-lens", "20", "33", "--heads", "4:2"]
+    argv += ["--head-dim", "16", "--dtype", "bfloat16", "--repeats", "1", "--prefill-lens", "7", "5"]
+    assert main(argv) == 0
+    records = [json.loads(line[5:]) for line in capsys.readouterr().out.splitlines() if line.startswith("JSON ")]
+    assert [r["shape"] for r in records] == [
+        "S=3 ctx=20 Hq=4 Hkv=2 D=16 bfloat16",
+        "S=3 ctx=33 Hq=4 Hkv=2 D=16 bfloat16",
+        "S=2 q=7.. Hq=4 Hkv=2 D=16 bfloat16",
+    ]
+    assert all(r["max_abs_diff_vs_reference"] < 2e-2 for r in records[:2])
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [(["--device", "cuda", "--head-dim", "64"], "--head-dim applies to --device cpu only"),
+     (["--device", "cpu", "--heads", "9:2"], "KV dividing Q"), (["--device", "cpu", "--batch", "0"], "--batch")],
+)  # fmt: skip
+def test_kernel_bench_refuses_flags_it_cannot_honour(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(argv)
+    assert message in capsys.readouterr().err
 
 
 def test_bench_glue_runs_on_tiny_shapes(device, monkeypatch, capsys):
