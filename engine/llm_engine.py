@@ -66,16 +66,8 @@ class LLMEngine:
         # Steps launched and not yet finished: (scheduler's record, runner's preparation, device handle).
         self._in_flight: deque[InFlightStep] = deque()
         self._pipeline_depth = 2 if self.config.async_scheduling else 1
-        self.structured = StructuredOutputManager(
-            self.tokenizer,
-            self.model_config.vocab_size,
-            self.model_config.eos_token_ids,
-            self.config.structured_outputs_compile_timeout_s,
-            self.config.structured_outputs_cache_mib,
-        )
-        # The CPU device queue runs steps on its own thread, so a step's sampling can wait there for its mask; on
-        # CUDA, device work is queued inline by this thread, so a step with structured draws is launched only
-        # once the step before it is processed.
+        self.structured = StructuredOutputManager.for_model(self.tokenizer, self.model_config, self.config)
+        # CUDA queues device work inline (no device thread whose sampling could wait for a mask, engine/structured)
         self._inline_device = self.model_runner.device_queue._thread is None
 
     # ---- admission -----------------------------------------------------------------------------
@@ -97,7 +89,7 @@ class LLMEngine:
         if out_of_vocab:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {out_of_vocab[:5]}")
         if params.structured_outputs is not None:
-            self.structured.pool  # noqa: B018 (xgrammar and the tokenizer present, or ValueError now)
+            self.structured.check_available()  # xgrammar and a tokenizer, or ValueError now
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         request = Request(
             request_id=request_id,
@@ -110,10 +102,8 @@ class LLMEngine:
             fan_out=params.num_samples - 1,
         )
         self.output_processor.add(request)
-        if params.structured_outputs is not None:
-            self.structured.submit(request)  # held until its grammar compiles, then handed to the scheduler
-        else:
-            self.scheduler.add_request(request)
+        # a structured request is held until its grammar compiles, then handed to the scheduler
+        (self.structured.submit if params.structured_outputs is not None else self.scheduler.add_request)(request)
 
     def add_beam_search_request(
         self, request_id: str, prompt: str | list[int], params: BeamSearchParams, priority: int = 0
@@ -237,16 +227,14 @@ class LLMEngine:
         """
         clock = self.step_seconds
         started = time.perf_counter()
-        compiled = self._admit_compiled()
-        if self._inline_device and self._in_flight and self.structured.sequences:
-            launched = None  # CUDA: finish the step in flight first, so the next one's mask can be filled
-        else:
-            launched = self._schedule_and_launch()
+        compiled = self.structured.admit(self.scheduler, self.output_processor)  # grammars ready, or failed
+        # CUDA: finish the step in flight first, so the next one's mask can be filled before it is launched
+        drain = self._inline_device and self._in_flight and self.structured.sequences
+        launched = None if drain else self._schedule_and_launch()
         if launched is not None:
             self._in_flight.append(launched)
         if not self._in_flight or (launched is not None and len(self._in_flight) < self._pipeline_depth):
-            if not self._in_flight and not self.scheduler.has_unfinished():
-                self.structured.wait(0.05)  # only compiles pending: sleep on them, do not spin
+            self.structured.wait(0.05, idle=not self._in_flight and not self.scheduler.has_unfinished())
             return compiled  # nothing to finish yet: the pipeline is filling (or the scheduler had nothing to run)
         prepared = time.perf_counter()
         scheduler_output, step, handle = self._in_flight.popleft()
@@ -261,22 +249,6 @@ class LLMEngine:
         self.structured.fill_pending()  # the launched step's structured draws may sample now
         clock.add(prepared - started, executed - prepared, time.perf_counter() - executed)
         return compiled + outputs
-
-    def _admit_compiled(self) -> list[RequestOutput]:
-        """Requests whose grammar compiled go to the scheduler; those whose compile failed finish with its error."""
-        if not self.structured.compiling:
-            return []
-        ready, failed = self.structured.poll()
-        for request in ready:
-            self.scheduler.add_request(request)
-        outputs = []
-        for request, error in failed:
-            request.status = RequestStatus.FINISHED_ABORTED
-            output = self.output_processor.final_output(request.group_id, cumulative=True)
-            output.error = error
-            self.structured.forget_group(request.group_id)
-            outputs.append(output)
-        return outputs
 
     def _schedule_and_launch(self) -> InFlightStep | None:
         scheduler_output = self.scheduler.schedule()
@@ -300,16 +272,8 @@ class LLMEngine:
         for request, stop in self.output_processor.find_stop_strings(advanced):
             request.stop_reason = stop
             self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
-        if self.structured.sequences:
-            for request, status in self.structured.advance(advanced):
-                self.scheduler.finish_request(request, status)
-            self.structured.forget_finished(advanced)
-        outputs = self.output_processor.report(advanced)
-        if self.structured.grammars:
-            for output in outputs:
-                if output.finished:
-                    output.error = self.structured.forget_group(output.request_id)
-        return outputs + beam_outputs
+        self.structured.finish_advanced(advanced, self.scheduler)  # matchers take the new tokens
+        return self.structured.with_errors(self.output_processor.report(advanced)) + beam_outputs
 
     def _recover_from_failed_steps(self, failed: SchedulerOutput) -> None:
         """Leave the engine consistent after a step raised: nothing it (or a step launched after it) was to write

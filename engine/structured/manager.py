@@ -16,6 +16,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any
 
+from engine.outputs import RequestOutput
 from engine.request import Request, RequestStatus
 from engine.structured.compiler import GrammarCompilerPool
 from engine.structured.matcher import SequenceGrammar
@@ -54,6 +55,21 @@ class StructuredOutputManager:
         self.errors: dict[str, str] = {}  # group id -> the error its final output carries
         self._pending_masks: list[StepMask] = []
         self._scratch = None
+
+    @classmethod
+    def for_model(cls, tokenizer: Any, model_config: Any, config: Any) -> StructuredOutputManager:
+        """From the engine's ModelConfig and EngineConfig (the model's vocab size, EOS ids, the two knobs)."""
+        return cls(
+            tokenizer,
+            model_config.vocab_size,
+            tuple(model_config.eos_token_ids),
+            config.structured_outputs_compile_timeout_s,
+            config.structured_outputs_cache_mib,
+        )
+
+    def check_available(self) -> None:
+        """ValueError now, before the request is queued, if xgrammar or the tokenizer is missing."""
+        self.pool  # noqa: B018
 
     @property
     def pool(self) -> GrammarCompilerPool:
@@ -94,9 +110,27 @@ class StructuredOutputManager:
                 )
         return ready, failed
 
-    def wait(self, timeout: float) -> None:
-        """Sleep until a compile finishes, one passes its time limit, or `timeout` (nothing else to do)."""
+    def admit(self, scheduler: Any, output_processor: Any) -> list[RequestOutput]:
+        """Requests whose grammar compiled go to the scheduler; those whose compile failed or timed out finish
+        here, never scheduled, with the error in their final output."""
         if not self.compiling:
+            return []
+        ready, failed = self.poll()
+        for request in ready:
+            scheduler.add_request(request)
+        outputs = []
+        for request, error in failed:
+            request.status = RequestStatus.FINISHED_ABORTED
+            output = output_processor.final_output(request.group_id, cumulative=True)
+            output.error = error
+            self.forget_group(request.group_id)
+            outputs.append(output)
+        return outputs
+
+    def wait(self, timeout: float, idle: bool) -> None:
+        """With nothing else to do (`idle`), sleep until a compile finishes, one passes its time limit, or
+        `timeout`: the engine's loop does not spin on compiles."""
+        if not self.compiling or not idle:
             return
         soonest = min(item.deadline for item in self.compiling.values()) - time.monotonic()
         wait([item.future for item in self.compiling.values()], max(0.0, min(timeout, soonest)), FIRST_COMPLETED)
@@ -143,6 +177,22 @@ class StructuredOutputManager:
         state = self._new_sequence(request)
         self.sequences[request.request_id] = state
         return state
+
+    def finish_advanced(self, advanced: list[Request], scheduler: Any) -> None:
+        """advance(), then the finishes it calls for, then the matchers of every sequence that finished."""
+        if not self.sequences:
+            return
+        for request, status in self.advance(advanced):
+            scheduler.finish_request(request, status)
+        self.forget_finished(advanced)
+
+    def with_errors(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Final outputs of structured groups carry their error (None if they had none); their grammar is dropped."""
+        if self.grammars:
+            for output in outputs:
+                if output.finished:
+                    output.error = self.forget_group(output.request_id)
+        return outputs
 
     def forget_finished(self, requests: list[Request]) -> None:
         for request in requests:
