@@ -11,6 +11,7 @@ and the per-step masks.
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ class StructuredOutputManager:
         self.errors: dict[str, str] = {}  # group id -> the error its final output carries
         self._pending_masks: list[StepMask] = []
         self._scratch = None
+        self._batch: Any = None  # xgrammar's BatchGrammarMatcher: fills a step's rows on its threads
 
     @classmethod
     def for_model(cls, tokenizer: Any, model_config: Any, config: Any) -> StructuredOutputManager:
@@ -235,9 +237,11 @@ class StructuredOutputManager:
             self._fill(mask)
 
     def _fill(self, mask: StepMask) -> None:
-        # Only sequences whose matcher is up to date with their tokens may fill (a refused token: all-allowed; the
-        # request is ending and its draw will be dropped).
-        mask.fill(self.sequences)
+        if self._batch is None:
+            from engine.structured.backend import xgrammar
+
+            self._batch = xgrammar().BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
+        mask.fill(self.sequences, self._batch)
 
     def cancel_pending(self) -> None:
         masks, self._pending_masks = self._pending_masks, []

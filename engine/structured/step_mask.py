@@ -39,13 +39,19 @@ class StepMask:
     def is_filled(self) -> bool:
         return self._ready.is_set()
 
-    def fill(self, matchers: dict[str, Any]) -> None:
-        """One row per structured draw from its sequence's matcher; a sequence that left keeps all-allowed
-        (its draw is dropped)."""
+    def fill(self, matchers: dict[str, Any], batch: Any) -> None:
+        """One row per structured draw from its sequence's matcher, filled by xgrammar's BatchGrammarMatcher on
+        its own threads (`batch`); a sequence that left keeps all-allowed (its draw is dropped)."""
+        rows, live = [], []
         for row, req_id in zip(self.draw_rows, self.req_ids):
             state = matchers.get(req_id)
             if state is not None:
-                state.fill_row(self.bitmask, row)
+                rows.append(row)
+                live.append(state.matcher)
+        if len(live) == 1:
+            live[0].fill_next_token_bitmask(self.bitmask, rows[0])
+        elif live:
+            batch.batch_fill_next_token_bitmask(live, self.bitmask, indices=rows)
         self._ready.set()
 
     def cancel(self) -> None:

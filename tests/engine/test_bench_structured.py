@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
+
 from engine.bench import structured
 
 
@@ -22,3 +24,22 @@ def test_the_mask_fill_document_matches_its_schema():
     import jsonschema
 
     jsonschema.validate(json.loads(structured.DOCUMENT), structured.NESTED)
+
+
+@pytest.mark.slow  # the demo model's tokenizer
+def test_bench_host_json_keeps_async_and_sync_identical_with_every_row_masked():
+    from engine.bench import structured_host
+
+    args = argparse.Namespace(
+        num_seqs=4,
+        output_len=6,
+        prompt_len=16,
+        simulated_device_ms=1.0,
+        seed=0,
+        structured_fraction=0.5,
+        vocab_size=50_000,
+        device="cpu",
+    )
+    line = structured_host.run(args)  # raises if async and sync differ, or a masked draw is refused
+    assert line["tokens_identical"] and line["sync_mask_wait_ms_per_step"] >= 0
+    assert 0 < line["async_device_busy_fraction"] <= 1
