@@ -99,6 +99,10 @@ def _bench_throughput(args: argparse.Namespace) -> int:
 def _bench_host(args: argparse.Namespace) -> int:
     from engine.bench import host as bench_host
 
+    if args.sampling == "json":  # structured outputs: engine/bench/structured_host.py
+        from engine.bench import structured_host
+
+        return structured_host.main(args)
     return bench_host.main(args)
 
 

@@ -159,10 +159,6 @@ def run_mode(args: argparse.Namespace, model_dir: str, async_scheduling: bool) -
 
 
 def run(args: argparse.Namespace) -> dict:
-    if args.sampling == "json":  # structured outputs: engine/bench/structured_host.py
-        from engine.bench.structured_host import run as run_structured
-
-        return run_structured(args)
     if args.device.startswith("cuda"):
         if not args.model:
             raise SystemExit("pagedq bench host --device cuda: give --model DIR (the real model runs)")

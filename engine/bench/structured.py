@@ -13,6 +13,7 @@ import argparse
 import json
 import statistics
 import time
+from typing import Any
 
 FLAT = {
     "type": "object",
@@ -61,7 +62,7 @@ ENUMS = {
     },
     "required": ["country", "currency", "category", "status"],
 }
-SCHEMAS = {"flat": FLAT, "nested_arrays": NESTED, "enum_heavy": ENUMS}
+SCHEMAS: dict[str, dict[str, Any]] = {"flat": FLAT, "nested_arrays": NESTED, "enum_heavy": ENUMS}
 # A document of the nested schema whose prefixes put the mask-fill matchers in different states.
 DOCUMENT = json.dumps(
     {
@@ -97,8 +98,7 @@ def compile_times(tokenizer, vocab_size: int, repeats: int) -> dict[str, dict[st
 
 
 def mask_fill_us_per_row(tokenizer, vocab_size: int, rows: int, repeats: int) -> float:
-    import xgrammar as xgr
-
+    from engine.structured.backend import xgrammar
     from engine.structured.compiler import GrammarCompilerPool
     from engine.structured.matcher import SequenceGrammar
     from engine.structured.params import StructuredOutputsParams
@@ -112,7 +112,7 @@ def mask_fill_us_per_row(tokenizer, vocab_size: int, rows: int, repeats: int) ->
         if state.feed(document[: row * len(document) // rows]) is not None:
             raise RuntimeError("the benchmark document does not match its schema")
         sequences.append(state)
-    bitmask = xgr.allocate_token_bitmask(rows, vocab_size)
+    bitmask = xgrammar().allocate_token_bitmask(rows, vocab_size)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()

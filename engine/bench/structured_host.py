@@ -11,6 +11,7 @@ vocabulary, as a 128k-vocab model's would.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import shutil
 import time
@@ -189,3 +190,10 @@ def run(args: argparse.Namespace) -> dict:
         **{f"{mode}_{key}": value for mode, result in results.items() for key, value in result.items()},
         "tokens_identical": True,
     }
+
+
+def main(args: argparse.Namespace) -> int:
+    if not args.simulated_device_ms >= 0:
+        raise ValueError(f"--simulated-device-ms must be >= 0, got {args.simulated_device_ms}")
+    print(json.dumps(run(args)))
+    return 0
