@@ -318,11 +318,11 @@ class LLMEngine:
 
     @property
     def num_unfinished_requests(self) -> int:
-        return self.scheduler.num_waiting + len(self.scheduler.running)
+        return self.num_waiting_requests + len(self.scheduler.running)
 
     @property
     def num_waiting_requests(self) -> int:
-        return self.scheduler.num_waiting
+        return self.scheduler.num_waiting + len(self.structured.compiling)  # and those waiting for their grammar
 
     @property
     def num_running_requests(self) -> int:
