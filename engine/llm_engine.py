@@ -67,8 +67,7 @@ class LLMEngine:
         self._in_flight: deque[InFlightStep] = deque()
         self._pipeline_depth = 2 if self.config.async_scheduling else 1
         self.structured = StructuredOutputManager.for_model(self.tokenizer, self.model_config, self.config)
-        # CUDA queues device work inline (no device thread whose sampling could wait for a mask, engine/structured)
-        self._inline_device = self.model_runner.device_queue._thread is None
+        self._inline_device = self.model_runner.device_queue._thread is None  # CUDA: no device thread to wait in
 
     # ---- admission -----------------------------------------------------------------------------
     def add_request(
@@ -88,8 +87,7 @@ class LLMEngine:
         out_of_vocab = [t for t in (params.logit_bias or ()) if t >= vocab]
         if out_of_vocab:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {out_of_vocab[:5]}")
-        if params.structured_outputs is not None:
-            self.structured.check_available()  # xgrammar and a tokenizer, or ValueError now
+        self.structured.check_available(params)  # a constraint needs xgrammar and a tokenizer: ValueError now
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         request = Request(
             request_id=request_id,
@@ -245,8 +243,10 @@ class LLMEngine:
             self._recover_from_failed_steps(scheduler_output)
             raise
         executed = time.perf_counter()
-        outputs = self._process(scheduler_output, runner_output)
-        self.structured.fill_pending()  # the launched step's structured draws may sample now
+        try:
+            outputs = self._process(scheduler_output, runner_output)
+        finally:
+            self.structured.fill_pending()  # the launched step's structured draws may sample now (even on failure)
         clock.add(prepared - started, executed - prepared, time.perf_counter() - executed)
         return compiled + outputs
 

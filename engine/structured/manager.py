@@ -69,9 +69,11 @@ class StructuredOutputManager:
             config.structured_outputs_cache_mib,
         )
 
-    def check_available(self) -> None:
-        """ValueError now, before the request is queued, if xgrammar or the tokenizer is missing."""
-        self.pool  # noqa: B018
+    def check_available(self, params: Any) -> None:
+        """For SamplingParams carrying structured_outputs: ValueError now, before the request is queued, if xgrammar
+        or the tokenizer is missing."""
+        if params.structured_outputs is not None:
+            self.pool  # noqa: B018
 
     @property
     def pool(self) -> GrammarCompilerPool:
