@@ -207,3 +207,30 @@ def test_a_refused_token_ends_that_request_with_an_error_and_aborts_free_matcher
 def test_samplingparams_replace_keeps_the_constraint():
     params = SamplingParams(structured_outputs={"choice": ["a"]})
     assert dataclasses.replace(params, max_tokens=3).structured_outputs == params.structured_outputs
+
+
+def test_a_failed_step_never_leaves_a_masked_step_waiting(tiny_llama_dir, monkeypatch):
+    """Async: the step launched behind a failing one waits for a mask that will not come; it is cancelled, both are
+    recomputed, and the structured request ends as an undisturbed run does."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, structured_outputs=CONSTRAINTS[2])
+    expected = LLM(tiny_llama_dir).generate([PROMPTS[0]], params)[0].outputs[0].token_ids
+    engine = LLMEngine(tiny_llama_dir)
+    runner = engine.model_runner
+    real = runner._device_work
+    calls = {"n": 0}
+
+    def fails_on_the_fourth(step):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("device error")
+        return real(step)
+
+    monkeypatch.setattr(runner, "_device_work", fails_on_the_fourth)
+    engine.add_request("r", PROMPTS[0], params)
+    finals = {}
+    with pytest.raises(RuntimeError, match="device error"):
+        for _ in range(20):
+            finals.update({o.request_id: o for o in engine.step() if o.finished})
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finals["r"].outputs[0].token_ids == expected and finals["r"].error is None
