@@ -4,6 +4,7 @@ xgrammar's compiler, whose cache is keyed by the spec and bounded in bytes."""
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -26,8 +27,14 @@ class GrammarCompilerPool:
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="pagedq-grammar")
 
     def submit(self, params: StructuredOutputsParams) -> Future:
-        """A future of the CompiledGrammar (or of the error that names what is wrong with the spec)."""
-        return self._pool.submit(self.compile, params)
+        """A future of (the CompiledGrammar, the seconds its compile took), or of the error that names what is
+        wrong with the spec."""
+        return self._pool.submit(self._timed_compile, params)
+
+    def _timed_compile(self, params: StructuredOutputsParams) -> tuple[Any, float]:
+        start = time.perf_counter()
+        compiled = self.compile(params)
+        return compiled, time.perf_counter() - start
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         compiler, kind = self._compiler, params.kind

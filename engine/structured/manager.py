@@ -55,6 +55,7 @@ class StructuredOutputManager:
         self.sequences: dict[str, SequenceGrammar] = {}  # request id -> its matcher
         self.errors: dict[str, str] = {}  # group id -> the error its final output carries
         self._pending_masks: list[StepMask] = []
+        self._roots: dict[str, Request] = {}  # group id -> its first sequence (the one samples fork from)
         self._scratch = None
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher: fills a step's rows on its threads
 
@@ -96,6 +97,7 @@ class StructuredOutputManager:
     def poll(self) -> tuple[list[Request], list[tuple[Request, str]]]:
         """(requests whose grammar is ready, with their matcher made; (request, error) for those that failed)."""
         ready, failed, now = [], [], time.monotonic()
+        too_slow = f"structured_outputs grammar did not compile within {self.compile_timeout_s:g} s"
         for group_id, item in list(self.compiling.items()):
             if item.future.done():
                 del self.compiling[group_id]
@@ -103,15 +105,18 @@ class StructuredOutputManager:
                 if error is not None:
                     failed.append((item.request, str(error)))
                     continue
-                self.grammars[group_id] = item.future.result()
+                compiled, seconds = item.future.result()
+                if seconds > self.compile_timeout_s:  # however soon it was polled: the limit is the compile's
+                    failed.append((item.request, too_slow))
+                    continue
+                self.grammars[group_id] = compiled
                 self.sequences[item.request.request_id] = self._new_sequence(item.request)
+                self._roots[group_id] = item.request
                 ready.append(item.request)
             elif now >= item.deadline:
                 del self.compiling[group_id]
                 item.future.cancel()  # a compile already running finishes in the background (its result is cached)
-                failed.append(
-                    (item.request, f"structured_outputs grammar did not compile within {self.compile_timeout_s:g} s")
-                )
+                failed.append((item.request, too_slow))
         return ready, failed
 
     def admit(self, scheduler: Any, output_processor: Any) -> list[RequestOutput]:
@@ -146,6 +151,7 @@ class StructuredOutputManager:
             item.future.cancel()
         self.grammars.pop(group_id, None)
         self.errors.pop(group_id, None)
+        self._roots.pop(group_id, None)
         for req_id in [r for r in self.sequences if r == group_id or r.startswith(f"{group_id}#")]:
             del self.sequences[req_id]
 
@@ -160,12 +166,13 @@ class StructuredOutputManager:
         """Feed each live structured sequence its new tokens; the finishes this calls for (a grammar done: stopped;
         a token refused: aborted, with the error kept for the group's final output)."""
         finishes: list[tuple[Request, RequestStatus]] = []
+        for request in advanced:  # samples forked this step first, from their parent's matcher before it moves on
+            if request.request_id not in self.sequences and request.sampling_params.structured_outputs is not None:
+                self.sequences[request.request_id] = self._fork_for(request)
         for request in advanced:
             if request.sampling_params.structured_outputs is None or request.is_finished:
                 continue
-            state = self.sequences.get(request.request_id)
-            if state is None:  # a sample forked this step
-                state = self._fork_for(request)
+            state = self.sequences[request.request_id]
             error = state.feed(request.output_token_ids)
             if error is not None:
                 self.errors.setdefault(request.group_id, error)
@@ -176,11 +183,18 @@ class StructuredOutputManager:
         return finishes
 
     def _fork_for(self, request: Request) -> SequenceGrammar:
-        """A sample forked this step (n > 1, best_of) gets its own matcher, which replays its tokens (one, at
-        the fork) in advance() right after."""
-        state = self._new_sequence(request)
-        self.sequences[request.request_id] = state
-        return state
+        """A sample forked this step (n > 1, best_of): its own matcher, forked from its parent's at the fork point
+        (feed() then takes the sample's own token); one replaying its tokens if the parent's is not there."""
+        parent = self.sequences.get(request.group_id)
+        tokens = request.output_token_ids
+        accepted = parent.num_accepted if parent is not None else 0
+        if (
+            parent is not None
+            and accepted < len(tokens)
+            and self._parent_tokens(request.group_id)[:accepted] == tokens[:accepted]
+        ):
+            return parent.fork()
+        return self._new_sequence(request)
 
     def finish_advanced(self, advanced: list[Request], scheduler: Any) -> None:
         """advance(), then the finishes it calls for, then the matchers of every sequence that finished."""
@@ -198,6 +212,9 @@ class StructuredOutputManager:
                     output.error = self.forget_group(output.request_id)
         return outputs
 
+    def _parent_tokens(self, group_id: str) -> list[int]:
+        return self._roots[group_id].output_token_ids if group_id in self._roots else []
+
     def forget_finished(self, requests: list[Request]) -> None:
         for request in requests:
             if request.is_finished:
@@ -207,6 +224,7 @@ class StructuredOutputManager:
         """A group that reported its final output: drop what is left of it; the error it carries, if any."""
         error = self.errors.pop(group_id, None)
         self.grammars.pop(group_id, None)
+        self._roots.pop(group_id, None)
         return error
 
     def _scratch_row(self):

@@ -19,6 +19,13 @@ class SequenceGrammar:
         self.vocab_size = vocab_size
         self.num_accepted = 0  # output tokens the matcher has seen
 
+    def fork(self) -> SequenceGrammar:
+        """A matcher in this one's state, for a sample forked from its sequence (xgrammar's fork)."""
+        twin = SequenceGrammar.__new__(SequenceGrammar)
+        twin.__dict__.update(self.__dict__)
+        twin.matcher = self.matcher.fork()
+        return twin
+
     def feed(self, output_token_ids: list[int]) -> str | None:
         """Accept the output tokens not seen yet; an error naming the first token the grammar refuses."""
         for position in range(self.num_accepted, len(output_token_ids)):

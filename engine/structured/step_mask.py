@@ -42,16 +42,24 @@ class StepMask:
     def fill(self, matchers: dict[str, Any], batch: Any) -> None:
         """One row per structured draw from its sequence's matcher, filled by xgrammar's BatchGrammarMatcher on
         its own threads (`batch`); a sequence that left keeps all-allowed (its draw is dropped)."""
-        rows, live = [], []
+        rows, live, copies = [], [], []
+        first_row: dict[str, int] = {}
         for row, req_id in zip(self.draw_rows, self.req_ids):
             state = matchers.get(req_id)
-            if state is not None:
-                rows.append(row)
-                live.append(state.matcher)
+            if state is None:
+                continue
+            if req_id in first_row:  # a fan-out's further draws (n, best_of): the same row, copied below
+                copies.append((row, first_row[req_id]))  # (one matcher is never filled by two threads at once)
+                continue
+            first_row[req_id] = row
+            rows.append(row)
+            live.append(state.matcher)
         if len(live) == 1:
             live[0].fill_next_token_bitmask(self.bitmask, rows[0])
         elif live:
             batch.batch_fill_next_token_bitmask(live, self.bitmask, indices=rows)
+        for row, source in copies:
+            self.bitmask[row] = self.bitmask[source]
         self._ready.set()
 
     def cancel(self) -> None:
