@@ -234,3 +234,26 @@ def test_a_failed_step_never_leaves_a_masked_step_waiting(tiny_llama_dir, monkey
     while engine.has_unfinished_requests():
         finals.update({o.request_id: o for o in engine.step() if o.finished})
     assert finals["r"].outputs[0].token_ids == expected and finals["r"].error is None
+
+
+def test_a_fan_outs_draws_share_one_filled_row(tiny_llama_dir):
+    """n / best_of: a request's first step draws several samples from its one matcher; its row is filled once and
+    copied (xgrammar's batch fill would otherwise run one matcher on two threads at once)."""
+    import xgrammar as xgr
+
+    from engine.structured.matcher import SequenceGrammar
+    from engine.structured.step_mask import StepMask
+
+    engine = LLMEngine(tiny_llama_dir)
+    compiled = engine.structured.pool.compile(CONSTRAINTS[0])
+    sequences = {"a": SequenceGrammar(compiled, [2], 512), "b": SequenceGrammar(compiled, [2], 512)}
+    assert sequences["b"].feed(engine.tokenizer.encode('{"id"')) is None
+    mask = StepMask([0, 1, 2, 4], ["a", "a", "b", "a"], 5, 512)
+    mask.fill(sequences, xgr.BatchGrammarMatcher(max_threads=2))
+    alone = xgr.allocate_token_bitmask(2, 512)
+    sequences["a"].fill_row(alone, 0)
+    sequences["b"].fill_row(alone, 1)
+    for row, source in ((0, 0), (1, 0), (2, 1), (4, 0)):
+        assert torch.equal(mask.bitmask[row], alone[source])
+    assert bool((mask.bitmask[3] == -1).all())  # an unstructured draw's row is left all-allowed
+    assert mask.is_filled
