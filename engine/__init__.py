@@ -14,6 +14,7 @@ _EXPORTS = {
     "LLMEngine": "engine.llm_engine",
     "SamplingParams": "engine.sampling_params",
     "RequestOutputKind": "engine.sampling_params",
+    "StructuredOutputsParams": "engine.structured.params",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
     "BeamSearchParams": "engine.beam_search",

@@ -49,6 +49,9 @@ def register_commands(commands: argparse._SubParsersAction) -> argparse._SubPars
     host = benches.add_parser("host", help="host time the device waits through per decode step, async vs sync")
     add_host_arguments(host)
     host.set_defaults(func=_bench_host)
+    structured = benches.add_parser("structured", help="structured outputs: compile, mask fill, e2e tok/s")
+    _add_structured_arguments(structured)
+    structured.set_defaults(func=_bench_structured)
     # Its flags are kernels/bench.py's own (that module imports torch, this parser must not): handed over as given.
     kernels_bench = benches.add_parser(
         "kernels",
@@ -104,7 +107,23 @@ def _bench_throughput(args: argparse.Namespace) -> int:
 def _bench_host(args: argparse.Namespace) -> int:
     from engine.bench import host as bench_host
 
+    if args.sampling == "json":  # structured outputs: engine/bench/structured_host.py
+        from engine.bench import structured_host
+
+        return structured_host.main(args)
     return bench_host.main(args)
+
+
+def _add_structured_arguments(parser: argparse.ArgumentParser) -> None:
+    from engine.bench.structured import add_arguments  # torch is imported by its functions only
+
+    add_arguments(parser)
+
+
+def _bench_structured(args: argparse.Namespace) -> int:
+    from engine.bench import structured as bench_structured
+
+    return bench_structured.main(args)
 
 
 def _bench_kernels(args: argparse.Namespace) -> int:

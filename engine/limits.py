@@ -111,6 +111,8 @@ PROMPT_LOGPROBS: Limit[int, int | None] = Limit("prompt_logprobs", int, None, 0,
 # logit_bias (token id -> a bias added to its logit before penalties and filters): vLLM's and OpenAI's bounds
 LOGIT_BIAS: Limit[float, float] = Limit("logit_bias", float, 0.0, -100.0, 100.0)  # each bias (not in the table)
 LOGIT_BIAS_MAX_ENTRIES = 300  # at most this many tokens biased per request
+# structured_outputs: the longest schema / regex / grammar / choice list (as JSON text) a request may carry
+STRUCTURED_SPEC_MAX_CHARS = 64 * 1024
 
 AnyLimit = Limit[int, int] | Limit[int, int | None] | Limit[float, float]
 SAMPLING_LIMITS: dict[str, AnyLimit] = {

@@ -27,6 +27,7 @@ from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.step_data import ModelRunnerOutput
+from engine.structured.manager import StructuredOutputManager
 from engine.swap import SwapSpace
 
 InFlightStep = tuple[SchedulerOutput, PreparedStep, StepHandle]
@@ -65,6 +66,8 @@ class LLMEngine:
         # Steps launched and not yet finished: (scheduler's record, runner's preparation, device handle).
         self._in_flight: deque[InFlightStep] = deque()
         self._pipeline_depth = 2 if self.config.async_scheduling else 1
+        self.structured = StructuredOutputManager.for_model(self.tokenizer, self.model_config, self.config)
+        self._inline_device = self.model_runner.device_queue._thread is None  # CUDA: no device thread to wait in
 
     # ---- admission -----------------------------------------------------------------------------
     def add_request(
@@ -84,6 +87,7 @@ class LLMEngine:
         out_of_vocab = [t for t in (params.logit_bias or ()) if t >= vocab]
         if out_of_vocab:
             raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {out_of_vocab[:5]}")
+        self.structured.check_available(params)  # a constraint needs xgrammar and a tokenizer: ValueError now
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         request = Request(
             request_id=request_id,
@@ -96,7 +100,8 @@ class LLMEngine:
             fan_out=params.num_samples - 1,
         )
         self.output_processor.add(request)
-        self.scheduler.add_request(request)
+        # a structured request is held until its grammar compiles, then handed to the scheduler
+        (self.structured.submit if params.structured_outputs is not None else self.scheduler.add_request)(request)
 
     def add_beam_search_request(
         self, request_id: str, prompt: str | list[int], params: BeamSearchParams, priority: int = 0
@@ -207,6 +212,7 @@ class LLMEngine:
             return self.beam_search.abort(request_id)
         for request in group.live_requests():
             self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        self.structured.discard(request_id)
         return self.output_processor.final_output(request_id, cumulative=True)
 
     # ---- the step --------------------------------------------------------------------------------
@@ -219,22 +225,30 @@ class LLMEngine:
         """
         clock = self.step_seconds
         started = time.perf_counter()
-        launched = self._schedule_and_launch()
+        compiled = self.structured.admit(self.scheduler, self.output_processor)  # grammars ready, or failed
+        # CUDA: finish the step in flight first, so the next one's mask can be filled before it is launched
+        drain = self._inline_device and self._in_flight and self.structured.sequences
+        launched = None if drain else self._schedule_and_launch()
         if launched is not None:
             self._in_flight.append(launched)
         if not self._in_flight or (launched is not None and len(self._in_flight) < self._pipeline_depth):
-            return []  # nothing to finish yet: the pipeline is filling (or the scheduler had nothing to run)
+            self.structured.wait(0.05, idle=not self._in_flight and not self.scheduler.has_unfinished())
+            return compiled  # nothing to finish yet: the pipeline is filling (or the scheduler had nothing to run)
         prepared = time.perf_counter()
         scheduler_output, step, handle = self._in_flight.popleft()
         try:
             runner_output = self.model_runner.finish(step, handle)
         except BaseException:
+            self.structured.cancel_pending()  # a step waiting for its mask would wait forever
             self._recover_from_failed_steps(scheduler_output)
             raise
         executed = time.perf_counter()
-        outputs = self._process(scheduler_output, runner_output)
+        try:
+            outputs = self._process(scheduler_output, runner_output)
+        finally:
+            self.structured.fill_pending()  # the launched step's structured draws may sample now (even on failure)
         clock.add(prepared - started, executed - prepared, time.perf_counter() - executed)
-        return outputs
+        return compiled + outputs
 
     def _schedule_and_launch(self) -> InFlightStep | None:
         scheduler_output = self.scheduler.schedule()
@@ -249,6 +263,7 @@ class LLMEngine:
             return None
         self._record_step(scheduler_output)
         step = self.model_runner.prepare(scheduler_output.plan)
+        self.structured.attach(step, fill_now=not self._in_flight)
         return scheduler_output, step, self.model_runner.launch(step)
 
     def _process(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
@@ -257,7 +272,8 @@ class LLMEngine:
         for request, stop in self.output_processor.find_stop_strings(advanced):
             request.stop_reason = stop
             self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
-        return self.output_processor.report(advanced) + beam_outputs
+        self.structured.finish_advanced(advanced, self.scheduler)  # matchers take the new tokens
+        return self.structured.with_errors(self.output_processor.report(advanced)) + beam_outputs
 
     def _recover_from_failed_steps(self, failed: SchedulerOutput) -> None:
         """Leave the engine consistent after a step raised: nothing it (or a step launched after it) was to write
@@ -298,15 +314,15 @@ class LLMEngine:
 
     # ---- state -------------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.structured.has_compiling()
 
     @property
     def num_unfinished_requests(self) -> int:
-        return self.scheduler.num_waiting + len(self.scheduler.running)
+        return self.num_waiting_requests + len(self.scheduler.running)
 
     @property
     def num_waiting_requests(self) -> int:
-        return self.scheduler.num_waiting
+        return self.scheduler.num_waiting + len(self.structured.compiling)  # and those waiting for their grammar
 
     @property
     def num_running_requests(self) -> int:

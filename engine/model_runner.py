@@ -38,6 +38,8 @@ class PreparedStep:
     inputs: StepInputs | None = None
     sampling: SamplingPlan | None = None
     last_index: np.ndarray | None = None  # flat token index whose logits each draw samples
+    # structured outputs: masks the draws' logits in place before sampling (engine/structured/step_mask.py)
+    constrain: Callable[[torch.Tensor], None] | None = None
 
 
 class ModelRunner:
@@ -168,7 +170,7 @@ class ModelRunner:
         if step.sampling is None:
             return DeviceResult(None, extra)
         logits = self.model.compute_logits(hidden[torch.from_numpy(step.last_index).to(self.device)])
-        result = sample(logits, self.state.sampling_batch(step.sampling), self.kernels)
+        result = sample(logits, self.state.sampling_batch(step.sampling), self.kernels, step.constrain)
         self.state.record_draws(step.sampling, result.token_ids)
         return DeviceResult(result, extra)
 

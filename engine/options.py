@@ -53,6 +53,10 @@ class EngineOptions:
     async_scheduling: bool | None = knob(
         None, "schedule step t+1 while step t runs (default: on; on CPU as measured, docs/engine.md)", negatable=True
     )
+    structured_outputs_compile_timeout_s: float = knob(
+        10.0, "a structured_outputs grammar not compiled within this many seconds fails its request"
+    )
+    structured_outputs_cache_mib: float = knob(256.0, "memory for compiled structured_outputs grammars (MiB)")
 
 
 @dataclass(frozen=True)

@@ -124,7 +124,10 @@ class OutputProcessor:
             return None
         request, stop = sequence.request, None
         new_tokens = request.all_token_ids[request.num_prompt_tokens + sequence.num_detokenized_tokens :]
-        token_stopped = request.status is RequestStatus.FINISHED_STOPPED and not isinstance(request.stop_reason, str)
+        # Stopped by a token (EOS or a stop id) it holds last, not by a stop string nor a completed grammar
+        token_stopped = request.status is RequestStatus.FINISHED_STOPPED and (
+            isinstance(request.stop_reason, int) or request.all_token_ids[-1] in request.eos_token_ids
+        )
         if token_stopped and new_tokens and not request.sampling_params.include_stop_str_in_output:
             new_tokens, sequence.skipped_stop_token = new_tokens[:-1], True
         for token in new_tokens:

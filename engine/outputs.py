@@ -34,3 +34,5 @@ class RequestOutput:
     # output of a DELTA stream only.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (vLLM's field), counted at admission
+    # Why the request ended early (finish_reason "abort"): e.g. its structured_outputs grammar failed to compile
+    error: str | None = None

@@ -9,6 +9,7 @@ softmax(logits/T) restricted to the tokens the filters keep.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,9 +53,18 @@ class SamplerOutput:
     top_token_ids: torch.Tensor | None  # [B, K] int64
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, ops: kernels.KernelSet | None = None) -> SamplerOutput:
-    """logits [B, V] fp32 (raw model output) -> one token per row. `ops`: the model's bound kernels (else bound now)."""
+def sample(
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    ops: kernels.KernelSet | None = None,
+    constrain: Callable[[torch.Tensor], None] | None = None,
+) -> SamplerOutput:
+    """logits [B, V] fp32 (raw model output) -> one token per row. `ops`: the model's bound kernels (else bound now).
+    `constrain` masks disallowed tokens in place (structured outputs) after the logprobs are taken, so those stay
+    the model's, and before everything else, so every sampling mode draws among the allowed tokens only."""
     raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_num_logprobs is not None else None
+    if constrain is not None:
+        constrain(logits)
     if batch.logit_bias is not None:  # before penalties and filters, as vLLM's logits processors
         rows, ids, values = batch.logit_bias
         logits = logits.index_put((rows, ids), values, accumulate=True)

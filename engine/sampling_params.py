@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TypeGuard
 
 from engine import limits
+from engine.structured.params import StructuredOutputsParams
 
 
 class RequestOutputKind(enum.Enum):
@@ -45,6 +46,8 @@ class SamplingParams:
     # token id -> a bias added to its logit before penalties and filters (OpenAI's logit_bias; vLLM's bounds)
     logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Constrain the output to a JSON schema, regex, choice or grammar (a dict of the same fields is accepted)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +58,8 @@ class SamplingParams:
             self.top_k = -1
         if self.logit_bias is not None:
             self.logit_bias = dict(self.logit_bias) or None
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
         if self.best_of is None and _is_int(self.n):
             self.best_of = self.n
         self._validate()
@@ -77,6 +82,11 @@ class SamplingParams:
             f"must be token ids in [0, {limits.MAX_TOKEN_ID}]",
         )
         check(isinstance(self.output_kind, RequestOutputKind), "output_kind", "must be a RequestOutputKind")
+        check(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            "must be a StructuredOutputsParams or a dict of its fields",
+        )
         if self.logit_bias is not None:
             self._validate_logit_bias()
 

@@ -157,3 +157,46 @@ def test_modules_stay_small(top: str, limit: int) -> None:
     """Small flat files: a module past its limit is split by concern, not left to grow."""
     sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in (ROOT / top).rglob("*.py")}
     assert {path: n for path, n in sizes.items() if n > limit} == {}
+
+
+# What engine/ and kernels/ may import beyond the standard library and the project (pyproject's core dependencies;
+# tqdm comes with transformers). xgrammar is optional (the `structured` extra): only engine/structured/backend.py
+# imports it, inside a function, so the engine loads and serves everything else on a box without it.
+ENGINE_THIRD_PARTY = {"torch", "triton", "transformers", "safetensors", "tokenizers", "numpy", "tqdm"}
+LAZY_ONLY = {"xgrammar": "engine.structured.backend"}
+
+
+def _third_party_imports(path: Path) -> Iterator[tuple[str, bool]]:
+    """(top-level name, imported at module level) of every absolute import of a module outside the project."""
+    import sys
+
+    tree = ast.parse(path.read_text(), str(path))
+    functions = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)]
+    nested = {id(n) for f in functions for n in ast.walk(f)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module]
+        else:
+            continue
+        for name in names:
+            top = name.split(".")[0]
+            if top not in sys.stdlib_module_names and top not in TOP_PACKAGES and top != "__future__":
+                yield top, id(node) not in nested
+
+
+def test_engine_and_kernels_import_only_their_dependencies_and_xgrammar_lazily() -> None:
+    bad, lazy = [], []
+    for name, path in project_modules().items():
+        if name.split(".")[0] not in ("engine", "kernels"):
+            continue
+        for top, at_module_level in _third_party_imports(path):
+            if top in LAZY_ONLY:
+                lazy.append(name)
+                if name != LAZY_ONLY[top] or at_module_level:
+                    bad.append((name, top, "module level" if at_module_level else "function"))
+            elif top not in ENGINE_THIRD_PARTY:
+                bad.append((name, top, "not a core dependency"))
+    assert not bad, f"engine/kernels imports outside their dependencies: {bad}"
+    assert lazy == ["engine.structured.backend"]  # the check sees the one lazy import

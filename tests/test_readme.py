@@ -88,6 +88,7 @@ def test_engine_snippet(chat_llama_dir: Path) -> None:
     again = ns["llm"].generate("Hello", ns["SamplingParams"](max_tokens=32, temperature=0.0))
     assert again[0].outputs[0].token_ids == outs[0].outputs[0].token_ids  # greedy: the same answer
     assert len(chats) == 1 and chats[0].outputs[0].finish_reason in ("stop", "length")
+    assert ns["picked"] in ("yes", "no")  # the constraint holds even on random weights
 
 
 def test_client_snippet(redis_url: str) -> None:
@@ -98,7 +99,9 @@ def test_client_snippet(redis_url: str) -> None:
         assert ns["printed"] == record.text  # the streamed deltas add up to the final text
         assert record.text == offline("What is the capital of France?", max_tokens=32, temperature=0.0)[0]
         assert record.metadata == {"user": 7}
-        assert Client(redis_url).cancel(ns["job_id"]) is False  # what the snippet's last line returned
+        assert Client(redis_url).cancel(ns["job_id"]) is False  # what the snippet's cancel line returned
+        invoice = Client(redis_url).result(ns["invoice"], timeout=60)  # the stub engine ignores the schema
+        assert invoice.status == "completed"
 
 
 def test_async_client_snippet(redis_url: str) -> None:
@@ -162,3 +165,4 @@ def test_openai_snippet(redis_url: str, chat_llama_dir) -> None:
     out = ns["printed"]
     assert out.startswith(r.choices[0].message.content)
     assert "completion_tokens" in out  # the stream's last chunk: usage (stream_options.include_usage)
+    assert json.loads(ns["arguments"])["unit"] in ("celsius", "fahrenheit")  # a forced tool call, valid

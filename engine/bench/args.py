@@ -52,6 +52,7 @@ WORKLOADS: dict[str, WorkloadSpec] = {
 SAMPLINGS = {
     "greedy": dict(temperature=0.0),
     "penalties": dict(temperature=0.8, top_p=0.9, top_k=50, repetition_penalty=1.1),
+    "json": dict(temperature=0.0),  # and --structured-fraction of the sequences under a JSON schema
 }
 
 
@@ -127,7 +128,13 @@ def add_host_arguments(parser: argparse.ArgumentParser) -> None:
         "--sampling",
         choices=sorted(SAMPLINGS),
         default="greedy",
-        help="greedy, or sampling with penalties (more host work per step)",
+        help="greedy, sampling with penalties (more host work per step), or json (structured outputs)",
+    )
+    parser.add_argument(
+        "--structured-fraction",
+        type=float,
+        default=1.0,
+        help="--sampling json: the fraction of sequences under a JSON schema (default 1)",
     )
     parser.add_argument("--vocab-size", type=_positive, default=128256, help="vocabulary of the stand-in model")
     parser.add_argument(

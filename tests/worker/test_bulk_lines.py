@@ -8,6 +8,7 @@ import pytest
 
 from worker.bulk.lines import LineError, parse_request
 from worker.client.core import make_job
+from worker.protocol.errors import JobRejected
 
 
 def _openai_line(**body: object) -> str:
@@ -63,3 +64,32 @@ def test_a_logit_bias_out_of_bounds_is_refused() -> None:
     _, fields, _, _ = parse_request(_openai_line(logit_bias={"28": 101}))
     with pytest.raises(JobRejected, match="logit_bias"):
         make_job(job_id="j4", **fields)
+
+
+SCHEMA = {"type": "object", "properties": {"total": {"type": "number"}}, "required": ["total"]}
+
+
+@pytest.mark.parametrize(
+    "line, expected",
+    [
+        (_openai_line(response_format={"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}), SCHEMA),
+        (_openai_line(response_format={"type": "json_object"}), True),
+        (_openai_line(structured_outputs={"json": SCHEMA}), SCHEMA),
+        (json.dumps({"custom_id": "p", "prompt": "hi", "structured_outputs": {"json": SCHEMA}}), SCHEMA),
+    ],
+)
+def test_structured_outputs_and_response_format_reach_the_job(line: str, expected: object) -> None:
+    _, fields, _, _ = parse_request(line)
+    job = make_job(job_id="j4", **fields)
+    assert job.structured_outputs == ({"json_object": True} if expected is True else {"json": expected})
+    assert job.to_sampling_params().structured_outputs is not None
+
+
+def test_a_bad_constraint_on_a_line_is_refused_naming_it() -> None:
+    with pytest.raises(LineError, match="each constrain the output"):
+        parse_request(_openai_line(response_format={"type": "json_object"}, structured_outputs={"regex": "a"}))
+    with pytest.raises(LineError, match="json_schema with a schema"):
+        parse_request(_openai_line(response_format={"type": "json_schema", "json_schema": {"name": "t"}}))
+    _, fields, _, _ = parse_request(_openai_line(structured_outputs={"choice": []}))
+    with pytest.raises(JobRejected, match="choice must be a non-empty list"):
+        make_job(job_id="j5", **fields)

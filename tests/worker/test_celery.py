@@ -50,6 +50,9 @@ def test_celery_round_trip_equals_native(redis_url, r, monkeypatch):
         # issue 20's fields: logit_bias keys arrive as JSON strings, and are token ids again in the job
         biased = generate.delay(prompt="bias", max_tokens=4, logit_bias={7: 50.0}, best_of=2, seed=1).get(timeout=20)
         assert biased["status"] == "completed" and len(biased["token_ids"]) == 4
+        # issue 19's structured_outputs: carried as a kwarg (the stub engine does not constrain; the field reaches it)
+        shaped = generate.delay(prompt="json", max_tokens=4, structured_outputs={"json": {"type": "object"}})
+        assert shaped.get(timeout=20)["status"] == "completed"
 
         # bad kwargs: FAILURE with the reason, re-raised by get(); the worker keeps serving
         bad = [
@@ -57,8 +60,15 @@ def test_celery_round_trip_equals_native(redis_url, r, monkeypatch):
             generate.delay(prompt="   "),
             generate.delay(prompt="x", temperature=-1),
             app.send_task("pagedq.generate", args=["a", "b"]),
+            generate.delay(prompt="x", structured_outputs={"choice": []}),
         ]
-        reasons = ["max_tokenz", "prompt must not be empty", "temperature", "only positional argument"]
+        reasons = [
+            "max_tokenz",
+            "prompt must not be empty",
+            "temperature",
+            "only positional argument",
+            "choice must be a non-empty list",
+        ]
         for res, reason in zip(bad, reasons):
             try:
                 res.get(timeout=20)
@@ -86,7 +96,7 @@ def test_celery_round_trip_equals_native(redis_url, r, monkeypatch):
         assert client.cancel(results[0]["id"]) is False  # the task id is the job id: same final record
     finals = finals_by_id(r)
     assert all(len(records) == 1 for records in finals.values())
-    assert len(finals) == 1 + 1 + 1 + 1 + 1 + len(bad) + len(chunks)
+    assert len(finals) == 1 + 1 + 1 + 1 + 1 + 1 + len(bad) + len(chunks)
     assert_clean_celery(r)
 
 

@@ -95,7 +95,25 @@ def _openai_fields(data: dict[str, Any]) -> dict[str, Any]:
     if isinstance(fields.get("logprobs"), bool):  # chat: logprobs true + top_logprobs k
         top = fields.pop("top_logprobs", 0)
         fields["logprobs"] = top if fields["logprobs"] else None
+    if "response_format" in fields:
+        _response_format_to_structured_outputs(fields)
     return fields
+
+
+def _response_format_to_structured_outputs(fields: dict[str, Any]) -> None:
+    """OpenAI's response_format (json_object, json_schema) as the job's structured_outputs (the job validates it)."""
+    form = fields.pop("response_format")
+    kind = form.get("type") if isinstance(form, dict) else None
+    if kind == "text":
+        return
+    if "structured_outputs" in fields:
+        raise LineError("invalid_request", "response_format and structured_outputs each constrain the output")
+    if kind == "json_object":
+        fields["structured_outputs"] = {"json_object": True}
+    elif kind == "json_schema" and isinstance(form.get("json_schema"), dict) and "schema" in form["json_schema"]:
+        fields["structured_outputs"] = {"json": form["json_schema"]["schema"]}
+    else:
+        raise LineError("invalid_request", "response_format must be text, json_object or json_schema with a schema")
 
 
 def job_id_for(run_id: str, custom_id: str) -> str:

@@ -82,7 +82,8 @@ def make_app(
         """Generate text. Keywords are the job fields of the wire protocol (prompt, prompt_token_ids,
         messages, max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, ignore_eos,
         include_stop_str_in_output, logit_bias (token id, a string key in Celery's JSON, -> bias), n, best_of,
-        logprobs, prompt_logprobs, echo, stream, priority, deadline, metadata); the task id is the job id.
+        logprobs, prompt_logprobs, echo, structured_outputs (json | json_object | regex | choice | grammar), stream,
+        priority, deadline, metadata); the task id is the job id.
         Returns the final record."""
         raise RuntimeError(
             f"{TASK_NAME} is served by `pagedq worker --celery` (continuous batching), not by a "

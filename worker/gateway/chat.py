@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from worker.gateway.completions import CompletionEndpoint
+from worker.gateway.constraints import call, new_call_id, tool_calls_of, tool_mode
 from worker.gateway.jobs import sampling_fields
 from worker.gateway.render import TokenNames, chat_logprobs, choices_of, usage
 from worker.gateway.schemas import ChatCompletionRequest
@@ -21,6 +22,9 @@ class ChatEndpoint(CompletionEndpoint):
         self.k = ((body.top_logprobs or 0) if body.logprobs else None) if body is not None else k
         self.as_ids = bool(body and body.return_tokens_as_token_ids)
         self.n = body.n if body is not None else 1
+        # "named" / "required": the output is a tool call (its arguments, or a list of calls), returned as tool_calls
+        self.tools = tool_mode(body) if body is not None else None
+        self.call_ids = [new_call_id() for _ in range(self.n)] if self.tools == "named" else []
 
     def chat_body(self) -> ChatCompletionRequest:
         body = self.request_body()
@@ -46,7 +50,7 @@ class ChatEndpoint(CompletionEndpoint):
         choices = [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text, "refusal": None},
+                "message": self._message(c.text),
                 "finish_reason": c.finish_reason,
                 "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, record.token_texts),
                 "stop_reason": c.stop_reason,
@@ -55,32 +59,59 @@ class ChatEndpoint(CompletionEndpoint):
         ]
         return self.envelope(record.id, choices, usage=usage(records))
 
+    def _message(self, text: str) -> dict[str, Any]:
+        calls = tool_calls_of(self.chat_body(), text) if self.tools else None
+        if calls is None:
+            return {"role": "assistant", "content": text, "refusal": None}
+        return {"role": "assistant", "content": None, "refusal": None, "tool_calls": calls}
+
     # --- streaming: object "chat.completion.chunk"; the first chunk of each choice names the role
     def chunk(self, job_id: str, choices: list[dict]) -> dict[str, Any]:
         return {**self.envelope(job_id, choices), "object": "chat.completion.chunk"}
 
     def opening(self, job_id: str) -> list[dict[str, Any]]:
-        return [
-            self.chunk(
-                job_id,
-                [
-                    {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                    for i in range(self.request_body().n)
-                ],
-            )
+        def first(i: int) -> dict[str, Any]:
+            if self.tools == "named":  # the call's id and name first; its arguments stream as they are generated
+                name = self.chat_body().tool_choice.function.name  # type: ignore[union-attr]
+                opened = {**call(name, "", self.call_ids[i]), "index": 0}
+                return {"role": "assistant", "content": None, "tool_calls": [opened]}
+            return {"role": "assistant", "content": None if self.tools else ""}
+
+        choices = [
+            {"index": i, "delta": first(i), "logprobs": None, "finish_reason": None}
+            for i in range(self.request_body().n)
         ]
+        return [self.chunk(job_id, choices)]
 
     def delta_chunk(self, response_id: str, prompt_index: int, delta: Delta) -> dict[str, Any] | None:
         lps = self._chat_logprobs(delta.token_ids, delta.logprobs, delta.token_texts)
+        if self.tools == "required":
+            return None  # the list of calls is parsed, and sent, once complete (closing)
+        content = (
+            {"tool_calls": [{"index": 0, "function": {"arguments": delta.text}}]}
+            if self.tools == "named"
+            else {"content": delta.text}
+        )
         return self.chunk(
-            response_id,
-            [{"index": delta.index, "delta": {"content": delta.text}, "logprobs": lps, "finish_reason": None}],
+            response_id, [{"index": delta.index, "delta": content, "logprobs": lps, "finish_reason": None}]
         )
 
     def closing(self, response_id: str, prompt_index: int, record: FinalRecord) -> list[dict[str, Any]]:
-        return [
-            self.chunk(
-                response_id, [{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason}]
+        chunks = []
+        for c in choices_of(record):
+            if self.tools == "required":
+                calls = tool_calls_of(self.chat_body(), c.text)
+                delta = (
+                    {"tool_calls": [{**tc, "index": i} for i, tc in enumerate(calls)]} if calls else {"content": c.text}
+                )
+                chunks.append(
+                    self.chunk(
+                        response_id, [{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}]
+                    )
+                )
+            chunks.append(
+                self.chunk(
+                    response_id, [{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason}]
+                )
             )
-            for c in choices_of(record)
-        ]
+        return chunks

@@ -7,6 +7,7 @@ from typing import Any
 
 from worker.client.async_client import AsyncClient
 from worker.client.core import make_job
+from worker.gateway.constraints import structured_outputs_of
 from worker.gateway.errors import OpenAIError
 from worker.gateway.schemas import SamplingBody
 from worker.gateway.settings import GatewaySettings
@@ -33,6 +34,10 @@ def sampling_fields(body: SamplingBody, settings: GatewaySettings, max_tokens: i
         fields["deadline"] = time.time() + body.timeout
     if body.user is not None:
         fields["metadata"] = {"user": body.user}
+    fields.pop("structured_outputs", None)  # vLLM's, or response_format, or tools: one of them
+    constraint = structured_outputs_of(body)
+    if constraint is not None:
+        fields["structured_outputs"] = constraint
     return fields
 
 

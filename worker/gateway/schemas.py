@@ -7,12 +7,20 @@ parameters' bounds are the engine's table (engine/limits.py), which the job and 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from engine import limits as sampling
-from worker.protocol.job import MAX_PROMPT_CHARS, LogitBias, TokenId, bounded, optional, token_id_keys
+from worker.protocol.job import (
+    MAX_PROMPT_CHARS,
+    LogitBias,
+    TokenId,
+    bounded,
+    optional,
+    structured_outputs_wire,
+    token_id_keys,
+)
 
 MAX_STOP = 16
 
@@ -24,6 +32,20 @@ class Strict(BaseModel):
 class StreamOptions(Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's: accepted; usage comes in the last chunk (include_usage)
+
+
+class JsonSchemaFormat(Strict):
+    """response_format's json_schema (OpenAI's shape); `strict` is accepted: the schema is always enforced."""
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = Field(default=None, max_length=4096)
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingBody(Strict):
@@ -56,6 +78,10 @@ class SamplingBody(Strict):
     priority: int = Field(default=0, ge=-1_000_000, le=1_000_000)  # vLLM's sense: lower is served first
     # seconds: becomes the job's deadline (the job is expired if it has not finished by then)
     timeout: float | None = Field(default=None, gt=0.0)
+    # OpenAI's output constraint (json_object / json_schema), or vLLM's own (json | regex | choice | grammar)
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    _structured_outputs = field_validator("structured_outputs", mode="before")(structured_outputs_wire)
 
 
 Prompt = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
@@ -93,8 +119,32 @@ class ChatMessage(Strict):
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
+class FunctionDefinition(Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = Field(default=None, max_length=4096)
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(Strict):
+    name: str = Field(min_length=1, max_length=64)
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
 class ChatCompletionRequest(SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1, max_length=10_000)
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     max_tokens: int | None = optional(sampling.MAX_TOKENS)  # deprecated by OpenAI, still sent
     max_completion_tokens: int | None = optional(sampling.MAX_TOKENS)
     logprobs: bool = False

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from engine import limits as sampling
 from engine.limits import SAMPLING_LIMITS, D, Limit, Num
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.structured.params import StructuredOutputsParams
 from worker.protocol import limits
 from worker.protocol.errors import JobRejected
 from worker.protocol.limits import check_metadata
@@ -31,13 +32,14 @@ SAMPLING_FIELDS: tuple[str, ...] = (
     "ignore_eos",
     "include_stop_str_in_output",
     "logit_bias",
+    "structured_outputs",
 )
 # Sampling fields added after the first wire version: sent only when not at their default, so workers that
 # predate them (which reject unknown fields) still accept every job that does not use them.
 LATER_SAMPLING_DEFAULTS = {
     name: SAMPLING_LIMITS[name].default
     for name in ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "best_of")
-} | {"include_stop_str_in_output": False, "logit_bias": None}
+} | {"include_stop_str_in_output": False, "logit_bias": None, "structured_outputs": None}
 LATER_JOB_DEFAULTS = {**LATER_SAMPLING_DEFAULTS, "echo": False}  # and the later fields that are not sampling
 
 
@@ -63,6 +65,16 @@ def token_id_keys(value: Any) -> Any:
     if isinstance(value, dict):
         return {int(k) if isinstance(k, str) and k.isdecimal() and len(k) < 20 else k: v for k, v in value.items()}
     return value
+
+
+def structured_outputs_wire(value: Any) -> Any:
+    """A job's structured_outputs checked as the engine will (exactly one kind, a parsable schema without keywords
+    the grammar cannot enforce, a non-empty choice ...): a bad one is refused at submit, naming the problem."""
+    if value is None:
+        return None
+    if isinstance(value, StructuredOutputsParams):
+        return value.to_dict()
+    return StructuredOutputsParams.from_dict(value).to_dict()
 
 
 def new_job_id() -> str:
@@ -115,10 +127,15 @@ class Job(BaseModel):
     logit_bias: dict[TokenId, LogitBias] | None = Field(default=None, max_length=sampling.LOGIT_BIAS_MAX_ENTRIES)
     # the records (and the first delta) also carry the prompt: its text and token ids (OpenAI's echo)
     echo: bool = False
+    # constrain the output: vLLM's StructuredOutputsParams fields (json | json_object | regex | choice | grammar,
+    # and disable_any_whitespace); a grammar that does not compile or compiles too slowly is `rejected`
+    structured_outputs: dict[str, Any] | None = None
 
     _metadata_is_json = field_validator("metadata")(check_metadata)
 
     _logit_bias_keys = field_validator("logit_bias", mode="before")(lambda value: token_id_keys(value))
+
+    _structured_outputs = field_validator("structured_outputs", mode="before")(structured_outputs_wire)
 
     @model_validator(mode="after")
     def _check(self) -> Job:

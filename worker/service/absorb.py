@@ -31,6 +31,10 @@ def absorb(t: HeldJob, out: RequestOutput, now: float, publisher: Publisher) -> 
         return None
     if several:
         adopt_first_sample(t)
+    error = getattr(out, "error", None)  # e.g. its structured_outputs grammar failed
+    if error is not None:  # before any token (the grammar did not compile): the job itself is bad
+        generated = t.token_ids or any(s.token_ids for s in t.samples.values())
+        return ("failed" if generated else "rejected", error)
     aborted = any(s.finish_reason == "abort" for s in (t.samples.values() if several else [t]))
     return ("failed", ABORTED) if aborted else ("completed", None)
 

@@ -1,0 +1,274 @@
+"""What the engine drives for structured outputs: requests waiting for their grammar, one matcher per sequence,
+and the per-step masks.
+
+    submit()   the request's grammar starts compiling; the request is held here, not in the scheduler
+    poll()     compiled -> handed to the scheduler; failed or past the time limit -> finished with the error
+    attach()   a prepared step gets a StepMask over its structured draws (none: the step never waits)
+    advance()  after a step, each live structured sequence's matcher accepts its new tokens; a rejected token
+               ends that request with an error, a finished grammar stops it
+    fill_pending()  the masks of steps already launched, now that their sequences' tokens are known (async)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
+from typing import Any
+
+from engine.outputs import RequestOutput
+from engine.request import Request, RequestStatus
+from engine.structured.compiler import GrammarCompilerPool
+from engine.structured.matcher import SequenceGrammar
+from engine.structured.step_mask import StepMask
+
+
+@dataclass
+class _Compiling:
+    request: Request
+    future: Future
+    deadline: float
+
+
+class StructuredOutputManager:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        compile_timeout_s: float,
+        cache_mib: float,
+    ) -> None:
+        if not compile_timeout_s > 0:
+            raise ValueError(f"structured_outputs_compile_timeout_s must be > 0, got {compile_timeout_s!r}")
+        if not cache_mib > 0:
+            raise ValueError(f"structured_outputs_cache_mib must be > 0, got {cache_mib!r}")
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.compile_timeout_s = compile_timeout_s
+        self.cache_bytes = int(cache_mib * 2**20)
+        self._pool: GrammarCompilerPool | None = None
+        self.compiling: dict[str, _Compiling] = {}  # by group id
+        self.grammars: dict[str, Any] = {}  # group id -> its CompiledGrammar (forked samples take it)
+        self.sequences: dict[str, SequenceGrammar] = {}  # request id -> its matcher
+        self.errors: dict[str, str] = {}  # group id -> the error its final output carries
+        self._pending_masks: list[StepMask] = []
+        self._roots: dict[str, Request] = {}  # group id -> its first sequence (the one samples fork from)
+        self._scratch = None
+        self._batch: Any = None  # xgrammar's BatchGrammarMatcher: fills a step's rows on its threads
+
+    @classmethod
+    def for_model(cls, tokenizer: Any, model_config: Any, config: Any) -> StructuredOutputManager:
+        """From the engine's ModelConfig and EngineConfig (the model's vocab size, EOS ids, the two knobs)."""
+        return cls(
+            tokenizer,
+            model_config.vocab_size,
+            tuple(model_config.eos_token_ids),
+            config.structured_outputs_compile_timeout_s,
+            config.structured_outputs_cache_mib,
+        )
+
+    def check_available(self, params: Any) -> None:
+        """For SamplingParams carrying structured_outputs: ValueError now, before the request is queued, if xgrammar
+        or the tokenizer is missing."""
+        if params.structured_outputs is not None:
+            self.pool  # noqa: B018
+
+    @property
+    def pool(self) -> GrammarCompilerPool:
+        if self._pool is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs the checkpoint's tokenizer; this model folder has none")
+            self._pool = GrammarCompilerPool(self.tokenizer, self.vocab_size, self.cache_bytes)
+        return self._pool
+
+    # ---- compiles --------------------------------------------------------------------------------
+    def submit(self, request: Request) -> None:
+        params = request.sampling_params.structured_outputs
+        assert params is not None
+        future = self.pool.submit(params)
+        self.compiling[request.group_id] = _Compiling(request, future, time.monotonic() + self.compile_timeout_s)
+
+    def has_compiling(self) -> bool:
+        return bool(self.compiling)
+
+    def poll(self) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """(requests whose grammar is ready, with their matcher made; (request, error) for those that failed)."""
+        ready, failed, now = [], [], time.monotonic()
+        too_slow = f"structured_outputs grammar did not compile within {self.compile_timeout_s:g} s"
+        for group_id, item in list(self.compiling.items()):
+            if item.future.done():
+                del self.compiling[group_id]
+                error = item.future.exception()
+                if error is not None:
+                    failed.append((item.request, str(error)))
+                    continue
+                compiled, seconds = item.future.result()
+                if seconds > self.compile_timeout_s:  # however soon it was polled: the limit is the compile's
+                    failed.append((item.request, too_slow))
+                    continue
+                self.grammars[group_id] = compiled
+                self.sequences[item.request.request_id] = self._new_sequence(item.request)
+                self._roots[group_id] = item.request
+                ready.append(item.request)
+            elif now >= item.deadline:
+                del self.compiling[group_id]
+                item.future.cancel()  # a compile already running finishes in the background (its result is cached)
+                failed.append((item.request, too_slow))
+        return ready, failed
+
+    def admit(self, scheduler: Any, output_processor: Any) -> list[RequestOutput]:
+        """Requests whose grammar compiled go to the scheduler; those whose compile failed or timed out finish
+        here, never scheduled, with the error in their final output."""
+        if not self.compiling:
+            return []
+        ready, failed = self.poll()
+        for request in ready:
+            scheduler.add_request(request)
+        outputs = []
+        for request, error in failed:
+            request.status = RequestStatus.FINISHED_ABORTED
+            output = output_processor.final_output(request.group_id, cumulative=True)
+            output.error = error
+            self.forget_group(request.group_id)
+            outputs.append(output)
+        return outputs
+
+    def wait(self, timeout: float, idle: bool) -> None:
+        """With nothing else to do (`idle`), sleep until a compile finishes, one passes its time limit, or
+        `timeout`: the engine's loop does not spin on compiles."""
+        if not self.compiling or not idle:
+            return
+        soonest = min(item.deadline for item in self.compiling.values()) - time.monotonic()
+        wait([item.future for item in self.compiling.values()], max(0.0, min(timeout, soonest)), FIRST_COMPLETED)
+
+    def discard(self, group_id: str) -> None:
+        """An aborted group: forget its compile (if still waiting), its grammar and its sequences' matchers."""
+        item = self.compiling.pop(group_id, None)
+        if item is not None:
+            item.future.cancel()
+        self.grammars.pop(group_id, None)
+        self.errors.pop(group_id, None)
+        self._roots.pop(group_id, None)
+        for req_id in [r for r in self.sequences if r == group_id or r.startswith(f"{group_id}#")]:
+            del self.sequences[req_id]
+
+    def _new_sequence(self, request: Request) -> SequenceGrammar:
+        stops = sorted({*self.eos_token_ids, *request.sampling_params.stop_token_ids})
+        if request.sampling_params.ignore_eos:
+            stops = sorted(set(request.sampling_params.stop_token_ids))
+        return SequenceGrammar(self.grammars[request.group_id], stops, self.vocab_size)
+
+    # ---- after a step ---------------------------------------------------------------------------
+    def advance(self, advanced: list[Request]) -> list[tuple[Request, RequestStatus]]:
+        """Feed each live structured sequence its new tokens; the finishes this calls for (a grammar done: stopped;
+        a token refused: aborted, with the error kept for the group's final output)."""
+        finishes: list[tuple[Request, RequestStatus]] = []
+        for request in advanced:  # samples forked this step first, from their parent's matcher before it moves on
+            if request.request_id not in self.sequences and request.sampling_params.structured_outputs is not None:
+                self.sequences[request.request_id] = self._fork_for(request)
+        for request in advanced:
+            if request.sampling_params.structured_outputs is None or request.is_finished:
+                continue
+            state = self.sequences[request.request_id]
+            error = state.feed(request.output_token_ids)
+            if error is not None:
+                self.errors.setdefault(request.group_id, error)
+                finishes.append((request, RequestStatus.FINISHED_ABORTED))
+            elif state.is_done(self._scratch_row()):
+                request.stop_reason = None
+                finishes.append((request, RequestStatus.FINISHED_STOPPED))
+        return finishes
+
+    def _fork_for(self, request: Request) -> SequenceGrammar:
+        """A sample forked this step (n > 1, best_of): its own matcher, forked from its parent's at the fork point
+        (feed() then takes the sample's own token); one replaying its tokens if the parent's is not there."""
+        parent = self.sequences.get(request.group_id)
+        tokens = request.output_token_ids
+        accepted = parent.num_accepted if parent is not None else 0
+        if (
+            parent is not None
+            and accepted < len(tokens)
+            and self._parent_tokens(request.group_id)[:accepted] == tokens[:accepted]
+        ):
+            return parent.fork()
+        return self._new_sequence(request)
+
+    def finish_advanced(self, advanced: list[Request], scheduler: Any) -> None:
+        """advance(), then the finishes it calls for, then the matchers of every sequence that finished."""
+        if not self.sequences:
+            return
+        for request, status in self.advance(advanced):
+            scheduler.finish_request(request, status)
+        self.forget_finished(advanced)
+
+    def with_errors(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Final outputs of structured groups carry their error (None if they had none); their grammar is dropped."""
+        if self.grammars:
+            for output in outputs:
+                if output.finished:
+                    output.error = self.forget_group(output.request_id)
+        return outputs
+
+    def _parent_tokens(self, group_id: str) -> list[int]:
+        return self._roots[group_id].output_token_ids if group_id in self._roots else []
+
+    def forget_finished(self, requests: list[Request]) -> None:
+        for request in requests:
+            if request.is_finished:
+                self.sequences.pop(request.request_id, None)
+
+    def forget_group(self, group_id: str) -> str | None:
+        """A group that reported its final output: drop what is left of it; the error it carries, if any."""
+        error = self.errors.pop(group_id, None)
+        self.grammars.pop(group_id, None)
+        self._roots.pop(group_id, None)
+        return error
+
+    def _scratch_row(self):
+        if self._scratch is None:
+            from engine.structured.backend import xgrammar
+
+            self._scratch = xgrammar().allocate_token_bitmask(1, self.vocab_size)
+        return self._scratch
+
+    # ---- the step's mask ----------------------------------------------------------------------------
+    def attach(self, step: Any, fill_now: bool) -> None:
+        """Give a prepared step (engine.model_runner.PreparedStep) the mask of its structured draws, filled now
+        when every token before them is known, else by fill_pending() once the step before it is processed."""
+        plan = step.sampling
+        if plan is None or not self.sequences:
+            return
+        rows = [i for i, info in enumerate(plan.infos) if info.req_id in self.sequences]
+        if not rows:
+            return
+        mask = StepMask(rows, [plan.infos[i].req_id for i in rows], len(plan.infos), self.vocab_size)
+        step.constrain = mask.apply
+        if fill_now:
+            self._fill(mask)
+        else:
+            self._pending_masks.append(mask)
+
+    def fill_pending(self) -> None:
+        masks, self._pending_masks = self._pending_masks, []
+        for mask in masks:
+            self._fill(mask)
+
+    def _fill(self, mask: StepMask) -> None:
+        if self._batch is None:
+            from engine.structured.backend import xgrammar
+
+            self._batch = xgrammar().BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
+        mask.fill(self.sequences, self._batch)
+
+    def cancel_pending(self) -> None:
+        masks, self._pending_masks = self._pending_masks, []
+        for mask in masks:
+            mask.cancel()
+
+    def close(self) -> None:
+        self.cancel_pending()
+        if self._pool is not None:
+            self._pool.close()

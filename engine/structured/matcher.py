@@ -1,0 +1,53 @@
+"""One grammar matcher per sequence: it accepts each token the sequence keeps and fills that sequence's mask rows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.structured.backend import xgrammar
+
+
+class SequenceGrammar:
+    def __init__(self, compiled: Any, stop_token_ids: list[int], vocab_size: int) -> None:
+        xgr = xgrammar()
+        # The stop ids end the grammar: EOS and the request's stop_token_ids, allowed once the output is complete.
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids or None)
+        self.compiled = compiled
+        self.stop_token_ids = stop_token_ids
+        self.vocab_size = vocab_size
+        self.num_accepted = 0  # output tokens the matcher has seen
+
+    def fork(self) -> SequenceGrammar:
+        """A matcher in this one's state, for a sample forked from its sequence (xgrammar's fork)."""
+        twin = SequenceGrammar.__new__(SequenceGrammar)
+        twin.__dict__.update(self.__dict__)
+        twin.matcher = self.matcher.fork()
+        return twin
+
+    def feed(self, output_token_ids: list[int]) -> str | None:
+        """Accept the output tokens not seen yet; an error naming the first token the grammar refuses."""
+        for position in range(self.num_accepted, len(output_token_ids)):
+            token = output_token_ids[position]
+            if not self.matcher.accept_token(token):
+                return f"output token {token} at position {position} does not match the structured_outputs grammar"
+            self.num_accepted = position + 1
+        return None
+
+    def fill_row(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def is_done(self, scratch: torch.Tensor) -> bool:
+        """The grammar accepts nothing more: it saw a stop token, or it is complete and allows only stop tokens
+        (then the request stops here, even before min_tokens: EOS wins, vLLM #53665)."""
+        if self.matcher.is_terminated():
+            return True
+        if not self.matcher.is_completed():
+            return False
+        self.matcher.fill_next_token_bitmask(scratch, 0)
+        row = scratch[0].clone()
+        for token in self.stop_token_ids:
+            if token < self.vocab_size:
+                row[token // 32] &= ~(1 << (token % 32))
+        return not bool(row.any())

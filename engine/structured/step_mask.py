@@ -1,0 +1,76 @@
+"""One step's token bitmask over the draws of its structured sequences.
+
+The host fills it (xgrammar's matchers, one row per structured draw; the other rows stay all-allowed and are not
+touched); the sampler applies it to exactly those rows' logits, before logit bias, penalties, temperature and
+filters. With async scheduling the step's forward is already running when the host learns the previous step's
+tokens: `apply` (device work) then waits for `ready`, so only the sampling of a step with structured draws waits,
+never its forward, and a step without any never waits at all (vLLM #26866).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from engine.structured.backend import xgrammar
+
+# A filled mask arrives within one host step; this only guards the device thread against a host that died.
+_READY_TIMEOUT_S = 300.0
+
+
+class StepCancelled(RuntimeError):
+    """The step's mask will never be filled (an earlier step failed): its device work stops here."""
+
+
+class StepMask:
+    def __init__(self, draw_rows: list[int], req_ids: list[str], num_draws: int, vocab_size: int) -> None:
+        self.draw_rows = draw_rows  # which draws of the step are structured
+        self.req_ids = req_ids  # the sequence whose matcher fills each of them
+        self.bitmask = xgrammar().allocate_token_bitmask(num_draws, vocab_size)  # all allowed
+        if torch.cuda.is_available():
+            self.bitmask = self.bitmask.pin_memory()
+        self.vocab_size = vocab_size
+        self._ready = threading.Event()
+        self._cancelled = False
+
+    @property
+    def is_filled(self) -> bool:
+        return self._ready.is_set()
+
+    def fill(self, matchers: dict[str, Any], batch: Any) -> None:
+        """One row per structured draw from its sequence's matcher, filled by xgrammar's BatchGrammarMatcher on
+        its own threads (`batch`); a sequence that left keeps all-allowed (its draw is dropped)."""
+        rows, live, copies = [], [], []
+        first_row: dict[str, int] = {}
+        for row, req_id in zip(self.draw_rows, self.req_ids):
+            state = matchers.get(req_id)
+            if state is None:
+                continue
+            if req_id in first_row:  # a fan-out's further draws (n, best_of): the same row, copied below
+                copies.append((row, first_row[req_id]))  # (one matcher is never filled by two threads at once)
+                continue
+            first_row[req_id] = row
+            rows.append(row)
+            live.append(state.matcher)
+        if len(live) == 1:
+            live[0].fill_next_token_bitmask(self.bitmask, rows[0])
+        elif live:
+            batch.batch_fill_next_token_bitmask(live, self.bitmask, indices=rows)
+        for row, source in copies:
+            self.bitmask[row] = self.bitmask[source]
+        self._ready.set()
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._ready.set()
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Device work: wait for the host's rows, then mask the structured rows of `logits` in place."""
+        if not self._ready.wait(_READY_TIMEOUT_S):
+            raise StepCancelled("the structured-output mask of this step was never filled")
+        if self._cancelled:
+            raise StepCancelled("an earlier step failed; this one is recomputed")
+        bitmask = self.bitmask.to(logits.device, non_blocking=True)
+        xgrammar().apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=self.draw_rows)

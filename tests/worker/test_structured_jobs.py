@@ -1,0 +1,64 @@
+"""A job's structured_outputs through a real Redis and worker on a tiny checkpoint: a bad constraint is JobRejected
+at the client and `rejected` at the worker (bytes that skip the client), a grammar that does not compile or misses
+its time limit is `rejected` naming why, and the jobs around them complete, constrained as asked."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from engine import LLMEngine
+from worker import Client, JobRejected
+
+from .helpers import KEYS, worker_thread
+
+REGEX = r"[a-z]{3,8}-[0-9]{2}"
+
+
+def test_structured_jobs_are_validated_constrained_and_settled_once(redis_url, r, tiny_llama_dir):
+    client = Client(redis_url)
+    for bad, words in [
+        ({"choice": []}, "choice must be a non-empty list"),
+        ({"json": {"type": "object", "minProperties": 1}}, "minProperties"),
+        ({"regex": "a", "json_object": True}, "exactly one of"),
+        ({"guided_json": {}}, "unknown fields"),
+    ]:
+        try:
+            client.submit(prompt="x", structured_outputs=bad)
+        except JobRejected as error:
+            assert words in str(error)
+        else:
+            raise AssertionError(f"{bad} was accepted")
+    raw = {"id": "raw-bad", "prompt": "x", "structured_outputs": {"json": "{not json"}}
+    r.xadd(KEYS.jobs, {"job": json.dumps(raw)})
+    regex = client.submit(prompt="The quick brown fox", max_tokens=16, structured_outputs={"regex": REGEX})
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    as_json = client.submit(prompt="Redis streams", max_tokens=24, structured_outputs={"json": schema})
+    broken = client.submit(prompt="x", max_tokens=4, structured_outputs={"regex": "([a-z"})
+    plain = client.submit(prompt="Paged attention", max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine = LLMEngine(str(tiny_llama_dir), device="cpu", num_kv_blocks=64)
+    with worker_thread(engine, redis_url):
+        records = {job: client.result(job, timeout=60) for job in ("raw-bad", regex, as_json, broken, plain)}
+    bad_raw = records["raw-bad"]
+    assert bad_raw.status == "rejected" and "json must be a JSON schema, not valid JSON" in bad_raw.error
+    assert records[broken].status == "rejected" and "structured_outputs regex does not compile" in records[broken].error
+    assert records[regex].status == "completed"
+    text = records[regex].text
+    assert re.fullmatch(REGEX, text) or (
+        records[regex].finish_reason == "length" and len(records[regex].token_ids) == 16
+    )
+    if records[as_json].finish_reason == "stop":
+        assert isinstance(json.loads(records[as_json].text)["ok"], bool)
+    assert records[as_json].status == records[plain].status == "completed"
+
+
+def test_a_compile_past_its_time_limit_is_rejected(redis_url, tiny_llama_dir):
+    client = Client(redis_url)
+    schema = {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(30)}}
+    slow = client.submit(prompt="x", max_tokens=4, structured_outputs={"json": schema})
+    after = client.submit(prompt="Paged attention", max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine = LLMEngine(str(tiny_llama_dir), device="cpu", num_kv_blocks=64, structured_outputs_compile_timeout_s=1e-6)
+    with worker_thread(engine, redis_url):
+        record, served = client.result(slow, timeout=60), client.result(after, timeout=60)
+    assert record.status == "rejected" and "did not compile within 1e-06 s" in record.error
+    assert served.status == "completed" and len(served.token_ids) == 3

@@ -1,0 +1,124 @@
+"""An OpenAI request's output constraint as a job's structured_outputs: response_format (json_object, json_schema),
+vLLM's structured_outputs (extra_body), or tools with tool_choice "required" or a named function, which vLLM
+enforces with a JSON schema built from the functions' parameters. At most one of them; a bad one is a 400."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from worker.gateway.errors import OpenAIError
+from worker.gateway.schemas import ChatCompletionRequest, NamedToolChoice, SamplingBody
+from worker.protocol.job import structured_outputs_wire
+
+ANY_ARGUMENTS: dict[str, Any] = {"type": "object"}  # a function declared without parameters
+
+
+def structured_outputs_of(body: SamplingBody) -> dict[str, Any] | None:
+    """The job's structured_outputs for this body (None: unconstrained)."""
+    given: list[tuple[str, dict[str, Any]]] = []
+    if body.structured_outputs is not None:
+        given.append(("structured_outputs", body.structured_outputs))
+    response_format = body.response_format
+    if response_format is not None and response_format.type != "text":
+        given.append(("response_format", _from_response_format(body)))
+    if isinstance(body, ChatCompletionRequest):
+        tools = tool_constraint(body)
+        if tools is not None:
+            given.append(("tool_choice", tools))
+    if len(given) > 1:
+        names = " and ".join(name for name, _ in given)
+        raise OpenAIError(400, f"{names} each constrain the output: give only one", param=given[1][0])
+    if not given:
+        return None
+    param, constraint = given[0]
+    try:
+        return structured_outputs_wire(constraint)
+    except ValueError as error:
+        raise OpenAIError(400, f"{param}: {error}", param=param, code="invalid_request") from None
+
+
+def _from_response_format(body: SamplingBody) -> dict[str, Any]:
+    response_format = body.response_format
+    assert response_format is not None
+    if response_format.type == "json_object":
+        return {"json_object": True}
+    spec = response_format.json_schema
+    if spec is None or spec.schema_ is None:
+        raise OpenAIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+    return {"json": spec.schema_}
+
+
+def tool_mode(body: ChatCompletionRequest) -> str | None:
+    """'named', 'required', or None when the output is not a tool call ('none', or no tools)."""
+    choice = body.tool_choice
+    if not body.tools or choice == "none":
+        return None
+    if isinstance(choice, NamedToolChoice):
+        return "named"
+    if choice == "required":
+        return "required"
+    raise OpenAIError(
+        400,
+        'tool_choice "auto" needs a model-specific tool-call parser, which this server does not have: '
+        'use tool_choice "required" or {"type": "function", "function": {"name": ...}}',
+        param="tool_choice",
+    )
+
+
+def tool_constraint(body: ChatCompletionRequest) -> dict[str, Any] | None:
+    mode = tool_mode(body)
+    if mode is None:
+        return None
+    tools = {t.function.name: t.function for t in body.tools or ()}
+    if mode == "named":
+        assert isinstance(body.tool_choice, NamedToolChoice)
+        name = body.tool_choice.function.name
+        if name not in tools:
+            raise OpenAIError(400, f"tool_choice names {name!r}, which is not in tools", param="tool_choice")
+        return {"json": tools[name].parameters or ANY_ARGUMENTS}
+    calls = {
+        "type": "array",
+        "minItems": 1,
+        "items": {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "enum": [name]},
+                        "parameters": function.parameters or ANY_ARGUMENTS,
+                    },
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+                for name, function in tools.items()
+            ]
+        },
+    }
+    if body.parallel_tool_calls is False:
+        calls["maxItems"] = 1
+    return {"json": calls}
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_calls_of(body: ChatCompletionRequest, text: str) -> list[dict[str, Any]] | None:
+    """The generated text as OpenAI tool_calls: a named function's arguments as generated (vLLM does the same
+    when they are cut short), the calls of a "required" list; None when that list does not parse (cut by
+    max_tokens: the text is then returned as content)."""
+    mode = tool_mode(body)
+    if mode == "named":
+        assert isinstance(body.tool_choice, NamedToolChoice)
+        return [call(body.tool_choice.function.name, text)]
+    try:
+        calls = json.loads(text)
+        return [call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
+def call(name: str, arguments: str, call_id: str | None = None) -> dict[str, Any]:
+    return {"id": call_id or new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
