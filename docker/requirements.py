@@ -1,6 +1,7 @@
 """The Python requirements each pagedq image installs, read from pyproject.toml (the one list of dependencies).
 
-    python docker/requirements.py gateway       # one requirement a line, for `pip install -r`
+    python docker/requirements.py gateway                 # one requirement a line, for `pip install -r`
+    python docker/requirements.py worker-cpu --no-deps    # what the image installs with `pip install --no-deps`
 
 The images install the project itself with `pip install --no-deps .` after these, so what an image leaves out of
 pyproject's lists stays out:
@@ -29,6 +30,13 @@ IMAGES: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "gateway": (("worker",), frozenset({"torch", "triton"})),
     "worker-cpu": (("worker", "demo"), frozenset({"torch", "triton"})),
 }
+# image -> the extras installed without their dependencies: xgrammar (structured outputs) declares triton, which
+# the CPU path never imports (its CPU bitmask kernel is C++); apache-tvm-ffi is the one dependency of it the
+# image does not already hold.
+NO_DEPS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "gateway": ((), ()),
+    "worker-cpu": (("structured",), ("apache-tvm-ffi",)),
+}
 
 
 def distribution(requirement: str) -> str:
@@ -50,7 +58,17 @@ def requirements(image: str, pyproject: Path = PYPROJECT) -> list[str]:
     return lines
 
 
+def no_deps_requirements(image: str, pyproject: Path = PYPROJECT) -> list[str]:
+    """What the image installs after `requirements(image)`, each without its declared dependencies."""
+    if image not in NO_DEPS:
+        raise SystemExit(f"unknown image {image!r}: one of {', '.join(NO_DEPS)}")
+    extras, extra_lines = NO_DEPS[image]
+    optional = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
+    return [line for extra in extras for line in optional[extra]] + list(extra_lines)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        raise SystemExit(f"usage: python {sys.argv[0]} {{{'|'.join(IMAGES)}}}")
-    print("\n".join(requirements(sys.argv[1])))
+    if len(sys.argv) not in (2, 3) or (len(sys.argv) == 3 and sys.argv[2] != "--no-deps"):
+        raise SystemExit(f"usage: python {sys.argv[0]} {{{'|'.join(IMAGES)}}} [--no-deps]")
+    lines = no_deps_requirements(sys.argv[1]) if len(sys.argv) == 3 else requirements(sys.argv[1])
+    print("\n".join(lines))

