@@ -22,7 +22,8 @@ from typing import NamedTuple
 from engine.block_manager import BlockManager
 from engine.request import Request, RequestStatus
 from engine.seats import SeatPolicy, seat_victims, seats_of, waiting_groups
-from engine.step_data import CachedRequestData, NewRequestData, ScheduledChunk, StepPlan
+from engine.step_data import StepPlan
+from engine.step_plan import build_plan
 from engine.swap import SwapSpace
 
 
@@ -202,51 +203,9 @@ class Scheduler:
         return departed
 
     def _plan(self, output: SchedulerOutput) -> StepPlan:
-        """The runner's copy of the step: new requests in full, the ones it holds as diffs since it last saw them."""
-        chunks: list[ScheduledChunk] = []
-        for request, num_new, start, needs_sample, _ in output.scheduled:
-            table = self.block_manager.block_table(request.request_id)
-            if not request.runner_num_tokens:
-                chunks.append(
-                    NewRequestData(
-                        request.request_id,
-                        tuple(request.all_token_ids),
-                        request.num_prompt_tokens,
-                        request.sampling_params,
-                        request.sampling_seed,
-                        request.eos_token_ids,
-                        tuple(table),
-                        num_new,
-                        start,
-                        needs_sample,
-                        request.fan_out,
-                        request.needs_logprobs,
-                        len(request.prompt_logprobs),
-                    )
-                )
-            else:
-                # Only appended entries, or one copy-on-write replaced (runner_num_blocks was lowered then): every
-                # other entry of a running request's table is fixed. Most decode steps send none.
-                first = request.runner_num_blocks
-                chunks.append(
-                    CachedRequestData(
-                        request.request_id,
-                        tuple(request.all_token_ids[request.runner_num_tokens :]),
-                        first,
-                        tuple(table[first:]),
-                        num_new,
-                        start,
-                        needs_sample,
-                    )
-                )
-            request.runner_num_tokens, request.runner_num_blocks = request.num_tokens, len(table)
-        return StepPlan(
-            tuple(chunks),
-            self.take_departures(),
-            tuple(output.blocks_to_copy),
-            tuple(output.blocks_to_swap_out),
-            tuple(output.blocks_to_swap_in),
-        )
+        """The runner's copy of the step (engine/step_plan.py)."""
+        blocks = (output.blocks_to_copy, output.blocks_to_swap_out, output.blocks_to_swap_in)
+        return build_plan(self.block_manager, output.scheduled, blocks, self.take_departures())
 
     def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
         """Make room for `num_new` more tokens of a running request, preempting others if needed."""
