@@ -8,6 +8,7 @@ worker's pending list cannot be taken by an idle worker until their lease lapses
 from __future__ import annotations
 
 import json
+import time
 from collections import deque
 from typing import Any
 
@@ -79,6 +80,7 @@ class Intake:
             enqueued_at=enqueued_at,
             recovered=recovered,
             state=JobState.SUSPECT if recovered else JobState.BACKLOG,
+            read_at=time.monotonic(),
         )
         self.publisher.ops.append(("HSET", self.keys.ids, job.id, 1))  # now Client.cancel knows it
         return t
@@ -193,13 +195,22 @@ def prepare(engine: WorkerEngine, t: HeldJob) -> None:
 
 
 def pick(
-    backlog: list[HeldJob], engine: WorkerEngine, max_waiting: int, isolating: bool, lanes: Lanes, lowest_in_engine: int
+    backlog: list[HeldJob],
+    engine: WorkerEngine,
+    max_waiting: int,
+    isolating: bool,
+    lanes: Lanes,
+    in_engine: list[HeldJob],
 ) -> list[HeldJob]:
     """Choose prepared jobs to hand to the engine now: by band, then priority (Lanes), within the
     waiting-queue cap, the lowest band's slot cap and the free KV blocks the engine's waiting queue will
     not take (both the engine's own figures). Suspects (from a step that raised, or recovered from a dead
     worker) run one at a time with nothing beside them, which pins the failure on one job; the least tried
-    first, so every suspect runs once before any is retried (what lets the breaker see a broken engine)."""
+    first, so every suspect runs once before any is retried (what lets the breaker see a broken engine).
+
+    A job of a higher band is not held back by lower-band jobs waiting in the engine: the engine admits it
+    ahead of them (and takes a seat from a running one, engine/seats.py), so the cap and the KV budget it is
+    checked against leave those out."""
     if not backlog or isolating:
         return []
     lanes.order(backlog)
@@ -208,22 +219,36 @@ def pick(
         return [] if engine.has_unfinished_requests() else [min(suspects, key=lambda t: t.attempts)]
     budget = engine.num_free_blocks - engine.waiting_blocks_needed
     room = max_waiting - engine.num_waiting_requests
-    lowest_room = lanes.lowest_band_cap(engine) - lowest_in_engine
+    lowest_room = lanes.lowest_band_cap(engine) - sum(1 for t in in_engine if t.band == BANDS[-1])
+    behind = _waiting_behind(in_engine)
     chosen: list[HeldJob] = []
     for t in lanes.order(backlog):
-        if room <= 0:
-            break
+        count, blocks = behind[band_rank(t.band)]
+        if room + count <= 0:
+            continue  # its band and the ones above fill the waiting cap
         if t.band == BANDS[-1]:
             if lowest_room <= 0:
                 continue  # the reserved slots stay free for the bands above
             lowest_room -= 1
-        # Always let one job through when the engine has nothing waiting: it will queue for blocks itself.
-        if t.blocks_needed > budget and (chosen or engine.num_waiting_requests):
+        # Always let one job through when the engine has nothing waiting ahead of it: it queues for blocks itself.
+        if t.blocks_needed > budget + blocks and (chosen or engine.num_waiting_requests > count):
             break
         budget -= t.blocks_needed
         room -= 1
         chosen.append(t)
     return chosen
+
+
+def _waiting_behind(in_engine: list[HeldJob]) -> list[tuple[int, int]]:
+    """Per band rank: the jobs of lower bands still waiting in the engine, and the KV blocks they will take."""
+    waiting = [t for t in in_engine if t.waiting_in_engine]
+    return [
+        (
+            sum(1 for t in waiting if band_rank(t.band) > rank),
+            sum(t.blocks_needed for t in waiting if band_rank(t.band) > rank),
+        )
+        for rank in range(len(BANDS))
+    ]
 
 
 def engine_prompt(engine: WorkerEngine, job: Job) -> str | list[int]:

@@ -67,7 +67,8 @@ class WorkerSettings:
     band_min_share: float = _flag(
         0.1, "starvation guard: least share of admissions a lower band keeps while higher ones are busy", ge=0, le=1
     )
-    reserve_seqs: int = _flag(2, "engine sequence slots the bulk band leaves free for interactive/default jobs", ge=0)
+    # 0: the engine takes a bulk sequence's seat for a higher band's job (engine/seats.py); the stub engine cannot
+    reserve_seqs: int = _flag(0, "engine sequence slots the bulk band leaves free for interactive/default jobs", ge=0)
     drain_timeout_s: float = _flag(30.0, "seconds to finish in-flight jobs after SIGTERM", "drain_timeout", ge=0)
     redis_outage_s: float = _flag(
         300.0,

@@ -90,6 +90,7 @@ class HeldJob:
     recovered: bool = False  # from a dead worker (own pending list at restart, XAUTOCLAIM, Celery redelivery)
     seq: int = 0  # read order, the tie-break after priority
     enqueued_at: float = 0.0
+    read_at: float = 0.0  # time.monotonic() when read (or polled): the start of its read-to-admit delay
     admitted_at: float | None = None
     first_token_at: float | None = None
     started: bool = False  # the engine has produced output for it (it left the engine's waiting queue)

@@ -23,6 +23,7 @@ from worker.protocol.job import STATUSES
 from worker.protocol.keys import BANDS, QueueKeys
 from worker.service.absorb import absorb
 from worker.service.admission import Intake, Lanes, engine_priority, pick, prepare
+from worker.service.admit_delay import AdmitDelays
 from worker.service.config import WorkerSettings
 from worker.service.engine_api import WorkerEngine, require_engine
 from worker.service.exchange import Exchange
@@ -79,6 +80,7 @@ class ServiceLoop:
             stop,
             log,
         )
+        self.admit_delays = AdmitDelays()  # read-to-admit, per band
         self.tokens_generated = 0  # counted per step; the metrics timer exports it
         self.cancel_possible = True  # the cancel set was non-empty at the last look
         self._burst_done = False
@@ -203,9 +205,8 @@ class ServiceLoop:
     def _admit(self) -> None:
         in_engine = self.held.in_state(JobState.IN_ENGINE)
         isolating = any(t.alone for t in in_engine)
-        lowest = sum(1 for t in in_engine if t.band == BANDS[-1])
         ready = [t for t in self.held.waiting() if t.prepared or self._prepare(t)]
-        for t in pick(ready, self.engine, self.s.max_waiting, isolating, self.lanes, lowest):
+        for t in pick(ready, self.engine, self.s.max_waiting, isolating, self.lanes, in_engine):
             alone = t.state is JobState.SUSPECT
             if alone and not self.recovery.may_run_alone(t):
                 continue
@@ -244,6 +245,9 @@ class ServiceLoop:
         t.move(JobState.IN_ENGINE)
         t.alone, t.admitted_at = alone, time.time()
         t.attempts += 1
+        if t.read_at:
+            self.admit_delays.add(t.band, time.monotonic() - t.read_at)
+            t.read_at = 0.0  # a rerun is not a new read
 
     # ------------------------------------------------------------------ stepping
     def _step(self) -> None:
