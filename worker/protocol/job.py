@@ -97,6 +97,8 @@ class Job(BaseModel):
     frequency_penalty: float = bounded(sampling.FREQUENCY_PENALTY)
     repetition_penalty: float = bounded(sampling.REPETITION_PENALTY)
     min_tokens: int = bounded(sampling.MIN_TOKENS)
+    # Who the job is for: tenants share a band fairly (worker/service/tenants.py); the gateway sets it from the API key
+    tenant: str | None = Field(default=None, max_length=limits.MAX_TENANT_CHARS, pattern=limits.TENANT_PATTERN)
 
     _metadata_is_json = field_validator("metadata")(check_metadata)
 
@@ -143,6 +145,8 @@ class Job(BaseModel):
         exclude = {name for name, default in LATER_SAMPLING_DEFAULTS.items() if getattr(self, name) == default}
         if self.messages is None:
             exclude.add("messages")
+        if self.tenant is None:  # likewise: workers that predate tenants accept jobs without one
+            exclude.add("tenant")
         return self.model_dump_json(exclude=exclude or None)
 
 

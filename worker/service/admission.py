@@ -21,6 +21,7 @@ from worker.service.config import WorkerSettings
 from worker.service.engine_api import WorkerEngine
 from worker.service.held import HeldJob, JobKey, JobState
 from worker.service.publisher import Publisher
+from worker.service.tenants import TenantShares
 
 _JOB_FIELD_B = JOB_FIELD.encode()
 MAX_REASON_CHARS = 2000  # a rejection reason quotes the problem, never the whole entry
@@ -147,7 +148,8 @@ def engine_priority(t: HeldJob) -> int:
 
 
 class Lanes:
-    """Admission across priority bands: highest band first, with two guards.
+    """Admission across priority bands: highest band first, tenants sharing each band (service/tenants.py),
+    with two guards.
 
     - Starvation: while higher bands are busy, a lower band with jobs waiting keeps at least `min_share` of
       the last WINDOW admissions (its next job goes first whenever it is below that share).
@@ -156,16 +158,18 @@ class Lanes:
 
     WINDOW = 100
 
-    def __init__(self, min_share: float, reserve_seqs: int) -> None:
+    def __init__(self, min_share: float, reserve_seqs: int, tenants: TenantShares | None = None) -> None:
         if not 0.0 <= min_share < 1.0:
             raise ValueError(f"band min share must be in [0, 1), got {min_share}")
         if reserve_seqs < 0:
             raise ValueError(f"reserved sequence slots must be >= 0, got {reserve_seqs}")
         self.min_share, self.reserve_seqs = min_share, reserve_seqs
+        self.tenants = tenants or TenantShares()
         self.recent: deque[str] = deque(maxlen=self.WINDOW)
 
     def order(self, backlog: list[HeldJob]) -> list[HeldJob]:
         backlog.sort(key=lambda t: (band_rank(t.band), -t.job.priority, t.seq))
+        backlog[:] = [t for band in BANDS for t in self.tenants.order(band, [t for t in backlog if t.band == band])]
         if self.min_share <= 0 or not backlog:
             return backlog
         first: list[HeldJob] = []
@@ -179,6 +183,7 @@ class Lanes:
 
     def admitted(self, t: HeldJob) -> None:
         self.recent.append(t.band)
+        self.tenants.admitted(t)
 
     def lowest_band_cap(self, engine: WorkerEngine) -> int:
         return max(1, engine.max_num_seqs - self.reserve_seqs)
@@ -190,7 +195,9 @@ def prepare(engine: WorkerEngine, t: HeldJob) -> None:
     for input the engine or its tokenizer refuses."""
     prompt = engine_prompt(engine, t.job)
     params = t.job.to_sampling_params()
-    t.blocks_needed = engine.blocks_needed(engine.num_prompt_tokens(prompt), params.max_tokens, params.num_samples)
+    num_prompt_tokens = engine.num_prompt_tokens(prompt)
+    t.blocks_needed = engine.blocks_needed(num_prompt_tokens, params.max_tokens, params.num_samples)
+    t.admission_tokens = num_prompt_tokens + params.max_tokens * params.num_samples
     t.engine_input, t.sampling_params = prompt, params
 
 
@@ -213,8 +220,8 @@ def pick(
     checked against leave those out."""
     if not backlog or isolating:
         return []
-    lanes.order(backlog)
-    suspects = [t for t in backlog if t.state is JobState.SUSPECT]
+    ordered = lanes.order(backlog)
+    suspects = [t for t in ordered if t.state is JobState.SUSPECT]
     if suspects:  # wait for the engine to empty, then run the next suspect alone
         return [] if engine.has_unfinished_requests() else [min(suspects, key=lambda t: t.attempts)]
     budget = engine.num_free_blocks - engine.waiting_blocks_needed
@@ -222,7 +229,7 @@ def pick(
     lowest_room = lanes.lowest_band_cap(engine) - sum(1 for t in in_engine if t.band == BANDS[-1])
     behind = _waiting_behind(in_engine)
     chosen: list[HeldJob] = []
-    for t in lanes.order(backlog):
+    for t in ordered:
         count, blocks = behind[band_rank(t.band)]
         if room + count <= 0:
             continue  # its band and the ones above fill the waiting cap

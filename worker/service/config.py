@@ -69,6 +69,11 @@ class WorkerSettings:
     )
     # 0: the engine takes a bulk sequence's seat for a higher band's job (engine/seats.py); the stub engine cannot
     reserve_seqs: int = _flag(0, "engine sequence slots the bulk band leaves free for interactive/default jobs", ge=0)
+    # Tenants share each band by deficit round robin over tokens (worker/service/tenants.py)
+    tenant_weights: str = _flag("", "tenants' weights in their bands' fair shares, like a=2,b=0.5 (default 1 each)")
+    tenant_quantum: int = _flag(
+        4096, "tokens a tenant's turn in the round adds to its share (at weight 1)", ge=1, le=2**31 - 1
+    )
     drain_timeout_s: float = _flag(30.0, "seconds to finish in-flight jobs after SIGTERM", "drain_timeout", ge=0)
     redis_outage_s: float = _flag(
         300.0,

@@ -104,6 +104,7 @@ class HeldJob:
     engine_input: str | list[int] | None = None  # the prompt as the engine gets it (chat rendered); see prepared
     sampling_params: SamplingParams | None = None  # built once, when prepared (admission.prepare); every run uses it
     blocks_needed: int = 0  # KV blocks it takes in the engine at its longest, by the engine's own count
+    admission_tokens: int = 0  # prompt + max_tokens x samples: its cost in its tenant's share (service/tenants.py)
     last_error: str | None = None
     samples: dict[int, Sample] = field(default_factory=dict)  # n > 1 only, by sample index
 

@@ -36,6 +36,7 @@ from worker.service.leases import Leases
 from worker.service.publisher import Publisher
 from worker.service.recovery import REDIS_DOWN, Recovery, Stop
 from worker.service.snapshot import EngineFigures, MetricsSink, WorkerSnapshot
+from worker.service.tenants import TenantShares, parse_weights
 from worker.service.timers import Timers
 
 
@@ -56,7 +57,8 @@ class ServiceLoop:
         self.publisher = Publisher(keys, settings.name, settings.result_ttl_s, settings.completions_maxlen)
         self.stats: dict[str, int] = {status: 0 for status in STATUSES}
         self.intake = Intake(keys, settings, self.publisher, log, self.stats)
-        self.lanes = Lanes(settings.band_min_share, settings.reserve_seqs)
+        tenants = TenantShares(parse_weights(settings.tenant_weights), settings.tenant_quantum)
+        self.lanes = Lanes(settings.band_min_share, settings.reserve_seqs, tenants)
         self.leases = Leases(redis_client, keys, settings.name, settings.lease_ms)
         self.exchange = Exchange(redis_client, keys, settings, self.publisher, self.front_doors)
         self.heartbeat = Heartbeat.of(redis_client, keys, settings, self.front_doors)
