@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from worker import Client
+from worker import Client, QueueFullError
 from worker.protocol.errors import JobRejected
 from worker.protocol.job import Job, build_job, parse_job
 from worker.service.held import HeldJob, JobKey
@@ -116,3 +116,21 @@ def test_a_second_tenant_is_not_queued_behind_the_first_ones_backlog(redis_url, 
     assert sorted(order) == sorted(first + second)
     last_b = max(order.index(job_id) for job_id in second)
     assert last_b < 24, last_b  # taking turns: about 2 x 8, not after A's 40
+
+
+def test_each_tenant_has_its_own_queued_limit(redis_url, r):
+    client = Client(redis_url, max_tenant_queued=3)
+    first = client.submit_many([dict(prompt=f"a {i}", max_tokens=2, tenant="A") for i in range(3)])
+    with pytest.raises(QueueFullError, match="tenant 'A' is at its limit: 3 jobs queued, limit 3") as full:
+        client.submit(prompt="a 4", max_tokens=2, tenant="A", band="bulk")  # the limit spans the bands
+    assert full.value.tenant == "A" and client.queue_depth() == 3  # nothing enqueued
+    client.submit_many([dict(prompt=f"b {i}", max_tokens=2, tenant="B") for i in range(2)])
+    client.submit(prompt="no tenant", max_tokens=2)
+    with pytest.raises(QueueFullError, match="tenant 'A'"):  # all or none
+        client.submit_many([dict(prompt="b 4", tenant="B"), dict(prompt="a 5", tenant="A")])
+    run_burst(StubEngine(), redis_url)
+    assert all(client.result(job_id, timeout=1).ok for job_id in first)
+    client.submit_many([dict(prompt=f"a again {i}", max_tokens=2, tenant="A") for i in range(3)])  # finished: pruned
+    assert r.scard(KEYS.tenant_queued("A")) == 3
+    with pytest.raises(ValueError, match="max_tenant_queued"):
+        Client(redis_url, max_tenant_queued=0)

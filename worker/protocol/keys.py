@@ -64,6 +64,10 @@ class QueueKeys:
         """The dead-letter stream of a band (the default band's is `dead`)."""
         return self.dead if check_band(band) == DEFAULT_BAND else f"{self.base}:dead:{band}"
 
+    def tenant_queued(self, tenant: str) -> str:
+        """Set of a tenant's job ids submitted under a per-tenant limit and maybe unfinished (scripts.SUBMIT)."""
+        return f"{self.base}:tenant:{tenant}:queued"
+
     @property
     def completions(self) -> str:
         """Capped stream of every final record of the queue (MAXLEN ~)."""
