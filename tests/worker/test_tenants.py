@@ -9,13 +9,14 @@ import random
 import pytest
 
 from worker import Client, QueueFullError
+from worker.ops.status import queue_status, render
 from worker.protocol.errors import JobRejected
 from worker.protocol.job import Job, build_job, parse_job
 from worker.service.held import HeldJob, JobKey
 from worker.service.tenants import COST_CAP_QUANTA, TenantShares, parse_weights
 from worker.testing.stub_engine import StubEngine
 
-from .helpers import KEYS, run_burst
+from .helpers import KEYS, run_burst, scrape, wait_for, worker_thread
 
 _ids = itertools.count()
 
@@ -105,17 +106,22 @@ def completion_order(r) -> list[str]:
     return [fields[b"id"].decode() for _, fields in r.xrange(KEYS.completions)]
 
 
-def test_a_second_tenant_is_not_queued_behind_the_first_ones_backlog(redis_url, r):
-    """Through a worker: tenant A's 40 bulk jobs are read before tenant B's 8, yet B's finish among the first."""
+@pytest.mark.parametrize("read_ahead", [100, 0])
+def test_a_second_tenant_is_not_queued_behind_the_first_ones_backlog(redis_url, r, read_ahead):
+    """Through a worker: tenant A's 60 bulk jobs are enqueued before tenant B's 8. Read far enough ahead (the
+    worker's per-tenant queues), B's take turns with A's; with no read-ahead past max_waiting, B's wait for A's."""
     client = Client(redis_url)
     jobs = dict(max_tokens=4, temperature=0.0, band="bulk")
-    first = client.submit_many([dict(prompt=f"a {i}", tenant="A", **jobs) for i in range(40)])
+    first = client.submit_many([dict(prompt=f"a {i}", tenant="A", **jobs) for i in range(60)])
     second = client.submit_many([dict(prompt=f"b {i}", tenant="B", **jobs) for i in range(8)])
-    run_burst(StubEngine(max_num_seqs=2), redis_url, max_waiting=64, tenant_quantum=8)
+    run_burst(StubEngine(max_num_seqs=2), redis_url, max_waiting=8, tenant_read_ahead=read_ahead, tenant_quantum=8)
     order = completion_order(r)
     assert sorted(order) == sorted(first + second)
     last_b = max(order.index(job_id) for job_id in second)
-    assert last_b < 24, last_b  # taking turns: about 2 x 8, not after A's 40
+    if read_ahead:
+        assert last_b < 24, last_b  # taking turns: about 2 x 8, not after A's 60
+    else:
+        assert last_b > 50, last_b
 
 
 def test_each_tenant_has_its_own_queued_limit(redis_url, r):
@@ -134,3 +140,27 @@ def test_each_tenant_has_its_own_queued_limit(redis_url, r):
     assert r.scard(KEYS.tenant_queued("A")) == 3
     with pytest.raises(ValueError, match="max_tenant_queued"):
         Client(redis_url, max_tenant_queued=0)
+
+
+def test_per_tenant_figures_in_status_and_metrics(redis_url, r):
+    """The heartbeat (what `pagedq status` shows) and the metrics count each tenant's jobs, and the
+    read-to-admit delay of each band."""
+    client = Client(redis_url)
+    client.submit_many([dict(prompt=f"a {i}", max_tokens=3, tenant="A") for i in range(5)])
+    client.submit_many([dict(prompt=f"b {i}", max_tokens=3, tenant="B", band="bulk") for i in range(3)])
+    client.submit(prompt="nobody's", max_tokens=3)
+    with worker_thread(StubEngine(), redis_url, metrics_port=0, metrics_every_s=0.05, name="tw") as worker:
+        wait_for(lambda: r.xlen(KEYS.completions) == 9, what="all done")
+        key = (("tenant", "A"),)
+        m = wait_for(lambda: (m := scrape(worker.metrics.port)).get(("pagedq_tenant_admitted_jobs", key)) and m)
+        status = wait_for(
+            lambda: queue_status(r, "default")["tenants"].get("B", {}).get("admitted") and queue_status(r, "default")
+        )
+    assert m[("pagedq_tenant_admitted_jobs", (("tenant", "B"),))] == 3
+    assert m[("pagedq_tenant_admitted_jobs", (("tenant", "(none)"),))] == 1
+    assert m[("pagedq_tenant_admitted_tokens", key)] == 5 * (3 + 3)  # prompt "a i" is 3 stub tokens, + max_tokens
+    assert ("pagedq_read_to_admit_p99_seconds", (("band", "bulk"),)) in m
+    assert {name: row["admitted"] for name, row in status["tenants"].items()} == {"A": 5, "B": 3, "": 1}
+    (w,) = status["workers"]
+    assert w["admit_delay"]["default"]["count"] == 6 and w["admit_delay"]["bulk"]["count"] == 3
+    assert "TENANT" in render([status]) and "bulk=" in render([status])

@@ -23,6 +23,7 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
+from worker.ops.tenant_metrics import BandsAndTenantsMetrics
 from worker.protocol.connection import SyncRedis, probe_client
 from worker.protocol.errors import MetricsPortError
 from worker.protocol.job import FinalRecord
@@ -81,6 +82,7 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=reg,
         ).labels(queue)
+        self.bands_and_tenants = BandsAndTenantsMetrics(reg, queue)  # seat preemptions, admit delay, tenants
         self._seen = {"tokens": 0, "preemptions": 0, "outages": 0}
         self._seen_status: dict[str, int] = {}
         self.stale_after_s = LIVENESS_STALE_S
@@ -159,6 +161,7 @@ class Metrics:
         self._advance(self.tokens, "tokens", snapshot.tokens_generated)
         self._advance(self.preemptions, "preemptions", snapshot.preemptions)
         self._advance(self.outages, "outages", snapshot.redis_outages)
+        self.bands_and_tenants.update(snapshot)
         for status, count in snapshot.stats.items():
             seen = self._seen_status.get(status, 0)
             self.jobs.labels(self.keys.queue, status).inc(count - seen)

@@ -3,11 +3,13 @@ the figure that says whether an interactive job that arrives during a step is ad
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import numpy as np
 
 from worker.protocol.keys import BANDS
+from worker.service.held import HeldJob
 
 KEPT = 1024  # the latest delays kept per band (the percentiles are over these)
 
@@ -16,6 +18,12 @@ class AdmitDelays:
     def __init__(self) -> None:
         self._recent: dict[str, deque[float]] = {band: deque(maxlen=KEPT) for band in BANDS}
         self.counts = dict.fromkeys(BANDS, 0)
+
+    def admitted(self, t: HeldJob) -> None:
+        """A job handed to the engine: its delay since it was read (a rerun is not a new read: not counted)."""
+        if t.read_at:
+            self.add(t.band, time.monotonic() - t.read_at)
+            t.read_at = 0.0
 
     def add(self, band: str, seconds: float) -> None:
         self._recent[band].append(seconds)

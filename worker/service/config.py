@@ -71,6 +71,13 @@ class WorkerSettings:
     reserve_seqs: int = _flag(0, "engine sequence slots the bulk band leaves free for interactive/default jobs", ge=0)
     # Tenants share each band by deficit round robin over tokens (worker/service/tenants.py)
     tenant_weights: str = _flag("", "tenants' weights in their bands' fair shares, like a=2,b=0.5 (default 1 each)")
+    tenant_read_ahead: int = _flag(
+        0,
+        "jobs per band read ahead past --max-waiting, so tenants behind another's backlog share the band; they are "
+        "leased to this worker until it runs them (0: none)",
+        ge=0,
+        le=100_000,
+    )
     tenant_quantum: int = _flag(
         4096, "tokens a tenant's turn in the round adds to its share (at weight 1)", ge=1, le=2**31 - 1
     )

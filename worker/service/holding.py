@@ -40,7 +40,8 @@ class Holding:
             return self.s.max_waiting - self.engine.num_waiting_requests - len(self.held.waiting())
         rank = band_rank(band)
         queued = sum(1 for t in self.held if band_rank(t.band) <= rank and (not t.in_engine or t.waiting_in_engine))
-        return self.s.max_waiting - queued
+        # tenant_read_ahead: deeper, so the tenants' round (service/tenants.py) sees past one tenant's backlog
+        return self.s.max_waiting + self.s.tenant_read_ahead - queued
 
     def hold(self, jobs: list[HeldJob], check_cancel: bool = False) -> None:
         new = []

@@ -247,9 +247,7 @@ class ServiceLoop:
         t.move(JobState.IN_ENGINE)
         t.alone, t.admitted_at = alone, time.time()
         t.attempts += 1
-        if t.read_at:
-            self.admit_delays.add(t.band, time.monotonic() - t.read_at)
-            t.read_at = 0.0  # a rerun is not a new read
+        self.admit_delays.admitted(t)
 
     # ------------------------------------------------------------------ stepping
     def _step(self) -> None:
@@ -271,7 +269,7 @@ class ServiceLoop:
     # ------------------------------------------------------------------ figures
     def snapshot(self, costly: bool = False) -> WorkerSnapshot:
         """The loop's figures now; costly adds those that take a call each (engine.stats(), each door's depth)."""
-        preemptions, depths = self._costly_figures() if costly else (0, {})
+        preemptions, seats, depths = self._costly_figures() if costly else (0, 0, {})
         return WorkerSnapshot(
             state="draining" if self.stopping else "running",
             held_jobs=len(self.held),
@@ -280,18 +278,22 @@ class ServiceLoop:
             tokens_generated=self.tokens_generated,
             redis_outages=self.recovery.redis_outages,
             preemptions=preemptions,
+            seat_preemptions=seats,
+            tenants=self.lanes.tenants.figures(self.held),
+            admit_delays=self.admit_delays.summary(),
             front_door_depths=depths,
         )
 
-    def _costly_figures(self) -> tuple[int, dict[str, int]]:
+    def _costly_figures(self) -> tuple[int, int, dict[str, int]]:
         """One that fails is left out (its gauge keeps its value) and logged: the rest of the metrics, liveness
         included, are still updated."""
-        preemptions, depths = 0, {}
+        preemptions, seats, depths = 0, 0, {}
         try:
             engine_stats = getattr(self.engine, "stats", None)  # an optional extra of the engine
-            preemptions = int(engine_stats().get("num_preemptions", 0)) if callable(engine_stats) else 0
+            stats = engine_stats() if callable(engine_stats) else {}
+            preemptions, seats = int(stats.get("num_preemptions", 0)), int(stats.get("num_seat_preemptions", 0))
             for door in self.front_doors:
                 depths[door.name] = door.depth()  # a broker round trip
         except Exception as exc:
             self.log.error("metrics_update_failed", error=repr(exc))
-        return preemptions, depths
+        return preemptions, seats, depths

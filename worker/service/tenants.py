@@ -22,6 +22,9 @@ from dataclasses import dataclass, field
 from worker.protocol.limits import MAX_TENANT_WEIGHT, MAX_TENANTS_WEIGHTED, TENANT_PATTERN
 from worker.service.held import HeldJob
 
+MAX_TRACKED = 10_000  # tenants counted by name since start; later ones count under OTHER
+MAX_SHOWN = 20  # tenants named in the heartbeat and the metrics labels (the rest summed under OTHER)
+OTHER = "(other)"  # not a valid tenant name, so it never collides with one
 DEFAULT_QUANTUM = 4096  # tokens a tenant's turn adds to its deficit (at weight 1): a few jobs' worth
 
 
@@ -95,6 +98,8 @@ class TenantShares:
             raise ValueError(f"tenant quantum must be an integer in [1, {2**31 - 1}] tokens, got {quantum!r}")
         self.weights, self.quantum = dict(weights or {}), quantum
         self.rounds: dict[str, Round] = {}
+        self.admitted_jobs: dict[str, int] = {}  # since start, per tenant (at most MAX_TRACKED, then OTHER)
+        self.admitted_tokens: dict[str, int] = {}
 
     def _quantum(self, tenants: Iterable[str]) -> dict[str, float]:
         return {x: self.quantum * self.weights.get(x, 1.0) for x in tenants}
@@ -130,6 +135,25 @@ class TenantShares:
         tenant = tenant_of(t)
         real = self.rounds.setdefault(t.band, Round())
         real.serve(tenant, cost_of(t, self.quantum), self._quantum({*real.ring, tenant}))
+        name = tenant if tenant in self.admitted_jobs or len(self.admitted_jobs) < MAX_TRACKED else OTHER
+        self.admitted_jobs[name] = self.admitted_jobs.get(name, 0) + 1
+        self.admitted_tokens[name] = self.admitted_tokens.get(name, 0) + t.admission_tokens
+
+    def figures(self, held: Iterable[HeldJob], top: int = MAX_SHOWN) -> dict[str, dict[str, int]]:
+        """Per tenant: jobs waiting in the worker, jobs in the engine, jobs and tokens admitted since start; the
+        `top` busiest by name, the rest summed under OTHER (what the heartbeat and the metrics labels carry)."""
+        rows: dict[str, dict[str, int]] = {}
+        for name, jobs in self.admitted_jobs.items():
+            rows[name] = {"waiting": 0, "in_engine": 0, "admitted": jobs, "admitted_tokens": self.admitted_tokens[name]}
+        for t in held:
+            row = rows.setdefault(tenant_of(t), {"waiting": 0, "in_engine": 0, "admitted": 0, "admitted_tokens": 0})
+            row["in_engine" if t.in_engine else "waiting"] += 1
+        busiest = sorted(rows, key=lambda x: (-(rows[x]["waiting"] + rows[x]["in_engine"]), -rows[x]["admitted"], x))
+        shown = {name: rows[name] for name in busiest[:top] if name != OTHER}
+        rest = [rows[name] for name in rows if name not in shown]
+        if rest:
+            shown[OTHER] = {key: sum(row[key] for row in rest) for key in rest[0]}
+        return shown
 
 
 COST_CAP_QUANTA = 8  # a job costs at most this many quanta: a huge one waits 8 rounds, not max_tokens / quantum
