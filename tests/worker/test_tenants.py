@@ -9,6 +9,8 @@ import random
 import pytest
 
 from worker import Client, QueueFullError
+from worker.bulk.lines import parse_line
+from worker.client.core import make_job
 from worker.ops.status import queue_status, render
 from worker.protocol.errors import JobRejected
 from worker.protocol.job import Job, build_job, parse_job
@@ -100,6 +102,8 @@ def test_the_tenant_field_is_bounded_and_optional_on_the_wire():
             build_job(prompt="x", tenant=bad)
     with pytest.raises(JobRejected, match="tenant"):
         parse_job(b'{"prompt": "x", "tenant": "a{b"}')
+    _, fields, _ = parse_line('{"custom_id": "c1", "prompt": "x", "tenant": "acme"}')  # pagedq bulk's lines
+    assert make_job(**fields).tenant == "acme"
 
 
 def completion_order(r) -> list[str]:

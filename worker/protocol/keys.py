@@ -26,9 +26,15 @@ def band_for_priority(priority: int) -> str:
     return "interactive" if priority > 0 else "bulk" if priority < 0 else DEFAULT_BAND
 
 
+_RANKS = {band: rank for rank, band in enumerate(BANDS)}
+
+
 def band_rank(band: str) -> int:
-    """0 for the highest band."""
-    return BANDS.index(band)
+    """0 for the highest band (ValueError for an unknown one)."""
+    try:
+        return _RANKS[band]
+    except KeyError:
+        raise ValueError(f"{band!r} is not a band") from None
 
 
 def check_band(band: str) -> str:

@@ -220,14 +220,17 @@ def pick(
     checked against leave those out."""
     if not backlog or isolating:
         return []
-    ordered = lanes.order(backlog)
-    suspects = [t for t in ordered if t.state is JobState.SUSPECT]
+    suspects = [t for t in backlog if t.state is JobState.SUSPECT]
     if suspects:  # wait for the engine to empty, then run the next suspect alone
-        return [] if engine.has_unfinished_requests() else [min(suspects, key=lambda t: t.attempts)]
+        return [] if engine.has_unfinished_requests() else [min(suspects, key=lambda t: (t.attempts, t.seq))]
     budget = engine.num_free_blocks - engine.waiting_blocks_needed
     room = max_waiting - engine.num_waiting_requests
     lowest_room = lanes.lowest_band_cap(engine) - sum(1 for t in in_engine if t.band == BANDS[-1])
     behind = _waiting_behind(in_engine)
+    bands = {t.band for t in backlog}
+    if not any(room + behind[band_rank(b)][0] > 0 and (b != BANDS[-1] or lowest_room > 0) for b in bands):
+        return []  # no band has room (most turns of a busy engine): the order need not be worked out
+    ordered = lanes.order(backlog)
     chosen: list[HeldJob] = []
     for t in ordered:
         count, blocks = behind[band_rank(t.band)]

@@ -79,7 +79,7 @@ class WorkerSettings:
         le=100_000,
     )
     tenant_quantum: int = _flag(
-        4096, "tokens a tenant's turn in the round adds to its share (at weight 1)", ge=1, le=2**31 - 1
+        512, "tokens a tenant's turn in the round adds to its share (at weight 1)", ge=1, le=2**31 - 1
     )
     drain_timeout_s: float = _flag(30.0, "seconds to finish in-flight jobs after SIGTERM", "drain_timeout", ge=0)
     redis_outage_s: float = _flag(

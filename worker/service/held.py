@@ -15,6 +15,7 @@ import enum
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple
 
 from engine.sampling_params import SamplingParams
@@ -140,7 +141,7 @@ class HeldJob:
         """Handed to the engine, no output yet: still in the engine's waiting queue as far as we know."""
         return self.state is JobState.IN_ENGINE and not self.started
 
-    @property
+    @cached_property  # fixed (origin and job are), and read per held job several times a turn
     def band(self) -> str:
         """The priority band it is admitted in: its stream's, or for a Celery job the one its priority maps to."""
         return self.origin if self.origin in BANDS else band_for_priority(self.job.priority)

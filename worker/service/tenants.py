@@ -25,7 +25,7 @@ from worker.service.held import HeldJob
 MAX_TRACKED = 10_000  # tenants counted by name since start; later ones count under OTHER
 MAX_SHOWN = 20  # tenants named in the heartbeat and the metrics labels (the rest summed under OTHER)
 OTHER = "(other)"  # not a valid tenant name, so it never collides with one
-DEFAULT_QUANTUM = 4096  # tokens a tenant's turn adds to its deficit (at weight 1): a few jobs' worth
+DEFAULT_QUANTUM = 512  # tokens a tenant's turn adds to its deficit (at weight 1): about one job
 
 
 def tenant_of(t: HeldJob) -> str:
