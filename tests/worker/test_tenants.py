@@ -15,7 +15,7 @@ from worker.ops.status import queue_status, render
 from worker.protocol.errors import JobRejected
 from worker.protocol.job import Job, build_job, parse_job
 from worker.service.held import HeldJob, JobKey
-from worker.service.tenants import COST_CAP_QUANTA, TenantShares, parse_weights
+from worker.service.tenants import COST_CAP_QUANTA, MAX_SHOWN, OTHER, TenantShares, parse_weights
 from worker.testing.stub_engine import StubEngine
 
 from .helpers import KEYS, run_burst, scrape, wait_for, worker_thread
@@ -168,3 +168,13 @@ def test_per_tenant_figures_in_status_and_metrics(redis_url, r):
     (w,) = status["workers"]
     assert w["admit_delay"]["default"]["count"] == 6 and w["admit_delay"]["bulk"]["count"] == 3
     assert "TENANT" in render([status]) and "bulk=" in render([status])
+
+
+def test_figures_name_the_busiest_tenants_and_sum_the_rest():
+    shares = TenantShares()
+    held = [_held(f"t{i}", 10) for i in range(25) for _ in range(i + 1)]  # t24 is the busiest
+    shares.admitted(held[0])
+    figures = shares.figures(held)
+    assert len(figures) == MAX_SHOWN + 1 and "t24" in figures and "t0" not in figures
+    assert sum(row["waiting"] for row in figures.values()) == len(held)
+    assert figures[OTHER]["admitted"] == 1 and figures[OTHER]["waiting"] == sum(range(1, 6))
