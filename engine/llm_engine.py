@@ -26,6 +26,7 @@ from engine.post_step import PostStep
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.seats import SeatPolicy
 from engine.step_data import ModelRunnerOutput
 from engine.structured.manager import StructuredOutputManager
 from engine.swap import SwapSpace
@@ -51,8 +52,14 @@ class LLMEngine:
             self.model_runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
         )
         swap = SwapSpace(self.model_runner.num_host_blocks) if self.config.preemption_mode == "swap" else None
+        seats = SeatPolicy(self.config.seat_preemption_interval, self.config.max_seat_preemptions)
         self.scheduler = Scheduler(
-            self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens, swap, self.max_model_len
+            self.block_manager,
+            self.config.max_num_seqs,
+            self.config.max_num_batched_tokens,
+            swap,
+            self.max_model_len,
+            seats,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer)
@@ -352,6 +359,7 @@ class LLMEngine:
             "kv_slot_utilization": self.kv_slot_utilization,
             "mean_kv_slot_utilization": self._utilization_sum / self.num_steps if self.num_steps else 0.0,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_seat_preemptions": self.scheduler.num_seat_preemptions,
             "num_steps": self.num_steps,
             "num_device_fed_tokens": self.model_runner.num_device_fed_tokens,
             "num_graph_steps": graphs.num_runs if (graphs := self.model_runner.decode_graphs) else 0,

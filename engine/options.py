@@ -46,6 +46,11 @@ class EngineOptions:
         "what a preempted sequence's blocks become: recomputed later, or swapped to a CPU pool and back",
         choices=("recompute", "swap"),
     )
+    # Seat preemption (engine/seats.py): a waiting request of higher priority takes a running lower one's seat
+    seat_preemption_interval: int = knob(
+        4, "steps a sequence keeps its seat before a higher-priority request may take it (0: never)"
+    )
+    max_seat_preemptions: int = knob(2, "times one sequence may lose its seat to higher-priority requests")
     swap_space_gib: float = knob(4.0, "size of the CPU swap pool of --preemption-mode swap (GiB)")
     enforce_eager: bool = knob(False, "no CUDA graphs for decode steps")
     # Schedule and prepare step t+1 while step t runs on the device (engine/async_step.py); outputs are identical

@@ -59,7 +59,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens the prefix cache served at first admission (-1: not admitted yet)
-    num_preemptions: int = 0
+    num_preemptions: int = 0  # for KV blocks or for its seat
+    num_seat_preemptions: int = 0  # for its seat (engine/seats.py bounds them)
+    seat_since_step: int = 0  # the scheduler's step count when it last took a seat
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] = field(default_factory=list)

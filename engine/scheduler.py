@@ -5,8 +5,11 @@ fork n / best_of samples takes a seat for each when admitted). Running sequences
 order: a decoding one needs one token, a half-prefilled one the rest of its prompt (chunked to what the
 budget allows). When the pool runs dry the lowest-priority, most recently admitted running sequence is
 preempted: by recompute (its blocks are freed and it will be prefilled again, which prefix caching makes
-cheap) or by swap (its blocks are copied to a CPU pool and back). It then waits ahead of new arrivals.
-Waiting sequences are admitted only in steps that preempted nobody.
+cheap) or by swap (its blocks are copied to a CPU pool and back). It then waits ahead of new arrivals of its
+priority. Waiting sequences are admitted only in steps that preempted nobody for blocks.
+
+Seats are preempted too (engine/seats.py): when a waiting request outranks running ones and no seat is free, the
+lowest-priority, most recently admitted of them gives up its seat, by the same recompute or swap, within bounds.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from typing import NamedTuple
 
 from engine.block_manager import BlockManager
 from engine.request import Request, RequestStatus
-from engine.step_data import CachedRequestData, NewRequestData, ScheduledChunk, StepPlan
+from engine.seats import SeatPolicy, seat_victims, seats_of, waiting_groups
+from engine.step_data import StepPlan
+from engine.step_plan import build_plan
 from engine.swap import SwapSpace
 
 
@@ -64,6 +69,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         swap_space: SwapSpace | None = None,
         max_model_len: int = 2**62,
+        seat_policy: SeatPolicy | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -76,7 +82,10 @@ class Scheduler:
         self._waiting: list[tuple[tuple[int, int, int], int, Request]] = []
         self._push_counter = itertools.count()
         self._admission_counter = itertools.count()
-        self.num_preemptions = 0
+        self.num_preemptions = 0  # for blocks and for seats
+        self.seat_policy = seat_policy or SeatPolicy()
+        self.num_seat_preemptions = 0
+        self.num_schedules = 0  # the step clock of the seat policy
         self._left_runner: list[str] = []  # ids whose runner rows must go (named in the next plan)
 
     # ---- queue bookkeeping -------------------------------------------------------------------
@@ -98,9 +107,10 @@ class Scheduler:
         self._push_waiting(request)
 
     def _push_waiting(self, request: Request) -> None:
-        # Preempted requests go ahead of new arrivals; then higher priority; then first come first served.
+        # Higher priority first (a preempted low one must not block the one that took its seat); among equals
+        # preempted requests go ahead of new arrivals; then first come first served.
         resumed = request.status in (RequestStatus.PREEMPTED, RequestStatus.SWAPPED)
-        key = (0 if resumed else 1, -request.priority, request.arrival_index)
+        key = (-request.priority, 0 if resumed else 1, request.arrival_index)
         heapq.heappush(self._waiting, (key, next(self._push_counter), request))
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
@@ -125,11 +135,15 @@ class Scheduler:
         """Run `child` (a fork of running `parent`) from now on, sharing the parent's blocks."""
         self.block_manager.fork(parent.request_id, child.request_id)
         child.status = RequestStatus.RUNNING
+        child.seat_since_step = parent.seat_since_step
         self.running.append(child)
 
     # ---- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
+        self.num_schedules += 1
+        # Seats first: a victim not yet scheduled in this step can be swapped, not only recomputed.
+        num_seat_victims = self._preempt_for_seats(output)
         budget = self.max_num_batched_tokens
         index = 0
         while index < len(self.running) and budget > 0:
@@ -150,10 +164,32 @@ class Scheduler:
                 index = self.running.index(request)
                 budget = self.max_num_batched_tokens - output.num_batched_tokens
             index += 1
-        if not output.preempted:
+        if len(output.preempted) == num_seat_victims:  # nobody preempted for blocks
             self._admit_waiting(budget, output)
         output.plan = self._plan(output)
         return output
+
+    def _free_seats(self) -> int:
+        # A sequence still to fan out (n / best_of before its first token) holds a seat for each sample it forks.
+        return self.max_num_seqs - len(self.running) - sum(r.fan_out for r in self.running)
+
+    def _preempt_for_seats(self, output: SchedulerOutput) -> int:
+        """Preempt the running sequences whose seats waiting ones of higher priority take (engine/seats.py)."""
+        if not (self._waiting and self.running and self.seat_policy.enabled):
+            return 0
+        head = self._waiting[0][-1]
+        # The common case, checked cheaply: nobody waiting outranks anyone running, or the head has its seats.
+        if head.priority <= min(r.priority for r in self.running) or (
+            not head.is_beam and self._free_seats() >= seats_of([head])
+        ):
+            return 0
+        groups = waiting_groups([item[-1] for item in sorted(self._waiting)])
+        victims = seat_victims(self.running, groups, self._free_seats(), self.num_schedules, self.seat_policy)
+        for victim in victims:
+            self._preempt(victim, output)
+            victim.num_seat_preemptions += 1
+        self.num_seat_preemptions += len(victims)
+        return len(victims)
 
     def _swap_space(self) -> SwapSpace:
         """The swap space a SWAPPED request implies (only preemption by swapping makes one)."""
@@ -167,51 +203,9 @@ class Scheduler:
         return departed
 
     def _plan(self, output: SchedulerOutput) -> StepPlan:
-        """The runner's copy of the step: new requests in full, the ones it holds as diffs since it last saw them."""
-        chunks: list[ScheduledChunk] = []
-        for request, num_new, start, needs_sample, _ in output.scheduled:
-            table = self.block_manager.block_table(request.request_id)
-            if not request.runner_num_tokens:
-                chunks.append(
-                    NewRequestData(
-                        request.request_id,
-                        tuple(request.all_token_ids),
-                        request.num_prompt_tokens,
-                        request.sampling_params,
-                        request.sampling_seed,
-                        request.eos_token_ids,
-                        tuple(table),
-                        num_new,
-                        start,
-                        needs_sample,
-                        request.fan_out,
-                        request.needs_logprobs,
-                        len(request.prompt_logprobs),
-                    )
-                )
-            else:
-                # Only appended entries, or one copy-on-write replaced (runner_num_blocks was lowered then): every
-                # other entry of a running request's table is fixed. Most decode steps send none.
-                first = request.runner_num_blocks
-                chunks.append(
-                    CachedRequestData(
-                        request.request_id,
-                        tuple(request.all_token_ids[request.runner_num_tokens :]),
-                        first,
-                        tuple(table[first:]),
-                        num_new,
-                        start,
-                        needs_sample,
-                    )
-                )
-            request.runner_num_tokens, request.runner_num_blocks = request.num_tokens, len(table)
-        return StepPlan(
-            tuple(chunks),
-            self.take_departures(),
-            tuple(output.blocks_to_copy),
-            tuple(output.blocks_to_swap_out),
-            tuple(output.blocks_to_swap_in),
-        )
+        """The runner's copy of the step (engine/step_plan.py)."""
+        blocks = (output.blocks_to_copy, output.blocks_to_swap_out, output.blocks_to_swap_in)
+        return build_plan(self.block_manager, output.scheduled, blocks, self.take_departures())
 
     def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
         """Make room for `num_new` more tokens of a running request, preempting others if needed."""
@@ -310,11 +304,10 @@ class Scheduler:
     def _admit_waiting(self, budget: int, output: SchedulerOutput) -> None:
         if not self._waiting:
             return
-        # A sequence still to fan out (n / best_of before its first token) holds a seat for each sample it forks.
-        free_seats = self.max_num_seqs - len(self.running) - sum(r.fan_out for r in self.running)
+        free_seats = self._free_seats()
         while self._waiting and budget > 0 and free_seats > 0:
             group = self._waiting_group(self._waiting[0][-1])
-            seats = len(group) + sum(r.fan_out for r in group)
+            seats = seats_of(group)
             if seats > free_seats or budget < len(group):
                 break  # head-of-line: a lower-priority request must not overtake it
             admitted: list[Request] = []
@@ -334,6 +327,7 @@ class Scheduler:
             free_seats -= seats
             for request in group:
                 request.status = RequestStatus.RUNNING
+                request.seat_since_step = self.num_schedules
                 self.running.append(request)
 
     def _waiting_group(self, head: Request) -> list[Request]:

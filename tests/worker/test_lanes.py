@@ -139,3 +139,36 @@ def test_an_interactive_job_takes_kv_blocks_from_running_bulk_jobs_exactly(redis
     for record, expected in zip(records, oracle):
         assert record.status == "completed" and record.token_ids == list(expected.outputs[0].token_ids)
     assert_bands_clean(r)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_an_interactive_job_takes_a_seat_from_running_bulk_jobs_at_once_and_exactly(redis_url, r, tiny_llama_dir, mode):
+    """Every seat is held by a long bulk job: the interactive one takes a seat (engine/seats.py) and ends while
+    both bulk jobs still run, and every output is LLM.generate's (seeded and greedy)."""
+    bulk_prompts = [[3 + i, 17, 29, 41] * 4 for i in range(2)]
+    web_prompt = [5, 7, 11, 13] * 2
+    bulk_params = [dict(max_tokens=200, temperature=0.0), dict(max_tokens=200, temperature=0.8, seed=3)]
+    engine = LLMEngine(str(tiny_llama_dir), device="cpu", max_num_seqs=2, preemption_mode=mode, swap_space_gib=0.01)
+    client = Client(redis_url)
+    bulk = [
+        client.submit(prompt_token_ids=p, ignore_eos=True, stream=True, band="bulk", **params)
+        for p, params in zip(bulk_prompts, bulk_params)
+    ]
+    with worker_thread(engine, redis_url) as worker:
+        wait_for(lambda: min(r.xlen(KEYS.result(job_id)) for job_id in bulk) >= 10, what="both seats taken")
+        web = client.submit(prompt_token_ids=web_prompt, max_tokens=8, temperature=0.0, ignore_eos=True, priority=10)
+        assert client.result(web, timeout=30).status == "completed"
+        assert not any(r.exists(KEYS.final(job_id)) for job_id in bulk)  # it did not wait for a bulk job to end
+        records = [client.result(job_id, timeout=120) for job_id in [web, *bulk]]
+        delays = worker.admit_delays.summary()
+    assert engine.stats()["num_seat_preemptions"] == 1
+    assert delays["interactive"]["count"] == 1 and delays["bulk"]["count"] == 2
+    oracle = LLM(str(tiny_llama_dir), device="cpu").generate(
+        [web_prompt, *bulk_prompts],
+        [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)]
+        + [SamplingParams(ignore_eos=True, **params) for params in bulk_params],
+    )
+    for record, expected in zip(records, oracle):
+        assert record.status == "completed" and record.token_ids == list(expected.outputs[0].token_ids)
+    assert_bands_clean(r)

@@ -161,3 +161,27 @@ def test_a_job_that_kills_its_worker_sinks_only_itself(redis_url, r, tmp_path):
     assert set(finals) == set(good)
     assert r.hlen(KEYS.runs) == 0
     assert_clean_queue(r)
+
+
+def test_kill_9_with_tenants_and_bands_mixed_loses_and_duplicates_nothing(redis_url, r, tmp_path):
+    """Jobs of three tenants (and none) over all three bands; the worker is killed mid-run and a restarted one
+    and a second one finish: every job has exactly one final record, with the stub's output."""
+    client = Client(redis_url, max_tenant_queued=100)
+    bands, tenants = ("interactive", "default", "bulk"), ("A", "B", "C", None)
+    specs = [
+        dict(prompt=f"mixed {i}", max_tokens=20, temperature=0.0, stream=i % 3 == 0, band=bands[i % 3])
+        | ({"tenant": tenants[i % 4]} if tenants[i % 4] else {})
+        for i in range(48)
+    ]
+    jobs = dict(zip(client.submit_many(specs), (s["prompt"] for s in specs)))
+    stub = ["--engine", "stub", "--stub-step-delay", "0.01", "--max-num-seqs", "4", "--max-waiting", "6"]
+    first = start_worker(redis_url, *stub, "--name", "a", log=tmp_path / "a.log")
+    wait_for(lambda: r.xlen(KEYS.completions) >= 8, timeout=60, what="some jobs done before the kill")
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=10)
+    assert sum(r.xpending(KEYS.jobs_of(band), "workers")["pending"] for band in bands) > 0
+    again = start_worker(redis_url, *stub, "--name", "a", "--burst", log=tmp_path / "a2.log")
+    wait_for(lambda: "worker_started" in (tmp_path / "a2.log").read_text(), timeout=60, what="a restarted")
+    second = start_worker(redis_url, *stub, "--name", "b", "--burst", log=tmp_path / "b.log")
+    assert again.wait(timeout=90) == 0 and second.wait(timeout=90) == 0
+    check_exactly_once(r, client, jobs, 20)

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from worker.assembly import Worker
+from worker.bench.tenants import bench_tenants
 from worker.client.sync_client import Client
 from worker.flags import Option
 from worker.protocol.connection import connect
@@ -29,7 +30,19 @@ OPTIONS: tuple[Option, ...] = (
     Option("mixed_web_tokens", int, 8, "tokens per interactive job", bounds={"ge": 1}),
     Option("mixed_web_every", float, 0.1, "seconds between interactive submissions", bounds={"ge": 0}),
     Option("mixed_step_delay", float, 0.01, "stub engine seconds per step", bounds={"ge": 0}),
-    Option("mixed_max_num_seqs", int, 32, "the stub engine's max_num_seqs", bounds={"ge": 1}),
+    Option("mixed_max_num_seqs", int, 32, "the engine's max_num_seqs", bounds={"ge": 1}),
+    Option(
+        "mixed_part",
+        str,
+        "all",
+        "runs: bands (interactive, bulk), tenants (A, B), all",
+        choices=("all", "bands", "tenants"),
+    ),
+    Option(
+        "mixed_tenant_a_jobs", int, 2000, "tenant A's bulk jobs (0: no tenant runs)", bounds={"ge": 0, "le": 100_000}
+    ),
+    Option("mixed_tenant_b_jobs", int, 50, "tenant B's bulk jobs, behind A's", bounds={"ge": 1, "le": 100_000}),
+    Option("mixed_tenant_tokens", int, 16, "tokens per job of tenants A and B", bounds={"ge": 1, "le": 100_000}),
     Option(
         "mixed_engine",
         str,
@@ -67,6 +80,8 @@ def _step_s(args: argparse.Namespace, engine: WorkerEngine) -> float:
 
 
 def _worker(args: argparse.Namespace, url: str, queue: str, burst: bool, **overrides: Any) -> Worker:
+    # The stub engine never takes a seat from a running job (engine/seats.py is the real engine's): it keeps two free
+    overrides = {"reserve_seqs": 2 if args.mixed_engine == "stub" else 0, **overrides}
     settings = WorkerSettings(queue=queue, name=f"bench-{queue}", burst=burst, heartbeat_every_s=60.0, **overrides)
     return Worker(_engine(args), connect(url), settings)
 
@@ -145,6 +160,12 @@ def mixed_run(url: str, args: argparse.Namespace) -> tuple[dict[str, float], flo
     thread.start()
     seconds, engine = _timed_burst(args, url, "mixed")
     thread.join(timeout=600)
+    unserved = [job_id for job_id in web if not client.r.exists(client.keys.final(job_id))]
+    if unserved or len(web) < args.mixed_web_jobs:
+        raise RuntimeError(
+            f"the bulk backlog ran out before the interactive jobs did ({len(unserved)} left unserved): "
+            "raise --mixed-bulk-jobs or --mixed-bulk-tokens"
+        )
     return _latencies(client, web), _bulk_tokens(client, bulk) / seconds, _step_s(args, engine)
 
 
@@ -170,27 +191,44 @@ def _bulk_tokens(client: Client, ids: list[str]) -> int:
     return sum(len(r.token_ids) for r in records if r.ok)
 
 
+def _finals(client: Client, ids: list[str]) -> list[FinalRecord]:
+    pipe = client.r.pipeline(transaction=False)
+    for job_id in ids:
+        pipe.get(client.keys.final(job_id))
+    return [FinalRecord.model_validate_json(raw) for raw in pipe.execute()]
+
+
 def bench_mixed(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    engine_name = (
+        f"stub, {args.mixed_step_delay} s/step"
+        if args.mixed_engine == "stub"
+        else f"llm {args.model or 'demo model'} on {args.device}"
+    )
+    out: dict[str, Any] = {"engine": f"{engine_name}, max_num_seqs {args.mixed_max_num_seqs}"}
+    if args.mixed_part in ("all", "bands"):
+        out.update(bench_bands(url, args))
+    if args.mixed_part in ("all", "tenants") and args.mixed_tenant_a_jobs:
+        out["tenants"] = bench_tenants(_worker, url, args)
+    return out
+
+
+def bench_bands(url: str, args: argparse.Namespace) -> dict[str, Any]:
     idle = idle_run(url, args)
     mixed, mixed_tok_s, step = mixed_run(url, args)
     only_tok_s = bulk_only_run(url, args)
-    engine = (
-        f"stub, {args.mixed_step_delay} s/step"
-        if args.mixed_engine == "stub"
-        else f"llm {args.model or 'demo model'} on {args.device}, mean step {step:.4f} s (mixed run)"
-    )
     return {
-        "engine": f"{engine}, max_num_seqs {args.mixed_max_num_seqs}",
-        "engine_step_s": round(step, 4),
+        "engine_step_s": round(step, 4),  # the mean step of the mixed run
         "bulk_jobs": args.mixed_bulk_jobs,
         "bulk_tokens": args.mixed_bulk_tokens,
         "interactive_jobs": args.mixed_web_jobs,
         "interactive_tokens": args.mixed_web_tokens,
         "interactive_idle": idle,
         "interactive_behind_backlog": mixed,
-        "interactive_p99_target_s": round(2 * idle["total_p99_s"] + step, 4),
-        "interactive_p99_met": mixed["total_p99_s"] <= 2 * idle["total_p99_s"] + step,
+        # issue 23's targets: p99 behind the backlog within 3x idle p99 + 0.5 s; bulk keeps 0.85 of its throughput
+        "interactive_p99_target_s": round(3 * idle["total_p99_s"] + 0.5, 4),
+        "interactive_p99_met": mixed["total_p99_s"] <= 3 * idle["total_p99_s"] + 0.5,
         "bulk_tokens_per_s_mixed": round(mixed_tok_s, 1),
         "bulk_tokens_per_s_bulk_only": round(only_tok_s, 1),
         "bulk_throughput_ratio": round(mixed_tok_s / only_tok_s, 3),
+        "bulk_target_met": mixed_tok_s >= 0.85 * only_tok_s,
     }

@@ -75,15 +75,21 @@ def bench_e2e(url: str, args: argparse.Namespace) -> dict:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:4], params)  # warm-up (allocations, kernels)
     offline_runs, worker_runs, identical = [], [], 0
+    step_ms: dict[str, list[float]] = {"offline": [], "worker": []}  # wall time per engine step, each run
+    engine = llm.llm_engine
     client = Client(url, queue="benche2e")
     for _ in range(max(1, getattr(args, "e2e_repeats", 1))):
-        start = time.perf_counter()
+        steps, start = engine.num_steps, time.perf_counter()
         offline = llm.generate(prompts, params)
-        offline_runs.append(sum(len(o.outputs[0].token_ids) for o in offline) / (time.perf_counter() - start))
+        seconds = time.perf_counter() - start
+        offline_runs.append(sum(len(o.outputs[0].token_ids) for o in offline) / seconds)
+        step_ms["offline"].append(1e3 * seconds / max(engine.num_steps - steps, 1))
         ids = client.submit_many(
             [{"prompt": p, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True} for p in prompts]
         )
-        seconds = _run_burst(llm.llm_engine, url, "benche2e", max_waiting=max(args.max_num_seqs, n))
+        steps = engine.num_steps
+        seconds = _run_burst(engine, url, "benche2e", max_waiting=max(args.max_num_seqs, n))
+        step_ms["worker"].append(1e3 * seconds / max(engine.num_steps - steps, 1))
         finals = _finals(client, ids)
         worker_runs.append(sum(len(r.token_ids) for r in finals if r.ok) / seconds)
         identical = sum(r.token_ids == list(o.outputs[0].token_ids) for r, o in zip(finals, offline))
@@ -97,6 +103,9 @@ def bench_e2e(url: str, args: argparse.Namespace) -> dict:
         "worker_vs_offline": round(max(worker_runs) / max(offline_runs), 3),
         "runs": {"offline": [round(x, 1) for x in offline_runs], "worker": [round(x, 1) for x in worker_runs]},
         "token_identical_jobs": identical,
+        # the loop's own cost: wall time per engine step through the worker less in-process (best run of each)
+        "step_ms": {side: round(min(values), 2) for side, values in step_ms.items()},
+        "loop_ms_per_step": round(min(step_ms["worker"]) - min(step_ms["offline"]), 2),
     }
 
 

@@ -28,6 +28,7 @@ JOB_FIELDS = {
     "priority",
     "deadline",
     "metadata",
+    "tenant",  # who the line is for: tenants share the band (worker/service/tenants.py)
 }
 
 

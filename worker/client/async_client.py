@@ -20,9 +20,10 @@ class AsyncClient(ClientCore):
         queue: str = "default",
         *,
         max_queue_depth: int | None = None,
+        max_tenant_queued: int | None = None,
         redis: AsyncRedis | None = None,
     ) -> None:
-        super().__init__(queue, max_queue_depth)
+        super().__init__(queue, max_queue_depth, max_tenant_queued)
         # url None: PAGEDQ_REDIS_URL, else a local Redis (worker/protocol/settings.py); redis+cluster:// a cluster
         self.r = redis if redis is not None else connect_async(redis_url(url))
 

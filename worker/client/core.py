@@ -14,6 +14,7 @@ from engine.limits import SAMPLING_LIMITS
 from worker.protocol.errors import JobRejected, QueueFullError, ResultTimeout
 from worker.protocol.job import Delta, FinalRecord, Job, build_job
 from worker.protocol.keys import BANDS, DATA_FIELD, JOB_FIELD, TYPE_FIELD, QueueKeys, band_for_priority, check_band
+from worker.protocol.limits import MAX_TENANT_QUEUED
 from worker.protocol.replies import text
 
 POLL_MS = 1_000  # longest single XREAD BLOCK; timeouts are enforced between blocks
@@ -84,13 +85,17 @@ def band_of(band: str | None, job: Job) -> str:
         raise JobRejected(str(exc)) from None
 
 
-def submit_args(keys: QueueKeys, jobs: list[tuple[Job, str]], limit: int | None) -> tuple[list[str], list]:
-    """KEYS and ARGV of the SUBMIT script for these (job, band) pairs (limit None or 0: no depth limit)."""
-    args: list = [int(limit or 0), JOB_FIELD]
+def submit_args(
+    keys: QueueKeys, jobs: list[tuple[Job, str]], limit: int | None, tenant_limit: int | None = None
+) -> tuple[list[str], list]:
+    """KEYS and ARGV of the SUBMIT script for these (job, band) pairs (limit None or 0: no depth limit;
+    tenant_limit: the unfinished jobs one tenant may have, None or 0: no limit)."""
+    args: list = [int(limit or 0), JOB_FIELD, int(tenant_limit or 0)]
     streams = [keys.ids]
     for job, band in jobs:
-        args += [job.id, job.to_json()]
-        streams.append(keys.jobs_of(band))
+        counted = bool(tenant_limit) and job.tenant is not None
+        args += [job.id, job.to_json(), "1" if counted else ""]
+        streams += [keys.jobs_of(band), keys.tenant_queued(job.tenant) if counted and job.tenant else keys.ids]
     return streams, args
 
 
@@ -99,10 +104,13 @@ def cancel_args(keys: QueueKeys, job_id: str) -> tuple[list[str], list]:
     return [keys.final(job_id), keys.cancelled, keys.ids], [job_id, time.time()]
 
 
-def check_submit_reply(reply: list, adding: int, limit: int | None) -> list[str]:
+def check_submit_reply(reply: list, adding: int, limit: int | None, tenant_limit: int | None = None) -> list[str]:
     head = text(reply[0])
     if head == "FULL":
-        raise QueueFullError(int(text(reply[1])), int(limit or 0), adding, stream=text(reply[2]))
+        where = text(reply[2])
+        tenant = where.split(":tenant:", 1)[1].rsplit(":", 1)[0] if ":tenant:" in where else None
+        bound = tenant_limit if tenant is not None else limit
+        raise QueueFullError(int(text(reply[1])), int(bound or 0), adding, stream=where, tenant=tenant)
     return [text(x) for x in reply[1:]]
 
 
@@ -168,9 +176,12 @@ class ResultReader:
 class ClientCore:
     """The queue a client talks to and everything its calls compute before and after the round trip."""
 
-    def __init__(self, queue: str, max_queue_depth: int | None) -> None:
+    def __init__(self, queue: str, max_queue_depth: int | None, max_tenant_queued: int | None = None) -> None:
         self.keys = QueueKeys(queue)
         self.max_queue_depth = max_queue_depth
+        if max_tenant_queued is not None and not 1 <= max_tenant_queued <= MAX_TENANT_QUEUED:
+            raise ValueError(f"max_tenant_queued must be None or in [1, {MAX_TENANT_QUEUED}], got {max_tenant_queued}")
+        self.max_tenant_queued = max_tenant_queued
 
     def _one(self, prompt: str | None, band: str | None, kwargs: dict[str, Any]) -> list[tuple[Job, str]]:
         job = make_job(prompt, **kwargs)
@@ -181,10 +192,10 @@ class ClientCore:
         return [as_banded(j) for j in jobs]
 
     def _submit_script(self, built: list[tuple[Job, str]]) -> tuple[list[str], list]:
-        return submit_args(self.keys, built, self.max_queue_depth)
+        return submit_args(self.keys, built, self.max_queue_depth, self.max_tenant_queued)
 
     def _submitted(self, reply: list, built: list[tuple[Job, str]]) -> list[str]:
-        check_submit_reply(reply, len(built), self.max_queue_depth)
+        check_submit_reply(reply, len(built), self.max_queue_depth, self.max_tenant_queued)
         return [job.id for job, _ in built]
 
     def _cancel_script(self, job_id: str) -> tuple[list[str], list]:

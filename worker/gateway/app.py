@@ -40,7 +40,11 @@ class Gateway:
     def __init__(self, settings: GatewaySettings, redis: AsyncRedis | None = None) -> None:
         self.settings = settings
         self.client = AsyncClient(
-            settings.redis_url, settings.queue, max_queue_depth=settings.max_queue_depth, redis=redis
+            settings.redis_url,
+            settings.queue,
+            max_queue_depth=settings.max_queue_depth,
+            max_tenant_queued=settings.max_tenant_queued,
+            redis=redis,
         )
         self.live = LiveWorkers(self.client.r, self.client.keys, settings.worker_cache_s)
         self.streams = StreamTracker()
@@ -52,6 +56,8 @@ class Gateway:
         body = endpoint.request_body()
         endpoint.model = await check_model(self.live, body.model, self.settings.queue)
         jobs = [build(fields) for fields in endpoint.jobs_fields(self.settings)]
+        if (tenant := getattr(request.state, "tenant", None)) is not None:  # set with the API key (_authenticate)
+            jobs = [job.model_copy(update={"tenant": tenant}) for job in jobs]
         if body.stream_options is not None and not body.stream:
             raise OpenAIError(400, "stream_options is only allowed with stream: true", param="stream_options")
         job_ids = await submit(self.client, jobs, self.settings.retry_after_s)  # all or none: backpressure counts each
@@ -140,7 +146,7 @@ def create_app(settings: GatewaySettings | None = None, redis: AsyncRedis | None
             queue=settings.queue,
             host=settings.host,
             port=settings.port,
-            auth=bool(settings.api_keys),
+            auth=bool(settings.accepted_keys),
         )
         yield
         for task in list(gateway.batches.tasks):  # their lease expires: the next GET on any gateway resumes them
@@ -153,7 +159,7 @@ def create_app(settings: GatewaySettings | None = None, redis: AsyncRedis | None
     errors.install(app)
     metrics = GatewayMetrics(lambda: gateway.streams.open)
     app.add_middleware(ObserveRequests, metrics=metrics)
-    auth = Depends(_authenticate(settings.api_keys))
+    auth = Depends(_authenticate(settings.accepted_keys, settings.api_key_tenants))
     app.include_router(file_router(gateway.files, auth))
     app.include_router(batch_router(gateway.batches, auth))
     app.include_router(tokenize_router(gateway.tokenizers, auth))
@@ -182,15 +188,20 @@ def create_app(settings: GatewaySettings | None = None, redis: AsyncRedis | None
     return app
 
 
-def _authenticate(keys: list[str]):
-    encoded = [k.encode() for k in keys]
+def _authenticate(keys: list[str], tenants: dict[str, str]):
+    """Checks the Bearer key; the tenant it maps to (settings.api_key_tenants) goes on request.state."""
+    encoded = [(k.encode(), tenants.get(k)) for k in keys]
 
     async def check(request: Request) -> None:
         if not encoded:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(token.strip().encode(), k) for k in encoded):
+        given = token.strip().encode()
+        # every key compared (constant time per key), so the match's position does not leak through timing
+        matches = [tenant for key, tenant in encoded if hmac.compare_digest(given, key)]
+        if scheme.lower() != "bearer" or not matches:
             raise OpenAIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
+        request.state.tenant = matches[0]
 
     return check

@@ -16,7 +16,7 @@ def _options() -> tuple[Option, ...]:
     the Redis URL and the API keys keep their own flags (--redis, --api-key)."""
     out = []
     for name, info in GatewaySettings.model_fields.items():
-        if name in ("redis_url", "api_keys"):
+        if name in ("redis_url", "api_keys", "api_key_tenants"):  # secrets: the environment only
             continue
         annotation = info.annotation
         choices = tuple(get_args(annotation)) if get_origin(annotation) is Literal else None
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(args)
     configure_logging(settings.log_level)
-    if not settings.api_keys and settings.host not in ("127.0.0.1", "localhost", "::1"):
+    if not settings.accepted_keys and settings.host not in ("127.0.0.1", "localhost", "::1"):
         import structlog
 
         structlog.get_logger("pagedq.gateway").warning(

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import NoDecode
 
+from worker.protocol.limits import MAX_TENANT_QUEUED, TENANT_PATTERN
 from worker.protocol.settings import QueueSettings
 
 
@@ -20,6 +22,12 @@ class GatewaySettings(QueueSettings):
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
     max_queue_depth: int = Field(
         default=10_000, ge=1, le=10_000_000, description="429 beyond this many unfinished jobs"
+    )
+    # Tenants (worker/service/tenants.py): API key -> tenant, each key also accepted as an API key.
+    # PAGEDQ_API_KEY_TENANTS takes KEY=TENANT pairs, comma-separated.
+    api_key_tenants: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
+    max_tenant_queued: int | None = Field(
+        default=None, ge=1, le=MAX_TENANT_QUEUED, description="429 beyond this many unfinished jobs of one tenant"
     )
     retry_after_s: int = Field(default=1, ge=1, le=3600, description="the Retry-After of a 429 (seconds)")
     default_max_tokens: int = Field(
@@ -52,3 +60,31 @@ class GatewaySettings(QueueSettings):
         if any(not k for k in value):
             raise ValueError("API keys must be non-empty")
         return value
+
+    @field_validator("api_key_tenants", mode="before")
+    @classmethod
+    def _split_key_tenants(cls, value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        pairs = {}
+        for part in filter(None, (p.strip() for p in value.split(","))):
+            key, sep, tenant = part.rpartition("=")
+            if not sep or not key:
+                raise ValueError("api_key_tenants takes KEY=TENANT pairs, comma-separated")
+            pairs[key.strip()] = tenant.strip()
+        return pairs
+
+    @field_validator("api_key_tenants")
+    @classmethod
+    def _tenants_valid(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, tenant in value.items():
+            if not key:
+                raise ValueError("API keys must be non-empty")
+            if not re.fullmatch(TENANT_PATTERN, tenant):
+                raise ValueError(f"tenant {tenant!r} (of an API key) must match {TENANT_PATTERN}")
+        return value
+
+    @property
+    def accepted_keys(self) -> list[str]:
+        """Every API key: those of api_keys and those mapped to a tenant."""
+        return list(dict.fromkeys([*self.api_keys, *self.api_key_tenants]))

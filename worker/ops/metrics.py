@@ -24,6 +24,7 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
+from worker.ops.tenant_metrics import BandsAndTenantsMetrics
 from worker.protocol.connection import SyncRedis, probe_client
 from worker.protocol.errors import MetricsPortError
 from worker.protocol.job import FinalRecord
@@ -99,6 +100,7 @@ class Metrics:
         for band in BANDS:  # every band's series from the start (at 0), so rate() and the dashboard see them
             self.ttft.labels(queue, band)
             self.e2e.labels(queue, band)
+        self.bands_and_tenants = BandsAndTenantsMetrics(reg, queue)  # seat preemptions, admit delay, tenants
         self._beating: set[str] = set()  # the workers exported last time (a worker that left is removed)
         self._seen = {"tokens": 0, "preemptions": 0, "outages": 0}
         self._seen_status: dict[str, int] = {}
@@ -178,6 +180,7 @@ class Metrics:
         self._advance(self.tokens, "tokens", snapshot.tokens_generated)
         self._advance(self.preemptions, "preemptions", snapshot.preemptions)
         self._advance(self.outages, "outages", snapshot.redis_outages)
+        self.bands_and_tenants.update(snapshot)
         for status, count in snapshot.stats.items():
             seen = self._seen_status.get(status, 0)
             self.jobs.labels(self.keys.queue, status).inc(count - seen)

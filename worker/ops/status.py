@@ -68,7 +68,14 @@ def queue_status(r: SyncRedis, queue: str, now: float | None = None) -> dict[str
     totals = {
         field: sum(b[field] for b in bands.values()) for field in ("depth", "pending", "undelivered", "dead_letters")
     }
-    return {"queue": queue, **totals, "bands": bands, "cancel_requests": int(cancels), "workers": workers}
+    return {
+        "queue": queue,
+        **totals,
+        "bands": bands,
+        "cancel_requests": int(cancels),
+        "workers": workers,
+        "tenants": tenant_totals([w for w in workers if w["state"] != "gone"]),
+    }
 
 
 def _checked(replies: list[Any]) -> list[Any]:
@@ -105,8 +112,21 @@ def _worker_row(name: str, last_beat: float, raw: bytes | str | None, now: float
             host=hb.get("host"),
             pid=hb.get("pid"),
             celery_queue=hb.get("celery_queue"),
+            tenants=hb.get("tenants") or {},
+            admit_delay=hb.get("admit_delay") or {},
         )
     return row
+
+
+def tenant_totals(workers: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Per tenant, summed over the live workers' heartbeats (each names its busiest tenants)."""
+    totals: dict[str, dict[str, int]] = {}
+    for w in workers:
+        for tenant, figures in (w.get("tenants") or {}).items():
+            row = totals.setdefault(tenant, {})
+            for key, value in figures.items():
+                row[key] = row.get(key, 0) + int(value)
+    return totals
 
 
 def render(statuses: list[dict[str, Any]]) -> str:
@@ -133,6 +153,7 @@ def render(statuses: list[dict[str, Any]]) -> str:
             "DONE",
             "FAILED",
             "REJECTED",
+            "READ-TO-ADMIT-P99-MS",
         ]
         rows = [
             [
@@ -147,16 +168,29 @@ def render(statuses: list[dict[str, Any]]) -> str:
                 _n(w.get("completed")),
                 _n(w.get("failed")),
                 _n(w.get("rejected")),
+                ",".join(f"{band}={d['p99_ms']}" for band, d in (w.get("admit_delay") or {}).items()) or "-",
             ]
             for w in st["workers"]
         ]
         if not rows:
             lines.append("  (no workers)")
             continue
-        widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-        for row in [header, *rows]:
-            lines.append("  " + "  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip())
+        _table(lines, header, rows)
+        tenants = st.get("tenants") or {}
+        if tenants:
+            keys = ("waiting", "in_engine", "admitted", "admitted_tokens")
+            _table(
+                lines,
+                ["TENANT", *(k.upper().replace("_", " ") for k in keys)],
+                [[name or "(none)", *(_n(figures.get(k)) for k in keys)] for name, figures in tenants.items()],
+            )
     return "\n".join(lines)
+
+
+def _table(lines: list[str], header: list[str], rows: list[list[Any]]) -> None:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    for row in [header, *rows]:
+        lines.append("  " + "  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip())
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,12 +17,14 @@ class JobRejected(PagedQError, ValueError):
 
 
 class QueueFullError(PagedQError):
-    """The queue holds at least ``max_queue_depth`` jobs; nothing was enqueued."""
+    """The queue holds at least ``max_queue_depth`` jobs (or ``tenant`` its ``max_tenant_queued`` unfinished
+    ones); nothing was enqueued."""
 
-    def __init__(self, depth: int, limit: int, adding: int = 1, stream: str = "") -> None:
+    def __init__(self, depth: int, limit: int, adding: int = 1, stream: str = "", tenant: str | None = None) -> None:
         where = f" ({stream})" if stream else ""
-        super().__init__(f"queue is full: {depth} jobs queued, limit {limit}, refusing {adding} more{where}")
-        self.depth, self.limit, self.adding, self.stream = depth, limit, adding, stream
+        whose = f"tenant {tenant!r} is at its limit: " if tenant is not None else ""
+        super().__init__(f"queue is full: {whose}{depth} jobs queued, limit {limit}, refusing {adding} more{where}")
+        self.depth, self.limit, self.adding, self.stream, self.tenant = depth, limit, adding, stream, tenant
 
 
 class ResultTimeout(PagedQError, TimeoutError):

@@ -130,6 +130,8 @@ class Job(BaseModel):
     # constrain the output: vLLM's StructuredOutputsParams fields (json | json_object | regex | choice | grammar,
     # and disable_any_whitespace); a grammar that does not compile or compiles too slowly is `rejected`
     structured_outputs: dict[str, Any] | None = None
+    # Who the job is for: tenants share a band fairly (worker/service/tenants.py); the gateway sets it from the API key
+    tenant: str | None = Field(default=None, max_length=limits.MAX_TENANT_CHARS, pattern=limits.TENANT_PATTERN)
 
     _metadata_is_json = field_validator("metadata")(check_metadata)
 
@@ -192,6 +194,8 @@ class Job(BaseModel):
         exclude = {name for name, default in LATER_JOB_DEFAULTS.items() if getattr(self, name) == default}
         if self.messages is None:
             exclude.add("messages")
+        if self.tenant is None:  # likewise: workers that predate tenants accept jobs without one
+            exclude.add("tenant")
         return self.model_dump_json(exclude=exclude or None)
 
 

@@ -27,9 +27,15 @@ def band_for_priority(priority: int) -> str:
     return "interactive" if priority > 0 else "bulk" if priority < 0 else DEFAULT_BAND
 
 
+_RANKS = {band: rank for rank, band in enumerate(BANDS)}
+
+
 def band_rank(band: str) -> int:
-    """0 for the highest band."""
-    return BANDS.index(band)
+    """0 for the highest band (ValueError for an unknown one)."""
+    try:
+        return _RANKS[band]
+    except KeyError:
+        raise ValueError(f"{band!r} is not a band") from None
 
 
 def check_band(band: str) -> str:
@@ -64,6 +70,10 @@ class QueueKeys:
     def dead_of(self, band: str) -> str:
         """The dead-letter stream of a band (the default band's is `dead`)."""
         return self.dead if check_band(band) == DEFAULT_BAND else f"{self.base}:dead:{band}"
+
+    def tenant_queued(self, tenant: str) -> str:
+        """Set of a tenant's job ids submitted under a per-tenant limit and maybe unfinished (scripts.SUBMIT)."""
+        return f"{self.base}:tenant:{tenant}:queued"
 
     @property
     def completions(self) -> str:

@@ -25,6 +25,12 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_MESSAGES = 10_000
 MAX_PRIORITY = 1_000_000  # |priority|
 MAX_DEADLINE = 1e11  # unix seconds (year 5138): larger is a unit mistake (ms, ns)
+# Tenants (worker/service/tenants.py): a job's optional `tenant`, the fair-share weights a worker is given
+MAX_TENANT_CHARS = 64
+TENANT_PATTERN = r"^[A-Za-z0-9_.:\-]{1,64}$"
+MAX_TENANT_WEIGHT = 1000.0
+MAX_TENANTS_WEIGHTED = 10_000
+MAX_TENANT_QUEUED = 1_000_000  # a tenant's unfinished jobs under a per-tenant limit (the SUBMIT script scans them)
 
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _DEPTH_DELTA = np.zeros(256, dtype=np.int8)

@@ -50,23 +50,46 @@ return written
 # Enqueue jobs unless the queue would grow past a limit. The job stream only holds unfinished jobs
 # (finalize deletes entries), so XLEN is the queue depth: waiting plus in flight.
 # Each job goes to its band's stream; the limit holds per band (backpressure per band), all jobs or none.
-# Each job id is recorded in the ids hash (what CANCEL checks). 0 as max_depth: no limit.
-# KEYS: ids, then the job stream of each job; ARGV: max_depth, field, then (job_id, json) per job
+# With a tenant limit, each tenant's unfinished jobs are counted in its set of job ids (KEYS per job: its
+# tenant's set, or the ids hash when it has none or no limit is set): an id whose job has finished (no longer
+# in the ids hash, which the final record clears) is pruned when the set reaches the limit, so the set stays
+# within the limit and no final record has to know about tenants.
+# Each job id is recorded in the ids hash (what CANCEL checks). 0 as a limit: no limit.
+# KEYS: ids, then per job its band's job stream and its tenant's set
+# ARGV: max_depth, field, max_tenant_queued, then (job_id, json, '1' when counted for a tenant else '') per job
 SUBMIT = """
-local limit = tonumber(ARGV[1])
+local limit, tenant_limit = tonumber(ARGV[1]), tonumber(ARGV[3])
+local n = (#KEYS - 1) / 2
 if limit > 0 then
   local adding = {}
-  for k = 2, #KEYS do adding[KEYS[k]] = (adding[KEYS[k]] or 0) + 1 end
-  for stream, n in pairs(adding) do
+  for k = 1, n do adding[KEYS[2 * k]] = (adding[KEYS[2 * k]] or 0) + 1 end
+  for stream, count in pairs(adding) do
     local depth = redis.call('XLEN', stream)
-    if depth + n > limit then return {'FULL', tostring(depth), stream} end
+    if depth + count > limit then return {'FULL', tostring(depth), stream} end
+  end
+end
+if tenant_limit > 0 then
+  local adding = {}
+  for k = 1, n do
+    if ARGV[3 + 3 * k] == '1' then adding[KEYS[1 + 2 * k]] = (adding[KEYS[1 + 2 * k]] or 0) + 1 end
+  end
+  for set, count in pairs(adding) do
+    local depth = redis.call('SCARD', set)
+    if depth + count > tenant_limit then
+      for _, id in ipairs(redis.call('SMEMBERS', set)) do
+        if redis.call('HEXISTS', KEYS[1], id) == 0 then redis.call('SREM', set, id) end
+      end
+      depth = redis.call('SCARD', set)
+      if depth + count > tenant_limit then return {'FULL', tostring(depth), set} end
+    end
   end
 end
 local ids = {'OK'}
-for k = 2, #KEYS do
-  local i = 3 + (k - 2) * 2
-  redis.call('HSET', KEYS[1], ARGV[i], 1)
-  ids[#ids + 1] = redis.call('XADD', KEYS[k], '*', ARGV[2], ARGV[i + 1])
+for k = 1, n do
+  local job_id = ARGV[1 + 3 * k]
+  redis.call('HSET', KEYS[1], job_id, 1)
+  if ARGV[3 + 3 * k] == '1' then redis.call('SADD', KEYS[1 + 2 * k], job_id) end
+  ids[#ids + 1] = redis.call('XADD', KEYS[2 * k], '*', ARGV[2], ARGV[2 + 3 * k])
 end
 return ids
 """

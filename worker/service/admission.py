@@ -8,6 +8,7 @@ worker's pending list cannot be taken by an idle worker until their lease lapses
 from __future__ import annotations
 
 import json
+import time
 from collections import deque
 from typing import Any
 
@@ -20,6 +21,7 @@ from worker.service.config import WorkerSettings
 from worker.service.engine_api import WorkerEngine
 from worker.service.held import HeldJob, JobKey, JobState
 from worker.service.publisher import Publisher
+from worker.service.tenants import TenantShares
 
 _JOB_FIELD_B = JOB_FIELD.encode()
 MAX_REASON_CHARS = 2000  # a rejection reason quotes the problem, never the whole entry
@@ -79,6 +81,7 @@ class Intake:
             enqueued_at=enqueued_at,
             recovered=recovered,
             state=JobState.SUSPECT if recovered else JobState.BACKLOG,
+            read_at=time.monotonic(),
         )
         self.publisher.ops.append(("HSET", self.keys.ids, job.id, 1))  # now Client.cancel knows it
         return t
@@ -145,7 +148,8 @@ def engine_priority(t: HeldJob) -> int:
 
 
 class Lanes:
-    """Admission across priority bands: highest band first, with two guards.
+    """Admission across priority bands: highest band first, tenants sharing each band (service/tenants.py),
+    with two guards.
 
     - Starvation: while higher bands are busy, a lower band with jobs waiting keeps at least `min_share` of
       the last WINDOW admissions (its next job goes first whenever it is below that share).
@@ -154,16 +158,18 @@ class Lanes:
 
     WINDOW = 100
 
-    def __init__(self, min_share: float, reserve_seqs: int) -> None:
+    def __init__(self, min_share: float, reserve_seqs: int, tenants: TenantShares | None = None) -> None:
         if not 0.0 <= min_share < 1.0:
             raise ValueError(f"band min share must be in [0, 1), got {min_share}")
         if reserve_seqs < 0:
             raise ValueError(f"reserved sequence slots must be >= 0, got {reserve_seqs}")
         self.min_share, self.reserve_seqs = min_share, reserve_seqs
+        self.tenants = tenants or TenantShares()
         self.recent: deque[str] = deque(maxlen=self.WINDOW)
 
     def order(self, backlog: list[HeldJob]) -> list[HeldJob]:
         backlog.sort(key=lambda t: (band_rank(t.band), -t.job.priority, t.seq))
+        backlog[:] = [t for band in BANDS for t in self.tenants.order(band, [t for t in backlog if t.band == band])]
         if self.min_share <= 0 or not backlog:
             return backlog
         first: list[HeldJob] = []
@@ -177,6 +183,7 @@ class Lanes:
 
     def admitted(self, t: HeldJob) -> None:
         self.recent.append(t.band)
+        self.tenants.admitted(t)
 
     def lowest_band_cap(self, engine: WorkerEngine) -> int:
         return max(1, engine.max_num_seqs - self.reserve_seqs)
@@ -188,42 +195,70 @@ def prepare(engine: WorkerEngine, t: HeldJob) -> None:
     for input the engine or its tokenizer refuses."""
     prompt = engine_prompt(engine, t.job)
     params = t.job.to_sampling_params()
-    t.blocks_needed = engine.blocks_needed(engine.num_prompt_tokens(prompt), params.max_tokens, params.num_samples)
+    num_prompt_tokens = engine.num_prompt_tokens(prompt)
+    t.blocks_needed = engine.blocks_needed(num_prompt_tokens, params.max_tokens, params.num_samples)
+    t.admission_tokens = num_prompt_tokens + params.max_tokens * params.num_samples
     t.engine_input, t.sampling_params = prompt, params
 
 
 def pick(
-    backlog: list[HeldJob], engine: WorkerEngine, max_waiting: int, isolating: bool, lanes: Lanes, lowest_in_engine: int
+    backlog: list[HeldJob],
+    engine: WorkerEngine,
+    max_waiting: int,
+    isolating: bool,
+    lanes: Lanes,
+    in_engine: list[HeldJob],
 ) -> list[HeldJob]:
     """Choose prepared jobs to hand to the engine now: by band, then priority (Lanes), within the
     waiting-queue cap, the lowest band's slot cap and the free KV blocks the engine's waiting queue will
     not take (both the engine's own figures). Suspects (from a step that raised, or recovered from a dead
     worker) run one at a time with nothing beside them, which pins the failure on one job; the least tried
-    first, so every suspect runs once before any is retried (what lets the breaker see a broken engine)."""
+    first, so every suspect runs once before any is retried (what lets the breaker see a broken engine).
+
+    A job of a higher band is not held back by lower-band jobs waiting in the engine: the engine admits it
+    ahead of them (and takes a seat from a running one, engine/seats.py), so the cap and the KV budget it is
+    checked against leave those out."""
     if not backlog or isolating:
         return []
-    lanes.order(backlog)
     suspects = [t for t in backlog if t.state is JobState.SUSPECT]
     if suspects:  # wait for the engine to empty, then run the next suspect alone
-        return [] if engine.has_unfinished_requests() else [min(suspects, key=lambda t: t.attempts)]
+        return [] if engine.has_unfinished_requests() else [min(suspects, key=lambda t: (t.attempts, t.seq))]
     budget = engine.num_free_blocks - engine.waiting_blocks_needed
     room = max_waiting - engine.num_waiting_requests
-    lowest_room = lanes.lowest_band_cap(engine) - lowest_in_engine
+    lowest_room = lanes.lowest_band_cap(engine) - sum(1 for t in in_engine if t.band == BANDS[-1])
+    behind = _waiting_behind(in_engine)
+    bands = {t.band for t in backlog}
+    if not any(room + behind[band_rank(b)][0] > 0 and (b != BANDS[-1] or lowest_room > 0) for b in bands):
+        return []  # no band has room (most turns of a busy engine): the order need not be worked out
+    ordered = lanes.order(backlog)
     chosen: list[HeldJob] = []
-    for t in lanes.order(backlog):
-        if room <= 0:
-            break
+    for t in ordered:
+        count, blocks = behind[band_rank(t.band)]
+        if room + count <= 0:
+            continue  # its band and the ones above fill the waiting cap
         if t.band == BANDS[-1]:
             if lowest_room <= 0:
                 continue  # the reserved slots stay free for the bands above
             lowest_room -= 1
-        # Always let one job through when the engine has nothing waiting: it will queue for blocks itself.
-        if t.blocks_needed > budget and (chosen or engine.num_waiting_requests):
+        # Always let one job through when the engine has nothing waiting ahead of it: it queues for blocks itself.
+        if t.blocks_needed > budget + blocks and (chosen or engine.num_waiting_requests > count):
             break
         budget -= t.blocks_needed
         room -= 1
         chosen.append(t)
     return chosen
+
+
+def _waiting_behind(in_engine: list[HeldJob]) -> list[tuple[int, int]]:
+    """Per band rank: the jobs of lower bands still waiting in the engine, and the KV blocks they will take."""
+    waiting = [t for t in in_engine if t.waiting_in_engine]
+    return [
+        (
+            sum(1 for t in waiting if band_rank(t.band) > rank),
+            sum(t.blocks_needed for t in waiting if band_rank(t.band) > rank),
+        )
+        for rank in range(len(BANDS))
+    ]
 
 
 def engine_prompt(engine: WorkerEngine, job: Job) -> str | list[int]:

@@ -67,7 +67,20 @@ class WorkerSettings:
     band_min_share: float = _flag(
         0.1, "starvation guard: least share of admissions a lower band keeps while higher ones are busy", ge=0, le=1
     )
-    reserve_seqs: int = _flag(2, "engine sequence slots the bulk band leaves free for interactive/default jobs", ge=0)
+    # 0: the engine takes a bulk sequence's seat for a higher band's job (engine/seats.py); the stub engine cannot
+    reserve_seqs: int = _flag(0, "engine sequence slots the bulk band leaves free for interactive/default jobs", ge=0)
+    # Tenants share each band by deficit round robin over tokens (worker/service/tenants.py)
+    tenant_weights: str = _flag("", "tenants' weights in their bands' fair shares, like a=2,b=0.5 (default 1 each)")
+    tenant_read_ahead: int = _flag(
+        0,
+        "jobs per band read ahead past --max-waiting, so tenants behind another's backlog share the band; they are "
+        "leased to this worker until it runs them (0: none)",
+        ge=0,
+        le=100_000,
+    )
+    tenant_quantum: int = _flag(
+        512, "tokens a tenant's turn in the round adds to its share (at weight 1)", ge=1, le=2**31 - 1
+    )
     drain_timeout_s: float = _flag(30.0, "seconds to finish in-flight jobs after SIGTERM", "drain_timeout", ge=0)
     redis_outage_s: float = _flag(
         300.0,

@@ -50,6 +50,8 @@ class Heartbeat:
             "total_blocks": engine.total_blocks,
             "kv_utilization": 1.0 - engine.free_blocks / max(engine.total_blocks, 1),
             "kv_slot_utilization": engine.kv_slot_utilization,
+            "tenants": snapshot.tenants,  # the busiest by name (service/tenants.py)
+            "admit_delay": snapshot.admit_delays,  # read-to-admit per band (service/admit_delay.py)
         }
         ttl = max(int(self.interval * 3), 2)
         pipe = self.r.pipeline(transaction=False)

@@ -15,6 +15,7 @@ import enum
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple
 
 from engine.sampling_params import SamplingParams
@@ -90,6 +91,7 @@ class HeldJob:
     recovered: bool = False  # from a dead worker (own pending list at restart, XAUTOCLAIM, Celery redelivery)
     seq: int = 0  # read order, the tie-break after priority
     enqueued_at: float = 0.0
+    read_at: float = 0.0  # time.monotonic() when read (or polled): the start of its read-to-admit delay
     admitted_at: float | None = None
     first_token_at: float | None = None
     started: bool = False  # the engine has produced output for it (it left the engine's waiting queue)
@@ -106,6 +108,7 @@ class HeldJob:
     engine_input: str | list[int] | None = None  # the prompt as the engine gets it (chat rendered); see prepared
     sampling_params: SamplingParams | None = None  # built once, when prepared (admission.prepare); every run uses it
     blocks_needed: int = 0  # KV blocks it takes in the engine at its longest, by the engine's own count
+    admission_tokens: int = 0  # prompt + max_tokens x samples: its cost in its tenant's share (service/tenants.py)
     last_error: str | None = None
     samples: dict[int, Sample] = field(default_factory=dict)  # n > 1 only, by sample index
 
@@ -141,7 +144,7 @@ class HeldJob:
         """Handed to the engine, no output yet: still in the engine's waiting queue as far as we know."""
         return self.state is JobState.IN_ENGINE and not self.started
 
-    @property
+    @cached_property  # fixed (origin and job are), and read per held job several times a turn
     def band(self) -> str:
         """The priority band it is admitted in: its stream's, or for a Celery job the one its priority maps to."""
         return self.origin if self.origin in BANDS else band_for_priority(self.job.priority)

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.protocol.keys import GROUP, QueueKeys, band_rank
+from worker.protocol.keys import BANDS, GROUP, QueueKeys, band_rank
 from worker.service.config import WorkerSettings
 from worker.service.engine_api import WorkerEngine
 from worker.service.finish import Finisher
-from worker.service.held import HeldJob, HeldJobs
+from worker.service.held import HeldJob, HeldJobs, JobState
 from worker.service.publisher import Publisher
 from worker.service.recovery import Stop
 
@@ -38,9 +38,10 @@ class Holding:
             return 0
         if band is None:
             return self.s.max_waiting - self.engine.num_waiting_requests - len(self.held.waiting())
-        rank = band_rank(band)
-        queued = sum(1 for t in self.held if band_rank(t.band) <= rank and (not t.in_engine or t.waiting_in_engine))
-        return self.s.max_waiting - queued
+        above = BANDS[: band_rank(band) + 1]
+        queued = sum(1 for t in self.held if t.band in above and (t.state is not JobState.IN_ENGINE or not t.started))
+        # tenant_read_ahead: deeper, so the tenants' round (service/tenants.py) sees past one tenant's backlog
+        return self.s.max_waiting + self.s.tenant_read_ahead - queued
 
     def hold(self, jobs: list[HeldJob], check_cancel: bool = False) -> None:
         new = []

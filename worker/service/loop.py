@@ -23,6 +23,7 @@ from worker.protocol.job import STATUSES
 from worker.protocol.keys import BANDS, QueueKeys
 from worker.service.absorb import absorb
 from worker.service.admission import Intake, Lanes, engine_priority, pick, prepare
+from worker.service.admit_delay import AdmitDelays
 from worker.service.config import WorkerSettings
 from worker.service.engine_api import WorkerEngine, require_engine
 from worker.service.exchange import Exchange
@@ -35,6 +36,7 @@ from worker.service.leases import Leases
 from worker.service.publisher import Publisher
 from worker.service.recovery import REDIS_DOWN, Recovery, Stop
 from worker.service.snapshot import EngineFigures, MetricsSink, WorkerSnapshot
+from worker.service.tenants import TenantShares, parse_weights
 from worker.service.timers import Timers
 from worker.service.tokenizer_files import publish_tokenizer
 
@@ -58,7 +60,8 @@ class ServiceLoop:
         )
         self.stats: dict[str, int] = {status: 0 for status in STATUSES}
         self.intake = Intake(keys, settings, self.publisher, log, self.stats)
-        self.lanes = Lanes(settings.band_min_share, settings.reserve_seqs)
+        tenants = TenantShares(parse_weights(settings.tenant_weights), settings.tenant_quantum)
+        self.lanes = Lanes(settings.band_min_share, settings.reserve_seqs, tenants)
         self.leases = Leases(redis_client, keys, settings.name, settings.lease_ms)
         self.exchange = Exchange(redis_client, keys, settings, self.publisher, self.front_doors)
         self.heartbeat = Heartbeat.of(redis_client, keys, settings, self.front_doors)
@@ -82,6 +85,7 @@ class ServiceLoop:
             stop,
             log,
         )
+        self.admit_delays = AdmitDelays()  # read-to-admit, per band
         self.tokens_generated = 0  # counted per step; the metrics timer exports it
         self.cancel_possible = True  # the cancel set was non-empty at the last look
         self._burst_done = False
@@ -207,9 +211,8 @@ class ServiceLoop:
     def _admit(self) -> None:
         in_engine = self.held.in_state(JobState.IN_ENGINE)
         isolating = any(t.alone for t in in_engine)
-        lowest = sum(1 for t in in_engine if t.band == BANDS[-1])
         ready = [t for t in self.held.waiting() if t.prepared or self._prepare(t)]
-        for t in pick(ready, self.engine, self.s.max_waiting, isolating, self.lanes, lowest):
+        for t in pick(ready, self.engine, self.s.max_waiting, isolating, self.lanes, in_engine):
             alone = t.state is JobState.SUSPECT
             if alone and not self.recovery.may_run_alone(t):
                 continue
@@ -248,6 +251,7 @@ class ServiceLoop:
         t.move(JobState.IN_ENGINE)
         t.alone, t.admitted_at = alone, time.time()
         t.attempts += 1
+        self.admit_delays.admitted(t)
 
     # ------------------------------------------------------------------ stepping
     def _step(self) -> None:
@@ -269,7 +273,7 @@ class ServiceLoop:
     # ------------------------------------------------------------------ figures
     def snapshot(self, costly: bool = False) -> WorkerSnapshot:
         """The loop's figures now; costly adds those that take a call each (engine.stats(), each door's depth)."""
-        preemptions, depths = self._costly_figures() if costly else (0, {})
+        preemptions, seats, depths = self._costly_figures() if costly else (0, 0, {})
         return WorkerSnapshot(
             state="draining" if self.stopping else "running",
             held_jobs=len(self.held),
@@ -278,18 +282,22 @@ class ServiceLoop:
             tokens_generated=self.tokens_generated,
             redis_outages=self.recovery.redis_outages,
             preemptions=preemptions,
+            seat_preemptions=seats,
+            tenants=self.lanes.tenants.figures(self.held),
+            admit_delays=self.admit_delays.summary(),
             front_door_depths=depths,
         )
 
-    def _costly_figures(self) -> tuple[int, dict[str, int]]:
+    def _costly_figures(self) -> tuple[int, int, dict[str, int]]:
         """One that fails is left out (its gauge keeps its value) and logged: the rest of the metrics, liveness
         included, are still updated."""
-        preemptions, depths = 0, {}
+        preemptions, seats, depths = 0, 0, {}
         try:
             engine_stats = getattr(self.engine, "stats", None)  # an optional extra of the engine
-            preemptions = int(engine_stats().get("num_preemptions", 0)) if callable(engine_stats) else 0
+            stats = engine_stats() if callable(engine_stats) else {}
+            preemptions, seats = int(stats.get("num_preemptions", 0)), int(stats.get("num_seat_preemptions", 0))
             for door in self.front_doors:
                 depths[door.name] = door.depth()  # a broker round trip
         except Exception as exc:
             self.log.error("metrics_update_failed", error=repr(exc))
-        return preemptions, depths
+        return preemptions, seats, depths
