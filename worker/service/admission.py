@@ -21,7 +21,7 @@ from worker.service.config import WorkerSettings
 from worker.service.engine_api import WorkerEngine
 from worker.service.held import HeldJob, JobKey, JobState
 from worker.service.publisher import Publisher
-from worker.service.tenants import TenantShares
+from worker.service.tenants import TenantShares, parse_weights
 
 _JOB_FIELD_B = JOB_FIELD.encode()
 MAX_REASON_CHARS = 2000  # a rejection reason quotes the problem, never the whole entry
@@ -166,6 +166,11 @@ class Lanes:
         self.min_share, self.reserve_seqs = min_share, reserve_seqs
         self.tenants = tenants or TenantShares()
         self.recent: deque[str] = deque(maxlen=self.WINDOW)
+
+    @classmethod
+    def from_settings(cls, settings: WorkerSettings) -> Lanes:
+        tenants = TenantShares(parse_weights(settings.tenant_weights), settings.tenant_quantum)
+        return cls(settings.band_min_share, settings.reserve_seqs, tenants)
 
     def order(self, backlog: list[HeldJob]) -> list[HeldJob]:
         backlog.sort(key=lambda t: (band_rank(t.band), -t.job.priority, t.seq))

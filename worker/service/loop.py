@@ -36,7 +36,6 @@ from worker.service.leases import Leases
 from worker.service.publisher import Publisher
 from worker.service.recovery import REDIS_DOWN, Recovery, Stop
 from worker.service.snapshot import EngineFigures, MetricsSink, WorkerSnapshot
-from worker.service.tenants import TenantShares, parse_weights
 from worker.service.timers import Timers
 from worker.service.tokenizer_files import publish_tokenizer
 
@@ -60,8 +59,7 @@ class ServiceLoop:
         )
         self.stats: dict[str, int] = {status: 0 for status in STATUSES}
         self.intake = Intake(keys, settings, self.publisher, log, self.stats)
-        tenants = TenantShares(parse_weights(settings.tenant_weights), settings.tenant_quantum)
-        self.lanes = Lanes(settings.band_min_share, settings.reserve_seqs, tenants)
+        self.lanes = Lanes.from_settings(settings)
         self.leases = Leases(redis_client, keys, settings.name, settings.lease_ms)
         self.exchange = Exchange(redis_client, keys, settings, self.publisher, self.front_doors)
         self.heartbeat = Heartbeat.of(redis_client, keys, settings, self.front_doors)
@@ -289,8 +287,7 @@ class ServiceLoop:
         )
 
     def _costly_figures(self) -> tuple[int, int, dict[str, int]]:
-        """One that fails is left out (its gauge keeps its value) and logged: the rest of the metrics, liveness
-        included, are still updated."""
+        """A figure that fails is left out (its gauge keeps its value) and logged; the other metrics still update."""
         preemptions, seats, depths = 0, 0, {}
         try:
             engine_stats = getattr(self.engine, "stats", None)  # an optional extra of the engine
