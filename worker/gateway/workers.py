@@ -7,9 +7,7 @@ import json
 import time
 from typing import Any
 
-from worker.protocol.keys import QueueKeys, model_id
-
-STALE_S = 3600.0  # members of the workers set scored older than this are not even looked up
+from worker.protocol.keys import WORKER_SET_WINDOW_S, QueueKeys, model_id
 
 
 class LiveWorkers:
@@ -23,7 +21,7 @@ class LiveWorkers:
         now = time.monotonic()
         if self._cached is not None and now - self._cached[0] < self.cache_s:
             return self._cached[1]
-        names = await self.r.zrangebyscore(self.keys.workers, time.time() - STALE_S, "+inf")
+        names = await self.r.zrangebyscore(self.keys.workers, time.time() - WORKER_SET_WINDOW_S, "+inf")
         raws = await self.r.mget([self.keys.heartbeat(n.decode()) for n in names]) if names else []
         live = [beat for beat in (json.loads(raw) for raw in raws if raw) if beat.get("state") != "draining"]
         self._cached = (now, live)

@@ -28,7 +28,7 @@ from worker.ops.tenant_metrics import BandsAndTenantsMetrics
 from worker.protocol.connection import SyncRedis, probe_client
 from worker.protocol.errors import MetricsPortError
 from worker.protocol.job import FinalRecord
-from worker.protocol.keys import BANDS, GROUP, QueueKeys
+from worker.protocol.keys import BANDS, GROUP, WORKER_SET_WINDOW_S, QueueKeys
 from worker.protocol.replies import text
 from worker.service.snapshot import WorkerSnapshot
 
@@ -36,9 +36,6 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 # The loop turns at least every block_ms (1 s) plus one engine step; a long CPU prefill can take seconds.
 LIVENESS_STALE_S = 30.0
 READY_PING_TIMEOUT_S = 1.0
-# Workers whose last heartbeat is older than this are not exported (a crashed worker stays in the set until then,
-# and shows on a dashboard as a growing age; the gateway forgets workers after the same hour, gateway/workers.py).
-HEARTBEAT_WINDOW_S = 3600.0
 
 
 class Metrics:
@@ -202,7 +199,7 @@ class Metrics:
             pipe.xpending(k.jobs_of(band), GROUP)
             pipe.xlen(k.dead_of(band))
             pipe.xrange(k.jobs_of(band), "-", "+", count=1)
-        pipe.zrangebyscore(k.workers, time.time() - HEARTBEAT_WINDOW_S, "+inf", withscores=True, start=0, num=100)
+        pipe.zrangebyscore(k.workers, time.time() - WORKER_SET_WINDOW_S, "+inf", withscores=True, start=0, num=100)
         replies = pipe.execute(raise_on_error=False)
         self._heartbeats(replies[-1])
         for i, band in enumerate(BANDS):

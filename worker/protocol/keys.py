@@ -13,6 +13,9 @@ PREFIX = "pagedq"
 # A queue name goes inside a Redis Cluster hash tag (pagedq:{Q}:...): no braces, colons or spaces.
 QUEUE_PATTERN = r"^[^{}:\s]{1,100}$"
 GROUP = "workers"  # the consumer group every worker of a queue joins
+# Members of the workers set (QueueKeys.workers) last beating longer ago than this are forgotten: the gateway
+# does not look them up, the metrics do not export them (a crashed worker stays in the set until then).
+WORKER_SET_WINDOW_S = 3600.0
 JOB_FIELD = "job"  # the job stream entry field holding the job's JSON
 TYPE_FIELD = "type"  # result stream entries: "delta" or "final"
 DATA_FIELD = "data"  # result stream entries: the JSON payload
