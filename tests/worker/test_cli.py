@@ -26,7 +26,7 @@ def test_bench_prints_one_json_line(tiny_llama_dir):
         "bench",
         "worker",
         "--stub-jobs",
-        "2000",
+        "400",
         "--e2e-jobs",
         "8",
         "--e2e-max-tokens",
@@ -43,8 +43,8 @@ def test_bench_prints_one_json_line(tiny_llama_dir):
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert len(lines) == 1
     result = json.loads(lines[0])
-    assert result["queue"]["jobs"] == 2000 and result["queue"]["jobs_per_s"] > 0
-    assert result["queue_streamed_4_tokens"]["jobs"] == 500
+    assert result["queue"]["jobs"] == 400 and result["queue"]["jobs_per_s"] > 0
+    assert result["queue_streamed_4_tokens"]["jobs"] == 100
     e2e = result["e2e"]
     assert e2e["jobs"] == 8 and e2e["token_identical_jobs"] == 8
     assert e2e["worker_tokens_per_s"] > 0 and e2e["offline_tokens_per_s"] > 0
