@@ -6,14 +6,16 @@ and the per-step masks.
     attach()   a prepared step gets a StepMask over its structured draws (none: the step never waits)
     advance()  after a step, each live structured sequence's matcher accepts its new tokens; a rejected token
                ends that request with an error, a finished grammar stops it
-    fill_pending()  the masks of steps already launched, now that their sequences' tokens are known (async)
+    fill_pending()  the masks of steps already launched, now that their sequences' tokens are known (async):
+               filled on a background thread while the engine schedules the next step; settle() waits for them
+               before any matcher moves again
 """
 
 from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +60,8 @@ class StructuredOutputManager:
         self._roots: dict[str, Request] = {}  # group id -> its first sequence (the one samples fork from)
         self._scratch = None
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher: fills a step's rows on its threads
+        self._filler: ThreadPoolExecutor | None = None  # runs the async fills (one at a time, in step order)
+        self._filling: list[Future] = []  # fills submitted and maybe not done: no matcher moves until they are
 
     @classmethod
     def for_model(cls, tokenizer: Any, model_config: Any, config: Any) -> StructuredOutputManager:
@@ -198,6 +202,7 @@ class StructuredOutputManager:
 
     def finish_advanced(self, advanced: list[Request], scheduler: Any) -> None:
         """advance(), then the finishes it calls for, then the matchers of every sequence that finished."""
+        self.settle()
         if not self.sequences:
             return
         for request, status in self.advance(advanced):
@@ -252,16 +257,33 @@ class StructuredOutputManager:
             self._pending_masks.append(mask)
 
     def fill_pending(self) -> None:
+        """The launched steps' masks, on the filler thread: the engine thread goes on to schedule and prepare the
+        next step meanwhile (which matcher fills which row is decided here, before the scheduler moves on)."""
         masks, self._pending_masks = self._pending_masks, []
+        if not masks:
+            return
+        if self._filler is None:
+            self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedq-mask")
+        batch = self._batch_matcher()
         for mask in masks:
-            self._fill(mask)
+            self._filling.append(self._filler.submit(mask.collect(self.sequences), batch))
+
+    def settle(self) -> None:
+        """Wait for the fills in progress (a failed one has already failed its step's device work)."""
+        filling, self._filling = self._filling, []
+        for future in filling:
+            future.exception()
 
     def _fill(self, mask: StepMask) -> None:
+        self.settle()
+        mask.fill(self.sequences, self._batch_matcher())
+
+    def _batch_matcher(self) -> Any:
         if self._batch is None:
             from engine.structured.backend import xgrammar
 
             self._batch = xgrammar().BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
-        mask.fill(self.sequences, self._batch)
+        return self._batch
 
     def cancel_pending(self) -> None:
         masks, self._pending_masks = self._pending_masks, []
@@ -270,5 +292,8 @@ class StructuredOutputManager:
 
     def close(self) -> None:
         self.cancel_pending()
+        self.settle()
+        if self._filler is not None:
+            self._filler.shutdown(wait=True)
         if self._pool is not None:
             self._pool.close()

@@ -4,12 +4,16 @@ The host fills it (xgrammar's matchers, one row per structured draw; the other r
 touched); the sampler applies it to exactly those rows' logits, before logit bias, penalties, temperature and
 filters. With async scheduling the step's forward is already running when the host learns the previous step's
 tokens: `apply` (device work) then waits for `ready`, so only the sampling of a step with structured draws waits,
-never its forward, and a step without any never waits at all (vLLM #26866).
+never its forward, and a step without any never waits at all (vLLM #26866). Such a mask is filled on a
+background thread (xgrammar's threads, the GIL released) while the engine thread schedules and prepares the next
+step; the matchers are touched again only once that fill is done (StructuredOutputManager.settle).
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,6 +38,8 @@ class StepMask:
         self.vocab_size = vocab_size
         self._ready = threading.Event()
         self._cancelled = False
+        self.error: str | None = None  # why the fill failed (the step's device work raises it)
+        self.fill_seconds, self.num_filled = 0.0, 0  # the fill's time and matchers (bench host --sampling json)
 
     @property
     def is_filled(self) -> bool:
@@ -42,6 +48,11 @@ class StepMask:
     def fill(self, matchers: dict[str, Any], batch: Any) -> None:
         """One row per structured draw from its sequence's matcher, filled by xgrammar's BatchGrammarMatcher on
         its own threads (`batch`); a sequence that left keeps all-allowed (its draw is dropped)."""
+        self.collect(matchers)(batch)
+
+    def collect(self, matchers: dict[str, Any]) -> Callable[[Any], None]:
+        """On the engine thread: which matcher fills which row. The returned job fills them (any thread: xgrammar
+        releases the GIL) and marks the mask ready, or failed with the error the device work then raises."""
         rows, live, copies = [], [], []
         first_row: dict[str, int] = {}
         for row, req_id in zip(self.draw_rows, self.req_ids):
@@ -54,13 +65,24 @@ class StepMask:
             first_row[req_id] = row
             rows.append(row)
             live.append(state.matcher)
-        if len(live) == 1:
-            live[0].fill_next_token_bitmask(self.bitmask, rows[0])
-        elif live:
-            batch.batch_fill_next_token_bitmask(live, self.bitmask, indices=rows)
-        for row, source in copies:
-            self.bitmask[row] = self.bitmask[source]
-        self._ready.set()
+
+        def job(batch: Any) -> None:
+            start = time.perf_counter()
+            try:
+                if len(live) == 1:
+                    live[0].fill_next_token_bitmask(self.bitmask, rows[0])
+                elif live:
+                    batch.batch_fill_next_token_bitmask(live, self.bitmask, indices=rows)
+                for row, source in copies:
+                    self.bitmask[row] = self.bitmask[source]
+            except BaseException as error:
+                self.error = f"the structured-output mask could not be filled: {error}"
+                raise
+            finally:
+                self.fill_seconds, self.num_filled = time.perf_counter() - start, len(live)
+                self._ready.set()
+
+        return job
 
     def cancel(self) -> None:
         self._cancelled = True
@@ -72,5 +94,7 @@ class StepMask:
             raise StepCancelled("the structured-output mask of this step was never filled")
         if self._cancelled:
             raise StepCancelled("an earlier step failed; this one is recomputed")
+        if self.error is not None:
+            raise StepCancelled(self.error)
         bitmask = self.bitmask.to(logits.device, non_blocking=True)
         xgrammar().apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=self.draw_rows)
