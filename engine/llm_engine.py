@@ -205,7 +205,7 @@ class LLMEngine:
         (a preempted request counts the tokens it has and the ones it may still generate)."""
         return sum(
             self.blocks_needed(r.num_tokens, r.sampling_params.max_tokens - r.num_output_tokens, 1 + r.fan_out)
-            for r in self.scheduler.waiting
+            for r in (*self.scheduler.waiting, *self.structured.waiting_requests)  # and those compiling
         )
 
     @property

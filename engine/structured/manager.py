@@ -98,6 +98,11 @@ class StructuredOutputManager:
     def has_compiling(self) -> bool:
         return bool(self.compiling)
 
+    @property
+    def waiting_requests(self) -> list[Request]:
+        """Those still compiling their grammar: waiting as much as the scheduler's queue (admission counts them)."""
+        return [item.request for item in self.compiling.values()]
+
     def poll(self) -> tuple[list[Request], list[tuple[Request, str]]]:
         """(requests whose grammar is ready, with their matcher made; (request, error) for those that failed)."""
         ready, failed, now = [], [], time.monotonic()

@@ -204,6 +204,18 @@ def test_a_refused_token_ends_that_request_with_an_error_and_aborts_free_matcher
     assert not engine.structured.sequences and not engine.structured.grammars and not engine.structured.errors
 
 
+def test_requests_compiling_their_grammar_count_in_waiting_blocks_needed(tiny_llama_dir):
+    """Admission (the worker's) reads waiting_blocks_needed: a request held for its grammar needs the blocks an
+    unconstrained one waiting in the scheduler does."""
+    counts = []
+    for constraint in (CONSTRAINTS[0], None):
+        engine = LLMEngine(tiny_llama_dir)
+        for i, n in enumerate((1, 3)):
+            engine.add_request(f"r{i}", PROMPTS[i] * 8, SamplingParams(max_tokens=40, n=n, structured_outputs=constraint))
+        counts.append((engine.waiting_blocks_needed, engine.num_waiting_requests))
+    assert counts[0] == counts[1] and counts[0][0] > 0
+
+
 def test_samplingparams_replace_keeps_the_constraint():
     params = SamplingParams(structured_outputs={"choice": ["a"]})
     assert dataclasses.replace(params, max_tokens=3).structured_outputs == params.structured_outputs
