@@ -211,7 +211,8 @@ def test_requests_compiling_their_grammar_count_in_waiting_blocks_needed(tiny_ll
     for constraint in (CONSTRAINTS[0], None):
         engine = LLMEngine(tiny_llama_dir)
         for i, n in enumerate((1, 3)):
-            engine.add_request(f"r{i}", PROMPTS[i] * 8, SamplingParams(max_tokens=40, n=n, structured_outputs=constraint))
+            params = SamplingParams(max_tokens=40, n=n, structured_outputs=constraint)
+            engine.add_request(f"r{i}", PROMPTS[i] * 8, params)
         counts.append((engine.waiting_blocks_needed, engine.num_waiting_requests))
     assert counts[0] == counts[1] and counts[0][0] > 0
 
