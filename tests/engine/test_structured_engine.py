@@ -101,6 +101,59 @@ def test_async_and_sync_scheduling_give_identical_tokens(tiny_llama_dir, baselin
     assert tokens(flipped) == tokens(outputs)
 
 
+def test_an_inline_device_queue_samples_masked_steps_behind_their_mask_and_keeps_the_tokens(tiny_llama_dir, baseline):
+    """CUDA's execution model, on CPU: work launched inline on the engine thread; a masked step's work on a helper
+    thread (on CUDA: its forward queued at once, its sampling once the host filled the mask), and what is launched
+    while it waits queued behind it. Out of order, a step would read the previous one's tokens before they exist."""
+    import threading
+
+    from engine.async_step import DeviceQueue
+
+    jobs, _, outputs = baseline
+    llm = LLM(tiny_llama_dir, max_num_seqs=32)
+    runner = llm.llm_engine.model_runner
+    runner.device_queue.close()
+    runner.device_queue = DeviceQueue(torch.device("cpu"), inline=True)
+    real, threads = runner._device_work, set()
+
+    def recorded(step):
+        threads.add(threading.current_thread().name.split("_")[0])
+        return real(step)
+
+    runner._device_work = recorded
+    assert tokens(llm.generate([p for p, _ in jobs], [s for _, s in jobs])) == tokens(outputs)
+    assert "pagedq-device-wait" in threads
+    threads.clear()
+    plain = [(i, p, s) for i, (p, s) in enumerate(jobs) if s.structured_outputs is None]
+    again = llm.generate([p for _, p, _ in plain], [s for _, _, s in plain])
+    assert tokens(again) == [tokens(outputs)[i] for i, _, _ in plain] and threads == {"MainThread"}  # inline
+
+
+def test_work_launched_behind_a_waiting_step_runs_after_it():
+    """The inline queue's order: what is submitted while a step waits for its mask runs after that step, not inline
+    before it (on CUDA: the next forward would read the draws the waiting step has not sampled yet)."""
+    import threading
+
+    from engine.async_step import DeviceQueue, DeviceResult
+
+    queue, mask_filled, order = DeviceQueue(torch.device("cpu"), inline=True), threading.Event(), []
+
+    def masked():
+        mask_filled.wait(10)
+        order.append("masked")
+        return DeviceResult(None)
+
+    waiting = queue.submit(masked, waits=True)
+    behind = queue.submit(lambda: order.append("behind") or DeviceResult(None))
+    assert not waiting.done() and not behind.done() and order == []
+    mask_filled.set()
+    behind.result()
+    assert order == ["masked", "behind"] and waiting.done()
+    queue.submit(lambda: order.append("inline") or DeviceResult(None))  # drained: runs on the caller, at once
+    assert order[-1] == "inline"
+    queue.close()
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_chunked_prefill_and_no_prefix_cache_keep_the_tokens(tiny_llama_dir, baseline, mode):
     jobs, _, outputs = baseline
