@@ -62,6 +62,7 @@ class StructuredOutputManager:
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher: fills a step's rows on its threads
         self._filler: ThreadPoolExecutor | None = None  # runs the async fills (one at a time, in step order)
         self._filling: list[Future] = []  # fills submitted and maybe not done: no matcher moves until they are
+        self._mask_buffers: list[Any] = []  # the last masks' tensors, oldest first (StepMask buffer)
 
     @classmethod
     def for_model(cls, tokenizer: Any, model_config: Any, config: Any) -> StructuredOutputManager:
@@ -254,7 +255,10 @@ class StructuredOutputManager:
         rows = [i for i, info in enumerate(plan.infos) if info.req_id in self.sequences]
         if not rows:
             return
-        mask = StepMask(rows, [plan.infos[i].req_id for i in rows], len(plan.infos), self.vocab_size)
+        # buffers recycled two masks later: by then that step has finished (at most two are in flight)
+        buffer = self._mask_buffers.pop(0) if len(self._mask_buffers) > 2 else None
+        mask = StepMask(rows, [plan.infos[i].req_id for i in rows], len(plan.infos), self.vocab_size, buffer)
+        self._mask_buffers.append(mask.buffer)
         step.constrain = mask.apply
         if fill_now:
             self._fill(mask)
@@ -287,7 +291,8 @@ class StructuredOutputManager:
         if self._batch is None:
             from engine.structured.backend import xgrammar
 
-            self._batch = xgrammar().BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
+            # a core left to the engine thread, which schedules the next step while the mask fills
+            self._batch = xgrammar().BatchGrammarMatcher(max_threads=max(1, min(8, (os.cpu_count() or 2) - 1)))
         return self._batch
 
     def cancel_pending(self) -> None:
