@@ -179,11 +179,10 @@ class StructuredOutputManager:
         for request in advanced:  # samples forked this step first, from their parent's matcher before it moves on
             if request.request_id not in self.sequences and request.sampling_params.structured_outputs is not None:
                 self.sequences[request.request_id] = self._fork_for(request)
-        for request in advanced:
-            if request.sampling_params.structured_outputs is None or request.is_finished:
-                continue
-            state = self.sequences[request.request_id]
-            error = state.feed(request.output_token_ids)
+        live = [r for r in advanced if r.sampling_params.structured_outputs is not None and not r.is_finished]
+        states = [self.sequences[r.request_id] for r in live]
+        errors = SequenceGrammar.feed_all(states, [r.output_token_ids for r in live])
+        for request, state, error in zip(live, states, errors):
             if error is not None:
                 self.errors.setdefault(request.group_id, error)
                 finishes.append((request, RequestStatus.FINISHED_ABORTED))

@@ -244,8 +244,7 @@ def test_a_refused_token_ends_that_request_with_an_error_and_aborts_free_matcher
     # Fault injection: the victim's matcher now expects a grammar its tokens cannot follow.
     state = engine.structured.sequences["victim"]
     other_grammar = engine.structured.pool.compile(StructuredOutputsParams(regex="Z{50}"))
-    state.matcher = type(state.matcher)(other_grammar)
-    state.num_accepted = 0
+    state.matcher = type(state.matcher)(other_grammar)  # its next token is refused in the step's batch accept
     assert engine.abort_request("gone") is not None and "gone" not in engine.structured.sequences
     while engine.has_unfinished_requests():
         for output in engine.step():
