@@ -244,7 +244,8 @@ def test_a_refused_token_ends_that_request_with_an_error_and_aborts_free_matcher
     # Fault injection: the victim's matcher now expects a grammar its tokens cannot follow.
     state = engine.structured.sequences["victim"]
     other_grammar = engine.structured.pool.compile(StructuredOutputsParams(regex="Z{50}"))
-    state.matcher = type(state.matcher)(other_grammar)  # its next token is refused in the step's batch accept
+    state.matcher = type(state.matcher)(other_grammar)
+    state.num_accepted = 0
     assert engine.abort_request("gone") is not None and "gone" not in engine.structured.sequences
     while engine.has_unfinished_requests():
         for output in engine.step():
@@ -254,6 +255,28 @@ def test_a_refused_token_ends_that_request_with_an_error_and_aborts_free_matcher
     assert "does not match the structured_outputs grammar" in finals["victim"].error
     assert finals["other"].error is None and finals["other"].outputs[0].finish_reason in ("stop", "length")
     assert not engine.structured.sequences and not engine.structured.grammars and not engine.structured.errors
+
+
+def test_a_steps_tokens_are_accepted_in_one_batch_as_one_by_one(tiny_llama_dir):
+    """feed_all (a decode step's one new token per sequence, in one xgrammar call) against an independent matcher
+    per sequence: the same accepted and refused tokens, the same error."""
+    import xgrammar as xgr
+
+    from engine.structured.matcher import SequenceGrammar
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_llama_dir)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    compiled = xgr.GrammarCompiler(info).compile_regex("[a-z]+")
+    outputs = [tokenizer.encode(text, add_special_tokens=False) for text in ("abc", "ab1", "x")]
+    states = [SequenceGrammar(compiled, [], len(tokenizer)) for _ in outputs]
+    for state, tokens in zip(states, outputs):
+        assert state.feed(tokens[:-1]) is None
+    errors = SequenceGrammar.feed_all(states, outputs)
+    for tokens, error, state in zip(outputs, errors, states):
+        oracle = xgr.GrammarMatcher(compiled)
+        verdicts = [oracle.accept_token(t) for t in tokens]
+        assert (error is None) == all(verdicts) and state.num_accepted == len(tokens) - (not verdicts[-1])
+    assert errors[1] is not None and "does not match the structured_outputs grammar" in errors[1]
 
 
 def test_requests_compiling_their_grammar_count_in_waiting_blocks_needed(tiny_llama_dir):
