@@ -12,7 +12,6 @@ after it.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -64,7 +63,9 @@ class DeviceQueue:
 
     def _launch_behind(self, work: Callable[[], DeviceResult], stream: torch.cuda.Stream | None) -> StepHandle:
         try:
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if stream is None:
+                return StepHandle.launched(_in_inference_mode(work), self.device)
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):  # the submitter's device and stream
                 return StepHandle.launched(_in_inference_mode(work), self.device)
         finally:
             with self._lock:
