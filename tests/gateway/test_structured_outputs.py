@@ -118,6 +118,7 @@ def test_tool_choice_auto_parses_calls_and_the_history_goes_back_through_the_sdk
     assert plain.choices[0].finish_reason in ("stop", "length") and plain.usage.prompt_tokens > 0
 
 
+@pytest.mark.slow  # SmolLM2's tokenizer (its chat template knows no tools)
 def test_tools_and_their_history_render_for_a_template_without_tools(demo_model_dir):
     from transformers import AutoTokenizer
 
