@@ -12,6 +12,7 @@ after it.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,22 +31,50 @@ class DeviceResult:
 
 
 class DeviceQueue:
-    """FIFO device work. `busy_seconds` sums the time device work took (on CPU: the thread's run time)."""
+    """FIFO device work. `busy_seconds` sums the time device work took (on CPU: the thread's run time).
 
-    def __init__(self, device: torch.device) -> None:
+    Inline (CUDA): work runs on the calling thread, which only queues kernels. Work that `waits` for the host
+    (a step whose sampling needs a structured-output mask the host fills during its forward) runs on a helper
+    thread instead: it queues the forward, waits there for the mask, then queues the sampling, while the engine
+    thread goes on. Whatever is submitted while such work is unfinished follows it on that thread, so the
+    stream sees every step's kernels in launch order; once it has drained, work runs inline again.
+    """
+
+    def __init__(self, device: torch.device, inline: bool | None = None) -> None:
         self.device = device
-        self._thread = (
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedq-device") if device.type == "cpu" else None
-        )
+        self.inline = device.type != "cpu" if inline is None else inline
+        self._thread = None if self.inline else ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedq-device")
+        self._waiting: ThreadPoolExecutor | None = None  # inline: the helper thread for work that waits
+        self._num_waiting = 0  # work submitted to it and not yet queued on the device
+        self._lock = threading.Lock()
 
-    def submit(self, work: Callable[[], DeviceResult]) -> StepHandle:
-        if self._thread is None:
-            return StepHandle.from_cuda(_in_inference_mode(work), self.device)
-        return StepHandle(self._thread.submit(_in_inference_mode, work))
+    def submit(self, work: Callable[[], DeviceResult], waits: bool = False) -> StepHandle:
+        if self._thread is not None:
+            return StepHandle(self._thread.submit(_in_inference_mode, work))
+        with self._lock:
+            behind = waits or self._num_waiting > 0
+            self._num_waiting += behind
+        if not behind:
+            return StepHandle.launched(_in_inference_mode(work), self.device)
+        if self._waiting is None:
+            self._waiting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedq-device-wait")
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        return StepHandle(self._waiting.submit(self._launch_behind, work, stream), nested=True)
+
+    def _launch_behind(self, work: Callable[[], DeviceResult], stream: torch.cuda.Stream | None) -> StepHandle:
+        try:
+            if stream is None:
+                return StepHandle.launched(_in_inference_mode(work), self.device)
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):  # the submitter's device and stream
+                return StepHandle.launched(_in_inference_mode(work), self.device)
+        finally:
+            with self._lock:
+                self._num_waiting -= 1
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
+        for pool in (self._thread, self._waiting):
+            if pool is not None:
+                pool.shutdown(wait=True)
 
 
 def _in_inference_mode(work: Callable[[], DeviceResult]) -> DeviceResult:
@@ -56,10 +85,20 @@ def _in_inference_mode(work: Callable[[], DeviceResult]) -> DeviceResult:
 class StepHandle:
     """A step launched on the device; `result()` waits for it and returns host copies of its tensors."""
 
-    def __init__(self, future: Future | None = None) -> None:
+    def __init__(self, future: Future | None = None, nested: bool = False) -> None:
         self._future = future
+        self._nested = nested  # the future's result is the StepHandle of work launched on a helper thread
         self._event: torch.cuda.Event | None = None
         self._host: DeviceResult | None = None
+
+    @classmethod
+    def launched(cls, result: DeviceResult, device: torch.device) -> StepHandle:
+        """Work that ran on the calling thread: on CUDA its kernels are queued (from_cuda); elsewhere it is done."""
+        if device.type == "cuda":
+            return cls.from_cuda(result, device)
+        handle = cls()
+        handle._host = result
+        return handle
 
     @classmethod
     def from_cuda(cls, result: DeviceResult, device: torch.device) -> StepHandle:
@@ -81,23 +120,19 @@ class StepHandle:
 
     def done(self) -> bool:
         if self._future is not None:
-            return self._future.done()
-        return self._cuda_event().query()
+            return self._future.done() and (not self._nested or self._future.result().done())
+        return self._host is not None if self._event is None else self._event.query()
 
     def result(self) -> DeviceResult:
         """Wait for the step (re-raising what its device work raised)."""
         if self._future is not None:
-            return self._future.result()
-        self._cuda_event().synchronize()
+            outcome = self._future.result()
+            return outcome.result() if self._nested else outcome
+        if self._event is not None:
+            self._event.synchronize()
         if self._host is None:
-            raise RuntimeError("a CUDA step handle without its host copies")
+            raise RuntimeError("a step handle with neither a future nor its host copies")
         return self._host
-
-    def _cuda_event(self) -> torch.cuda.Event:
-        """The event of a handle made by from_cuda (a handle has a future or an event)."""
-        if self._event is None:
-            raise RuntimeError("a step handle with neither a future nor a CUDA event")
-        return self._event
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:

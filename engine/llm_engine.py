@@ -74,7 +74,6 @@ class LLMEngine:
         self._in_flight: deque[InFlightStep] = deque()
         self._pipeline_depth = 2 if self.config.async_scheduling else 1
         self.structured = StructuredOutputManager.for_model(self.tokenizer, self.model_config, self.config)
-        self._inline_device = self.model_runner.device_queue._thread is None  # CUDA: no device thread to wait in
 
     # ---- admission -----------------------------------------------------------------------------
     def add_request(
@@ -205,7 +204,7 @@ class LLMEngine:
         (a preempted request counts the tokens it has and the ones it may still generate)."""
         return sum(
             self.blocks_needed(r.num_tokens, r.sampling_params.max_tokens - r.num_output_tokens, 1 + r.fan_out)
-            for r in self.scheduler.waiting
+            for r in (*self.scheduler.waiting, *self.structured.waiting_requests)  # and those compiling
         )
 
     @property
@@ -233,9 +232,7 @@ class LLMEngine:
         clock = self.step_seconds
         started = time.perf_counter()
         compiled = self.structured.admit(self.scheduler, self.output_processor)  # grammars ready, or failed
-        # CUDA: finish the step in flight first, so the next one's mask can be filled before it is launched
-        drain = self._inline_device and self._in_flight and self.structured.sequences
-        launched = None if drain else self._schedule_and_launch()
+        launched = self._schedule_and_launch()  # a masked step's sampling waits for its mask (DeviceQueue)
         if launched is not None:
             self._in_flight.append(launched)
         if not self._in_flight or (launched is not None and len(self._in_flight) < self._pipeline_depth):

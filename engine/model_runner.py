@@ -147,8 +147,9 @@ class ModelRunner:
         )
 
     def launch(self, step: PreparedStep) -> StepHandle:
-        """Queue the step's device work: it runs after every step launched before it."""
-        return self.device_queue.submit(lambda: self._device_work(step))
+        """Queue the step's device work: it runs after every step launched before it (a step whose sampling waits
+        for its structured-output mask: on CUDA, its forward is queued now and its sampling once the mask is in)."""
+        return self.device_queue.submit(lambda: self._device_work(step), waits=step.constrain is not None)
 
     def finish(self, step: PreparedStep, handle: StepHandle) -> ModelRunnerOutput:
         """Wait for a launched step; its results keyed by request id."""

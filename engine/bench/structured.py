@@ -1,7 +1,8 @@
 """`pagedq bench structured`: what structured outputs cost, one JSON line.
 
     compile_ms      cold (an empty cache) and cached, for three real schemas: flat, nested with arrays, enum-heavy
-    mask_fill_us_per_row   host time to fill one bitmask row, over matchers spread through a document
+    mask_fill       host time per bitmask row over matchers spread through a document: one thread's CPU time, and
+                    xgrammar's batch fill on 1 and 2 threads; mask_fill_wide: the same at --wide-vocab-size
     e2e             output tokens/s on the model with all, half and none of the requests structured (one run)
 
 The tokenizer and the end-to-end model are the demo model's (SmolLM2-135M-Instruct) unless --model is given.
@@ -62,6 +63,10 @@ ENUMS = {
     },
     "required": ["country", "currency", "category", "status"],
 }
+# The same with maxLength on two strings: in xgrammar 0.2.8 every row filled inside a bounded string costs far more
+BOUNDED = json.loads(json.dumps(NESTED))
+BOUNDED["properties"]["invoice"]["maxLength"] = 16
+BOUNDED["properties"]["lines"]["items"]["properties"]["sku"]["maxLength"] = 16
 SCHEMAS: dict[str, dict[str, Any]] = {"flat": FLAT, "nested_arrays": NESTED, "enum_heavy": ENUMS}
 # A document of the nested schema whose prefixes put the mask-fill matchers in different states.
 DOCUMENT = json.dumps(
@@ -97,14 +102,18 @@ def compile_times(tokenizer, vocab_size: int, repeats: int) -> dict[str, dict[st
     return out
 
 
-def mask_fill_us_per_row(tokenizer, vocab_size: int, rows: int, repeats: int) -> float:
+def mask_fill_us_per_row(tokenizer, vocab_size: int, rows: int, repeats: int, schema: dict | None = None) -> dict:
+    """Per bitmask row, over `rows` matchers spread through DOCUMENT: the CPU time of one thread filling them one
+    by one (thread_time: what the row costs, whatever else runs), and the wall time of xgrammar's
+    BatchGrammarMatcher on 1 and 2 threads (medians of `repeats`)."""
     from engine.structured.backend import xgrammar
     from engine.structured.compiler import GrammarCompilerPool
     from engine.structured.matcher import SequenceGrammar
     from engine.structured.params import StructuredOutputsParams
 
+    xgr = xgrammar()
     pool = GrammarCompilerPool(tokenizer, vocab_size, cache_bytes=256 << 20)
-    compiled = pool.compile(StructuredOutputsParams(json=NESTED))
+    compiled = pool.compile(StructuredOutputsParams(json=schema or NESTED))
     document = tokenizer.encode(DOCUMENT, add_special_tokens=False)
     sequences = []
     for row in range(rows):
@@ -112,15 +121,39 @@ def mask_fill_us_per_row(tokenizer, vocab_size: int, rows: int, repeats: int) ->
         if state.feed(document[: row * len(document) // rows]) is not None:
             raise RuntimeError("the benchmark document does not match its schema")
         sequences.append(state)
-    bitmask = xgrammar().allocate_token_bitmask(rows, vocab_size)
-    times = []
+    bitmask = xgr.allocate_token_bitmask(rows, vocab_size)
+    cpu: list[float] = []
+    batch: dict[int, list[float]] = {threads: [] for threads in (1, 2)}
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = time.thread_time()
         for row, state in enumerate(sequences):
             state.fill_row(bitmask, row)
-        times.append(time.perf_counter() - start)
+        cpu.append(time.thread_time() - start)
+        for threads, times in batch.items():
+            matcher = xgr.BatchGrammarMatcher(max_threads=threads)
+            start = time.perf_counter()
+            matcher.batch_fill_next_token_bitmask([s.matcher for s in sequences], bitmask)
+            times.append(time.perf_counter() - start)
     pool.close()
-    return 1e6 * statistics.median(times) / rows
+    return {
+        "cpu_us_per_row": 1e6 * statistics.median(cpu) / rows,
+        **{f"batch_{n}_threads_wall_us_per_row": 1e6 * statistics.median(t) / rows for n, t in batch.items()},
+    }
+
+
+def wide_vocab_mask_fill(vocab_size: int, rows: int, repeats: int) -> dict:
+    """The mask fill at `pagedq bench host --sampling json`'s vocabulary (SmolLM2's widened with word-piece
+    merges), for the invoice schema as it is and with maxLength on two of its strings (xgrammar #852)."""
+    from transformers import AutoTokenizer
+
+    from engine.bench.structured_host import model_folder
+
+    tokenizer = AutoTokenizer.from_pretrained(model_folder(vocab_size))
+    return {
+        "vocab_size": vocab_size,
+        "nested_arrays": mask_fill_us_per_row(tokenizer, vocab_size, rows, repeats),
+        "nested_arrays_maxlength_16": mask_fill_us_per_row(tokenizer, vocab_size, rows, repeats, BOUNDED),
+    }
 
 
 def end_to_end(model: str | None, num_prompts: int, output_len: int) -> dict[str, dict[str, float]]:
@@ -176,7 +209,10 @@ def run(args: argparse.Namespace) -> dict:
         "torch": torch.__version__,
         "compile": compile_times(tokenizer, vocab_size, args.repeats),
         "mask_fill_rows": args.rows,
-        "mask_fill_us_per_row": mask_fill_us_per_row(tokenizer, vocab_size, args.rows, args.repeats),
+        "mask_fill": mask_fill_us_per_row(tokenizer, vocab_size, args.rows, args.repeats),
+        "mask_fill_wide": wide_vocab_mask_fill(args.wide_vocab_size, args.rows, args.repeats)
+        if args.wide_vocab_size
+        else None,
         "e2e": end_to_end(model, args.num_prompts, args.output_len) if args.num_prompts else None,
     }
 
@@ -185,6 +221,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="checkpoint folder (default: the demo model)")
     parser.add_argument("--repeats", type=int, default=3, help="repeats of each timing; the median is reported")
     parser.add_argument("--rows", type=int, default=64, help="matchers whose mask rows are filled (default 64)")
+    parser.add_argument(
+        "--wide-vocab-size",
+        type=int,
+        default=128256,
+        help="also time the mask fill at this vocabulary (bench host --sampling json's tokenizer; 0: skip)",
+    )
     parser.add_argument("--num-prompts", type=int, default=16, help="end-to-end requests per run (0: skip)")
     parser.add_argument("--output-len", type=int, default=48, help="end-to-end max_tokens (default 48)")
 

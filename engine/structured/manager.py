@@ -6,14 +6,16 @@ and the per-step masks.
     attach()   a prepared step gets a StepMask over its structured draws (none: the step never waits)
     advance()  after a step, each live structured sequence's matcher accepts its new tokens; a rejected token
                ends that request with an error, a finished grammar stops it
-    fill_pending()  the masks of steps already launched, now that their sequences' tokens are known (async)
+    fill_pending()  the masks of steps already launched, now that their sequences' tokens are known (async):
+               filled on a background thread while the engine schedules the next step; settle() waits for them
+               before any matcher moves again
 """
 
 from __future__ import annotations
 
 import os
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +60,9 @@ class StructuredOutputManager:
         self._roots: dict[str, Request] = {}  # group id -> its first sequence (the one samples fork from)
         self._scratch = None
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher: fills a step's rows on its threads
+        self._filler: ThreadPoolExecutor | None = None  # runs the async fills (one at a time, in step order)
+        self._filling: list[Future] = []  # fills submitted and maybe not done: no matcher moves until they are
+        self._mask_buffers: list[Any] = []  # the last masks' tensors, oldest first (StepMask buffer)
 
     @classmethod
     def for_model(cls, tokenizer: Any, model_config: Any, config: Any) -> StructuredOutputManager:
@@ -93,6 +98,11 @@ class StructuredOutputManager:
 
     def has_compiling(self) -> bool:
         return bool(self.compiling)
+
+    @property
+    def waiting_requests(self) -> list[Request]:
+        """Those still compiling their grammar: waiting as much as the scheduler's queue (admission counts them)."""
+        return [item.request for item in self.compiling.values()]
 
     def poll(self) -> tuple[list[Request], list[tuple[Request, str]]]:
         """(requests whose grammar is ready, with their matcher made; (request, error) for those that failed)."""
@@ -169,11 +179,10 @@ class StructuredOutputManager:
         for request in advanced:  # samples forked this step first, from their parent's matcher before it moves on
             if request.request_id not in self.sequences and request.sampling_params.structured_outputs is not None:
                 self.sequences[request.request_id] = self._fork_for(request)
-        for request in advanced:
-            if request.sampling_params.structured_outputs is None or request.is_finished:
-                continue
-            state = self.sequences[request.request_id]
-            error = state.feed(request.output_token_ids)
+        live = [r for r in advanced if r.sampling_params.structured_outputs is not None and not r.is_finished]
+        states = [self.sequences[r.request_id] for r in live]
+        errors = SequenceGrammar.feed_all(states, [r.output_token_ids for r in live])
+        for request, state, error in zip(live, states, errors):
             if error is not None:
                 self.errors.setdefault(request.group_id, error)
                 finishes.append((request, RequestStatus.FINISHED_ABORTED))
@@ -198,6 +207,7 @@ class StructuredOutputManager:
 
     def finish_advanced(self, advanced: list[Request], scheduler: Any) -> None:
         """advance(), then the finishes it calls for, then the matchers of every sequence that finished."""
+        self.settle()
         if not self.sequences:
             return
         for request, status in self.advance(advanced):
@@ -244,7 +254,10 @@ class StructuredOutputManager:
         rows = [i for i, info in enumerate(plan.infos) if info.req_id in self.sequences]
         if not rows:
             return
-        mask = StepMask(rows, [plan.infos[i].req_id for i in rows], len(plan.infos), self.vocab_size)
+        # buffers recycled two masks later: by then that step has finished (at most two are in flight)
+        buffer = self._mask_buffers.pop(0) if len(self._mask_buffers) > 2 else None
+        mask = StepMask(rows, [plan.infos[i].req_id for i in rows], len(plan.infos), self.vocab_size, buffer)
+        self._mask_buffers.append(mask.buffer)
         step.constrain = mask.apply
         if fill_now:
             self._fill(mask)
@@ -252,16 +265,34 @@ class StructuredOutputManager:
             self._pending_masks.append(mask)
 
     def fill_pending(self) -> None:
+        """The launched steps' masks, on the filler thread: the engine thread goes on to schedule and prepare the
+        next step meanwhile (which matcher fills which row is decided here, before the scheduler moves on)."""
         masks, self._pending_masks = self._pending_masks, []
+        if not masks:
+            return
+        if self._filler is None:
+            self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedq-mask")
+        batch = self._batch_matcher()
         for mask in masks:
-            self._fill(mask)
+            self._filling.append(self._filler.submit(mask.collect(self.sequences), batch))
+
+    def settle(self) -> None:
+        """Wait for the fills in progress (a failed one has already failed its step's device work)."""
+        filling, self._filling = self._filling, []
+        for future in filling:
+            future.exception()
 
     def _fill(self, mask: StepMask) -> None:
+        self.settle()
+        mask.fill(self.sequences, self._batch_matcher())
+
+    def _batch_matcher(self) -> Any:
         if self._batch is None:
             from engine.structured.backend import xgrammar
 
-            self._batch = xgrammar().BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))
-        mask.fill(self.sequences, self._batch)
+            # a core left to the engine thread, which schedules the next step while the mask fills
+            self._batch = xgrammar().BatchGrammarMatcher(max_threads=max(1, min(8, (os.cpu_count() or 2) - 1)))
+        return self._batch
 
     def cancel_pending(self) -> None:
         masks, self._pending_masks = self._pending_masks, []
@@ -270,5 +301,8 @@ class StructuredOutputManager:
 
     def close(self) -> None:
         self.cancel_pending()
+        self.settle()
+        if self._filler is not None:
+            self._filler.shutdown(wait=True)
         if self._pool is not None:
             self._pool.close()

@@ -31,9 +31,31 @@ class SequenceGrammar:
         for position in range(self.num_accepted, len(output_token_ids)):
             token = output_token_ids[position]
             if not self.matcher.accept_token(token):
-                return f"output token {token} at position {position} does not match the structured_outputs grammar"
+                return _refused(token, position)
             self.num_accepted = position + 1
         return None
+
+    @staticmethod
+    def feed_all(states: list[SequenceGrammar], outputs: list[list[int]]) -> list[str | None]:
+        """feed() for many sequences; those with one unseen token (a decode step's) in one xgrammar call: a call
+        per sequence gives up the GIL each time, which on busy cores cost about 0.1 ms a call."""
+        errors: list[str | None] = [None] * len(states)
+        single = [i for i, (state, tokens) in enumerate(zip(states, outputs)) if len(tokens) == state.num_accepted + 1]
+        if len(single) < 2:
+            single = []
+        batch = xgrammar().BatchGrammarMatcher
+        accepted = batch.batch_accept_token([states[i].matcher for i in single], [outputs[i][-1] for i in single])
+        for i, ok in zip(single, accepted):
+            position = states[i].num_accepted
+            if ok:
+                states[i].num_accepted = position + 1
+            else:
+                errors[i] = _refused(outputs[i][position], position)
+        fed = set(single)
+        for i, (state, tokens) in enumerate(zip(states, outputs)):
+            if i not in fed:
+                errors[i] = state.feed(tokens)
+        return errors
 
     def fill_row(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
@@ -51,3 +73,7 @@ class SequenceGrammar:
             if token < self.vocab_size:
                 row[token // 32] &= ~(1 << (token % 32))
         return not bool(row.any())
+
+
+def _refused(token: int, position: int) -> str:
+    return f"output token {token} at position {position} does not match the structured_outputs grammar"

@@ -12,18 +12,23 @@ from engine.bench import structured
 
 
 def test_bench_structured_runs_and_reports_every_figure(tiny_llama_dir, capsys):
-    args = argparse.Namespace(model=str(tiny_llama_dir), repeats=1, rows=4, num_prompts=0, output_len=8)
+    args = argparse.Namespace(
+        model=str(tiny_llama_dir), repeats=1, rows=4, num_prompts=0, output_len=8, wide_vocab_size=50_000
+    )
     assert structured.main(args) == 0
     line = json.loads(capsys.readouterr().out)
     assert set(line["compile"]) == {"flat", "nested_arrays", "enum_heavy"}
     assert all(v["cold_ms"] > 0 and v["cached_ms"] > 0 for v in line["compile"].values())
-    assert line["mask_fill_us_per_row"] > 0 and line["e2e"] is None
+    assert line["mask_fill"]["cpu_us_per_row"] > 0 and line["e2e"] is None
+    wide = line["mask_fill_wide"]
+    assert wide["vocab_size"] == 50_000 and all(v > 0 for v in wide["nested_arrays_maxlength_16"].values())
 
 
 def test_the_mask_fill_document_matches_its_schema():
     import jsonschema
 
     jsonschema.validate(json.loads(structured.DOCUMENT), structured.NESTED)
+    jsonschema.validate(json.loads(structured.DOCUMENT), structured.BOUNDED)
 
 
 @pytest.mark.slow  # the demo model's tokenizer

@@ -101,6 +101,59 @@ def test_async_and_sync_scheduling_give_identical_tokens(tiny_llama_dir, baselin
     assert tokens(flipped) == tokens(outputs)
 
 
+def test_an_inline_device_queue_samples_masked_steps_behind_their_mask_and_keeps_the_tokens(tiny_llama_dir, baseline):
+    """CUDA's execution model, on CPU: work launched inline on the engine thread; a masked step's work on a helper
+    thread (on CUDA: its forward queued at once, its sampling once the host filled the mask), and what is launched
+    while it waits queued behind it. Out of order, a step would read the previous one's tokens before they exist."""
+    import threading
+
+    from engine.async_step import DeviceQueue
+
+    jobs, _, outputs = baseline
+    llm = LLM(tiny_llama_dir, max_num_seqs=32)
+    runner = llm.llm_engine.model_runner
+    runner.device_queue.close()
+    runner.device_queue = DeviceQueue(torch.device("cpu"), inline=True)
+    real, threads = runner._device_work, set()
+
+    def recorded(step):
+        threads.add(threading.current_thread().name.split("_")[0])
+        return real(step)
+
+    runner._device_work = recorded
+    assert tokens(llm.generate([p for p, _ in jobs], [s for _, s in jobs])) == tokens(outputs)
+    assert "pagedq-device-wait" in threads
+    threads.clear()
+    plain = [(i, p, s) for i, (p, s) in enumerate(jobs) if s.structured_outputs is None]
+    again = llm.generate([p for _, p, _ in plain], [s for _, _, s in plain])
+    assert tokens(again) == [tokens(outputs)[i] for i, _, _ in plain] and threads == {"MainThread"}  # inline
+
+
+def test_work_launched_behind_a_waiting_step_runs_after_it():
+    """The inline queue's order: what is submitted while a step waits for its mask runs after that step, not inline
+    before it (on CUDA: the next forward would read the draws the waiting step has not sampled yet)."""
+    import threading
+
+    from engine.async_step import DeviceQueue, DeviceResult
+
+    queue, mask_filled, order = DeviceQueue(torch.device("cpu"), inline=True), threading.Event(), []
+
+    def masked():
+        mask_filled.wait(10)
+        order.append("masked")
+        return DeviceResult(None)
+
+    waiting = queue.submit(masked, waits=True)
+    behind = queue.submit(lambda: order.append("behind") or DeviceResult(None))
+    assert not waiting.done() and not behind.done() and order == []
+    mask_filled.set()
+    behind.result()
+    assert order == ["masked", "behind"] and waiting.done()
+    queue.submit(lambda: order.append("inline") or DeviceResult(None))  # drained: runs on the caller, at once
+    assert order[-1] == "inline"
+    queue.close()
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_chunked_prefill_and_no_prefix_cache_keep_the_tokens(tiny_llama_dir, baseline, mode):
     jobs, _, outputs = baseline
@@ -202,6 +255,41 @@ def test_a_refused_token_ends_that_request_with_an_error_and_aborts_free_matcher
     assert "does not match the structured_outputs grammar" in finals["victim"].error
     assert finals["other"].error is None and finals["other"].outputs[0].finish_reason in ("stop", "length")
     assert not engine.structured.sequences and not engine.structured.grammars and not engine.structured.errors
+
+
+def test_a_steps_tokens_are_accepted_in_one_batch_as_one_by_one(tiny_llama_dir):
+    """feed_all (a decode step's one new token per sequence, in one xgrammar call) against an independent matcher
+    per sequence: the same accepted and refused tokens, the same error."""
+    import xgrammar as xgr
+
+    from engine.structured.matcher import SequenceGrammar
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_llama_dir)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    compiled = xgr.GrammarCompiler(info).compile_regex("[a-z]+")
+    outputs = [tokenizer.encode(text, add_special_tokens=False) for text in ("abc", "ab1", "x")]
+    states = [SequenceGrammar(compiled, [], len(tokenizer)) for _ in outputs]
+    for state, tokens in zip(states, outputs):
+        assert state.feed(tokens[:-1]) is None
+    errors = SequenceGrammar.feed_all(states, outputs)
+    for tokens, error, state in zip(outputs, errors, states):
+        oracle = xgr.GrammarMatcher(compiled)
+        verdicts = [oracle.accept_token(t) for t in tokens]
+        assert (error is None) == all(verdicts) and state.num_accepted == len(tokens) - (not verdicts[-1])
+    assert errors[1] is not None and "does not match the structured_outputs grammar" in errors[1]
+
+
+def test_requests_compiling_their_grammar_count_in_waiting_blocks_needed(tiny_llama_dir):
+    """Admission (the worker's) reads waiting_blocks_needed: a request held for its grammar needs the blocks an
+    unconstrained one waiting in the scheduler does."""
+    counts = []
+    for constraint in (CONSTRAINTS[0], None):
+        engine = LLMEngine(tiny_llama_dir)
+        for i, n in enumerate((1, 3)):
+            params = SamplingParams(max_tokens=40, n=n, structured_outputs=constraint)
+            engine.add_request(f"r{i}", PROMPTS[i] * 8, params)
+        counts.append((engine.waiting_blocks_needed, engine.num_waiting_requests))
+    assert counts[0] == counts[1] and counts[0][0] > 0
 
 
 def test_samplingparams_replace_keeps_the_constraint():

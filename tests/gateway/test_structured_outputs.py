@@ -76,14 +76,74 @@ def served(request):
             {"response_format": {"type": "json_object"}, "extra_body": {"structured_outputs": {"regex": "a"}}},
             "give only one",
         ),
-        ({"tools": TOOLS}, 'tool_choice "auto" needs a model-specific tool-call parser'),
+        ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]}, "tool_call_id belongs to tool"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in tools"),
         ({"extra_body": {"structured_outputs": {"regex": "([a-z"}}}, "regex does not compile"),
     ],
 )
 def test_bad_constraints_are_400_naming_the_problem(served, extra, words):
     with pytest.raises(openai.BadRequestError, match=re.escape(words)):
-        served.sdk.chat.completions.create(model=served.model, messages=ASK, max_tokens=8, **extra)
+        served.sdk.chat.completions.create(**{"model": served.model, "messages": ASK, "max_tokens": 8, **extra})
+
+
+# One small tool (the tiny model's context is 512 tokens), and a Hermes call of it forced by a regex, so the tiny
+# random model "decides" to call it under tool_choice auto.
+NOW = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {"z": {}}}}}]
+FORCED_CALL = '<tool_call>\n\\{"name": "now", "arguments": \\{"z": "[a-z]{1,4}"\\}\\}\n</tool_call>'
+HI = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize("served", ["chat_llama_dir"], indirect=True)
+def test_tool_choice_auto_parses_calls_and_the_history_goes_back_through_the_sdk(served):
+    sdk, model = served.sdk, served.model
+    force = {"structured_outputs": {"regex": FORCED_CALL}}
+    out = sdk.chat.completions.create(model=model, messages=HI, max_tokens=90, tools=NOW, extra_body=force)
+    (choice,) = out.choices
+    (call,) = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and call.function.name == "now" and call.id.startswith("call_")
+    assert re.fullmatch("[a-z]{1,4}", json.loads(call.function.arguments)["z"]) and choice.message.content is None
+    chunks = list(
+        sdk.chat.completions.create(
+            model=model, messages=HI, max_tokens=90, tools=NOW, extra_body=force, stream=True, temperature=0.0
+        )
+    )
+    pieces = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert [p.function.name for p in pieces] == ["now"] and json.loads(pieces[0].function.arguments)["z"]
+    assert not any(ch.choices[0].delta.content for ch in chunks if ch.choices)  # no call text leaks as content
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # the SDK's own message object and a tool result, sent back: accepted, and the answer is plain content
+    history = [*HI, choice.message, {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]
+    plain = sdk.chat.completions.create(model=model, messages=history, max_tokens=6, tools=NOW, temperature=0.0)
+    assert plain.choices[0].message.tool_calls is None and isinstance(plain.choices[0].message.content, str)
+    assert plain.choices[0].finish_reason in ("stop", "length") and plain.usage.prompt_tokens > 0
+
+
+@pytest.mark.slow  # SmolLM2's tokenizer (its chat template knows no tools)
+def test_tools_and_their_history_render_for_a_template_without_tools(demo_model_dir):
+    from transformers import AutoTokenizer
+
+    from worker.gateway.schemas import ChatCompletionRequest
+    from worker.gateway.tools import parse_calls, render_messages
+
+    called = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "utc"}'}}
+    body = ChatCompletionRequest(
+        model="m",
+        tools=TOOLS,
+        messages=[
+            *ASK,
+            {"role": "assistant", "content": None, "tool_calls": [called]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+        ],
+    )
+    turns = render_messages(body, describe_tools=True)
+    assert [t["role"] for t in turns] == ["system", "user", "assistant", "user"]
+    listed = re.search(r"<tools>\n(.*)\n</tools>", turns[0]["content"], re.DOTALL)
+    assert listed and [json.loads(line) for line in listed.group(1).splitlines()] == TOOLS
+    assert parse_calls(turns[2]["content"], {"get_time"}) == (None, [("get_time", '{"zone": "utc"}')])
+    assert turns[3]["content"] == "<tool_response>\n12:00\n</tool_response>"
+    # SmolLM2's template knows no tools (a "tool" turn or content None would break it): it renders these
+    text = AutoTokenizer.from_pretrained(demo_model_dir).apply_chat_template(turns, tokenize=False)
+    assert "<tool_response>" in text and '"name": "get_weather"' in text
 
 
 @pytest.mark.parametrize("served", ["chat_llama_dir"], indirect=True)

@@ -10,6 +10,7 @@ from worker.gateway.jobs import sampling_fields
 from worker.gateway.render import TokenNames, chat_logprobs, choices_of, usage
 from worker.gateway.schemas import ChatCompletionRequest
 from worker.gateway.settings import GatewaySettings
+from worker.gateway.tools import TOOL_CALL_OPEN, render_messages
 from worker.protocol.job import Delta, FinalRecord
 
 
@@ -22,9 +23,12 @@ class ChatEndpoint(CompletionEndpoint):
         self.k = ((body.top_logprobs or 0) if body.logprobs else None) if body is not None else k
         self.as_ids = bool(body and body.return_tokens_as_token_ids)
         self.n = body.n if body is not None else 1
-        # "named" / "required": the output is a tool call (its arguments, or a list of calls), returned as tool_calls
+        # "named" / "required": the output is a tool call (its arguments, or a list of calls), returned as tool_calls;
+        # "auto": text that may hold calls (worker/gateway/tools.py), streamed as content up to the first call
         self.tools = tool_mode(body) if body is not None else None
         self.call_ids = [new_call_id() for _ in range(self.n)] if self.tools == "named" else []
+        self.streamed: dict[int, str] = {}  # auto, streaming: each choice's text so far
+        self.sent: dict[int, int] = {}  # and how much of it went out as content
 
     def chat_body(self) -> ChatCompletionRequest:
         body = self.request_body()
@@ -35,7 +39,7 @@ class ChatEndpoint(CompletionEndpoint):
     def jobs_fields(self, settings: GatewaySettings) -> list[dict[str, Any]]:
         body = self.chat_body()
         fields = sampling_fields(body, settings, body.max_completion_tokens or body.max_tokens)
-        fields["messages"] = [{"role": m.role, "content": m.text()} for m in body.messages]
+        fields["messages"] = render_messages(body, describe_tools=self.tools is not None)
         if self.k is not None:
             fields["logprobs"] = self.k
         return [fields]
@@ -51,7 +55,7 @@ class ChatEndpoint(CompletionEndpoint):
             {
                 "index": c.index,
                 "message": self._message(c.text),
-                "finish_reason": c.finish_reason,
+                "finish_reason": self._finish_reason(c.text, c.finish_reason),
                 "logprobs": self._chat_logprobs(c.token_ids, c.logprobs, record.token_texts),
                 "stop_reason": c.stop_reason,
             }
@@ -60,10 +64,16 @@ class ChatEndpoint(CompletionEndpoint):
         return self.envelope(record.id, choices, usage=usage(records))
 
     def _message(self, text: str) -> dict[str, Any]:
-        calls = tool_calls_of(self.chat_body(), text) if self.tools else None
+        content, calls = tool_calls_of(self.chat_body(), text) if self.tools else (text, None)
         if calls is None:
             return {"role": "assistant", "content": text, "refusal": None}
-        return {"role": "assistant", "content": None, "refusal": None, "tool_calls": calls}
+        return {"role": "assistant", "content": content, "refusal": None, "tool_calls": calls}
+
+    def _finish_reason(self, text: str, reason: str | None) -> str | None:
+        """OpenAI's "tool_calls" when an auto answer called tools (a forced call keeps the engine's reason)."""
+        if self.tools == "auto" and reason == "stop" and tool_calls_of(self.chat_body(), text)[1]:
+            return "tool_calls"
+        return reason
 
     # --- streaming: object "chat.completion.chunk"; the first chunk of each choice names the role
     def chunk(self, job_id: str, choices: list[dict]) -> dict[str, Any]:
@@ -87,6 +97,8 @@ class ChatEndpoint(CompletionEndpoint):
         lps = self._chat_logprobs(delta.token_ids, delta.logprobs, delta.token_texts)
         if self.tools == "required":
             return None  # the list of calls is parsed, and sent, once complete (closing)
+        if self.tools == "auto":
+            return self._auto_delta(response_id, delta, lps)
         content = (
             {"tool_calls": [{"index": 0, "function": {"arguments": delta.text}}]}
             if self.tools == "named"
@@ -96,22 +108,42 @@ class ChatEndpoint(CompletionEndpoint):
             response_id, [{"index": delta.index, "delta": content, "logprobs": lps, "finish_reason": None}]
         )
 
+    def _auto_delta(self, response_id: str, delta: Delta, lps: dict | None) -> dict[str, Any] | None:
+        """Content as it comes, held back from where a <tool_call> may begin (its calls are sent at the close)."""
+        text = self.streamed[delta.index] = self.streamed.get(delta.index, "") + delta.text
+        sent, safe = self.sent.get(delta.index, 0), _before_call(text)
+        if safe <= sent:
+            return None
+        self.sent[delta.index] = safe
+        piece = {"index": delta.index, "delta": {"content": text[sent:safe]}, "logprobs": lps, "finish_reason": None}
+        return self.chunk(response_id, [piece])
+
     def closing(self, response_id: str, prompt_index: int, record: FinalRecord) -> list[dict[str, Any]]:
         chunks = []
         for c in choices_of(record):
-            if self.tools == "required":
-                calls = tool_calls_of(self.chat_body(), c.text)
-                delta = (
-                    {"tool_calls": [{**tc, "index": i} for i, tc in enumerate(calls)]} if calls else {"content": c.text}
-                )
-                chunks.append(
-                    self.chunk(
-                        response_id, [{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}]
-                    )
-                )
+            delta: dict[str, Any] | None = None
+            if self.tools in ("required", "auto"):
+                calls = tool_calls_of(self.chat_body(), c.text)[1]
+                sent = self.sent.get(c.index, 0) if self.tools == "auto" else 0
+                if calls:
+                    delta = {"tool_calls": [{**tc, "index": i} for i, tc in enumerate(calls)]}
+                elif c.text[sent:]:
+                    delta = {"content": c.text[sent:]}
+            if delta is not None:
+                piece = {"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}
+                chunks.append(self.chunk(response_id, [piece]))
+            reason = self._finish_reason(c.text, c.finish_reason)
             chunks.append(
-                self.chunk(
-                    response_id, [{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason}]
-                )
+                self.chunk(response_id, [{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": reason}])
             )
         return chunks
+
+
+def _before_call(text: str) -> int:
+    """How much of a streamed text is surely content: up to a <tool_call>, or to a tail that may start one."""
+    if "<tool_call>" in text:
+        return text.index("<tool_call>")
+    for keep in range(min(len(text), len(TOOL_CALL_OPEN) - 1), 0, -1):
+        if TOOL_CALL_OPEN.startswith(text[-keep:]):
+            return len(text) - keep
+    return len(text)

@@ -1,6 +1,8 @@
 """An OpenAI request's output constraint as a job's structured_outputs: response_format (json_object, json_schema),
 vLLM's structured_outputs (extra_body), or tools with tool_choice "required" or a named function, which vLLM
-enforces with a JSON schema built from the functions' parameters. At most one of them; a bad one is a 400."""
+enforces with a JSON schema built from the functions' parameters. At most one of them; a bad one is a 400.
+tool_choice "auto" (OpenAI's default when tools are given) constrains nothing: the answer is parsed for calls
+(worker/gateway/tools.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Any
 
 from worker.gateway.errors import OpenAIError
 from worker.gateway.schemas import ChatCompletionRequest, NamedToolChoice, SamplingBody
+from worker.gateway.tools import parse_calls
 from worker.protocol.job import structured_outputs_wire
 
 ANY_ARGUMENTS: dict[str, Any] = {"type": "object"}  # a function declared without parameters
@@ -51,25 +54,19 @@ def _from_response_format(body: SamplingBody) -> dict[str, Any]:
 
 
 def tool_mode(body: ChatCompletionRequest) -> str | None:
-    """'named', 'required', or None when the output is not a tool call ('none', or no tools)."""
+    """'named', 'required', 'auto' (also when tools come without a tool_choice, as in OpenAI's API), or None when
+    the output is no tool call ('none', or no tools)."""
     choice = body.tool_choice
     if not body.tools or choice == "none":
         return None
     if isinstance(choice, NamedToolChoice):
         return "named"
-    if choice == "required":
-        return "required"
-    raise OpenAIError(
-        400,
-        'tool_choice "auto" needs a model-specific tool-call parser, which this server does not have: '
-        'use tool_choice "required" or {"type": "function", "function": {"name": ...}}',
-        param="tool_choice",
-    )
+    return "required" if choice == "required" else "auto"
 
 
 def tool_constraint(body: ChatCompletionRequest) -> dict[str, Any] | None:
     mode = tool_mode(body)
-    if mode is None:
+    if mode in (None, "auto"):
         return None
     tools = {t.function.name: t.function for t in body.tools or ()}
     if mode == "named":
@@ -105,19 +102,22 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def tool_calls_of(body: ChatCompletionRequest, text: str) -> list[dict[str, Any]] | None:
-    """The generated text as OpenAI tool_calls: a named function's arguments as generated (vLLM does the same
-    when they are cut short), the calls of a "required" list; None when that list does not parse (cut by
-    max_tokens: the text is then returned as content)."""
+def tool_calls_of(body: ChatCompletionRequest, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+    """(content, tool_calls) of a generated text. Named: the function's arguments as generated (vLLM does the same
+    when they are cut short); required: the calls of the list, or no calls when it does not parse (cut by
+    max_tokens: the text is then the content); auto: the <tool_call> blocks of declared functions, if any."""
     mode = tool_mode(body)
     if mode == "named":
         assert isinstance(body.tool_choice, NamedToolChoice)
-        return [call(body.tool_choice.function.name, text)]
+        return None, [call(body.tool_choice.function.name, text)]
+    if mode == "auto":
+        content, found = parse_calls(text, {t.function.name for t in body.tools or ()})
+        return content, [call(name, arguments) for name, arguments in found] or None
     try:
         calls = json.loads(text)
-        return [call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
+        return None, [call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
     except (ValueError, TypeError, KeyError):
-        return None
+        return text, None
 
 
 def call(name: str, arguments: str, call_id: str | None = None) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from engine import limits as sampling
 from worker.protocol.job import (
@@ -110,12 +110,44 @@ class TextPart(Strict):
     text: str = Field(max_length=MAX_PROMPT_CHARS)
 
 
+class CalledFunction(Strict):
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str = Field(max_length=MAX_PROMPT_CHARS)  # JSON text, as the model wrote it
+
+
+class ToolCall(Strict):
+    """A call an assistant message of the history made (the tool_calls of an earlier response, sent back)."""
+
+    id: str = Field(max_length=256)
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] = Field(max_length=MAX_PROMPT_CHARS)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
     name: str | None = Field(default=None, max_length=256)
+    tool_calls: list[ToolCall] | None = Field(default=None, max_length=128)  # assistant
+    tool_call_id: str | None = Field(default=None, max_length=256)  # tool: the call it answers
+    # what the SDK sends back with an earlier response's message object (always null here)
+    refusal: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+    function_call: None = None
+    audio: None = None
+    annotations: list[Any] | None = Field(default=None, max_length=0)
+
+    @model_validator(mode="after")
+    def _fields_of_its_role(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant messages, not {self.role!r} ones")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id belongs to tool messages")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (only an assistant's tool calls may go without)")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
