@@ -14,12 +14,14 @@ Cost, incremental per request instead of a scan of the history each step:
   token's (one multiply-add each), and each n in [min_n, max_n] sets its n-gram's first end position if unset;
 - propose: O(max_n + k): one dict lookup per n, longest first, the hit checked token by token against the
   suffix (so a hash collision costs a draft, never a wrong match), then the k tokens sliced out;
-- memory: one dict entry per token for each n in [min_n, max_n] (`pagedq bench ngram` measures it);
+- memory: 4 bytes per token, and one dict entry per token for each n in [min_n, max_n] whose n-gram is new
+  (`pagedq bench ngram` measures it);
 - fork: O(max_n), the child holds its parent's history up to the fork point by reference.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 from engine.spec.config import SpeculativeConfig
@@ -38,7 +40,9 @@ class _History:
     def __init__(self, num_lengths: int, parent: _History | None = None) -> None:
         self.parent = parent  # read up to parent_len only: the parent keeps growing past the fork point
         self.parent_len = len(parent) if parent is not None else 0
-        self.tokens: list[int] = []  # the tokens at positions parent_len, parent_len + 1, ...
+        # the tokens at positions parent_len, parent_len + 1, ...: int32 (token ids are, engine/limits.py), packed,
+        # and not a container the garbage collector walks
+        self.tokens = array("i")
         # index[n - min_n]: hash of an n-gram -> the position of its last token, where it first occurred
         self.index: list[dict[int, int]] = [{} for _ in range(num_lengths)]
         # hashes of the last 1, 2, ... max_n tokens (fewer while the history is shorter)
@@ -58,9 +62,9 @@ class _History:
     def token_slice(self, start: int, stop: int) -> list[int]:
         own = self.parent_len
         if start >= own or self.parent is None:
-            return self.tokens[start - own : stop - own]
+            return self.tokens[start - own : stop - own].tolist()
         head = self.parent.token_slice(start, min(stop, own))
-        return head + self.tokens[: stop - own] if stop > own else head
+        return head + self.tokens[: stop - own].tolist() if stop > own else head
 
 
 class NgramProposer:
