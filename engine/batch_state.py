@@ -27,7 +27,7 @@ from engine.sampling_params import SamplingParams
 from engine.step_data import CachedRequestData, NewRequestData, StepPlan
 
 if TYPE_CHECKING:
-    from engine.spec.verify import VerifyPlan
+    from engine.spec.verify_plan import VerifyPlan
 
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from engine.llm_engine import LLMEngine
+from typing import Any
 
 # Speculative decoding's figures, zero while it is off (the benchmarks read these names).
 SPEC_STATS_OFF = {"num_draft_tokens": 0, "num_accepted_draft_tokens": 0, "num_verify_rows": 0, "num_spec_off_steps": 0}
 
 
-def engine_stats(engine: LLMEngine) -> dict[str, float]:
+def engine_stats(engine: Any) -> dict[str, float]:
+    """`engine`: an engine.llm_engine.LLMEngine (not imported: that module imports this one)."""
     manager = engine.block_manager
     graphs = engine.model_runner.decode_graphs
     return {
