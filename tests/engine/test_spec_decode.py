@@ -8,6 +8,7 @@ every draft the second proposes should fail. Neither may change a single output 
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from collections.abc import Sequence
 
@@ -310,3 +311,27 @@ def test_sampling_with_speculation_keeps_the_target_distribution(tiny_llama_dir,
             expected = torch.cat([expected[~rare], expected[rare].sum()[None]])
         expected *= counts.sum() / expected.sum()  # fp32 probabilities sum to 1 only within rounding
         assert chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-3, (counts, expected)
+
+
+def test_ngram_speculation_from_the_config_keeps_outputs_and_accepts_drafts(tiny_llama_dir, workload):
+    """The real proposer, configured as vLLM's users do (JSON text, as on the command line): a random tiny model
+    repeats itself now and then, so prompt lookup finds drafts, and a few pass (4 of 181 on the long greedy runs)."""
+    prompts, params = workload
+    long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    prompts, params = prompts + [_tokens(8, i) for i in range(4)], params + [long] * 4
+    expected, _ = _run(tiny_llama_dir, {"num_kv_blocks": 256}, prompts, params)
+    config = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    got, stats = _run(tiny_llama_dir, {"num_kv_blocks": 256, "speculative_config": json.dumps(config)}, prompts, params)
+    assert _summary(got) == _summary(expected)
+    assert stats["num_accepted_draft_tokens"] > 0 and stats["num_verify_rows"] > 0
+
+
+def test_a_bad_speculative_config_is_refused_naming_the_key(tiny_llama_dir):
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLMEngine(tiny_llama_dir, num_kv_blocks=16, speculative_config={"method": "ngram"})
+    with pytest.raises(ValueError, match="prompt_lookup_typo"):
+        LLMEngine(
+            tiny_llama_dir,
+            num_kv_blocks=16,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_typo": 3},
+        )
