@@ -138,8 +138,9 @@ def measure_memory(sequences: Sequences, config: SpeculativeConfig) -> dict[str,
     del proposer
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
-    proposer = _proposer_of(sequences, config)
+    kept = _proposer_of(sequences, config)
     held = tracemalloc.get_traced_memory()[0] - before
+    del kept
     tracemalloc.stop()
     tokens = sum(len(history) for history in sequences.histories)
     lookups = config.prompt_lookup_max - config.prompt_lookup_min + 1
