@@ -283,6 +283,8 @@ class LLMEngine:
 
     def _schedule_and_launch(self, speculate: bool = False) -> InFlightStep | None:
         scheduler_output = self.scheduler.schedule(self.speculation if speculate else None)
+        if speculate and self.speculation is not None:
+            self.speculation.after_schedule()
         if scheduler_output.is_empty:
             self.model_runner.drop_requests(scheduler_output.plan.finished_req_ids)
             if self.scheduler.has_unfinished() and not scheduler_output.preempted and not self._in_flight:
