@@ -281,8 +281,9 @@ class BatchState:
             prompt_mask, output_counts = self._penalty_state()
             batch.prompt_token_mask, batch.output_token_counts = prompt_mask[index], output_counts[index]
             if plan.verify is not None:  # a verify draw's penalties count the drafts before its position
-                draws, tokens = (torch.from_numpy(a).to(device) for a in plan.verify.count_pairs())
-                batch.output_token_counts.index_put_((draws, tokens), torch.ones(len(draws), device=device), True)
+                draft_draws, drafts = (torch.from_numpy(a).to(device) for a in plan.verify.count_pairs())
+                ones = torch.ones(len(draft_draws), device=device)
+                batch.output_token_counts.index_put_((draft_draws, drafts), ones, accumulate=True)
         batch.banned_token_mask = self._banned_mask(plan.infos, plan.positions)
         if plan.logit_bias is not None:
             draws, ids, values = plan.logit_bias

@@ -257,7 +257,7 @@ class LLMEngine:
         # Speculation: drafts need every token before them, so a step that proposes waits for the one in flight
         # and runs alone (docs/engine.md); a step the switch leaves without drafts pipelines as usual.
         speculate = self.speculation is not None and self.speculation.wants_drafts(self.scheduler.running)
-        drain = (self._inline_device and self.structured.sequences or speculate) and self._in_flight
+        drain = ((self._inline_device and self.structured.sequences) or speculate) and self._in_flight
         launched = None if drain else self._schedule_and_launch(speculate)
         if launched is not None:
             self._in_flight.append(launched)
@@ -283,6 +283,8 @@ class LLMEngine:
 
     def _schedule_and_launch(self, speculate: bool = False) -> InFlightStep | None:
         scheduler_output = self.scheduler.schedule(self.speculation if speculate else None)
+        if speculate and self.speculation is not None:
+            self.speculation.after_schedule()
         if scheduler_output.is_empty:
             self.model_runner.drop_requests(scheduler_output.plan.finished_req_ids)
             if self.scheduler.has_unfinished() and not scheduler_output.preempted and not self._in_flight:

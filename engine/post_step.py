@@ -18,7 +18,7 @@ from engine.scheduler import Scheduler, SchedulerOutput
 from engine.step_data import ModelRunnerOutput
 
 # The output processor's stop-string search over some sequences: (sequence, stop string) for the running ones
-FindStops = Callable[[Sequence[Request]], Sequence[tuple[Request, str]]]
+FindStops = Callable[[list[Request]], Sequence[tuple[Request, str]]]
 
 
 def advance_sequences(

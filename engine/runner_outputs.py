@@ -22,7 +22,9 @@ def sampled_tokens(
     if verified:
         kept = [i for i, token in enumerate(token_ids) if token >= 0]
         draw_rows, token_ids = [draw_rows[i] for i in kept], [token_ids[i] for i in kept]
-        sampled_lps, top_lps, top_ids = (None if v is None else [v[i] for i in kept] for v in (sampled_lps, top_lps, top_ids))
+        sampled_lps, top_lps, top_ids = (
+            None if v is None else [v[i] for i in kept] for v in (sampled_lps, top_lps, top_ids)
+        )
     sampled = output.sampled
     if sampled_lps is None:  # the common case, kept lean: it runs for every sequence every step
         for info, token in zip(draw_rows, token_ids):

@@ -12,6 +12,8 @@ after the step the sequence's computed count and its block table are cut back to
 The per-step switch (`wants_drafts`): speculation pays while a step is bound by its fixed per-step cost, and costs
 once verifying (1 + k) tokens per row makes the forward wider than the batch alone would: with more than
 `max_verify_tokens` verify tokens in view, the step runs as a plain decode (docs/engine.md has the measurement).
+And a step that proposes gives up its overlap with the step in flight (async scheduling), so after a step whose
+proposals all came back empty, the next ones run without drafts, backing off exponentially.
 """
 
 from __future__ import annotations
@@ -23,9 +25,13 @@ from engine.block_manager import BlockManager
 from engine.request import Request
 from engine.spec import Proposer
 
-# Verify tokens (running sequences x (1 + k)) above which a step runs without drafts: docs/engine.md, measured on
-# SmolLM2 on 2 CPU cores.
-DEFAULT_MAX_VERIFY_TOKENS = 64
+# Verify tokens (running sequences x (1 + k)) above which a step runs without drafts. Measured on SmolLM2, 2 shared
+# CPU cores, the grounded workload, k = 4, speculation forced on: 1.71x at batch 16 (80 verify tokens), 1.24x at 32
+# (160), 0.73x at 64 (320): docs/engine.md. So on up to 160, i.e. up to 32 sequences at k = 4.
+DEFAULT_MAX_VERIFY_TOKENS = 160
+# A step that asked the proposer and got no draft for anyone gave up its overlap with the step before it for nothing:
+# the next 1, 2, 4, ... (at most this many) steps then run without drafts, pipelined; a step with drafts resets it.
+MAX_BACKOFF_STEPS = 8
 
 
 class Speculation:
@@ -51,6 +57,8 @@ class Speculation:
         self.num_accepted_draft_tokens = 0  # of which accepted
         self.num_verify_rows = 0  # row-steps that carried at least one draft
         self.num_off_steps = 0  # steps the switch ran without drafts
+        self._asked = self._found = 0  # this step's sequences that asked the proposer, and those it gave drafts
+        self._backoff = self._skip = 0
 
     @classmethod
     def from_config(cls, config: Any, vocab_size: int, max_model_len: int) -> Speculation:
@@ -77,10 +85,20 @@ class Speculation:
             for req_id in [r for r in self._known if r not in live]:
                 del self._known[req_id]
                 self.proposer.remove(req_id)
-        if len(running) * (1 + self.num_speculative_tokens) > self.max_verify_tokens:
+        if self._skip or len(running) * (1 + self.num_speculative_tokens) > self.max_verify_tokens:
+            self._skip = max(0, self._skip - 1)
             self.num_off_steps += 1
             return False
+        self._asked = self._found = 0
         return True
+
+    def after_schedule(self) -> None:
+        """After a step scheduled with drafts wanted: back off if the proposer found none for anyone it was asked."""
+        if self._found:
+            self._backoff = 0
+        elif self._asked:
+            self._backoff = min(2 * self._backoff or 1, MAX_BACKOFF_STEPS)
+            self._skip = self._backoff
 
     def lookahead(self, request: Request, budget: int, manager: BlockManager, reserve: int) -> tuple[int, ...]:
         """Drafts for a running sequence scheduled for one token, with their KV slots allocated; () for none.
@@ -98,8 +116,10 @@ class Speculation:
         if limit <= 0:
             return ()
         drafts = self._propose(request, limit)
+        self._asked += 1
         if not drafts:
             return ()
+        self._found += 1
         start = request.num_computed_tokens
         end = start + 1 + len(drafts)
         extra = manager.blocks_for_tokens(end) - len(manager.block_table(request.request_id))

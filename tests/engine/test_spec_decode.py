@@ -65,11 +65,8 @@ class TestProposer:
 
 def _prompts() -> list[list[int]]:
     shared = _tokens(8, 100)  # two prompts share two blocks: prefix caching
-    return [_tokens(6, 1), shared + _tokens(5, 2), shared + _tokens(9, 3), _tokens(14, 4), _tokens(11, 5)] + [
-        _tokens(7, 6),
-        _tokens(10, 7),
-        _tokens(12, 8),
-    ]
+    singles = [_tokens(length, seed) for length, seed in ((14, 4), (11, 5), (7, 6), (10, 7), (12, 8))]
+    return [_tokens(6, 1), shared + _tokens(5, 2), shared + _tokens(9, 3), *singles]
 
 
 def _params(reference: list[list[int]], texts: list[str]) -> list[SamplingParams]:
@@ -194,9 +191,10 @@ def test_rejected_drafts_never_enter_the_prefix_cache(tiny_llama_dir):
     again = llm.generate([follow], dataclasses.replace(params, max_tokens=8))[0]
     assert again.num_cached_tokens >= len(follow) - BLOCK
     plain = LLM(tiny_llama_dir, block_size=BLOCK, num_kv_blocks=256, enable_prefix_caching=False)
-    assert again.outputs[0].token_ids == plain.generate([follow], dataclasses.replace(params, max_tokens=8))[0].outputs[
-        0
-    ].token_ids
+    assert (
+        again.outputs[0].token_ids
+        == plain.generate([follow], dataclasses.replace(params, max_tokens=8))[0].outputs[0].token_ids
+    )
 
 
 def test_kv_slot_utilization_counts_only_slots_holding_tokens(tiny_llama_dir):
@@ -234,6 +232,15 @@ def test_the_switch_runs_wide_steps_without_drafts(tiny_llama_dir):
     llm.generate([_tokens(6, i) for i in range(4)], params)
     stats = llm.llm_engine.stats()
     assert stats["num_spec_off_steps"] > 0 and stats["num_verify_rows"] > 0  # the last two ran with drafts
+
+
+def test_steps_whose_proposals_all_come_back_empty_back_off(tiny_llama_dir):
+    """A proposer that never finds a draft costs the overlap of the steps that ask it: the next ones do not ask."""
+    llm = LLM(tiny_llama_dir, block_size=BLOCK, num_kv_blocks=256)
+    llm.llm_engine.set_proposer(TestProposer(), K)  # no truths: it never proposes
+    llm.generate([_tokens(6, 40)], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    stats = llm.llm_engine.stats()
+    assert stats["num_verify_rows"] == 0 and stats["num_spec_off_steps"] >= 15
 
 
 @pytest.fixture(scope="module")
@@ -276,13 +283,13 @@ def test_sampling_with_speculation_keeps_the_target_distribution(tiny_llama_dir,
         return torch.softmax(processors(ids, logits), dim=-1)[0]
 
     first = int(target(prompt).argmax())
-    second = int(target(prompt + [first]).argmax())
-    drafts = [second, int(target(prompt + [first, second]).argmax())]
+    second = int(target([*prompt, first]).argmax())
+    drafts = [second, int(target([*prompt, first, second]).argmax())]
 
     class FixedDrafts(TestProposer):
         def propose(self, req_id: str, max_drafts: int) -> list[int]:
             history = self.histories[req_id]
-            return drafts[:max_drafts] if history == prompt + [first] else []
+            return drafts[:max_drafts] if history == [*prompt, first] else []
 
     num_samples = 2400
     engine = LLMEngine(tiny_llama_dir, block_size=BLOCK, num_kv_blocks=1024, max_num_seqs=256)
@@ -295,8 +302,8 @@ def test_sampling_with_speculation_keeps_the_target_distribution(tiny_llama_dir,
     assert engine.stats()["num_verify_rows"] > 0
     after_first = [o for o in outputs if o[0] == first]
     for history, observed in (
-        (prompt + [first], [o[1] for o in after_first]),
-        (prompt + [first, second], [o[2] for o in after_first if o[1] == second]),
+        ([*prompt, first], [o[1] for o in after_first]),
+        ([*prompt, first, second], [o[2] for o in after_first if o[1] == second]),
     ):
         assert len(observed) > 200
         probs = target(history)
