@@ -4,8 +4,8 @@ Each of --num-seqs sequences has a history (a seeded repetitive token stream: ra
 from earlier, as input-grounded text repeats its input) and a fixed true continuation. Each step every sequence
 gets up to k drafts; the drafts that match its continuation are accepted with one token more (greedy verification)
 and appended. The same steps run twice: on the proposer (propose + append per sequence) and on the baseline, a
-numpy scan of the whole history per step and n (candidates for the n-gram's first token, filtered token by token:
-vLLM's CPU proposer scans the same way, compiled). Both must propose the same drafts; the record says they did.
+numpy scan of the whole history per step and n (candidates for the n-gram's first token, filtered token by token;
+vLLM's CPU proposer scans each history too, compiled). Both must propose the same drafts; the record says they did.
 A pure-Python scan (the tests' reference) is timed on the first step too. Memory: tracemalloc over adding the
 histories. Numbers only, no model: torch is not imported.
 """
@@ -56,14 +56,14 @@ def repetitive_stream(rng: random.Random, length: int, vocab: int, copy_rate: fl
 
 
 def scan_propose(tokens: np.ndarray, length: int, min_n: int, max_n: int, limit: int) -> list[int]:
-    """The proposer's answer by scanning tokens[:length]: the leftmost earlier match of the longest n."""
+    """The proposer's answer by scanning tokens[:length]: the latest earlier match of the longest n."""
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         suffix = tokens[length - n : length]
         starts = np.flatnonzero(tokens[: length - n] == suffix[0])  # an earlier occurrence starts before it
         for offset in range(1, n):
             starts = starts[tokens[starts + offset] == suffix[offset]]
         if starts.size:
-            begin = int(starts[0]) + n
+            begin = int(starts[-1]) + n
             return tokens[begin : min(begin + limit, length)].tolist()
     return []
 
@@ -72,7 +72,7 @@ def python_scan_propose(history: list[int], min_n: int, max_n: int, limit: int) 
     length = len(history)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         suffix = history[length - n :]
-        for start in range(length - n):
+        for start in range(length - n - 1, -1, -1):
             if history[start : start + n] == suffix:
                 return history[start + n : start + n + limit]
     return []
