@@ -51,7 +51,7 @@ def build_requests(model_dir: str, vocab: int, args: argparse.Namespace, count: 
 
         workload = build_grounded(AutoTokenizer.from_pretrained(model_dir), count, args.input_len, args.seed)
         return Requests(workload.prompts, [args.output_len[1]] * count, ignore_eos=False), workload.summary()
-    from engine.bench.throughput import draw_workload
+    from engine.bench.workload import draw_workload
 
     drawn = draw_workload(count, args.input_len, args.output_len, vocab, args.seed)
     return Requests(drawn.prompts, drawn.output_lens, ignore_eos=True), {}

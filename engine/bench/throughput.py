@@ -10,41 +10,17 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import random
 import resource
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from engine.bench.args import GROUNDED, OWN_FLAGS, WORKLOADS
+from engine.bench.workload import Workload, draw_workload
 from engine.options import engine_kwargs_from
-
-
-@dataclass
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-
-def draw_workload(
-    num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int, seed: int = 0
-) -> Workload:
-    """Per request, in order: prompt length, its tokens in [10, vocab-10), then output length (as the anchors)."""
-    rng = random.Random(seed)
-    prompts, outputs = [], []
-    for _ in range(num_prompts):
-        length = rng.randint(*input_len)
-        prompts.append([rng.randrange(10, vocab_size - 10) for _ in range(length)])
-        outputs.append(rng.randint(*output_len))
-    return Workload(prompts, outputs)
 
 
 def _config_only_folder(shape: dict) -> Path:
