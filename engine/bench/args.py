@@ -14,7 +14,9 @@ from engine.spec.config import SpeculativeConfig
 OWN_FLAGS = ("seed", "speculative_config")
 GROUNDED = "grounded"  # the input-grounded workload of engine/bench/grounded.py (a real model, real text)
 # The benches' speculative config when none is given (bench ngram)
-DEFAULT_SPECULATIVE_CONFIG = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+DEFAULT_SPECULATIVE_CONFIG = (
+    '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+)
 GROUNDED_BATCH_SIZES = [1, 4, 16, 64]
 
 

@@ -11,7 +11,10 @@ from __future__ import annotations
 import platform
 import random
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # (kind, instruction): what answers copy from the document, and how much
 INSTRUCTIONS = (
@@ -24,14 +27,6 @@ INSTRUCTIONS = (
     ("rewrite", "Join the hard-wrapped lines of the document above into full paragraphs, keeping every word."),
 )
 CHARS_PER_TOKEN = 3.6  # English prose and code in SmolLM2's (GPT-2 style) tokenizer, about
-
-
-class ChatTokenizer(Protocol):
-    """What the workload needs of a transformers tokenizer."""
-
-    def apply_chat_template(self, conversation: list[dict[str, str]], **kwargs: object) -> object: ...
-
-    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
 
 @dataclass
@@ -83,7 +78,7 @@ def draw_document(rng: random.Random, topics: list[tuple[str, list[str]]], targe
 
 
 def build_grounded(
-    tokenizer: ChatTokenizer, num_prompts: int, input_len: tuple[int, int], seed: int = 0
+    tokenizer: PreTrainedTokenizerBase, num_prompts: int, input_len: tuple[int, int], seed: int = 0
 ) -> GroundedWorkload:
     """num_prompts chat prompts: a document of about input_len tokens (drawn uniformly), then an instruction."""
     rng = random.Random(seed)

@@ -23,7 +23,7 @@ import torch
 from engine.bench.args import GROUNDED, GROUNDED_BATCH_SIZES
 from engine.spec.config import SpeculativeConfig
 
-SPEC_COUNTERS = ("num_draft_tokens", "num_accepted_draft_tokens", "num_verify_rows")
+SPEC_COUNTERS = ("num_draft_tokens", "num_accepted_draft_tokens", "num_verify_rows", "num_spec_off_steps")
 DEFAULT_GROUNDED_PROMPTS = 4  # at least this many requests per batch size (batch 1 runs them one by one)
 
 
@@ -93,7 +93,7 @@ def run_engine(model_dir: str, requests: Requests, engine_kwargs: dict) -> Engin
         "output_tok_s": generated / seconds,
         "seconds": seconds,
         "generated_tokens": generated,
-        "num_steps": after["num_steps"],
+        "num_steps": after["num_steps"] - before["num_steps"],
         "execute_ms_per_step": after["execute_ms_per_step"],
         "num_preemptions": after["num_preemptions"] - before["num_preemptions"],
         **{key: after[key] - before[key] for key in SPEC_COUNTERS if key in after},
@@ -104,7 +104,7 @@ def run_engine(model_dir: str, requests: Requests, engine_kwargs: dict) -> Engin
 def speculation_figures(base: EngineRun, spec: EngineRun) -> dict[str, float]:
     """The ratio, the outputs' identity and what the draft counters say."""
     record = spec.record
-    drafts, accepted, rows = (int(record.get(key, 0)) for key in SPEC_COUNTERS)
+    drafts, accepted, rows = (int(record.get(key, 0)) for key in SPEC_COUNTERS[:3])
     return {
         "speedup": record["output_tok_s"] / base.record["output_tok_s"],
         "identical_outputs": sum(a == b for a, b in zip(base.outputs, spec.outputs)),
@@ -192,8 +192,9 @@ def run_sweep(model_dir: str, vocab: int, args: argparse.Namespace, engine_kwarg
             row["engine_speculative"] = spec.record
             row.update(speculation_figures(base, spec))
         if hf is not None:
-            row["hf"] = hf.run(batch, size)
-            row["engine_vs_hf"] = base.record["output_tok_s"] / row["hf"]["output_tok_s"]
+            hf_record = hf.run(batch, size)
+            row["hf"] = hf_record
+            row["engine_vs_hf"] = base.record["output_tok_s"] / hf_record["output_tok_s"]
             if config is not None and size == 1 and args.hf_prompt_lookup:
                 row["hf_prompt_lookup"] = hf.run(batch, 1, prompt_lookup=config)
         rows.append(row)

@@ -4,19 +4,24 @@ For each request: find the longest suffix n-gram of its history (prompt + output
 prompt_lookup_max, that occurred earlier in that history, and propose the (up to) k tokens that followed it there.
 The earlier occurrence may overlap the suffix itself, and the drafts stop at the end of the history, as in vLLM.
 
-Which earlier occurrence: the earliest, as vLLM's ngram proposer does (vllm/v1/spec_decode/ngram_proposer.py keeps
-the leftmost match of the longest n). It also makes the index append-only: an n-gram's entry is written once, when
-it first occurs, and never changes, so a fork reads its parent's index as it stands (an entry before the fork point
-is the child's too) instead of copying it.
+Which earlier occurrence: the latest (the nearest before the suffix). vLLM's ngram proposer takes the earliest
+(vllm/v1/spec_decode/ngram_proposer.py keeps the leftmost match of the longest n). On the grounded workload
+(engine/bench/grounded.py: SmolLM2's greedy outputs for 16 prompts, replayed through greedy verification with no
+model) the latest gave more tokens per step for every config tried: 2.20 against 2.11 for k = 4, n in 2..4
+(acceptance 0.63 against 0.56), 2.41 against 2.27 for n in 1..4 (docs/benchmarks.md). A copying answer continues
+from where it last copied; the earliest occurrence is often an older, differently continued one.
 
 Cost, incremental per request instead of a scan of the history each step:
 - append: O(max_n) per token: the polynomial hashes of the last 1..max_n tokens roll forward from the previous
-  token's (one multiply-add each), and each n in [min_n, max_n] sets its n-gram's first end position if unset;
-- propose: O(max_n + k): one dict lookup per n, longest first, the hit checked token by token against the
-  suffix (so a hash collision costs a draft, never a wrong match), then the k tokens sliced out;
-- memory: 4 bytes per token, and one dict entry per token for each n in [min_n, max_n] whose n-gram is new
+  token's (one multiply-add each); for each n in [min_n, max_n] the n-gram's latest end moves to this token and
+  the one it replaces is linked from it (the occurrences of an n-gram form a chain, latest first);
+- propose: O(max_n + k): per n, longest first, the previous occurrence of the suffix is its link, checked token
+  by token (so a hash collision costs a draft, never a wrong match), then the k tokens sliced out;
+- memory: per token 4 bytes, 4 bytes of link per n, and a dict entry per n whose n-gram is new
   (`pagedq bench ngram` measures it);
-- fork: O(max_n), the child holds its parent's history up to the fork point by reference.
+- fork: O(max_n): the child reads its parent's history up to the fork point by reference. Links never change,
+  so where the parent's latest entry lies past the fork point, the child walks its chain back to before it (as
+  many steps as the parent repeated that n-gram since the fork).
 """
 
 from __future__ import annotations
@@ -33,9 +38,9 @@ _BASE = 0x1F3D5B79A2C4E68  # below the modulus; any fixed base far from 0 and 1 
 
 
 class _History:
-    """One request's tokens and first-occurrence index, on top of a parent's history up to `parent_len` (a fork)."""
+    """One request's tokens and n-gram chains, on top of a parent's history up to `parent_len` (a fork)."""
 
-    __slots__ = ("index", "parent", "parent_len", "suffix", "tokens")
+    __slots__ = ("index", "links", "parent", "parent_len", "suffix", "tokens")
 
     def __init__(self, num_lengths: int, parent: _History | None = None) -> None:
         self.parent = parent  # read up to parent_len only: the parent keeps growing past the fork point
@@ -43,21 +48,31 @@ class _History:
         # the tokens at positions parent_len, parent_len + 1, ...: int32 (token ids are, engine/limits.py), packed,
         # and not a container the garbage collector walks
         self.tokens = array("i")
-        # index[n - min_n]: hash of an n-gram -> the position of its last token, where it first occurred
+        # index[n - min_n]: hash of an n-gram -> the position of its last token, where it occurred latest here
         self.index: list[dict[int, int]] = [{} for _ in range(num_lengths)]
+        # links[n - min_n][t - parent_len]: the end of the previous occurrence of the n-gram ending at t, or -1
+        self.links = [array("i") for _ in range(num_lengths)]
         # hashes of the last 1, 2, ... max_n tokens (fewer while the history is shorter)
         self.suffix: list[int] = list(parent.suffix) if parent is not None else []
 
     def __len__(self) -> int:
         return self.parent_len + len(self.tokens)
 
-    def first_end(self, slot: int, key: int) -> int | None:
-        """The end position of the earliest n-gram (n = min_n + slot) with this hash, or None."""
-        if self.parent is not None:
-            found = self.parent.first_end(slot, key)
-            if found is not None and found < self.parent_len:  # it lies wholly in the shared prefix
-                return found
-        return self.index[slot].get(key)
+    def link(self, slot: int, end: int) -> int:
+        if end >= self.parent_len or self.parent is None:
+            return self.links[slot][end - self.parent_len]
+        return self.parent.link(slot, end)
+
+    def latest_before(self, slot: int, key: int, limit: int) -> int:
+        """The end of the latest n-gram (n = min_n + slot) with this hash ending before `limit`, or -1."""
+        end = self.index[slot].get(key)
+        if end is None:
+            if self.parent is None:
+                return -1
+            return self.parent.latest_before(slot, key, min(limit, self.parent_len))
+        while end >= limit:  # a parent's entries past a fork point: back along the chain
+            end = self.link(slot, end)
+        return end
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         own = self.parent_len
@@ -102,18 +117,17 @@ class NgramProposer:
         self._histories.pop(req_id, None)
 
     def propose(self, req_id: str, max_drafts: int) -> list[int]:
-        """Up to min(k, max_drafts) tokens that followed the earliest earlier occurrence of the longest suffix
+        """Up to min(k, max_drafts) tokens that followed the latest earlier occurrence of the longest suffix
         n-gram; [] when no suffix of min_n..max_n tokens occurred before."""
         history = self._histories[req_id]
         limit = min(self.num_speculative_tokens, max_drafts)
         length = len(history)
         if limit <= 0:
             return []
-        suffix = history.suffix
         # an earlier occurrence ends at length - 2 at the latest, so n <= length - 1
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            end = history.first_end(n - self.min_n, suffix[n - 1])
-            if end is None or end >= length - 1:  # absent, or only the suffix itself
+            end = history.link(n - self.min_n, length - 1)
+            if end < 0:
                 continue
             if history.token_slice(end + 1 - n, end + 1) != history.token_slice(length - n, length):
                 continue  # a hash collision: no match at this n
@@ -122,14 +136,23 @@ class NgramProposer:
 
     def _extend(self, history: _History, token_ids: Sequence[int]) -> None:
         min_n, max_n = self.min_n, self.max_n
-        index, suffix, tokens = history.index, history.suffix, history.tokens
+        index, links, suffix, tokens = history.index, history.links, history.suffix, history.tokens
         position = len(history)
         for raw in token_ids:
             token = int(raw)  # numpy integers would overflow in the hash arithmetic
             value = token + 1
             suffix = [value, *[(h * _BASE + value) % _MODULUS for h in suffix[: max_n - 1]]]
             tokens.append(token)
-            for n in range(min_n, len(suffix) + 1):
-                index[n - min_n].setdefault(suffix[n - 1], position)
+            for n in range(min_n, max_n + 1):
+                slot = n - min_n
+                if n > len(suffix):  # the history is shorter than n
+                    links[slot].append(-1)
+                    continue
+                key = suffix[n - 1]
+                previous = index[slot].get(key)
+                if previous is None and history.parent is not None:
+                    previous = history.parent.latest_before(slot, key, history.parent_len)
+                links[slot].append(-1 if previous is None else previous)
+                index[slot][key] = position
             position += 1
         history.suffix = suffix

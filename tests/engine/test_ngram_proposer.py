@@ -14,13 +14,13 @@ from engine.spec.ngram import NgramProposer
 
 
 def reference(history: list[int], min_n: int, max_n: int, k: int, max_drafts: int) -> list[int]:
-    """For n from max_n down to min_n: the leftmost earlier occurrence of the last n tokens, and what followed it."""
+    """For n from max_n down to min_n: the latest earlier occurrence of the last n tokens, and what followed it."""
     limit, length = min(k, max_drafts), len(history)
     if limit <= 0:
         return []
     for n in range(max_n, min_n - 1, -1):
         suffix = history[length - n :]
-        for start in range(length - n):  # an earlier occurrence starts before the suffix does
+        for start in range(length - n - 1, -1, -1):  # the latest occurrence that starts before the suffix
             if n < length and history[start : start + n] == suffix:
                 return history[start + n : start + n + limit]
     return []
@@ -52,7 +52,7 @@ def test_the_vllm_docstring_example():
 @pytest.mark.parametrize(
     ("history", "low", "high", "k", "expected"),
     [
-        ([7, 8, 1, 7, 8, 2, 7, 8], 2, 2, 1, [1]),  # the earliest of two earlier occurrences
+        ([7, 8, 1, 7, 8, 2, 7, 8], 2, 2, 1, [2]),  # the latest of two earlier occurrences
         ([5, 9, 1, 2, 3, 6, 2, 3, 9, 1, 2, 3], 2, 3, 2, [6, 2]),  # the longest n wins over an earlier shorter one
         ([1, 1, 1, 1], 1, 3, 3, [1]),  # self-overlapping: [1,1,1] at 0..2 is followed by the suffix's last token
         ([4, 5, 4, 5, 4], 2, 2, 5, [5, 4]),  # overlapping the suffix: drafts run to the end of the history
