@@ -282,7 +282,7 @@ class LLMEngine:
         return compiled + outputs
 
     def _schedule_and_launch(self, speculate: bool = False) -> InFlightStep | None:
-        scheduler_output = self.scheduler.schedule(self.speculation if speculate else None)
+        scheduler_output = self.scheduler.schedule(self.speculation) if speculate else self.scheduler.schedule()
         if speculate and self.speculation is not None:
             self.speculation.after_schedule()
         if scheduler_output.is_empty:

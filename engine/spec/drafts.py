@@ -47,6 +47,8 @@ class Speculation:
             raise ValueError(f"num_speculative_tokens must be an integer, got {num_speculative_tokens!r}")
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        if isinstance(max_verify_tokens, bool) or not isinstance(max_verify_tokens, int) or max_verify_tokens < 1:
+            raise ValueError(f"max_verify_tokens must be a positive integer, got {max_verify_tokens!r}")
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens
         self.vocab_size = vocab_size

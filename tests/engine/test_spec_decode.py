@@ -66,7 +66,7 @@ class TestProposer:
 def _prompts() -> list[list[int]]:
     shared = _tokens(8, 100)  # two prompts share two blocks: prefix caching
     singles = [_tokens(length, seed) for length, seed in ((14, 4), (11, 5), (7, 6), (10, 7), (12, 8))]
-    return [_tokens(6, 1), shared + _tokens(5, 2), shared + _tokens(9, 3), *singles]
+    return [_tokens(6, 1), shared + _tokens(5, 2), shared + _tokens(9, 3), *singles, _tokens(9, 9)]
 
 
 def _params(reference: list[list[int]], texts: list[str]) -> list[SamplingParams]:
@@ -94,6 +94,8 @@ def _params(reference: list[list[int]], texts: list[str]) -> list[SamplingParams
         SamplingParams(max_tokens=20, n=2, temperature=1.0, min_p=0.05, seed=7, ignore_eos=True),
         dataclasses.replace(greedy, stop=[text[len(text) // 2 : len(text) // 2 + 3]]),
         dataclasses.replace(greedy, max_tokens=12, prompt_logprobs=2, logprobs=1),
+        # EOS (biased up so the random model does write it, after 13 tokens) ends it inside a draft
+        dataclasses.replace(greedy, ignore_eos=False, min_tokens=6, logit_bias={2: 4.0}),
     ]
 
 
@@ -156,6 +158,7 @@ def test_outputs_identical_with_and_without_speculation(tiny_llama_dir, workload
     got, stats = _run(tiny_llama_dir, config, prompts, params, proposer)
     assert _summary(got) == _summary(expected)
     _assert_same_logprobs(got, expected)
+    assert expected[-1].outputs[0].finish_reason == "stop" and expected[-1].outputs[0].stop_reason is None  # EOS
     assert stats["num_verify_rows"] > 0
     # all proposed drafts are verified, except where a tight pool had no spare block for their slots
     assert stats["num_draft_tokens"] == proposer.num_proposed or name in ("recompute", "swap")
