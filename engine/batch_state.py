@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,6 +25,9 @@ import torch
 from engine.sampler import SamplingBatch
 from engine.sampling_params import SamplingParams
 from engine.step_data import CachedRequestData, NewRequestData, StepPlan
+
+if TYPE_CHECKING:
+    from engine.spec.verify_plan import VerifyPlan
 
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
@@ -43,6 +47,7 @@ class SamplingPlan:
     max_num_logprobs: int | None = None
     # logit_bias of the draws whose rows have one, sparse: (draw, token id, bias) triples; None when none
     logit_bias: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    verify: VerifyPlan | None = None  # speculative decoding's verify rows (engine/spec/verify.py)
 
 
 @dataclass
@@ -199,6 +204,9 @@ class BatchState:
         output_counts[row] = 0
         output_counts[row].index_add_(0, outputs, torch.ones(len(outputs), device=self.device))
 
+    def penalty_counts(self) -> torch.Tensor:
+        return self._penalty_state()[1]
+
     def _penalty_state(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompt masks and output counts, which the first request with penalties allocates."""
         if self.prompt_mask is None or self.output_counts is None:
@@ -220,12 +228,17 @@ class BatchState:
         width = max(int(self.num_blocks[rows].max(initial=1)), 1)
         return self.block_table[rows, :width]
 
-    def sampling_plan(self, rows: np.ndarray, draw_index: np.ndarray, positions: np.ndarray) -> SamplingPlan:
-        """Host side of a step's sampling settings for draws from `rows` (a row repeats for a fan-out;
-        `draw_index` numbers its draws; `positions`: the output index each draw is for)."""
+    def sampling_plan(
+        self, rows: np.ndarray, draw_index: np.ndarray, positions: np.ndarray, verify: VerifyPlan | None = None
+    ) -> SamplingPlan:
+        """Host side of a step's sampling settings for draws from `rows` (a row repeats for a fan-out or for its
+        verify positions; `draw_index` numbers a fan-out's draws; `positions`: the output index each draw is for)."""
         infos = [self.info[row] for row in rows.tolist()]
         floats, top_ks = self.floats[rows], self.top_k_seed[rows, 0]
-        first_draws = np.flatnonzero(draw_index == 0)
+        first = draw_index == 0
+        if verify is not None:
+            first[verify.draws] = False  # a verify row's latest token is known only after acceptance
+        first_draws = np.flatnonzero(first)
         plan = SamplingPlan(
             rows,
             draw_index,
@@ -237,6 +250,7 @@ class BatchState:
             all_greedy=bool((floats[:, 0] == 0).all()),
             uses_penalties=bool(self.uses_penalties[rows].any()),
             seeds=self.top_k_seed[rows, 1],
+            verify=verify,
         )
         if any(info.wants_logprobs for info in infos):
             plan.max_num_logprobs = max(info.params.logprobs or 0 for info in infos)
@@ -266,6 +280,10 @@ class BatchState:
             batch.repetition_penalty, batch.presence_penalty, batch.frequency_penalty = repetition, presence, frequency
             prompt_mask, output_counts = self._penalty_state()
             batch.prompt_token_mask, batch.output_token_counts = prompt_mask[index], output_counts[index]
+            if plan.verify is not None:  # a verify draw's penalties count the drafts before its position
+                draft_draws, drafts = (torch.from_numpy(a).to(device) for a in plan.verify.count_pairs())
+                ones = torch.ones(len(draft_draws), device=device)
+                batch.output_token_counts.index_put_((draft_draws, drafts), ones, accumulate=True)
         batch.banned_token_mask = self._banned_mask(plan.infos, plan.positions)
         if plan.logit_bias is not None:
             draws, ids, values = plan.logit_bias

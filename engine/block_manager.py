@@ -137,6 +137,20 @@ class BlockManager:
                 fill[block_id] = new_fill
         return copies
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Cut a request's slots back to its first `num_tokens` (lookahead slots of speculative drafts that
+        verification rejected): blocks past them go back to the pool (never hashed: they held no final token),
+        the last one counts only the slots still holding tokens."""
+        table = self._block_tables.get(request_id)
+        if not table:
+            return
+        keep = self.blocks_for_tokens(num_tokens)
+        for block_id in reversed(table[keep:]):
+            self._release(block_id)
+        del table[keep:]
+        if keep and (fill := num_tokens - (keep - 1) * self.block_size) < self._fill[table[-1]]:
+            self._set_fill(table[-1], fill)
+
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every block of the parent (copy-on-write later)."""
         table = list(self._block_tables.get(parent_id, []))

@@ -27,7 +27,7 @@ def package_version() -> str:
 def register_commands(commands: argparse._SubParsersAction) -> argparse._SubParsersAction:
     """Add `generate` and `bench throughput|host|kernels` to a command group; returns the `bench` group, where
     the queue's CLI (worker/cli/main.py) adds its own benches."""
-    from engine.bench.args import add_host_arguments, add_throughput_arguments
+    from engine.bench.args import add_host_arguments, add_ngram_arguments, add_throughput_arguments
     from engine.options import add_engine_arguments
 
     generate = commands.add_parser("generate", help="generate offline for prompts given on the command line")
@@ -49,6 +49,9 @@ def register_commands(commands: argparse._SubParsersAction) -> argparse._SubPars
     host = benches.add_parser("host", help="host time the device waits through per decode step, async vs sync")
     add_host_arguments(host)
     host.set_defaults(func=_bench_host)
+    ngram = benches.add_parser("ngram", help="the n-gram proposer's cost per step vs scanning each history")
+    add_ngram_arguments(ngram)
+    ngram.set_defaults(func=_bench_ngram)
     structured = benches.add_parser("structured", help="structured outputs: compile, mask fill, e2e tok/s")
     _add_structured_arguments(structured)
     structured.set_defaults(func=_bench_structured)
@@ -112,6 +115,12 @@ def _bench_host(args: argparse.Namespace) -> int:
 
         return structured_host.main(args)
     return bench_host.main(args)
+
+
+def _bench_ngram(args: argparse.Namespace) -> int:
+    from engine.bench import ngram as bench_ngram
+
+    return bench_ngram.main(args)
 
 
 def _add_structured_arguments(parser: argparse.ArgumentParser) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -43,6 +44,8 @@ class EngineConfig(EngineOptions):
     model: str = field(kw_only=True)
     # a torch.dtype once resolved (EngineOptions, torch-free, can only say str)
     dtype: str | torch.dtype = EngineOptions.dtype  # type: ignore[assignment]
+    # JSON text, a dict or a SpeculativeConfig; a SpeculativeConfig (or None) once parsed
+    speculative_config: Any = EngineOptions.speculative_config
 
     def __post_init__(self) -> None:
         self.device = resolve_device(self.device)
@@ -65,6 +68,10 @@ class EngineConfig(EngineOptions):
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         self.dtype = resolve_dtype(self.dtype, self.device)
+        if self.speculative_config is not None:  # ValueError naming the bad key
+            from engine.spec.config import SpeculativeConfig
+
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
 
 
 def resolve_device(device: str | torch.device) -> str:

@@ -26,6 +26,9 @@ from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.seats import SeatPolicy
+from engine.spec import Proposer
+from engine.spec.drafts import DEFAULT_MAX_VERIFY_TOKENS, Speculation
+from engine.stats import engine_stats
 from engine.step_data import ModelRunnerOutput
 from engine.step_times import StepTimes
 from engine.structured.manager import StructuredOutputManager
@@ -63,10 +66,12 @@ class LLMEngine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer)
-        self.post_step = PostStep(self.scheduler, self.beam_search, self.max_model_len)
+        self.post_step = PostStep(
+            self.scheduler, self.beam_search, self.max_model_len, self.output_processor.find_stop_strings
+        )
         self._seed_source = random.Random(self.config.seed)
         self.num_steps = 0
-        self._utilization_sum = 0.0
+        self.utilization_sum = 0.0
         self.num_prefilled_tokens = 0
         self.peak_used_blocks = 0
         self.step_seconds = StepTimes()
@@ -74,6 +79,19 @@ class LLMEngine:
         self._in_flight: deque[InFlightStep] = deque()
         self._pipeline_depth = 2 if self.config.async_scheduling else 1
         self.structured = StructuredOutputManager.for_model(self.tokenizer, self.model_config, self.config)
+        self.speculation: Speculation | None = None
+        if self.config.speculative_config is not None:
+            vocab = self.model_config.vocab_size
+            self.speculation = Speculation.from_config(self.config.speculative_config, vocab, self.max_model_len)
+
+    def set_proposer(
+        self, proposer: Proposer, num_speculative_tokens: int, max_verify_tokens: int = DEFAULT_MAX_VERIFY_TOKENS
+    ) -> None:
+        """Speculative decoding with drafts from any proposer (engine/spec/__init__.py), e.g. one of the tests'."""
+        if self.beam_search.groups:
+            raise ValueError("speculative decoding cannot start while beam searches run")
+        vocab = self.model_config.vocab_size
+        self.speculation = Speculation(proposer, num_speculative_tokens, vocab, self.max_model_len, max_verify_tokens)
 
     # ---- admission -----------------------------------------------------------------------------
     def add_request(
@@ -115,6 +133,8 @@ class LLMEngine:
         """Queue a beam search; its final output holds the beam_width best beams, best first."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"beam search params must be a BeamSearchParams, got {type(params).__name__}")
+        if self.speculation is not None:  # as vLLM
+            raise ValueError("beam search is not supported with speculative decoding (speculative_config is set)")
         text, token_ids = self._validate_new(request_id, prompt, params.max_tokens)
         self._check_beam_group_fits(len(token_ids), params)
         root = Request(
@@ -232,10 +252,16 @@ class LLMEngine:
         clock = self.step_seconds
         started = time.perf_counter()
         compiled = self.structured.admit(self.scheduler, self.output_processor)  # grammars ready, or failed
-        launched = self._schedule_and_launch()  # a masked step's sampling waits for its mask (DeviceQueue)
+        # Speculation: drafts need every token before them, so a step that proposes waits for the one in flight
+        # and runs alone (docs/engine.md); a step the switch leaves without drafts pipelines as usual. A masked
+        # step's sampling waits for its mask in the DeviceQueue, so structured steps need no drain.
+        speculate = self.speculation is not None and self.speculation.wants_drafts(self.scheduler.running)
+        drain = speculate and self._in_flight
+        launched = None if drain else self._schedule_and_launch(speculate)
         if launched is not None:
             self._in_flight.append(launched)
-        if not self._in_flight or (launched is not None and len(self._in_flight) < self._pipeline_depth):
+        depth = 1 if launched is not None and launched[0].num_drafts else self._pipeline_depth
+        if not self._in_flight or (launched is not None and len(self._in_flight) < depth):
             self.structured.wait(0.05, idle=not self._in_flight and not self.scheduler.has_unfinished())
             return compiled  # nothing to finish yet: the pipeline is filling (or the scheduler had nothing to run)
         prepared = time.perf_counter()
@@ -254,8 +280,10 @@ class LLMEngine:
         clock.add(prepared - started, executed - prepared, time.perf_counter() - executed)
         return compiled + outputs
 
-    def _schedule_and_launch(self) -> InFlightStep | None:
-        scheduler_output = self.scheduler.schedule()
+    def _schedule_and_launch(self, speculate: bool = False) -> InFlightStep | None:
+        scheduler_output = self.scheduler.schedule(self.speculation) if speculate else self.scheduler.schedule()
+        if speculate and self.speculation is not None:
+            self.speculation.after_schedule()
         if scheduler_output.is_empty:
             self.model_runner.drop_requests(scheduler_output.plan.finished_req_ids)
             if self.scheduler.has_unfinished() and not scheduler_output.preempted and not self._in_flight:
@@ -272,6 +300,8 @@ class LLMEngine:
 
     def _process(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         """Tokens, fan-outs, token stops and beam selection; then stop strings; then the outputs."""
+        if scheduler_output.num_drafts and self.speculation is not None:
+            self.speculation.record_step(scheduler_output.scheduled, runner_output.sampled)
         advanced, beam_outputs = self.post_step.run(scheduler_output, runner_output)
         for request, stop in self.output_processor.find_stop_strings(advanced):
             request.stop_reason = stop
@@ -304,16 +334,18 @@ class LLMEngine:
 
     def reset_step_stats(self) -> None:
         """Zero the per-step averages (benchmarks call this after their warm-up)."""
-        self.num_steps, self._utilization_sum, self.step_seconds = 0, 0.0, StepTimes()
+        self.num_steps, self.utilization_sum, self.step_seconds = 0, 0.0, StepTimes()
         if self.model_runner.decode_graphs is not None:
             self.model_runner.decode_graphs.num_runs = 0
 
     def _record_step(self, scheduler_output) -> None:
         self.num_steps += 1
         self.peak_used_blocks = max(self.peak_used_blocks, self.block_manager.num_used_blocks)
-        self._utilization_sum += self.block_manager.kv_slot_utilization()
+        self.utilization_sum += self.block_manager.kv_slot_utilization()
         self.num_prefilled_tokens += sum(
-            s.num_new_tokens for s in scheduler_output.scheduled if s.num_new_tokens > 1 or not s.needs_sample
+            s.num_new_tokens
+            for s in scheduler_output.scheduled
+            if s.num_new_tokens > 1 + len(s.draft_token_ids) or not s.needs_sample
         )
 
     # ---- state -------------------------------------------------------------------------------
@@ -345,27 +377,7 @@ class LLMEngine:
         return self.block_manager.kv_slot_utilization()
 
     def stats(self) -> dict[str, float]:
-        manager = self.block_manager
-        return {
-            "blocks_saved_by_sharing": manager.num_shared_block_refs(),
-            "prefix_cache_hit_rate": manager.num_prefix_hits / manager.num_prefix_queries
-            if manager.num_prefix_queries
-            else 0.0,
-            "num_total_blocks": self.num_total_blocks,
-            "num_free_blocks": self.num_free_blocks,
-            "kv_slot_utilization": self.kv_slot_utilization,
-            "mean_kv_slot_utilization": self._utilization_sum / self.num_steps if self.num_steps else 0.0,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "num_seat_preemptions": self.scheduler.num_seat_preemptions,
-            "num_steps": self.num_steps,
-            "num_device_fed_tokens": self.model_runner.num_device_fed_tokens,
-            "num_graph_steps": graphs.num_runs if (graphs := self.model_runner.decode_graphs) else 0,
-            "peak_used_blocks": self.peak_used_blocks,
-            "num_prefilled_tokens": self.num_prefilled_tokens,
-            "num_running_requests": self.num_running_requests,
-            "num_waiting_requests": self.num_waiting_requests,
-            **self.step_seconds.per_step_ms(),
-        }
+        return engine_stats(self)
 
 
 def _load_tokenizer(model_dir: str):

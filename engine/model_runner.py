@@ -1,8 +1,8 @@
 """Turns a scheduler output into tensors, runs the model over the paged cache, and samples.
 
 The batch is flattened: decode tokens first (one per request, served by the decode kernel), then the
-prefill chunks (served by the varlen prefill kernel). Only the last position of each request that
-reached its final token is projected to logits and sampled.
+prefill chunks and speculative verify rows (served by the varlen prefill kernel). Only the last position of each
+request that reached its final token is projected to logits and sampled (every position of a verify row).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from engine.layers import AttentionMetadata
 from engine.models.loader import load_model
 from engine.runner_outputs import prompt_logprobs, sampled_tokens
 from engine.sampler import sample
+from engine.spec.verify import draw_layout, record_verified
 from engine.step_data import ModelRunnerOutput, ScheduledChunk, StepPlan
 from engine.step_inputs import StepInputs, build_step_inputs
 
@@ -132,17 +133,17 @@ class ModelRunner:
         infos = [self.state.info[row] for row in rows.tolist()]
         inputs = build_step_inputs(ordered, infos, rows, self.state.tables(rows), self.block_size)
         self.num_device_fed_tokens += len(inputs.placeholders)
-        draws = _draws(ordered, infos, rows, inputs.lengths)
+        draws = draw_layout(ordered, infos, rows, inputs.lengths)
         if draws is None:
             return PreparedStep(plan, device_ops, ordered, infos, inputs)
-        last_index, draw_rows, draw_index, positions = draws
+        last_index, draw_rows, draw_index, positions, verify = draws
         return PreparedStep(
             plan,
             device_ops,
             ordered,
             infos,
             inputs,
-            self.state.sampling_plan(draw_rows, draw_index, positions),
+            self.state.sampling_plan(draw_rows, draw_index, positions, verify),
             last_index,
         )
 
@@ -156,7 +157,7 @@ class ModelRunner:
         result = handle.result()
         output = ModelRunnerOutput(prompt_logprobs=result.extra or {})
         if result.sampled is not None and step.sampling is not None:  # sampled only with a sampling plan
-            sampled_tokens(step.sampling.infos, result.sampled, output)
+            sampled_tokens(step.sampling.infos, result.sampled, output, step.sampling.verify is not None)
         return output
 
     def _device_work(self, step: PreparedStep) -> DeviceResult:
@@ -173,6 +174,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.from_numpy(step.last_index).to(self.device)])
         result = sample(logits, self.state.sampling_batch(step.sampling), self.kernels, step.constrain)
         self.state.record_draws(step.sampling, result.token_ids)
+        if step.sampling.verify is not None:  # speculative decoding: accept, and drop the draws past a rejection
+            result.token_ids = record_verified(self.state, step.sampling.verify, result.token_ids)
         return DeviceResult(result, extra)
 
     def _move_blocks(self, plan: StepPlan) -> None:
@@ -212,27 +215,6 @@ class ModelRunner:
             prefill_context_lens=to_device(context_lens[num_decode:]),
         )
         return self.model(token_ids, to_device(inputs.positions), self.kv_caches, meta)
-
-
-def _draws(ordered: list[ScheduledChunk], infos: list[RowInfo], rows: np.ndarray, lengths: np.ndarray):
-    """(flat token index whose logits are sampled, batch-state row, draw number, output position) per draw, as
-    arrays, or None when nothing samples. A request about to fork into several samples draws them all from its one
-    row of logits (and forks only once: its fan-out is spent here)."""
-    count = len(ordered)
-    needs = np.fromiter((c.needs_sample for c in ordered), dtype=bool, count=count)
-    chunks = np.flatnonzero(needs)
-    if not len(chunks):
-        return None
-    fan_out = np.fromiter((info.fan_out for info in infos), dtype=np.int64, count=count)[chunks]
-    starts = np.fromiter((c.start_position for c in ordered), dtype=np.int64, count=count)
-    num_prompt = np.fromiter((info.num_prompt_tokens for info in infos), dtype=np.int64, count=count)
-    repeats = 1 + fan_out
-    draw_chunk = np.repeat(chunks, repeats)
-    draw_index = np.arange(len(draw_chunk)) - np.repeat(np.cumsum(repeats) - repeats, repeats)
-    for i in chunks[fan_out > 0].tolist():
-        infos[i].fan_out = 0
-    ends = np.cumsum(lengths)
-    return ends[draw_chunk] - 1, rows[draw_chunk], draw_index, (starts + lengths - num_prompt)[draw_chunk]
 
 
 def _lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

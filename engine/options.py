@@ -58,6 +58,11 @@ class EngineOptions:
     async_scheduling: bool | None = knob(
         None, "schedule step t+1 while step t runs (default: on; on CPU as measured, docs/engine.md)", negatable=True
     )
+    speculative_config: str | None = knob(
+        None,
+        'speculative decoding, as JSON with vLLM\'s names: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (default: off)',
+    )
     structured_outputs_compile_timeout_s: float = knob(
         10.0, "a structured_outputs grammar not compiled within this many seconds fails its request"
     )

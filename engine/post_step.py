@@ -10,10 +10,15 @@ Stop strings need text, so they are found later by the output processor, which r
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from engine.outputs import RequestOutput
-from engine.request import Request, SampledToken
+from engine.request import Request, RequestStatus, SampledToken
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.step_data import ModelRunnerOutput
+
+# The output processor's stop-string search over some sequences: (sequence, stop string) for the running ones
+FindStops = Callable[[list[Request]], Sequence[tuple[Request, str]]]
 
 
 def advance_sequences(
@@ -22,10 +27,11 @@ def advance_sequences(
     sampled: dict[str, list[SampledToken]],
     max_model_len: int,
     prompt_logprobs: dict[str, list[dict[int, float]]] | None = None,
+    find_stops: FindStops | None = None,
 ) -> list[Request]:
     """Apply one step's results to the scheduler's requests (whose computed counts advanced when scheduled);
     returns every sequence that got a new token (finished and newly forked ones included)."""
-    advanced = []
+    advanced, verified = [], []
     for item in output.scheduled:
         request = item.request
         if request.is_finished or request.epoch != item.epoch:
@@ -40,6 +46,10 @@ def advance_sequences(
         if request.is_beam:
             request.beam_candidates = draws[0].top_logprobs
             continue
+        if item.draft_token_ids:
+            _advance_verified(scheduler, request, draws, max_model_len, find_stops)
+            verified.append(request)
+            continue
         sequences = [request] if len(draws) == 1 else _fan_out(scheduler, request, len(draws))
         for sequence, draw in zip(sequences, draws):
             sequence.append_output_token(draw)
@@ -48,7 +58,30 @@ def advance_sequences(
         stop = sequence.check_token_stop(max_model_len)
         if stop is not None:
             scheduler.finish_request(sequence, stop)
-    return advanced
+    return advanced + verified
+
+
+def _advance_verified(
+    scheduler: Scheduler, request: Request, draws: list[SampledToken], max_model_len: int, find_stops: FindStops | None
+) -> None:
+    """A verify row's tokens (its accepted drafts and the draw after them), one at a time, each checked for every
+    stop as if it had come alone: EOS, stop ids and lengths, then stop strings. Tokens past a stop are dropped,
+    never reported. A row that goes on is cut back to what verification kept: its computed count (the rejected
+    drafts' slots hold nothing) and the lookahead blocks past it."""
+    for draw in draws:
+        request.append_output_token(draw)
+        stop = request.check_token_stop(max_model_len)
+        if stop is not None:
+            scheduler.finish_request(request, stop)
+        for sequence, stop_string in find_stops([request]) if find_stops is not None else ():
+            sequence.stop_reason = stop_string
+            scheduler.finish_request(sequence, RequestStatus.FINISHED_STOPPED)
+        if request.is_finished:
+            return
+    request.num_computed_tokens = request.num_tokens - 1
+    manager = scheduler.block_manager
+    manager.trim(request.request_id, request.num_computed_tokens)
+    request.runner_num_blocks = min(request.runner_num_blocks, len(manager.block_table(request.request_id)))
 
 
 def _fan_out(scheduler: Scheduler, request: Request, num_draws: int) -> list[Request]:
@@ -63,12 +96,17 @@ def _fan_out(scheduler: Scheduler, request: Request, num_draws: int) -> list[Req
 
 
 class PostStep:
-    def __init__(self, scheduler: Scheduler, beam_search, max_model_len: int) -> None:
+    def __init__(
+        self, scheduler: Scheduler, beam_search, max_model_len: int, find_stops: FindStops | None = None
+    ) -> None:
         self.scheduler = scheduler
         self.beam_search = beam_search  # engine.beam_search.BeamSearchManager
         self.max_model_len = max_model_len
+        self.find_stops = find_stops
 
     def run(self, output: SchedulerOutput, result: ModelRunnerOutput) -> tuple[list[Request], list[RequestOutput]]:
         """(sequences that advanced, outputs of beam groups that finished)."""
-        advanced = advance_sequences(self.scheduler, output, result.sampled, self.max_model_len, result.prompt_logprobs)
+        advanced = advance_sequences(
+            self.scheduler, output, result.sampled, self.max_model_len, result.prompt_logprobs, self.find_stops
+        )
         return advanced, self.beam_search.step()

@@ -10,12 +10,21 @@ from engine.sampler import SamplerOutput
 from engine.step_data import ModelRunnerOutput, ScheduledChunk
 
 
-def sampled_tokens(draw_rows: list[RowInfo], result: SamplerOutput, output: ModelRunnerOutput) -> None:
-    """One SampledToken per draw into `output.sampled` (log-probabilities where the row wants them)."""
+def sampled_tokens(
+    draw_rows: list[RowInfo], result: SamplerOutput, output: ModelRunnerOutput, verified: bool = False
+) -> None:
+    """One SampledToken per draw into `output.sampled` (log-probabilities where the row wants them). `verified`:
+    the step verified drafts, and the draws verification rejected (token id -1) are dropped."""
     token_ids = result.token_ids.tolist()  # the step's one device->host sync
     sampled_lps = result.sampled_logprobs.tolist() if result.sampled_logprobs is not None else None
     top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
     top_ids = result.top_token_ids.tolist() if result.top_token_ids is not None else None
+    if verified:
+        kept = [i for i, token in enumerate(token_ids) if token >= 0]
+        draw_rows, token_ids = [draw_rows[i] for i in kept], [token_ids[i] for i in kept]
+        sampled_lps, top_lps, top_ids = (
+            None if v is None else [v[i] for i in kept] for v in (sampled_lps, top_lps, top_ids)
+        )
     sampled = output.sampled
     if sampled_lps is None:  # the common case, kept lean: it runs for every sequence every step
         for info, token in zip(draw_rows, token_ids):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from engine.block_manager import BlockManager
 from engine.request import Request, RequestStatus
@@ -25,6 +25,9 @@ from engine.seats import SeatPolicy, seat_victims, seats_of, waiting_groups
 from engine.step_data import StepPlan
 from engine.step_plan import build_plan
 from engine.swap import SwapSpace
+
+if TYPE_CHECKING:
+    from engine.spec.drafts import Speculation
 
 
 class ScheduledRequest(NamedTuple):
@@ -38,6 +41,7 @@ class ScheduledRequest(NamedTuple):
     start_position: int  # the request's num_computed_tokens when scheduled
     needs_sample: bool  # this chunk reaches the request's last token, so its logits yield the next token
     epoch: int  # the request's epoch when scheduled: a result from before a recompute preemption is stale
+    draft_token_ids: tuple[int, ...] = ()  # speculative drafts after its last token (counted in num_new_tokens)
 
 
 @dataclass
@@ -55,6 +59,10 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_drafts(self) -> int:
+        return sum(len(s.draft_token_ids) for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -139,7 +147,8 @@ class Scheduler:
         self.running.append(child)
 
     # ---- one step ------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, speculation: Speculation | None = None) -> SchedulerOutput:
+        """The step; with `speculation`, decoding sequences may bring drafts (engine/spec/drafts.py)."""
         output = SchedulerOutput()
         self.num_schedules += 1
         # Seats first: a victim not yet scheduled in this step can be swapped, not only recomputed.
@@ -156,8 +165,11 @@ class Scheduler:
             num_preempted = len(output.preempted)
             if not self._allocate_or_preempt(request, num_new, output):
                 break  # the request itself was preempted: nothing after it in the list runs either
-            output.scheduled.append(self._scheduled(request, num_new))
-            budget -= num_new
+            drafts: tuple[int, ...] = ()
+            if speculation is not None and num_new == 1:  # lookahead slots from spare blocks only
+                drafts = speculation.lookahead(request, budget - 1, self.block_manager, len(self.running) - index - 1)
+            output.scheduled.append(self._scheduled(request, num_new, drafts))
+            budget -= num_new + len(drafts)
             if len(output.preempted) > num_preempted:
                 # Victims may have sat before this request in the list, and may already have been scheduled
                 # (lower priority but admitted earlier): they left the step, and their tokens the budget.
@@ -366,9 +378,10 @@ class Scheduler:
         output.scheduled.append(self._scheduled(request, num_new))
         return True
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(self, request: Request, num_new: int, drafts: tuple[int, ...] = ()) -> ScheduledRequest:
         """Record a request's chunk; its computed count advances now (vLLM v1), so the next step can be scheduled
-        while this one runs, and a token this chunk samples counts as a placeholder until its result is in."""
+        while this one runs, and a token this chunk samples counts as a placeholder until its result is in. Its
+        drafts count as computed until verification cuts the count back (engine/post_step.py)."""
         start = request.num_computed_tokens
         end = start + num_new
         num_tokens = len(request.all_token_ids)
@@ -377,8 +390,8 @@ class Scheduler:
         # of known tokens: one holding a placeholder is hashed once its token is in.
         self.block_manager.cache_full_blocks(request.request_id, request.all_token_ids, min(end, num_tokens))
         needs_sample = end == num_tokens + request.num_placeholders
-        request.num_computed_tokens = end
+        request.num_computed_tokens = end + len(drafts)
         request.num_in_flight += 1
         if needs_sample and not request.is_beam:
             request.num_placeholders += 1
-        return ScheduledRequest(request, num_new, start, needs_sample, request.epoch)
+        return ScheduledRequest(request, num_new + len(drafts), start, needs_sample, request.epoch, drafts)

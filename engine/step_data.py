@@ -34,6 +34,7 @@ class NewRequestData(NamedTuple):
     fan_out: int = 0  # extra draws from the same logits at the first sample (n / best_of)
     wants_logprobs: bool = False  # asked for, or needed for ranking (best_of, beams)
     num_prompt_logprobs_done: int = 0  # prompt log-probability entries the request already has
+    draft_token_ids: tuple[int, ...] = ()  # speculative drafts after its last token (in num_new_tokens)
 
 
 class CachedRequestData(NamedTuple):
@@ -46,6 +47,7 @@ class CachedRequestData(NamedTuple):
     num_new_tokens: int
     start_position: int
     needs_sample: bool
+    draft_token_ids: tuple[int, ...] = ()
 
 
 ScheduledChunk = NewRequestData | CachedRequestData

@@ -40,9 +40,12 @@ def build_step_inputs(
     # Only a decode can bring a token still unknown (the one its previous step is drawing): decodes come first,
     # so its flat index is its chunk's index.
     unknown = [i for i, (c, info) in enumerate(zip(ordered, infos)) if c.start_position >= len(info.token_ids)]
+    # A verify row brings its drafts after its known tokens (engine/spec/verify.py).
     token_ids = np.fromiter(
         itertools.chain.from_iterable(
-            info.token_ids[c.start_position : c.start_position + c.num_new_tokens] or (0,)
+            (info.token_ids[c.start_position : c.start_position + c.num_new_tokens] or (0,))
+            if not c.draft_token_ids
+            else (*info.token_ids[c.start_position :], *c.draft_token_ids)
             for c, info in zip(ordered, infos)
         ),
         dtype=np.int64,

@@ -9,7 +9,8 @@ from engine.block_manager import BlockManager
 from engine.request import Request
 from engine.step_data import CachedRequestData, NewRequestData, ScheduledChunk, StepPlan
 
-Scheduled = tuple[Request, int, int, bool, int]  # scheduler.ScheduledRequest: request, num_new, start, sample, epoch
+# scheduler.ScheduledRequest: request, num_new, start, sample, epoch, drafts
+Scheduled = tuple[Request, int, int, bool, int, tuple[int, ...]]
 
 
 def build_plan(
@@ -21,7 +22,7 @@ def build_plan(
     """The plan of a step; `blocks`: its (copy-on-write, swap-out, swap-in) pairs; `departed`: ids whose runner rows
     must go. Records on each request what the runner now holds of it."""
     chunks: list[ScheduledChunk] = []
-    for request, num_new, start, needs_sample, _ in scheduled:
+    for request, num_new, start, needs_sample, _, drafts in scheduled:
         table = manager.block_table(request.request_id)
         if not request.runner_num_tokens:
             chunks.append(
@@ -39,6 +40,7 @@ def build_plan(
                     request.fan_out,
                     request.needs_logprobs,
                     len(request.prompt_logprobs),
+                    drafts,
                 )
             )
         else:
@@ -54,6 +56,7 @@ def build_plan(
                     num_new,
                     start,
                     needs_sample,
+                    drafts,
                 )
             )
         request.runner_num_tokens, request.runner_num_blocks = request.num_tokens, len(table)

@@ -7,8 +7,17 @@ import argparse
 from typing import TypedDict
 
 from engine.options import add_engine_arguments
+from engine.spec.config import SpeculativeConfig
 
-OWN_FLAGS = ("seed",)  # bench throughput flags that shadow an engine knob: --seed seeds the workload here
+# bench throughput flags that shadow an engine knob: --seed seeds the workload here, and --speculative-config is
+# run next to no speculation (engine/bench/speculative.py)
+OWN_FLAGS = ("seed", "speculative_config")
+GROUNDED = "grounded"  # the input-grounded workload of engine/bench/grounded.py (a real model, real text)
+# The benches' speculative config when none is given (bench ngram)
+DEFAULT_SPECULATIVE_CONFIG = (
+    '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+)
+GROUNDED_BATCH_SIZES = [1, 4, 16, 64]
 
 
 # Reference workloads (shared/anchors/README.md): Llama-3.2-1B and Llama-3-8B shapes, random weights.
@@ -66,7 +75,13 @@ def _range(text: str) -> tuple[int, int]:
 
 def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="checkpoint folder (a folder with only config.json: random weights)")
-    parser.add_argument("--workload", choices=sorted(WORKLOADS), help="reference workload of shared/anchors")
+    parser.add_argument(
+        "--workload",
+        choices=[*sorted(WORKLOADS), GROUNDED],
+        help="reference workload of shared/anchors, or grounded: documents from Python's reference docs with "
+        "rewrite / quote / extract instructions, in the model's chat template (default model: the demo model), "
+        "run at each --batch-sizes",
+    )
     parser.add_argument(
         "--num-prompts", type=int, default=None, help="prompts to run (default: the workload's, else 64)"
     )
@@ -119,7 +134,66 @@ def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
         "blocks beam search (width 4) shares",
     )
     parser.add_argument("--prefix-len", type=int, default=512, help="system prompt length for --sharing prefix")
+    add_speculative_arguments(parser)
     add_engine_arguments(parser, exclude=OWN_FLAGS)
+
+
+def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--speculative-config",
+        type=speculative_config,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, as vLLM spells it: {"method": "ngram", "num_speculative_tokens": K, '
+        '"prompt_lookup_max": N, "prompt_lookup_min": M}; the bench runs each batch size with it and without',
+    )
+    parser.add_argument(
+        "--batch-sizes",
+        type=_positive_list,
+        default=None,
+        metavar="B[,B...]",
+        help="run the workload at each batch size B: B requests at once (max_num_seqs = B), at least "
+        f"--num-prompts requests in all (default for --workload {GROUNDED}: "
+        f"{','.join(map(str, GROUNDED_BATCH_SIZES))}, with 4 prompts)",
+    )
+    parser.add_argument(
+        "--hf-prompt-lookup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --baseline hf and --speculative-config: transformers' own prompt lookup "
+        "(prompt_lookup_num_tokens) at batch 1 as well",
+    )
+
+
+def speculative_config(text: str) -> SpeculativeConfig | None:
+    try:
+        return SpeculativeConfig.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_ngram_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-seqs", type=_positive, default=256, help="sequences proposing together (default 256)")
+    parser.add_argument(
+        "--history-len",
+        type=_range,
+        default=(1024, 3072),
+        metavar="A:B",
+        help="tokens of each history to start from, drawn uniformly from A..B (default 1024:3072)",
+    )
+    parser.add_argument("--steps", type=_positive, default=16, help="engine steps to run (default 16)")
+    parser.add_argument("--vocab-size", type=_positive, default=49152, help="token ids drawn below this")
+    parser.add_argument(
+        "--copy-rate", type=float, default=0.5, help="fraction of stretches copied from earlier (default 0.5)"
+    )
+    parser.add_argument(
+        "--speculative-config",
+        type=speculative_config,
+        default=SpeculativeConfig.parse(DEFAULT_SPECULATIVE_CONFIG),
+        metavar="JSON",
+        help=f"the proposer's config (default {DEFAULT_SPECULATIVE_CONFIG})".replace("%", "%%"),
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the token streams (default 0)")
 
 
 def add_host_arguments(parser: argparse.ArgumentParser) -> None:

@@ -10,41 +10,17 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import random
 import resource
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.bench.args import OWN_FLAGS, WORKLOADS
+from engine.bench.args import GROUNDED, OWN_FLAGS, WORKLOADS
+from engine.bench.workload import Workload, draw_workload
 from engine.options import engine_kwargs_from
-
-
-@dataclass
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-
-def draw_workload(
-    num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int, seed: int = 0
-) -> Workload:
-    """Per request, in order: prompt length, its tokens in [10, vocab-10), then output length (as the anchors)."""
-    rng = random.Random(seed)
-    prompts, outputs = [], []
-    for _ in range(num_prompts):
-        length = rng.randint(*input_len)
-        prompts.append([rng.randrange(10, vocab_size - 10) for _ in range(length)])
-        outputs.append(rng.randint(*output_len))
-    return Workload(prompts, outputs)
 
 
 def _config_only_folder(shape: dict) -> Path:
@@ -189,6 +165,8 @@ def bench_engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.workload == GROUNDED or args.batch_sizes or args.speculative_config:
+        return _run_sweep(args)
     if args.workload:
         spec = WORKLOADS[args.workload]
         model_dir = str(_config_only_folder(spec["shape"]))
@@ -222,6 +200,43 @@ def run(args: argparse.Namespace) -> dict:
     if torch.cuda.is_available():
         result["gpu"] = torch.cuda.get_device_name()
     return result
+
+
+def _run_sweep(args: argparse.Namespace) -> dict:
+    """Each --batch-sizes, with and without --speculative-config (engine/bench/speculative.py)."""
+    from engine.bench.speculative import run_sweep
+    from engine.config import ModelConfig
+
+    if args.workload in WORKLOADS:
+        model_dir = str(_config_only_folder(WORKLOADS[args.workload]["shape"]))
+    elif args.model:
+        model_dir = args.model
+    elif args.workload == GROUNDED:
+        from engine.demo_model import demo_model_path
+
+        model_dir = str(demo_model_path())
+    else:
+        raise SystemExit("pagedq bench throughput: give --model DIR or --workload W1|W8|grounded")
+    result: dict[str, Any] = {
+        "bench": "throughput",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "workload": args.workload or "custom",
+        "model": model_dir,
+        "input_len": list(args.input_len),
+        "output_len": list(args.output_len),
+        "torch": torch.__version__,
+        "transformers": _transformers_version(),
+        "intra_op_threads": torch.get_num_threads(),
+    }
+    vocab = ModelConfig.from_pretrained(model_dir).vocab_size
+    result.update(run_sweep(model_dir, vocab, args, bench_engine_kwargs(args)))
+    return result
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 def _run_engines(model_dir: str, workload: Workload, args: argparse.Namespace) -> dict:

@@ -1,0 +1,29 @@
+"""The random-token workload of `bench throughput` (the anchors' draw), apart so every bench module can use it."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def draw_workload(
+    num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int, seed: int = 0
+) -> Workload:
+    """Per request, in order: prompt length, its tokens in [10, vocab-10), then output length (as the anchors)."""
+    rng = random.Random(seed)
+    prompts, outputs = [], []
+    for _ in range(num_prompts):
+        length = rng.randint(*input_len)
+        prompts.append([rng.randrange(10, vocab_size - 10) for _ in range(length)])
+        outputs.append(rng.randint(*output_len))
+    return Workload(prompts, outputs)

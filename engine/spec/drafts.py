@@ -1,0 +1,167 @@
+"""The engine's side of speculative decoding: which sequences draft this step, how many tokens, their KV slots.
+
+A decoding sequence whose tokens are all known (no draw of it still in flight) asks its proposer for up to k drafts,
+capped so that the step can never run past max_tokens or the model's length, nor past the step's token budget. Its
+row then brings 1 + d tokens (the last token and the drafts) and its lookahead slots are allocated with the rest, but
+only from blocks to spare: a draft never preempts anyone, and leaves a free block per running sequence.
+
+Drafts are never registered in the prefix cache: blocks are hashed over final tokens only (Scheduler._scheduled), and
+after the step the sequence's computed count and its block table are cut back to what verification accepted
+(engine/post_step.py), so a rejected draft's slot is never counted as computed and is overwritten later.
+
+The per-step switch (`wants_drafts`): speculation pays while a step is bound by its fixed per-step cost, and costs
+once verifying (1 + k) tokens per row makes the forward wider than the batch alone would: with more than
+`max_verify_tokens` verify tokens in view, the step runs as a plain decode (docs/engine.md has the measurement).
+And a step that proposes gives up its overlap with the step in flight (async scheduling), so after a step whose
+proposals all came back empty, the next ones run without drafts, backing off exponentially.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from engine.block_manager import BlockManager
+from engine.request import Request
+from engine.spec import Proposer
+
+# Verify tokens (running sequences x (1 + k)) above which a step runs without drafts. Measured on SmolLM2, 2 shared
+# CPU cores, the grounded workload, k = 4, speculation forced on: 1.71x at batch 16 (80 verify tokens), 1.24x at 32
+# (160), 0.73x at 64 (320): docs/engine.md. So on up to 160, i.e. up to 32 sequences at k = 4.
+DEFAULT_MAX_VERIFY_TOKENS = 160
+# A step that asked the proposer and got no draft for anyone gave up its overlap with the step before it for nothing:
+# the next 1, 2, 4, ... (at most this many) steps then run without drafts, pipelined; a step with drafts resets it.
+MAX_BACKOFF_STEPS = 8
+
+
+class Speculation:
+    def __init__(
+        self,
+        proposer: Proposer,
+        num_speculative_tokens: int,
+        vocab_size: int,
+        max_model_len: int,
+        max_verify_tokens: int = DEFAULT_MAX_VERIFY_TOKENS,
+    ) -> None:
+        if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int):
+            raise ValueError(f"num_speculative_tokens must be an integer, got {num_speculative_tokens!r}")
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        if isinstance(max_verify_tokens, bool) or not isinstance(max_verify_tokens, int) or max_verify_tokens < 1:
+            raise ValueError(f"max_verify_tokens must be a positive integer, got {max_verify_tokens!r}")
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_verify_tokens = max_verify_tokens
+        self._known: dict[str, int] = {}  # request id -> tokens of its history the proposer has
+        self.num_draft_tokens = 0  # drafts verified
+        self.num_accepted_draft_tokens = 0  # of which accepted
+        self.num_verify_rows = 0  # row-steps that carried at least one draft
+        self.num_off_steps = 0  # steps the switch ran without drafts
+        self._asked = self._found = 0  # this step's sequences that asked the proposer, and those it gave drafts
+        self._backoff = self._skip = 0
+
+    @classmethod
+    def from_config(cls, config: Any, vocab_size: int, max_model_len: int) -> Speculation:
+        """From a parsed SpeculativeConfig (engine/spec/config.py)."""
+        from engine.spec.ngram import NgramProposer
+
+        if config.method != "ngram":
+            raise ValueError(f"speculative_config method must be 'ngram', got {config.method!r}")
+        return cls(NgramProposer(config), config.num_speculative_tokens, vocab_size, max_model_len)
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_draft_tokens": self.num_accepted_draft_tokens,
+            "num_verify_rows": self.num_verify_rows,
+            "num_spec_off_steps": self.num_off_steps,
+        }
+
+    # ---- per step ------------------------------------------------------------------------------------
+    def wants_drafts(self, running: Sequence[Request]) -> bool:
+        """Whether this step proposes drafts (the switch above); forgets requests that left."""
+        if len(self._known) > len(running):
+            live = {r.request_id for r in running}
+            for req_id in [r for r in self._known if r not in live]:
+                del self._known[req_id]
+                self.proposer.remove(req_id)
+        if self._skip or len(running) * (1 + self.num_speculative_tokens) > self.max_verify_tokens:
+            self._skip = max(0, self._skip - 1)
+            self.num_off_steps += 1
+            return False
+        self._asked = self._found = 0
+        return True
+
+    def after_schedule(self) -> None:
+        """After a step scheduled with drafts wanted: back off if the proposer found none for anyone it was asked."""
+        if self._found:
+            self._backoff = 0
+        elif self._asked:
+            self._backoff = min(2 * self._backoff or 1, MAX_BACKOFF_STEPS)
+            self._skip = self._backoff
+
+    def lookahead(self, request: Request, budget: int, manager: BlockManager, reserve: int) -> tuple[int, ...]:
+        """Drafts for a running sequence scheduled for one token, with their KV slots allocated; () for none.
+        `budget`: tokens the step has left; `reserve`: free blocks to leave for the sequences still to schedule."""
+        if not self.may_draft(request):
+            return ()
+        params = request.sampling_params
+        num_tokens = request.num_tokens
+        limit = min(
+            self.num_speculative_tokens,
+            budget,
+            params.max_tokens - request.num_output_tokens - 1,  # the step emits at most 1 + d tokens
+            self.max_model_len - num_tokens - 1,
+        )
+        if limit <= 0:
+            return ()
+        drafts = self._propose(request, limit)
+        self._asked += 1
+        if not drafts:
+            return ()
+        self._found += 1
+        start = request.num_computed_tokens
+        end = start + 1 + len(drafts)
+        extra = manager.blocks_for_tokens(end) - len(manager.block_table(request.request_id))
+        if extra > 0 and manager.num_free_blocks - extra < reserve:
+            return ()
+        if manager.allocate_slots(request.request_id, start, end) != []:  # its one block written is its own now
+            raise RuntimeError(f"lookahead slots of {request.request_id} needed a copy-on-write (an engine bug)")
+        return drafts
+
+    @staticmethod
+    def may_draft(request: Request) -> bool:
+        """A plain decoding sequence with every token known: not a beam, nor one still to fan out, nor structured
+        (docs/engine.md: structured requests get no drafts), nor one whose last draw is still in flight."""
+        return (
+            not request.num_placeholders
+            and request.num_computed_tokens == request.num_tokens - 1
+            and not request.is_beam
+            and not request.fan_out
+            and request.sampling_params.structured_outputs is None
+        )
+
+    def _propose(self, request: Request, limit: int) -> tuple[int, ...]:
+        req_id, tokens = request.request_id, request.all_token_ids
+        known = self._known.get(req_id)
+        if known is None:
+            self.proposer.add_request(req_id, tokens)
+        elif known < len(tokens):
+            self.proposer.append(req_id, tokens[known:])
+        self._known[req_id] = len(tokens)
+        drafts = []
+        for token in self.proposer.propose(req_id, limit)[:limit]:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
+                break  # a proposer's bad token would reach the embedding: keep the drafts before it
+            drafts.append(token)
+        return tuple(drafts)
+
+    def record_step(self, scheduled: Sequence[Any], sampled: dict[str, list[Any]]) -> None:
+        """Count a step's verify rows (scheduler.ScheduledRequest) and what verification kept of their drafts."""
+        for item in scheduled:
+            if item.draft_token_ids and (draws := sampled.get(item.request.request_id)):
+                self.num_verify_rows += 1
+                self.num_draft_tokens += len(item.draft_token_ids)
+                self.num_accepted_draft_tokens += len(draws) - 1
