@@ -12,6 +12,7 @@ after it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,10 +31,12 @@ class DeviceResult:
 
 
 class DeviceQueue:
-    """FIFO device work. `busy_seconds` sums the time device work took (on CPU: the thread's run time)."""
+    """FIFO device work. `busy_seconds` sums the time device work took on CPU (the device thread's run time; 0 on
+    CUDA, where work is only launched here): over a run's wall time, the share the device was kept busy."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.busy_seconds = 0.0  # written by the device thread only
         self._thread = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedq-device") if device.type == "cpu" else None
         )
@@ -41,7 +44,14 @@ class DeviceQueue:
     def submit(self, work: Callable[[], DeviceResult]) -> StepHandle:
         if self._thread is None:
             return StepHandle.from_cuda(_in_inference_mode(work), self.device)
-        return StepHandle(self._thread.submit(_in_inference_mode, work))
+        return StepHandle(self._thread.submit(self._timed, work))
+
+    def _timed(self, work: Callable[[], DeviceResult]) -> DeviceResult:
+        start = time.perf_counter()
+        try:
+            return _in_inference_mode(work)
+        finally:
+            self.busy_seconds += time.perf_counter() - start
 
     def close(self) -> None:
         if self._thread is not None:

@@ -169,7 +169,7 @@ class Lanes:
 
     @classmethod
     def from_settings(cls, settings: WorkerSettings) -> Lanes:
-        tenants = TenantShares(parse_weights(settings.tenant_weights), settings.tenant_quantum)
+        tenants = TenantShares(parse_weights(settings.tenant_weights), settings.tenant_quantum, settings.tenant_burst)
         return cls(settings.band_min_share, settings.reserve_seqs, tenants)
 
     def order(self, backlog: list[HeldJob]) -> list[HeldJob]:
