@@ -43,7 +43,7 @@ def _admit_randomly(seed: int, shares: TenantShares, tenants: list[str], costs: 
         if not pending:
             continue
         pending.sort(key=lambda t: t.seq)
-        chosen = shares.order("bulk", pending)[0]
+        chosen = shares.order("bulk", pending, limit=1)[0]
         waiting = {t.job.tenant or "" for t in pending}
         pending.remove(chosen)
         shares.admitted(chosen)
@@ -72,7 +72,7 @@ def test_no_tenant_with_work_waits_more_than_a_round(seed, burst):
 def _admit(shares: TenantShares, pending: list[HeldJob], count: int) -> list[str]:
     out = []
     for _ in range(count):
-        chosen = shares.order("bulk", pending)[0]
+        chosen = shares.order("bulk", pending, limit=1)[0]
         pending.remove(chosen)
         shares.admitted(chosen)
         out.append(chosen.job.tenant or "")
@@ -130,7 +130,7 @@ def test_a_backlogged_tenant_and_a_small_one_share_tokens_by_weight():
     pending = [_held(tenant, 250) for _ in range(200) for tenant in ("heavy", "light")]
     served = {"heavy": 0, "light": 0}
     for _ in range(160):
-        chosen = shares.order("bulk", pending)[0]
+        chosen = shares.order("bulk", pending, limit=1)[0]
         pending.remove(chosen)
         shares.admitted(chosen)
         served[chosen.job.tenant or ""] += chosen.admission_tokens

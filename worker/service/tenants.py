@@ -158,8 +158,10 @@ class TenantShares:
     def _quantum(self, tenants: Iterable[str]) -> dict[str, float]:
         return {x: self.quantum * self.weights.get(x, 1.0) for x in tenants}
 
-    def order(self, band: str, jobs: list[HeldJob]) -> list[HeldJob]:
-        """A band's jobs (each tenant's already in its own order) in the order the round admits them."""
+    def order(self, band: str, jobs: list[HeldJob], limit: int | None = None) -> list[HeldJob]:
+        """A band's jobs (each tenant's already in its own order) in the order the round admits them; with a limit,
+        only the first `limit` are worked out (what admission can take now), the rest follow in tenant order. The
+        round is replayed per job, so without a limit this costs the whole backlog every time."""
         queues: dict[str, deque[HeldJob]] = {}
         for t in jobs:
             queues.setdefault(tenant_of(t), deque()).append(t)
@@ -170,7 +172,8 @@ class TenantShares:
             return jobs
         rnd = real.copy()
         out: list[HeldJob] = []
-        while len(out) < len(jobs):
+        wanted = len(jobs) if limit is None else min(max(limit, 0), len(jobs))
+        while len(out) < wanted:
             head = rnd.credit_head(quantum)
             queue = queues[head]
             if queue and cost_of(queue[0], self.quantum) <= rnd.deficit[head]:
@@ -180,7 +183,7 @@ class TenantShares:
                 if queue:
                     continue
             rnd.turn_over()  # its turn is over (spent, or nothing left: it stays, with nothing to take)
-        return out
+        return out + [t for queue in queues.values() for t in queue]
 
     def _round(self, band: str) -> Round:
         return self.rounds.setdefault(band, Round(self.burst))
