@@ -13,6 +13,7 @@ after it.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,7 +32,8 @@ class DeviceResult:
 
 
 class DeviceQueue:
-    """FIFO device work. `busy_seconds` sums the time device work took (on CPU: the thread's run time).
+    """FIFO device work. `busy_seconds` sums the time device work took on CPU (the device thread's run time; 0 on
+    CUDA, where work is only launched here): over a run's wall time, the share the device was kept busy.
 
     Inline (CUDA): work runs on the calling thread, which only queues kernels. Work that `waits` for the host
     (a step whose sampling needs a structured-output mask the host fills during its forward) runs on a helper
@@ -43,6 +45,7 @@ class DeviceQueue:
     def __init__(self, device: torch.device, inline: bool | None = None) -> None:
         self.device = device
         self.inline = device.type != "cpu" if inline is None else inline
+        self.busy_seconds = 0.0  # written by the device thread only
         self._thread = None if self.inline else ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedq-device")
         self._waiting: ThreadPoolExecutor | None = None  # inline: the helper thread for work that waits
         self._num_waiting = 0  # work submitted to it and not yet queued on the device
@@ -50,7 +53,7 @@ class DeviceQueue:
 
     def submit(self, work: Callable[[], DeviceResult], waits: bool = False) -> StepHandle:
         if self._thread is not None:
-            return StepHandle(self._thread.submit(_in_inference_mode, work))
+            return StepHandle(self._thread.submit(self._timed, work))
         with self._lock:
             behind = waits or self._num_waiting > 0
             self._num_waiting += behind
@@ -70,6 +73,13 @@ class DeviceQueue:
         finally:
             with self._lock:
                 self._num_waiting -= 1
+
+    def _timed(self, work: Callable[[], DeviceResult]) -> DeviceResult:
+        start = time.perf_counter()
+        try:
+            return _in_inference_mode(work)
+        finally:
+            self.busy_seconds += time.perf_counter() - start
 
     def close(self) -> None:
         for pool in (self._thread, self._waiting):

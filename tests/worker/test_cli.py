@@ -33,6 +33,8 @@ def test_bench_prints_one_json_line(tiny_llama_dir):
         "8",
         "--e2e-repeats",
         "1",
+        "--e2e-prompt-tokens",
+        "4:24",
         "--model",
         str(tiny_llama_dir),
         "--device",
@@ -46,7 +48,10 @@ def test_bench_prints_one_json_line(tiny_llama_dir):
     assert result["queue"]["jobs"] == 400 and result["queue"]["jobs_per_s"] > 0
     assert result["queue_streamed_4_tokens"]["jobs"] == 100
     e2e = result["e2e"]
-    assert e2e["jobs"] == 8 and e2e["token_identical_jobs"] == 8
+    assert e2e["jobs"] == 8 and e2e["token_identical_jobs"] == 8 and e2e["prompts"] == "4:24"  # token-id prompts
+    assert 0 < e2e["device_busy_fraction"]["worker"][0] <= 1 and 0 < e2e["device_busy_fraction"]["offline"][0] <= 1
+    (parts,) = e2e["worker_turn_ms_per_step"]
+    assert set(parts) == {"round_trip", "admit", "engine_step", "outputs", "other"} and parts["engine_step"] > 0
     assert e2e["worker_tokens_per_s"] > 0 and e2e["offline_tokens_per_s"] > 0
 
 

@@ -14,6 +14,7 @@ from worker.client.core import make_job
 from worker.ops.status import queue_status, render
 from worker.protocol.errors import JobRejected
 from worker.protocol.job import Job, build_job, parse_job
+from worker.protocol.limits import DEFAULT_TENANT_BURST
 from worker.service.held import HeldJob, JobKey
 from worker.service.tenants import COST_CAP_QUANTA, MAX_SHOWN, OTHER, TenantShares, parse_weights
 from worker.testing.stub_engine import StubEngine
@@ -42,27 +43,85 @@ def _admit_randomly(seed: int, shares: TenantShares, tenants: list[str], costs: 
         if not pending:
             continue
         pending.sort(key=lambda t: t.seq)
-        chosen = shares.order("bulk", pending)[0]
+        chosen = shares.order("bulk", pending, limit=1)[0]
         waiting = {t.job.tenant or "" for t in pending}
         pending.remove(chosen)
         shares.admitted(chosen)
         yield chosen, waiting
 
 
+@pytest.mark.parametrize("burst", [0, DEFAULT_TENANT_BURST])
 @pytest.mark.parametrize("seed", range(8))
-def test_no_tenant_with_work_waits_more_than_a_round(seed):
+def test_no_tenant_with_work_waits_more_than_a_round(seed, burst):
     """Between two admissions of a tenant with work waiting, the others get at most (tenants - 1) turns of at most
-    (quantum + largest cost) / smallest cost jobs each, whatever the arrival order."""
+    (quantum + largest cost) / smallest cost jobs each in plain DRR (burst 0); with catch-up credit, at most two
+    turns each of ((burst + 1) x quantum + 2 x largest cost) / smallest cost in all, whatever the arrival order."""
     quantum, costs = 1000, (100, 900)
     tenants = ["a", "b", "c", "", "e"]
-    bound = (len(tenants) - 1) * ((quantum + costs[1]) // costs[0])
+    per_tenant = (quantum + costs[1]) if burst == 0 else ((burst + 1) * quantum + 2 * costs[1])
+    bound = (len(tenants) - 1) * (per_tenant // costs[0])
     skipped = dict.fromkeys(tenants, 0)
     worst = 0
-    for chosen, waiting in _admit_randomly(seed, TenantShares(quantum=quantum), tenants, costs):
+    for chosen, waiting in _admit_randomly(seed, TenantShares(quantum=quantum, burst=burst), tenants, costs):
         for tenant in waiting:
             skipped[tenant] = 0 if tenant == (chosen.job.tenant or "") else skipped[tenant] + 1
             worst = max(worst, skipped[tenant])
     assert 0 < worst <= bound, (worst, bound)
+
+
+def _admit(shares: TenantShares, pending: list[HeldJob], count: int) -> list[str]:
+    out = []
+    for _ in range(count):
+        chosen = shares.order("bulk", pending, limit=1)[0]
+        pending.remove(chosen)
+        shares.admitted(chosen)
+        out.append(chosen.job.tenant or "")
+    return out
+
+
+def test_a_tenant_new_behind_a_backlog_is_served_first_up_to_its_burst():
+    """B's 10 jobs (2 quanta) turn up after A has had 40 rounds: all 10 go before A's next; of 30 (6 quanta, past a
+    burst of 4), 4 quanta go first (and the turn A had spent already), then they take turns. Weights scale it."""
+    cases = ((10, 8, {}, (10, 10)), (30, 4, {}, (20, 25)), (30, 4, {"B": 0.5}, (10, 12)))
+    for b_jobs, burst, weights, first_b in cases:
+        shares = TenantShares(weights, quantum=100, burst=burst)
+        pending = [_held("A", 20) for _ in range(400)]
+        _admit(shares, pending, 200)  # 40 rounds of A alone
+        pending += [_held("B", 20) for _ in range(b_jobs)]
+        order = _admit(shares, pending, b_jobs + 20)
+        served_first = order.index("A")
+        assert first_b[0] <= served_first <= first_b[1], (b_jobs, burst, weights, order)
+        if served_first < b_jobs:  # then A's turn, then B's
+            assert order[served_first : served_first + 6] == ["A"] * 5 + ["B"], (b_jobs, burst, weights, order)
+    shares = TenantShares(quantum=100, burst=0)  # plain DRR: B joins at the tail, A finishes its turn first
+    pending = [_held("A", 20) for _ in range(400)]
+    _admit(shares, pending, 202)
+    pending += [_held("B", 20) for _ in range(10)]
+    assert _admit(shares, pending, 8) == ["A"] * 3 + ["B"] * 5
+
+
+def test_the_catch_up_credit_is_earned_by_sitting_out_rounds():
+    """A tenant back after sitting out k rounds catches up on k turns (5 jobs each here), at most `burst`, before
+    the others' next turn; back at once, at most the one turn it missed (coming and going gets it no more than
+    staying would)."""
+    shares = TenantShares(quantum=100, burst=8)
+    pending = [_held("A", 20) for _ in range(600)]
+    _admit(shares, pending, 50)
+    for sit_out in (0, 3, 12):
+        pending += [_held("B", 20) for _ in range(60)]
+        _admit(shares, pending, 65)
+        pending[:] = [t for t in pending if t.job.tenant == "A"]
+        _admit(shares, pending, 1)  # B has left
+        left = shares.rounds["bulk"].clock
+        _admit(shares, pending, 5 * sit_out)
+        missed = shares.rounds["bulk"].clock - left
+        assert sit_out <= missed <= sit_out + 1
+        pending += [_held("B", 20) for _ in range(60)]
+        order = _admit(shares, pending, 65)
+        credit = min(int(missed), 8)
+        assert 5 * credit <= order.index("A") <= 5 * (credit + 1), (sit_out, missed, order)
+        pending[:] = [t for t in pending if t.job.tenant == "A"]
+        _admit(shares, pending, 1)
 
 
 def test_a_backlogged_tenant_and_a_small_one_share_tokens_by_weight():
@@ -71,7 +130,7 @@ def test_a_backlogged_tenant_and_a_small_one_share_tokens_by_weight():
     pending = [_held(tenant, 250) for _ in range(200) for tenant in ("heavy", "light")]
     served = {"heavy": 0, "light": 0}
     for _ in range(160):
-        chosen = shares.order("bulk", pending)[0]
+        chosen = shares.order("bulk", pending, limit=1)[0]
         pending.remove(chosen)
         shares.admitted(chosen)
         served[chosen.job.tenant or ""] += chosen.admission_tokens

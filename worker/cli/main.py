@@ -41,6 +41,12 @@ BENCH_OPTIONS = (
     Option("e2e_jobs", int, 64, "jobs through the real engine (0 skips it)", bounds={"ge": 0}),
     Option("e2e_max_tokens", int, 32, "tokens per end-to-end job", bounds={"ge": 1}),
     Option("e2e_repeats", int, 3, "alternate offline/worker runs; best of each", bounds={"ge": 1}),
+    Option(
+        "e2e_prompt_tokens",
+        str,
+        "",
+        "LOW:HIGH: token-id prompts of LOW to HIGH tokens (seeded) instead of text prompts (issue 23: 16:200)",
+    ),
 )
 
 

@@ -30,6 +30,8 @@ MAX_TENANT_CHARS = 64
 TENANT_PATTERN = r"^[A-Za-z0-9_.:\-]{1,64}$"
 MAX_TENANT_WEIGHT = 1000.0
 MAX_TENANTS_WEIGHTED = 10_000
+DEFAULT_TENANT_BURST = 8  # rounds of catch-up credit a tenant back from idle may claim (0: plain DRR)
+MAX_TENANT_BURST = 1_000
 MAX_TENANT_QUEUED = 1_000_000  # a tenant's unfinished jobs under a per-tenant limit (the SUBMIT script scans them)
 
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)

@@ -169,12 +169,15 @@ class Lanes:
 
     @classmethod
     def from_settings(cls, settings: WorkerSettings) -> Lanes:
-        tenants = TenantShares(parse_weights(settings.tenant_weights), settings.tenant_quantum)
+        tenants = TenantShares(parse_weights(settings.tenant_weights), settings.tenant_quantum, settings.tenant_burst)
         return cls(settings.band_min_share, settings.reserve_seqs, tenants)
 
-    def order(self, backlog: list[HeldJob]) -> list[HeldJob]:
+    def order(self, backlog: list[HeldJob], limit: int | None = None) -> list[HeldJob]:
+        """The backlog in admission order; limit: at most this many can go in now (the tenants' round is worked out
+        that far in each band, the rest left in read order)."""
         backlog.sort(key=lambda t: (band_rank(t.band), -t.job.priority, t.seq))
-        backlog[:] = [t for band in BANDS for t in self.tenants.order(band, [t for t in backlog if t.band == band])]
+        by_band = [self.tenants.order(band, [t for t in backlog if t.band == band], limit) for band in BANDS]
+        backlog[:] = [t for jobs in by_band for t in jobs]
         if self.min_share <= 0 or not backlog:
             return backlog
         first: list[HeldJob] = []
@@ -235,7 +238,7 @@ def pick(
     bands = {t.band for t in backlog}
     if not any(room + behind[band_rank(b)][0] > 0 and (b != BANDS[-1] or lowest_room > 0) for b in bands):
         return []  # no band has room (most turns of a busy engine): the order need not be worked out
-    ordered = lanes.order(backlog)
+    ordered = lanes.order(backlog, limit=max(1, room + max(count for count, _ in behind)))
     chosen: list[HeldJob] = []
     for t in ordered:
         count, blocks = behind[band_rank(t.band)]

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from worker.protocol.keys import QUEUE_PATTERN
+from worker.protocol.limits import DEFAULT_TENANT_BURST, MAX_TENANT_BURST
 
 
 def default_worker_name() -> str:
@@ -80,6 +81,13 @@ class WorkerSettings:
     )
     tenant_quantum: int = _flag(
         512, "tokens a tenant's turn in the round adds to its share (at weight 1)", ge=1, le=2**31 - 1
+    )
+    tenant_burst: int = _flag(
+        DEFAULT_TENANT_BURST,
+        "rounds of turns a tenant that was idle may catch up on when it comes back (a new tenant: all), served "
+        "first; 0: plain deficit round robin",
+        ge=0,
+        le=MAX_TENANT_BURST,
     )
     drain_timeout_s: float = _flag(30.0, "seconds to finish in-flight jobs after SIGTERM", "drain_timeout", ge=0)
     redis_outage_s: float = _flag(

@@ -35,9 +35,10 @@ from worker.service.holding import Holding
 from worker.service.leases import Leases
 from worker.service.publisher import Publisher
 from worker.service.recovery import REDIS_DOWN, Recovery, Stop
-from worker.service.snapshot import EngineFigures, MetricsSink, WorkerSnapshot
+from worker.service.snapshot import EngineFigures, MetricsSink, WorkerSnapshot, costly_figures
 from worker.service.timers import Timers
 from worker.service.tokenizer_files import publish_tokenizer
+from worker.service.turn_clock import TurnClock
 
 
 class ServiceLoop:
@@ -84,6 +85,7 @@ class ServiceLoop:
             log,
         )
         self.admit_delays = AdmitDelays()  # read-to-admit, per band
+        self.turn_clock = TurnClock()  # where the turns' time goes (bench worker reports it)
         self.tokens_generated = 0  # counted per step; the metrics timer exports it
         self.cancel_possible = True  # the cancel set was non-empty at the last look
         self._burst_done = False
@@ -171,6 +173,8 @@ class ServiceLoop:
 
     # ------------------------------------------------------------------ one turn
     def _turn(self) -> None:
+        clock = self.turn_clock
+        clock.start()
         if self.timers.run_due(time.monotonic()):
             self.cancel_possible = True  # a revoke through a front door: check held jobs and the next ones read
         if self.front_doors and not self.stopping:
@@ -180,10 +184,14 @@ class ServiceLoop:
                 jobs = door.poll(room, self.intake)
                 room -= len(jobs)
                 self.holding.hold(jobs, check_cancel=self.cancel_possible)
+        clock.lap("other")
         self._sync()
+        clock.lap("round_trip")
         if not self.stopping:
             self._admit()
+        clock.lap("admit")
         self.finisher.enforce_deadlines()
+        clock.lap("other")
         if self.engine.has_unfinished_requests():
             self._step()
 
@@ -258,6 +266,8 @@ class ServiceLoop:
         except Exception as exc:
             self.recovery.on_step_error(exc)
             return
+        finally:
+            self.turn_clock.lap("engine_step")
         self.recovery.step_succeeded()
         now = time.time()
         for out in outputs:
@@ -267,11 +277,12 @@ class ServiceLoop:
                 settled = absorb(t, out, now, self.publisher)
                 if settled is not None:
                     self.finisher.finalize(t, *settled)
+        self.turn_clock.lap("outputs")
 
     # ------------------------------------------------------------------ figures
     def snapshot(self, costly: bool = False) -> WorkerSnapshot:
         """The loop's figures now; costly adds those that take a call each (engine.stats(), each door's depth)."""
-        preemptions, seats, depths = self._costly_figures() if costly else (0, 0, {})
+        preemptions, seats, depths = costly_figures(self.engine, self.front_doors, self.log) if costly else (0, 0, {})
         return WorkerSnapshot(
             state="draining" if self.stopping else "running",
             held_jobs=len(self.held),
@@ -285,16 +296,3 @@ class ServiceLoop:
             admit_delays=self.admit_delays.summary(),
             front_door_depths=depths,
         )
-
-    def _costly_figures(self) -> tuple[int, int, dict[str, int]]:
-        """A figure that fails is left out (its gauge keeps its value) and logged; the other metrics still update."""
-        preemptions, seats, depths = 0, 0, {}
-        try:
-            engine_stats = getattr(self.engine, "stats", None)  # an optional extra of the engine
-            stats = engine_stats() if callable(engine_stats) else {}
-            preemptions, seats = int(stats.get("num_preemptions", 0)), int(stats.get("num_seat_preemptions", 0))
-            for door in self.front_doors:
-                depths[door.name] = door.depth()  # a broker round trip
-        except Exception as exc:
-            self.log.error("metrics_update_failed", error=repr(exc))
-        return preemptions, seats, depths

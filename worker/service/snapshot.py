@@ -3,12 +3,13 @@ neither reads attributes off the loop. The metrics sink is a protocol here; work
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from worker.protocol.job import FinalRecord
 from worker.service.engine_api import WorkerEngine
+from worker.service.front_door import FrontDoor
 
 
 @dataclass(frozen=True)
@@ -59,3 +60,19 @@ class MetricsSink(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def costly_figures(engine: WorkerEngine, front_doors: Sequence[FrontDoor], log: Any) -> tuple[int, int, dict[str, int]]:
+    """Preemptions, seat preemptions (engine.stats(), an optional extra of the engine) and each door's depth (a
+    broker round trip). A figure that fails is left out (its gauge keeps its value) and logged; the other metrics
+    still update."""
+    preemptions, seats, depths = 0, 0, {}
+    try:
+        engine_stats = getattr(engine, "stats", None)
+        stats = engine_stats() if callable(engine_stats) else {}
+        preemptions, seats = int(stats.get("num_preemptions", 0)), int(stats.get("num_seat_preemptions", 0))
+        for door in front_doors:
+            depths[door.name] = door.depth()
+    except Exception as exc:
+        log.error("metrics_update_failed", error=repr(exc))
+    return preemptions, seats, depths
