@@ -6,11 +6,16 @@ oracle these are tested against). Why this shape, measured on the 2-core CPU (do
     at the speed of a plain copy of the same bytes;
   - the gathered [S, L, Hkv, D] buffer is handed to SDPA as a transposed view: SDPA's CPU flash kernel reads it
     strided as fast as contiguous, and a `.contiguous()` copy would cost more than it saves;
-  - a boolean length mask (a float -inf mask made SDPA 4x slower) and `enable_gqa`, so K/V are never repeated
-    per query head;
+  - a boolean length mask (a float -inf mask made SDPA 4x slower), and for decode each KV head's query heads
+    folded into query rows, so K/V are never repeated per query head nor read once per query head;
   - decode sorts the sequences by context length and gathers a few length groups, each up to its own longest
-    context, never the step's widest table.
+    context, never the step's widest table;
+  - what every layer would recompute the same (the groups, the flat block list, the masks; prefill's chunks) is a
+    plan built once a step (`plan_decode`, `plan_prefill`; engine/layers/attention.py keeps it on the step's
+    metadata), and each layer then gathers all its blocks with one index_select per cache.
 SDPA accumulates in fp32 for bf16/fp16 inputs, as the reference does; only the summation order differs.
+A kernel reading the blocks in place was tried as torch.compile (inductor's C++) over a gather-reduce
+formulation: 106 s to compile on 2 cores and no faster than this path (docs/kernels.md).
 """
 
 from __future__ import annotations
