@@ -6,26 +6,76 @@ oracle these are tested against). Why this shape, measured on the 2-core CPU (do
     at the speed of a plain copy of the same bytes;
   - the gathered [S, L, Hkv, D] buffer is handed to SDPA as a transposed view: SDPA's CPU flash kernel reads it
     strided as fast as contiguous, and a `.contiguous()` copy would cost more than it saves;
-  - a boolean length mask (a float -inf mask made SDPA 4x slower) and `enable_gqa`, so K/V are never repeated
-    per query head;
+  - a boolean length mask (a float -inf mask made SDPA 4x slower), and for decode each KV head's query heads
+    folded into query rows, so K/V are never repeated per query head nor read once per query head;
   - decode sorts the sequences by context length and gathers a few length groups, each up to its own longest
-    context, never the step's widest table.
+    context, never the step's widest table;
+  - what every layer would recompute the same (the groups, the flat block list, the masks; prefill's chunks) is a
+    plan built once a step (`plan_decode`, `plan_prefill`; engine/layers/attention.py keeps it on the step's
+    metadata), and each layer then gathers all its blocks with one index_select per cache.
 SDPA accumulates in fp32 for bf16/fp16 inputs, as the reference does; only the summation order differs.
+A kernel reading the blocks in place was tried as torch.compile (inductor's C++) over a gather-reduce
+formulation: 106 s to compile on 2 cores and no faster than this path (docs/kernels.md).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch.nn import functional as F
 
 
-def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """[S, M] block ids -> the blocks' tokens as an [S, Hkv, M * block_size, D] view (one copy, by index_select)."""
-    num_seqs, num_table_blocks = tables.shape
-    _, block_size, num_kv_heads, head_dim = cache.shape
-    blocks = cache.index_select(0, tables.reshape(-1).long())
-    return blocks.view(num_seqs, num_table_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Sequences [start, end) of the plan's order, each gathered and padded to the same num_blocks blocks."""
+
+    start: int
+    end: int
+    num_blocks: int
+    mask: torch.Tensor | None  # [n, 1, 1, num_blocks * block_size] bool, True = attend; None: every slot is valid
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """What a decode step's attention needs beyond the layer's tensors, the same in every layer: built once a step.
+
+    blocks: every group's table blocks, group after group (one index_select per cache and layer gathers them all);
+    order: the sequences sorted by context length (None when one group covers them in the step's order), inverse
+    its inverse permutation.
+    """
+
+    blocks: torch.Tensor
+    groups: tuple[DecodeGroup, ...]
+    order: torch.Tensor | None
+    inverse: torch.Tensor | None
+
+
+def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> DecodePlan:
+    """Length groups (length_groups), the blocks each gathers and its length mask, for block_tables [S, M] int32
+    and context_lens [S] int32 (CPU tensors: no device sync to pay)."""
+    lens = context_lens.numpy()
+    groups = length_groups(lens, block_size) if len(lens) else []
+    order = inverse = None
+    tables, sorted_lens = block_tables, context_lens
+    if len(groups) > 1:
+        permutation = np.argsort(lens, kind="stable")
+        order = torch.from_numpy(permutation)
+        inverse = torch.from_numpy(np.argsort(permutation, kind="stable"))
+        tables, sorted_lens = block_tables[order], context_lens[order]
+    blocks, planned = [], []
+    for start, end, longest in groups:
+        num_blocks = -(-longest // block_size)
+        blocks.append(tables[start:end, :num_blocks].reshape(-1))
+        group_lens = sorted_lens[start:end]
+        mask = None
+        if int(group_lens.min()) < num_blocks * block_size:  # some row ends before its last gathered slot
+            positions = torch.arange(num_blocks * block_size)
+            mask = (positions[None, :] < group_lens[:, None])[:, None, None, :]
+        planned.append(DecodeGroup(start, end, num_blocks, mask))
+    flat = torch.cat(blocks).long() if blocks else torch.zeros(0, dtype=torch.long)
+    return DecodePlan(flat, tuple(planned), order, inverse)
 
 
 def paged_decode_attention(
@@ -39,34 +89,41 @@ def paged_decode_attention(
     """One query per sequence at position context_len-1 over its context_len cached tokens.
 
     query [S, Hq, D]; block_tables [S, M] int32; context_lens [S] int32 -> [S, Hq, D].
-    Sequences are sorted by length and cut into a few groups, each gathered and padded to its own longest
-    context (length_groups): a step's contexts spread widely, and one batch padded to the longest wasted up to
-    half of the gather and of SDPA's work.
+    Plans the step (plan_decode) and runs it; the engine's layers plan once a step and call planned_decode.
     """
-    if query.shape[0] == 0:
+    return planned_decode(query, k_cache, v_cache, plan_decode(block_tables, context_lens, k_cache.shape[1]), scale)
+
+
+def planned_decode(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float
+) -> torch.Tensor:
+    """Decode attention as `plan` lays it out: one index_select per cache gathers every group's blocks, then one
+    SDPA per group over its part of them.
+
+    Each KV head's query heads go to SDPA as that many query rows of one head ([S, Hkv, group, D], no
+    enable_gqa): SDPA then reads each head's K/V once for all its queries, not once per query head (a 48-sequence
+    step at context 256 on SmolLM2's 9:3 heads: 4.8 against 5.6 ms a layer, one thread). The length mask is the
+    same for every row of a head, so folding the queries changes nothing else.
+    """
+    num_seqs, num_q_heads, head_dim = query.shape
+    if num_seqs == 0:
         return torch.empty_like(query)
-    lens = context_lens.numpy()  # a CPU tensor: no device sync to pay
-    groups = length_groups(lens, k_cache.shape[1])
-    if len(groups) == 1:
-        return _decode_group(query, k_cache, v_cache, block_tables, context_lens, int(lens.max()), scale)
-    order = torch.from_numpy(np.argsort(lens, kind="stable"))
-    query, block_tables, context_lens = query[order], block_tables[order], context_lens[order]
-    out = torch.empty_like(query)
-    for start, end, longest in groups:
-        part = slice(start, end)
-        out[part] = _decode_group(query[part], k_cache, v_cache, block_tables[part], context_lens[part], longest, scale)
-    return torch.empty_like(out).index_copy_(0, order, out)
-
-
-def _decode_group(query, k_cache, v_cache, block_tables, context_lens, longest: int, scale: float) -> torch.Tensor:
-    tables = block_tables[:, : -(-longest // k_cache.shape[1])]
-    keys, values = _gather(k_cache, tables), _gather(v_cache, tables)
-    positions = torch.arange(keys.shape[2], device=query.device)
-    mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]  # [S, 1, 1, L]
-    out = F.scaled_dot_product_attention(
-        query[:, :, None, :], keys, values, attn_mask=mask, scale=scale, enable_gqa=True
-    )
-    return out[:, :, 0]
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    keys, values = k_cache.index_select(0, plan.blocks), v_cache.index_select(0, plan.blocks)
+    if plan.order is not None:
+        query = query.index_select(0, plan.order)
+    query = query.reshape(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    outs, offset = [], 0
+    for group in plan.groups:
+        rows, width = group.end - group.start, group.num_blocks
+        part = slice(offset, offset + rows * width)
+        offset += rows * width
+        k = keys[part].view(rows, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
+        v = values[part].view(rows, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
+        q = query[group.start : group.end]
+        outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale))
+    out = (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(num_seqs, num_q_heads, head_dim)
+    return out if plan.inverse is None else out.index_select(0, plan.inverse)
 
 
 # A group's fixed cost (an index_select pair and an SDPA call, ~40 us) in the units of its work, sequences x padded
@@ -100,6 +157,46 @@ def _best_cut(padded: np.ndarray, start: int, end: int) -> tuple[int, int]:
     return int((end - start) * padded[end - 1] - split_cost[best]), int(cuts[best])
 
 
+@dataclass(frozen=True)
+class PrefillChunk:
+    """One sequence's query chunk: rows [q_start, q_end) of the step's prefill queries, attending to context_len
+    cached tokens held by the plan's blocks [block_start, block_start + ceil(context_len / block_size))."""
+
+    q_start: int
+    q_end: int
+    context_len: int
+    block_start: int
+    mask: torch.Tensor | None  # [q_len, context_len] bool after a cached prefix; None: is_causal from token 0
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    blocks: torch.Tensor  # every chunk's blocks, chunk after chunk: one index_select per cache and layer
+    chunks: tuple[PrefillChunk, ...]
+
+
+def plan_prefill(
+    block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_size: int
+) -> PrefillPlan:
+    """The chunks of a prefill step (empty ones left out), their blocks and causal masks: once a step."""
+    starts, lens = cu_seqlens_q.tolist(), context_lens.tolist()
+    blocks, chunks, block_start = [], [], 0
+    for seq, context_len in enumerate(lens):
+        q_start, q_end = starts[seq], starts[seq + 1]
+        if q_end == q_start:
+            continue
+        num_blocks = -(-context_len // block_size)
+        blocks.append(block_tables[seq, :num_blocks])
+        prefix = context_len - (q_end - q_start)
+        mask = None
+        if prefix:  # SDPA's is_causal aligns query 0 with key 0: right only without a cached prefix
+            mask = torch.arange(context_len)[None, :] <= torch.arange(prefix, context_len)[:, None]
+        chunks.append(PrefillChunk(q_start, q_end, context_len, block_start, mask))
+        block_start += num_blocks
+    flat = torch.cat(blocks).long() if blocks else torch.zeros(0, dtype=torch.long)
+    return PrefillPlan(flat, tuple(chunks))
+
+
 def paged_prefill_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -113,27 +210,28 @@ def paged_prefill_attention(
 
     query [T, Hq, D]; cu_seqlens_q [S+1] int32; context_lens [S] int32 (cached prefix + this chunk).
     Query i of sequence s sits at position context_len - q_len + i and sees positions <= its own.
-    One SDPA call per chunk: a chunk's work (q_len x context_len) dwarfs the call, and padding the chunks of a
-    step to one batch wasted more than the loop costs (prompt lengths vary a lot within a step).
+    Plans the step (plan_prefill) and runs it; the engine's layers plan once a step and call planned_prefill.
     """
+    plan = plan_prefill(block_tables, cu_seqlens_q, context_lens, k_cache.shape[1])
+    return planned_prefill(query, k_cache, v_cache, plan, scale)
+
+
+def planned_prefill(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PrefillPlan, scale: float
+) -> torch.Tensor:
+    """One SDPA call per chunk over its part of one gather: a chunk's work (q_len x context_len) dwarfs the call,
+    and padding the chunks of a step to one batch wasted more than the loop costs (prompt lengths vary a lot)."""
     out = torch.empty_like(query)
-    block_size = k_cache.shape[1]
-    starts = cu_seqlens_q.tolist()
-    for seq, context_len in enumerate(context_lens.tolist()):
-        q_start, q_end = starts[seq], starts[seq + 1]
-        q_len = q_end - q_start
-        if q_len == 0:
-            continue
-        tables = block_tables[seq : seq + 1, : -(-context_len // block_size)]
-        keys = _gather(k_cache, tables)[:, :, :context_len]
-        values = _gather(v_cache, tables)[:, :, :context_len]
-        q = query[q_start:q_end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
-        prefix = context_len - q_len
-        if prefix == 0:  # SDPA's is_causal aligns query 0 with key 0: right only without a cached prefix
-            attended = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            q_pos = torch.arange(prefix, context_len, device=query.device)
-            mask = torch.arange(context_len, device=query.device)[None, :] <= q_pos[:, None]
-            attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[q_start:q_end] = attended[0].transpose(0, 1)
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    keys, values = k_cache.index_select(0, plan.blocks), v_cache.index_select(0, plan.blocks)
+    for chunk in plan.chunks:
+        width = -(-chunk.context_len // block_size)
+        part = slice(chunk.block_start, chunk.block_start + width)
+        k = keys[part].view(1, width * block_size, num_kv_heads, head_dim)[:, : chunk.context_len].transpose(1, 2)
+        v = values[part].view(1, width * block_size, num_kv_heads, head_dim)[:, : chunk.context_len].transpose(1, 2)
+        q = query[chunk.q_start : chunk.q_end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
+        attended = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=True
+        )
+        out[chunk.q_start : chunk.q_end] = attended[0].transpose(0, 1)
     return out

@@ -3,6 +3,8 @@ dispatch of the step's decode tokens and prefill chunks to their kernels."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -10,7 +12,7 @@ from engine.config import ModelConfig
 from engine.layers.linear import PackedLinear
 from engine.layers.metadata import AttentionMetadata
 from engine.layers.norm import RMSNorm
-from kernels import KernelSet
+from kernels import KernelSet, cpu_attention
 
 
 def paged_attention(
@@ -18,26 +20,38 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention output [T, heads, head_dim]: decode tokens (first) by the decode kernel, prefill chunks by the
     varlen prefill kernel, each over the paged cache through its block table."""
+    decode, prefill = _decode_kernel(ops, k_cache, meta), _prefill_kernel(ops, k_cache, meta)
     num_decode = meta.num_decode_tokens
     if not meta.has_prefill:
-        return ops.paged_decode_attention(
-            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
-        )
+        return decode(q, k_cache, v_cache, scale)
     out = torch.empty_like(q)
     if num_decode:
-        out[:num_decode] = ops.paged_decode_attention(
-            q[:num_decode], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
-        )
-    out[num_decode:] = ops.paged_prefill_attention(
-        q[num_decode:],
-        k_cache,
-        v_cache,
-        meta.prefill_block_tables,
-        meta.prefill_cu_seqlens_q,
-        meta.prefill_context_lens,
-        scale,
-    )
+        out[:num_decode] = decode(q[:num_decode], k_cache, v_cache, scale)
+    out[num_decode:] = prefill(q[num_decode:], k_cache, v_cache, scale)
     return out
+
+
+AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def _decode_kernel(ops: KernelSet, k_cache: torch.Tensor, meta: AttentionMetadata) -> AttentionKernel:
+    """(q, k_cache, v_cache, scale) -> decode attention. On the CPU backend, over the step's plan (the gather's
+    blocks, length groups and masks), built by the first layer and reused by the others (kernels/cpu_attention.py)."""
+    tables, lens = meta.decode_block_tables, meta.decode_context_lens
+    if ops.backend != "cpu":
+        return lambda q, k, v, scale: ops.paged_decode_attention(q, k, v, tables, lens, scale)
+    plan = meta.derive("cpu_decode_plan", lambda: cpu_attention.plan_decode(tables, lens, k_cache.shape[1]))
+    return lambda q, k, v, scale: cpu_attention.planned_decode(q, k, v, plan, scale)
+
+
+def _prefill_kernel(ops: KernelSet, k_cache: torch.Tensor, meta: AttentionMetadata) -> AttentionKernel:
+    tables, cu_seqlens, lens = meta.prefill_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_context_lens
+    if ops.backend != "cpu":
+        return lambda q, k, v, scale: ops.paged_prefill_attention(q, k, v, tables, cu_seqlens, lens, scale)
+    plan = meta.derive(
+        "cpu_prefill_plan", lambda: cpu_attention.plan_prefill(tables, cu_seqlens, lens, k_cache.shape[1])
+    )
+    return lambda q, k, v, scale: cpu_attention.planned_prefill(q, k, v, plan, scale)
 
 
 class Attention(nn.Module):

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar, cast
 
 import torch
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -18,7 +22,16 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # [P, M] int32
     prefill_cu_seqlens_q: torch.Tensor  # [P+1] int32, offsets into the prefill part of the batch
     prefill_context_lens: torch.Tensor  # [P] int32
+    # What a kernel derives from the fields above, the same for every layer (the CPU attention's plans): built by
+    # the first layer of the step that asks, reused by the others. Metadata lives one step, and so do these.
+    derived: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def has_prefill(self) -> bool:
         return self.prefill_context_lens.numel() > 0
+
+    def derive(self, key: str, build: Callable[[], T]) -> T:
+        """build(), once per metadata: what every layer would otherwise recompute from the same tensors."""
+        if key not in self.derived:
+            self.derived[key] = build()
+        return cast(T, self.derived[key])

@@ -103,6 +103,51 @@ def test_prefill_strided_query_view():
     assert_close(out, reference.paged_prefill_attention(query, k_cache, v_cache, tables, cu_seqlens, lens, 0.2))
 
 
+def test_one_step_plan_serves_every_layer(monkeypatch):
+    """The engine's layers plan a step once (the first layer asks, AttentionMetadata keeps it) and every layer runs
+    over the plan with its own cache: each layer's output still equals the reference's over that layer's cache."""
+    from engine.layers import AttentionMetadata, paged_attention
+
+    torch.manual_seed(4)
+    plans: list[str] = []
+    monkeypatch.setattr(cpu_attention, "plan_decode", _counted(cpu_attention.plan_decode, plans))
+    monkeypatch.setattr(cpu_attention, "plan_prefill", _counted(cpu_attention.plan_prefill, plans))
+    decode_lens, prefill = [3, 150, 17, 260, 40, 33], [(0, 7), (16, 5)]  # prefill: (cached prefix, chunk)
+    num = len(decode_lens)
+    all_lens = decode_lens + [prefix + q_len for prefix, q_len in prefill]
+    k_cache, v_cache, tables, lens = make_paged_kv(all_lens, NUM_KV_HEADS, 64, 16, torch.float32, "cpu")
+    cu_seqlens = torch.tensor([0, 7, 12], dtype=torch.int32)
+    meta = AttentionMetadata(torch.zeros(0), num, tables[:num], lens[:num], tables[num:], cu_seqlens, lens[num:])
+    query = torch.randn(num + 12, NUM_KV_HEADS * 3, 64)
+    ops = kernels.bind("cpu")
+    for layer_k, layer_v in [(k_cache, v_cache), (torch.randn_like(k_cache), torch.randn_like(v_cache))]:
+        out = paged_attention(ops, query, layer_k, layer_v, meta, 0.125)
+        decode = reference.paged_decode_attention(query[:num], layer_k, layer_v, tables[:num], lens[:num], 0.125)
+        chunks = reference.paged_prefill_attention(
+            query[num:], layer_k, layer_v, tables[num:], cu_seqlens, lens[num:], 0.125
+        )
+        assert_close(out, torch.cat([decode, chunks]))
+    assert sorted(plans) == ["plan_decode", "plan_prefill"]  # once each, for both layers
+
+
+def _counted(fn, calls):
+    def wrapper(*args):
+        calls.append(fn.__name__)
+        return fn(*args)
+
+    return wrapper
+
+
+def test_decode_plan_drops_the_mask_when_every_slot_is_valid():
+    """Rows that fill their gathered blocks exactly need no mask; SDPA without one still matches the reference."""
+    k_cache, v_cache, tables, lens = make_paged_kv([32, 32, 32], NUM_KV_HEADS, 64, 16, torch.float32, "cpu")
+    plan = cpu_attention.plan_decode(tables, lens, 16)
+    assert [group.mask for group in plan.groups] == [None] and plan.order is None
+    query = torch.randn(3, NUM_KV_HEADS * 4, 64)
+    expected = reference.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.125)
+    assert_close(cpu_attention.planned_decode(query, k_cache, v_cache, plan, 0.125), expected)
+
+
 def test_cpu_backend_takes_only_attention_from_cpu_attention(monkeypatch):
     monkeypatch.delenv("PAGEDQ_KERNELS", raising=False)
     bound = kernels.bind("cpu")
