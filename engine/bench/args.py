@@ -152,9 +152,18 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive_list,
         default=None,
         metavar="B[,B...]",
-        help="run the workload at each batch size B: B requests at once (max_num_seqs = B), at least "
-        f"--num-prompts requests in all (default for --workload {GROUNDED}: "
+        help="run the workload at each batch size B: max_num_seqs = B, B x --requests-per-seat requests, at "
+        f"least --num-prompts (default for --workload {GROUNDED}: "
         f"{','.join(map(str, GROUNDED_BATCH_SIZES))}, with 4 prompts)",
+    )
+    parser.add_argument(
+        "--requests-per-seat",
+        type=int,
+        choices=range(1, 17),
+        default=3,
+        metavar="R",
+        help="with --batch-sizes: B x R requests at batch B (or --num-prompts if more), so seats refill as "
+        "requests finish and the run is not paced by its slowest request (1: B requests, all at once)",
     )
     parser.add_argument(
         "--hf-prompt-lookup",

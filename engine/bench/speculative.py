@@ -1,5 +1,6 @@
 """`pagedq bench throughput --batch-sizes ... [--speculative-config JSON] [--workload grounded]`: the workload at
-each batch size B (B requests at once: max_num_seqs = B), without speculation and with it, same run.
+each batch size B (max_num_seqs = B; B x --requests-per-seat requests, so seats refill as requests finish and
+the slowest request does not set the pace), without speculation and with it, same run.
 
 Per batch size: output tok/s of each and their ratio, whether the greedy outputs are token-identical (they must
 be), the draft counters of the engine's stats() (drafts verified, drafts accepted, rows that carried a draft)
@@ -175,7 +176,8 @@ def run_sweep(model_dir: str, vocab: int, args: argparse.Namespace, engine_kwarg
     sizes = args.batch_sizes or GROUNDED_BATCH_SIZES
     num_prompts = args.num_prompts or DEFAULT_GROUNDED_PROMPTS
     config: SpeculativeConfig | None = args.speculative_config
-    requests, summary = build_requests(model_dir, vocab, args, max(max(sizes), num_prompts))
+    per_seat = args.requests_per_seat
+    requests, summary = build_requests(model_dir, vocab, args, max(max(sizes) * per_seat, num_prompts))
     hf = None
     if args.baseline == "hf":
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -183,7 +185,7 @@ def run_sweep(model_dir: str, vocab: int, args: argparse.Namespace, engine_kwarg
         hf = HFRunner(model_dir, device, resolve_dtype(args.dtype, device), eos)
     rows = []
     for size in sizes:
-        batch = requests.first(max(size, num_prompts))
+        batch = requests.first(max(size * per_seat, num_prompts))
         kwargs = {**engine_kwargs, "max_num_seqs": size}
         base = run_engine(model_dir, batch, kwargs)
         row: dict[str, object] = {"batch_size": size, "num_requests": len(batch.prompts), "engine": base.record}

@@ -64,6 +64,8 @@ def test_speculative_sweep_record_and_counters(chat_llama_dir, capsys):
             "1,2",
             "--num-prompts",
             "2",
+            "--requests-per-seat",
+            "1",
             "--input-len",
             "40:80",
             "--output-len",
