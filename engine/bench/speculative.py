@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.bench.args import GROUNDED, GROUNDED_BATCH_SIZES
+from engine.bench.workload import left_padded
 from engine.spec.config import SpeculativeConfig
 
 SPEC_COUNTERS = ("num_draft_tokens", "num_accepted_draft_tokens", "num_verify_rows", "num_spec_off_steps")
@@ -137,12 +138,7 @@ class HFRunner:
 
     def _batch(self, requests: Requests, offset: int, prompt_lookup: SpeculativeConfig | None) -> int:
         prompts, caps = requests.prompts[offset:], requests.max_tokens[offset:]
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros((len(prompts), width), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            mask[row, width - len(prompt) :] = 1
+        ids, mask = left_padded(prompts)
         extra = {}
         if prompt_lookup is not None:
             extra = {
@@ -159,7 +155,7 @@ class HFRunner:
             min_new_tokens=max(caps) if requests.ignore_eos else None,  # EOS ignored: every request runs its length
             **extra,
         )
-        return sum(self._count(row[width:].tolist(), cap, requests.ignore_eos) for row, cap in zip(out, caps))
+        return sum(self._count(row[ids.shape[1] :].tolist(), cap, requests.ignore_eos) for row, cap in zip(out, caps))
 
     def _count(self, tokens: list[int], cap: int, ignore_eos: bool) -> int:
         tokens = tokens[:cap]

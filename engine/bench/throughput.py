@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from engine.bench.args import GROUNDED, OWN_FLAGS, WORKLOADS
-from engine.bench.workload import Workload, draw_workload
+from engine.bench.workload import Workload, draw_workload, left_padded
 from engine.options import engine_kwargs_from
 
 
@@ -120,12 +120,7 @@ def run_hf(model_dir: str, workload: Workload, batch_size: int, device: str, dty
     for i in range(0, len(workload.prompts), batch_size):
         prompts = workload.prompts[i : i + batch_size]
         longest_out = max(workload.output_lens[i : i + batch_size])
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros((len(prompts), width), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            mask[row, width - len(prompt) :] = 1
+        ids, mask = left_padded(prompts)
         model.generate(
             ids.to(device),
             attention_mask=mask.to(device),

@@ -19,11 +19,25 @@ proposals all came back empty, the next ones run without drafts, backing off exp
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from engine.block_manager import BlockManager
-from engine.request import Request
+from engine.request import Request, SampledToken
 from engine.spec import Proposer
+
+if TYPE_CHECKING:
+    from engine.spec.config import SpeculativeConfig
+
+
+class ScheduledDrafts(Protocol):
+    """What record_step reads of the scheduler's ScheduledRequest (a Protocol: the scheduler imports this module)."""
+
+    @property
+    def request(self) -> Request: ...
+
+    @property
+    def draft_token_ids(self) -> tuple[int, ...]: ...
+
 
 # Verify tokens (running sequences x (1 + k)) above which a step runs without drafts. Measured on SmolLM2, 2 shared
 # CPU cores, the grounded workload, k = 4, speculation forced on: 1.71x at batch 16 (80 verify tokens), 1.24x at 32
@@ -63,7 +77,7 @@ class Speculation:
         self._backoff = self._skip = 0
 
     @classmethod
-    def from_config(cls, config: Any, vocab_size: int, max_model_len: int) -> Speculation:
+    def from_config(cls, config: SpeculativeConfig, vocab_size: int, max_model_len: int) -> Speculation:
         """From a parsed SpeculativeConfig (engine/spec/config.py)."""
         from engine.spec.ngram import NgramProposer
 
@@ -158,7 +172,7 @@ class Speculation:
             drafts.append(token)
         return tuple(drafts)
 
-    def record_step(self, scheduled: Sequence[Any], sampled: dict[str, list[Any]]) -> None:
+    def record_step(self, scheduled: Sequence[ScheduledDrafts], sampled: dict[str, list[SampledToken]]) -> None:
         """Count a step's verify rows (scheduler.ScheduledRequest) and what verification kept of their drafts."""
         for item in scheduled:
             if item.draft_token_ids and (draws := sampled.get(item.request.request_id)):

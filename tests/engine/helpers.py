@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from engine import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -124,3 +124,27 @@ TIGHT_POOLS: dict[str, dict[str, Any]] = {
     "swap": dict(num_kv_blocks=24, max_num_batched_tokens=16, preemption_mode="swap", swap_space_gib=0.001),
     "no-prefix-cache": dict(num_kv_blocks=34, max_num_batched_tokens=24, enable_prefix_caching=False, max_num_seqs=8),
 }
+
+
+class HistoryProposer:
+    """A speculative proposer's bookkeeping (engine/spec Proposer): each request's history, kept as the engine
+    feeds it; subclasses say what to propose from it."""
+
+    def __init__(self) -> None:
+        self.histories: dict[str, list[int]] = {}
+
+    def add_request(self, req_id: str, token_ids: Sequence[int]) -> None:
+        assert req_id not in self.histories, f"{req_id} added twice"
+        self.histories[req_id] = list(token_ids)
+
+    def append(self, req_id: str, token_ids: Sequence[int]) -> None:
+        self.histories[req_id] += token_ids
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        self.histories[child_id] = list(self.histories[parent_id])
+
+    def remove(self, req_id: str) -> None:
+        del self.histories[req_id]
+
+    def propose(self, req_id: str, max_drafts: int) -> list[int]:
+        raise NotImplementedError

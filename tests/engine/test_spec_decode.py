@@ -18,36 +18,24 @@ import torch
 from engine import LLM, BeamSearchParams, LLMEngine, SamplingParams
 from tests.conftest import VOCAB_SIZE
 from tests.conftest import random_tokens as _tokens
+from tests.engine.helpers import HistoryProposer
 
 K = 4  # drafts per step
 BLOCK = 4
 
 
-class TestProposer:
+class TestProposer(HistoryProposer):
     """Drafts from the true continuation (`truths`: prompt + output of runs without speculation), each step's run
     corrupted at one random place with probability `error_rate`; with `random_only`, random tokens only."""
 
     __test__ = False  # not a test class
 
     def __init__(self, truths: Sequence[list[int]] = (), error_rate: float = 0.0, random_only: bool = False) -> None:
+        super().__init__()
         self.truths = [list(t) for t in truths]
         self.error_rate, self.random_only = error_rate, random_only
         self.rng = random.Random(0)
-        self.histories: dict[str, list[int]] = {}
         self.num_proposed = 0
-
-    def add_request(self, req_id: str, token_ids: Sequence[int]) -> None:
-        assert req_id not in self.histories
-        self.histories[req_id] = list(token_ids)
-
-    def append(self, req_id: str, token_ids: Sequence[int]) -> None:
-        self.histories[req_id] += token_ids
-
-    def fork(self, parent_id: str, child_id: str) -> None:
-        self.histories[child_id] = list(self.histories[parent_id])
-
-    def remove(self, req_id: str) -> None:
-        del self.histories[req_id]
 
     def propose(self, req_id: str, max_drafts: int) -> list[int]:
         history = self.histories[req_id]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
 
 from engine.block_manager import BlockManager
 from engine.post_step import advance_sequences
@@ -11,28 +10,13 @@ from engine.request import Request, SampledToken
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.spec.drafts import Speculation
-from tests.engine.helpers import BLOCK
+from tests.engine.helpers import BLOCK, HistoryProposer
 
 _distinct = itertools.count(5000)
 
 
-class CountingProposer:
+class CountingProposer(HistoryProposer):
     """Proposes tokens 100, 101, ... (never what the fake runner draws, 7, unless told to accept)."""
-
-    def __init__(self) -> None:
-        self.histories: dict[str, list[int]] = {}
-
-    def add_request(self, req_id: str, token_ids: Sequence[int]) -> None:
-        self.histories[req_id] = list(token_ids)
-
-    def append(self, req_id: str, token_ids: Sequence[int]) -> None:
-        self.histories[req_id] += token_ids
-
-    def fork(self, parent_id: str, child_id: str) -> None:
-        self.histories[child_id] = list(self.histories[parent_id])
-
-    def remove(self, req_id: str) -> None:
-        del self.histories[req_id]
 
     def propose(self, req_id: str, max_drafts: int) -> list[int]:
         return list(range(100, 100 + max_drafts))
