@@ -39,9 +39,13 @@ _STAND_IN_SHAPE = dict(
 
 @dataclass
 class DeviceTimeline:
-    """(start, end, decode-only) of each step's device work, in seconds."""
+    """(start, end, decode-only) of each step's device work, in seconds. With a stand-in device (`simulated_s`) a
+    span also holds the stand-in's late wake-up: its thread waits for the GIL while the engine thread runs Python,
+    which a real device would spend idle, waiting for its next launch. So `forward_busy_fraction` counts the
+    simulated forward alone, as the json run's MaskTimeline does: the two runs' busy figures compare."""
 
     spans: list[tuple[float, float, bool]] = field(default_factory=list)
+    simulated_s: float | None = None
 
     def summary(self) -> dict[str, float]:
         decode = [(start, end) for start, end, decode_only in self.spans if decode_only]
@@ -50,9 +54,11 @@ class DeviceTimeline:
         wall = decode[-1][1] - decode[0][0]
         busy = sum(end - start for start, end in decode)
         gaps = [max(0.0, start - previous_end) for (_, previous_end), (start, _) in itertools.pairwise(decode)]
+        forward = {} if self.simulated_s is None else {"forward_busy_fraction": self.simulated_s * len(decode) / wall}
         return {
             "num_decode_steps": len(decode),
             "device_busy_fraction": busy / wall,
+            **forward,
             "host_ms_per_step": 1e3 * sum(gaps) / len(gaps),
             "decode_wall_s": wall,
         }
@@ -124,7 +130,9 @@ def run_mode(args: argparse.Namespace, model_dir: str, async_scheduling: bool) -
         async_scheduling=async_scheduling,
     )
     runner = engine.model_runner
-    timeline = CudaTimeline() if args.device.startswith("cuda") else DeviceTimeline()
+    timeline = (
+        CudaTimeline() if args.device.startswith("cuda") else DeviceTimeline(simulated_s=args.simulated_device_ms / 1e3)
+    )
     runner._device_work = (
         timed_cuda_device(runner, timeline)
         if isinstance(timeline, CudaTimeline)

@@ -18,6 +18,11 @@ def test_timeline_accounting_counts_decode_steps_only():
     assert summary["num_decode_steps"] == 3
     assert summary["device_busy_fraction"] == pytest.approx(6 / 7.5)
     assert summary["host_ms_per_step"] == pytest.approx(1e3 * 1.5 / 2)
+    assert "forward_busy_fraction" not in summary  # CUDA spans: the device's own time
+    # a stand-in of 1.5 s a forward whose spans ran 2 s (late wake-ups): the forward alone over the same wall
+    stand_in = bench_host.DeviceTimeline(timeline.spans, simulated_s=1.5).summary()
+    assert stand_in["forward_busy_fraction"] == pytest.approx(3 * 1.5 / 7.5)
+    assert stand_in["device_busy_fraction"] == pytest.approx(6 / 7.5)
     with pytest.raises(ValueError, match="output-len"):
         bench_host.DeviceTimeline([(0.0, 1.0, True)]).summary()
 

@@ -48,3 +48,6 @@ def test_bench_host_json_keeps_async_and_sync_identical_with_every_row_masked():
     line = structured_host.run(args)  # raises if async and sync differ, or a masked draw is refused
     assert line["tokens_identical"] and line["sync_mask_wait_ms_per_step"] >= 0
     assert 0 < line["async_device_busy_fraction"] <= 1
+    # the same run's control: no row structured, so no mask is filled or waited for
+    assert 0 < line["unconstrained_async_device_busy_fraction"] <= 1
+    assert line["unconstrained_async_mask_fill_ms_per_step"] == 0 == line["unconstrained_async_mask_wait_ms_per_step"]
