@@ -82,7 +82,8 @@ class LLMEngine:
         self.speculation: Speculation | None = None
         if self.config.speculative_config is not None:
             vocab = self.model_config.vocab_size
-            self.speculation = Speculation.from_config(self.config.speculative_config, vocab, self.max_model_len)
+            spec, length = self.config.speculative_config, self.max_model_len
+            self.speculation = Speculation.from_config(spec, vocab, length, grammar=self.structured)
 
     def set_proposer(
         self, proposer: Proposer, num_speculative_tokens: int, max_verify_tokens: int = DEFAULT_MAX_VERIFY_TOKENS
@@ -91,7 +92,8 @@ class LLMEngine:
         if self.beam_search.groups:
             raise ValueError("speculative decoding cannot start while beam searches run")
         vocab = self.model_config.vocab_size
-        self.speculation = Speculation(proposer, num_speculative_tokens, vocab, self.max_model_len, max_verify_tokens)
+        k, length = num_speculative_tokens, self.max_model_len
+        self.speculation = Speculation(proposer, k, vocab, length, max_verify_tokens, grammar=self.structured)
 
     # ---- admission -----------------------------------------------------------------------------
     def add_request(

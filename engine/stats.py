@@ -5,7 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 # Speculative decoding's figures, zero while it is off (the benchmarks read these names).
-SPEC_STATS_OFF = {"num_draft_tokens": 0, "num_accepted_draft_tokens": 0, "num_verify_rows": 0, "num_spec_off_steps": 0}
+SPEC_STATS_OFF = {
+    "num_draft_tokens": 0,
+    "num_accepted_draft_tokens": 0,
+    "num_grammar_cut_draft_tokens": 0,
+    "num_verify_rows": 0,
+    "num_spec_off_steps": 0,
+}
 
 
 def engine_stats(engine: Any) -> dict[str, float]:

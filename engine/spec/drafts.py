@@ -29,6 +29,12 @@ if TYPE_CHECKING:
     from engine.spec.config import SpeculativeConfig
 
 
+class DraftGrammar(Protocol):
+    """What cuts a structured sequence's drafts to those its grammar accepts (the StructuredOutputManager)."""
+
+    def cut_drafts(self, request: Request, drafts: tuple[int, ...]) -> tuple[int, ...]: ...
+
+
 class ScheduledDrafts(Protocol):
     """What record_step reads of the scheduler's ScheduledRequest (a Protocol: the scheduler imports this module)."""
 
@@ -56,6 +62,7 @@ class Speculation:
         vocab_size: int,
         max_model_len: int,
         max_verify_tokens: int = DEFAULT_MAX_VERIFY_TOKENS,
+        grammar: DraftGrammar | None = None,
     ) -> None:
         if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int):
             raise ValueError(f"num_speculative_tokens must be an integer, got {num_speculative_tokens!r}")
@@ -68,27 +75,33 @@ class Speculation:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_verify_tokens = max_verify_tokens
+        self.grammar = grammar  # None: structured requests get no drafts
         self._known: dict[str, int] = {}  # request id -> tokens of its history the proposer has
         self.num_draft_tokens = 0  # drafts verified
         self.num_accepted_draft_tokens = 0  # of which accepted
+        self.num_grammar_cut_draft_tokens = 0  # proposed, then cut by a structured request's grammar (not verified)
         self.num_verify_rows = 0  # row-steps that carried at least one draft
         self.num_off_steps = 0  # steps the switch ran without drafts
         self._asked = self._found = 0  # this step's sequences that asked the proposer, and those it gave drafts
         self._backoff = self._skip = 0
 
     @classmethod
-    def from_config(cls, config: SpeculativeConfig, vocab_size: int, max_model_len: int) -> Speculation:
+    def from_config(
+        cls, config: SpeculativeConfig, vocab_size: int, max_model_len: int, grammar: DraftGrammar | None = None
+    ) -> Speculation:
         """From a parsed SpeculativeConfig (engine/spec/config.py)."""
         from engine.spec.ngram import NgramProposer
 
         if config.method != "ngram":
             raise ValueError(f"speculative_config method must be 'ngram', got {config.method!r}")
-        return cls(NgramProposer(config), config.num_speculative_tokens, vocab_size, max_model_len)
+        k = config.num_speculative_tokens
+        return cls(NgramProposer(config), k, vocab_size, max_model_len, grammar=grammar)
 
     def stats(self) -> dict[str, float]:
         return {
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_draft_tokens": self.num_accepted_draft_tokens,
+            "num_grammar_cut_draft_tokens": self.num_grammar_cut_draft_tokens,
             "num_verify_rows": self.num_verify_rows,
             "num_spec_off_steps": self.num_off_steps,
         }
@@ -133,6 +146,10 @@ class Speculation:
             return ()
         drafts = self._propose(request, limit)
         self._asked += 1
+        if drafts and request.sampling_params.structured_outputs is not None and self.grammar is not None:
+            valid = self.grammar.cut_drafts(request, drafts)  # before their slots: a cut draft is never verified
+            self.num_grammar_cut_draft_tokens += len(drafts) - len(valid)
+            drafts = valid
         if not drafts:
             return ()
         self._found += 1
@@ -145,16 +162,15 @@ class Speculation:
             raise RuntimeError(f"lookahead slots of {request.request_id} needed a copy-on-write (an engine bug)")
         return drafts
 
-    @staticmethod
-    def may_draft(request: Request) -> bool:
-        """A plain decoding sequence with every token known: not a beam, nor one still to fan out, nor structured
-        (docs/engine.md: structured requests get no drafts), nor one whose last draw is still in flight."""
+    def may_draft(self, request: Request) -> bool:
+        """A decoding sequence with every token known: not a beam, nor one still to fan out, nor one whose last draw
+        is still in flight; a structured one only with a grammar to cut its drafts (docs/engine.md)."""
         return (
             not request.num_placeholders
             and request.num_computed_tokens == request.num_tokens - 1
             and not request.is_beam
             and not request.fan_out
-            and request.sampling_params.structured_outputs is None
+            and (self.grammar is not None or request.sampling_params.structured_outputs is None)
         )
 
     def _propose(self, request: Request, limit: int) -> tuple[int, ...]:

@@ -244,6 +244,18 @@ class StructuredOutputManager:
             self._scratch = xgrammar().allocate_token_bitmask(1, self.vocab_size)
         return self._scratch
 
+    # ---- speculative drafts ----------------------------------------------------------------------
+    def cut_drafts(self, request: Request, drafts: tuple[int, ...]) -> tuple[int, ...]:
+        """The leading drafts of a structured sequence its grammar accepts (SequenceGrammar.num_valid_drafts), the
+        matcher left as it was; a plain request's drafts as they are. None for a matcher behind its tokens."""
+        if request.sampling_params.structured_outputs is None or not drafts:
+            return drafts
+        state = self.sequences.get(request.request_id)
+        if state is None or state.num_accepted != request.num_output_tokens:
+            return ()
+        self.settle()  # no fill of an earlier step may read this matcher while it moves
+        return drafts[: state.num_valid_drafts(drafts, self._scratch_row())]
+
     # ---- the step's mask ----------------------------------------------------------------------------
     def attach(self, step: Any, fill_now: bool) -> None:
         """Give a prepared step (engine.model_runner.PreparedStep) the mask of its structured draws, filled now
@@ -256,7 +268,9 @@ class StructuredOutputManager:
             return
         # buffers recycled two masks later: by then that step has finished (at most two are in flight)
         buffer = self._mask_buffers.pop(0) if len(self._mask_buffers) > 2 else None
-        mask = StepMask(rows, [plan.infos[i].req_id for i in rows], len(plan.infos), self.vocab_size, buffer)
+        drafts = {info.req_id: c.draft_token_ids for c, info in zip(step.ordered, step.infos) if c.draft_token_ids}
+        req_ids = [plan.infos[i].req_id for i in rows]
+        mask = StepMask(rows, req_ids, len(plan.infos), self.vocab_size, buffer, drafts)
         self._mask_buffers.append(mask.buffer)
         step.constrain = mask.apply
         if fill_now:

@@ -60,6 +60,37 @@ class SequenceGrammar:
     def fill_row(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
+    def num_valid_drafts(self, drafts: tuple[int, ...], scratch: torch.Tensor) -> int:
+        """How many leading drafts a speculative step may verify, the matcher left as it was: those the grammar
+        accepts, stopping before one that finishes it (is_done). Only the step's last emitted token may finish the
+        grammar, as in a plain step, where the request stops right after that token (nothing is drawn past it)."""
+        accepted = kept = 0
+        for token in drafts:
+            if not self.matcher.accept_token(token):
+                break
+            accepted += 1
+            if self.is_done(scratch):
+                break
+            kept = accepted
+        if accepted:
+            self.matcher.rollback(accepted)
+        return kept
+
+    def fill_verify_rows(self, bitmask: torch.Tensor, rows: list[int], drafts: tuple[int, ...]) -> None:
+        """A verify row's masks: row j (of len(drafts) + 1) is the mask after drafts[:j], as a plain step would fill
+        it at that output position; the matcher is rolled back after. The drafts passed num_valid_drafts."""
+        accepted = 0
+        try:
+            for j, row in enumerate(rows):
+                self.matcher.fill_next_token_bitmask(bitmask, row)
+                if j < len(drafts):
+                    if not self.matcher.accept_token(drafts[j]):
+                        raise RuntimeError(f"draft {drafts[j]} refused by the grammar it passed (an engine bug)")
+                    accepted += 1
+        finally:
+            if accepted:
+                self.matcher.rollback(accepted)
+
     def is_done(self, scratch: torch.Tensor) -> bool:
         """The grammar accepts nothing more: it saw a stop token, or it is complete and allows only stop tokens
         (then the request stops here, even before min_tokens: EOS wins, vLLM #53665)."""

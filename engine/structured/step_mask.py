@@ -37,9 +37,12 @@ class StepMask:
         num_draws: int,
         vocab_size: int,
         buffer: torch.Tensor | None = None,
+        drafts: dict[str, tuple[int, ...]] | None = None,
     ) -> None:
         self.draw_rows = draw_rows  # which draws of the step are structured
         self.req_ids = req_ids  # the sequence whose matcher fills each of them
+        # speculative verify rows: request id -> its drafts; its 1 + d draws get the masks after drafts[:j]
+        self.drafts = drafts or {}
         # xgrammar's allocate_token_bitmask layout. With a recycled `buffer` (StructuredOutputManager) only the
         # structured rows are written (fill, collect): the others are never applied (apply's indices). Without one
         # every row starts all-allowed. Never torch.full: it spreads the 4 MB of a 256 x 128k mask over its
@@ -71,10 +74,14 @@ class StepMask:
         releases the GIL) and marks the mask ready, or failed with the error the device work then raises."""
         rows, live, copies = [], [], []
         first_row: dict[str, int] = {}
+        verify: dict[str, tuple[Any, list[int]]] = {}  # request id -> (its SequenceGrammar, its draws' rows)
         for row, req_id in zip(self.draw_rows, self.req_ids):
             state = matchers.get(req_id)
             if state is None:  # left: all allowed (its draw is dropped)
                 self.bitmask[row] = -1
+                continue
+            if req_id in self.drafts:  # a verify row's draws, in position order (engine/spec/verify.draw_layout)
+                verify.setdefault(req_id, (state, []))[1].append(row)
                 continue
             if req_id in first_row:  # a fan-out's further draws (n, best_of): the same row, copied below
                 copies.append((row, first_row[req_id]))  # (one matcher is never filled by two threads at once)
@@ -90,13 +97,15 @@ class StepMask:
                     live[0].fill_next_token_bitmask(self.bitmask, rows[0])
                 elif live:
                     batch.batch_fill_next_token_bitmask(live, self.bitmask, indices=rows)
+                for req_id, (state, verify_rows) in verify.items():  # one at a time: each advances and rolls back
+                    state.fill_verify_rows(self.bitmask, verify_rows, self.drafts[req_id])
                 for row, source in copies:
                     self.bitmask[row] = self.bitmask[source]
             except BaseException as error:
                 self.error = f"the structured-output mask could not be filled: {error}"
                 raise
             finally:
-                self.fill_seconds, self.num_filled = time.perf_counter() - start, len(live)
+                self.fill_seconds, self.num_filled = time.perf_counter() - start, len(live) + len(verify)
                 self._ready.set()
 
         return job
