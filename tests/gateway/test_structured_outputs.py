@@ -15,6 +15,7 @@ import pytest
 
 from engine import LLMEngine
 from worker.ops.embedded_redis import EmbeddedRedis
+from worker.service.admission import engine_prompt
 
 from .conftest import REDIS_SERVERS, gateway_thread, wait_live, worker_thread
 
@@ -77,6 +78,18 @@ def served(request):
             "give only one",
         ),
         ({"messages": [{"role": "user", "content": "x", "tool_call_id": "c"}]}, "tool_call_id belongs to tool"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "every tool message needs one"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}],
+                    }
+                ]
+            },
+            "arguments must be a JSON object",
+        ),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in tools"),
         ({"extra_body": {"structured_outputs": {"regex": "([a-z"}}}, "regex does not compile"),
     ],
@@ -123,7 +136,9 @@ def test_tools_and_their_history_render_for_a_template_without_tools(demo_model_
     from transformers import AutoTokenizer
 
     from worker.gateway.schemas import ChatCompletionRequest
-    from worker.gateway.tools import parse_calls, render_messages
+    from worker.gateway.tools import conversation_fields, parse_calls
+    from worker.protocol.chat import hermes_turns
+    from worker.protocol.job import build_job
 
     called = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "utc"}'}}
     body = ChatCompletionRequest(
@@ -135,15 +150,19 @@ def test_tools_and_their_history_render_for_a_template_without_tools(demo_model_
             {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
         ],
     )
-    turns = render_messages(body, describe_tools=True)
+    job = build_job(**conversation_fields(body, "auto"))
+    assert job.tool_call_parser == "hermes" and job.messages[1].tool_calls[0].function.arguments == {"zone": "utc"}
+    turns = hermes_turns(job.messages, job.tools)
     assert [t["role"] for t in turns] == ["system", "user", "assistant", "user"]
     listed = re.search(r"<tools>\n(.*)\n</tools>", turns[0]["content"], re.DOTALL)
     assert listed and [json.loads(line) for line in listed.group(1).splitlines()] == TOOLS
     assert parse_calls(turns[2]["content"], {"get_time"}) == (None, [("get_time", '{"zone": "utc"}')])
     assert turns[3]["content"] == "<tool_response>\n12:00\n</tool_response>"
-    # SmolLM2's template knows no tools (a "tool" turn or content None would break it): it renders these
-    text = AutoTokenizer.from_pretrained(demo_model_dir).apply_chat_template(turns, tokenize=False)
+    # SmolLM2's template knows no tools (a "tool" turn or content None would break it): the worker renders these
+    tokenizer = AutoTokenizer.from_pretrained(demo_model_dir)
+    text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
     assert "<tool_response>" in text and '"name": "get_weather"' in text
+    assert engine_prompt(SimpleNamespace(tokenizer=tokenizer), job) == tokenizer.encode(text, add_special_tokens=False)
 
 
 @pytest.mark.parametrize("served", ["chat_llama_dir"], indirect=True)
@@ -212,3 +231,77 @@ def test_smollm2_response_formats_and_tool_calls_through_the_sdk(served):
         arguments = "".join(p.function.arguments or "" for p in pieces if p.index == 0)
         jsonschema.validate(json.loads(arguments), parameters if pieces[0].function.name == "get_time" else WEATHER)
         assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def _with_template(tiny_llama_dir, tmp_path_factory, template: str):
+    import shutil
+
+    folder = tmp_path_factory.mktemp("tools-llama")
+    for item in tiny_llama_dir.iterdir():
+        shutil.copy(item, folder / item.name)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hermes_tools_llama_dir(tiny_llama_dir, tmp_path_factory):
+    from ..worker.test_chat_tools import HERMES_TOOLS_TEMPLATE
+
+    return _with_template(tiny_llama_dir, tmp_path_factory, HERMES_TOOLS_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def own_format_llama_dir(tiny_llama_dir, tmp_path_factory):
+    from ..worker.test_chat_tools import OWN_FORMAT_TEMPLATE
+
+    return _with_template(tiny_llama_dir, tmp_path_factory, OWN_FORMAT_TEMPLATE)
+
+
+@pytest.mark.parametrize("served", ["hermes_tools_llama_dir"], indirect=True)
+def test_a_tools_template_gets_the_conversation_natively_through_the_sdk(served, hermes_tools_llama_dir):
+    from transformers import AutoTokenizer
+
+    sdk, model = served.sdk, served.model
+    tokenizer = AutoTokenizer.from_pretrained(str(hermes_tools_llama_dir))
+    force = {"structured_outputs": {"regex": FORCED_CALL}}
+    first = sdk.chat.completions.create(model=model, messages=HI, max_tokens=90, tools=NOW, extra_body=force)
+    (call,) = first.choices[0].message.tool_calls
+    assert first.choices[0].finish_reason == "tool_calls" and call.function.name == "now"
+    # the oracle: transformers renders the conversation with tools= on the same template; the worker's prompt is it
+    expected = tokenizer.apply_chat_template(HI, tools=NOW, tokenize=False, add_generation_prompt=True)
+    assert "<tools>" in expected
+    assert first.usage.prompt_tokens == len(tokenizer.encode(expected, add_special_tokens=False))
+    history = [*HI, first.choices[0].message, {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]
+    arguments = json.loads(call.function.arguments)
+    rendered = [
+        *HI,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": call.id, "type": "function", "function": {"name": "now", "arguments": arguments}}],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": "12:00"},
+    ]
+    expected = tokenizer.apply_chat_template(rendered, tools=NOW, tokenize=False, add_generation_prompt=True)
+    assert "<tool_response>\n12:00\n</tool_response>" in expected
+    named = {"type": "function", "function": {"name": "now"}}
+    for choice in ("auto", named, "required"):
+        out = sdk.chat.completions.create(
+            model=model, messages=history, max_tokens=20, tools=NOW, tool_choice=choice, temperature=0.0
+        )
+        assert out.usage.prompt_tokens == len(tokenizer.encode(expected, add_special_tokens=False)), choice
+        if choice == named:
+            (forced,) = out.choices[0].message.tool_calls
+            assert forced.function.name == "now" and out.choices[0].message.content is None
+
+
+@pytest.mark.parametrize("served", ["own_format_llama_dir"], indirect=True)
+def test_auto_is_refused_where_the_template_writes_calls_its_own_way(served):
+    with pytest.raises(openai.BadRequestError, match="not as Hermes <tool_call> blocks"):
+        served.sdk.chat.completions.create(model=served.model, messages=HI, max_tokens=4, tools=NOW)
+    named = {"type": "function", "function": {"name": "now"}}
+    out = served.sdk.chat.completions.create(
+        model=served.model, messages=HI, max_tokens=20, tools=NOW, tool_choice=named
+    )
+    assert out.choices[0].message.tool_calls[0].function.name == "now"

@@ -10,7 +10,7 @@ from worker.gateway.jobs import sampling_fields
 from worker.gateway.render import TokenNames, chat_logprobs, choices_of, usage
 from worker.gateway.schemas import ChatCompletionRequest
 from worker.gateway.settings import GatewaySettings
-from worker.gateway.tools import TOOL_CALL_OPEN, render_messages
+from worker.gateway.tools import TOOL_CALL_OPEN, conversation_fields
 from worker.protocol.job import Delta, FinalRecord
 
 
@@ -39,7 +39,7 @@ class ChatEndpoint(CompletionEndpoint):
     def jobs_fields(self, settings: GatewaySettings) -> list[dict[str, Any]]:
         body = self.chat_body()
         fields = sampling_fields(body, settings, body.max_completion_tokens or body.max_tokens)
-        fields["messages"] = render_messages(body, describe_tools=self.tools is not None)
+        fields.update(conversation_fields(body, self.tools))
         if self.k is not None:
             fields["logprobs"] = self.k
         return [fields]

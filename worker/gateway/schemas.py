@@ -139,8 +139,8 @@ class ChatMessage(Strict):
     def _fields_of_its_role(self) -> ChatMessage:
         if self.tool_calls and self.role != "assistant":
             raise ValueError(f"tool_calls belong to assistant messages, not {self.role!r} ones")
-        if self.tool_call_id is not None and self.role != "tool":
-            raise ValueError("tool_call_id belongs to tool messages")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("tool_call_id belongs to tool messages, and every tool message needs one")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(f"a {self.role} message needs content (only an assistant's tool calls may go without)")
         return self

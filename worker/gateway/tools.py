@@ -1,13 +1,7 @@
-"""Tools in the conversation, for any chat template: the functions rendered into the system turn, earlier calls and
-their results rendered as text, and tool calls parsed out of an unconstrained ("auto") answer.
-
-The worker renders messages with the checkpoint's chat template as plain {role, content} turns, and many templates
-(SmolLM2's among them) know nothing of tools: a `tool` role or an assistant turn without content would break them.
-So the gateway writes tools in one template-neutral form, the Hermes convention that Qwen2.5's and Hermes' own
-templates use (and vLLM's `hermes` parser reads): the functions as JSON inside <tools></tools> in the system turn,
-each call as <tool_call>{"name": ..., "arguments": {...}}</tool_call>, each result inside <tool_response> in a
-user turn. Not a template's own tool syntax: a model trained on another format reads these as plain text.
-"""
+"""Tools in a chat request: the conversation and the function tools as the job carries them (protocol/chat.py, where
+the worker renders them: natively where the checkpoint's chat template declares tools, else in the Hermes form),
+and tool calls parsed out of an unconstrained ("auto") answer as Hermes <tool_call> blocks (what Qwen2.5's and
+Hermes' templates, and the Hermes form, ask for; vLLM's `hermes` parser reads the same)."""
 
 from __future__ import annotations
 
@@ -15,49 +9,51 @@ import json
 import re
 from typing import Any
 
+from worker.gateway.errors import OpenAIError
 from worker.gateway.schemas import ChatCompletionRequest
+from worker.protocol.chat import HERMES, TOOL_CALL_OPEN
 
-TOOL_CALL_OPEN = "<tool_call>"
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-_INSTRUCTIONS = (
-    "You may call one or more functions to help with the request. The function signatures are within "
-    "<tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nTo call a function, answer with one JSON object per "
-    'call, each within <tool_call></tool_call> XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": '
-    "<args-json-object>}}\n</tool_call>"
-)
+__all__ = ["TOOL_CALL_OPEN", "conversation_fields", "parse_calls"]
 
 
-def render_messages(body: ChatCompletionRequest, describe_tools: bool) -> list[dict[str, str]]:
-    """The job's messages: plain turns any template takes; the tools described in the system turn (not for
-    tool_choice "none", whose answer never calls them)."""
-    turns: list[dict[str, str]] = []
-    for message in body.messages:
-        role, content = message.role, message.text()
-        if role == "assistant" and message.tool_calls:
-            calls = [_call_text(call.function.name, call.function.arguments) for call in message.tool_calls]
-            content = "\n".join([content, *calls]).strip()
-        elif role == "tool":
-            role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
-            if turns and turns[-1]["role"] == "user" and turns[-1]["content"].endswith("</tool_response>"):
-                turns[-1]["content"] += "\n" + content  # the results of one turn's calls, together
-                continue
-        turns.append({"role": role, "content": content})
-    if describe_tools and body.tools:
-        tools = "\n".join(json.dumps(tool.model_dump(exclude_none=True), ensure_ascii=False) for tool in body.tools)
-        block = _INSTRUCTIONS.format(tools=tools)
-        if turns[0]["role"] in ("system", "developer"):
-            turns[0] = {**turns[0], "content": f"{turns[0]['content']}\n\n{block}".strip()}
-        else:
-            turns.insert(0, {"role": "system", "content": block})
-    return turns
+def conversation_fields(body: ChatCompletionRequest, mode: str | None) -> dict[str, Any]:
+    """The job's messages (OpenAI's shape, each call's arguments parsed into the object the templates take), its
+    tools (not for tool_choice "none", whose answer never calls them) and, for "auto", the parser of the answer."""
+    messages = [_message(body, i) for i in range(len(body.messages))]
+    fields: dict[str, Any] = {"messages": messages}
+    if mode is not None and body.tools:
+        fields["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools]
+    if mode == "auto":
+        fields["tool_call_parser"] = HERMES
+    return fields
 
 
-def _call_text(name: str, arguments: str) -> str:
+def _message(body: ChatCompletionRequest, index: int) -> dict[str, Any]:
+    message = body.messages[index]
+    turn: dict[str, Any] = {"role": message.role, "content": message.text() if message.content is not None else None}
+    if message.tool_call_id is not None:
+        turn["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        turn["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _arguments(c, index)}}
+            for c in message.tool_calls
+        ]
+    return turn
+
+
+def _arguments(call: Any, index: int) -> dict[str, Any]:
+    """A call's arguments JSON text as an object (empty: no arguments, as vLLM takes it)."""
+    if not call.function.arguments.strip():
+        return {}
     try:
-        parsed: Any = json.loads(arguments)
+        parsed = json.loads(call.function.arguments)
     except ValueError:
-        parsed = arguments  # as the client sent it
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": parsed}, ensure_ascii=False) + "\n</tool_call>"
+        parsed = None
+    if not isinstance(parsed, dict):
+        param = f"messages.{index}.tool_calls.function.arguments"
+        raise OpenAIError(400, f"{param}: a call's arguments must be a JSON object", param=param)
+    return parsed
 
 
 def parse_calls(text: str, names: set[str]) -> tuple[str | None, list[tuple[str, str]]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from typing import Annotated, Any, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -14,6 +14,7 @@ from engine.limits import SAMPLING_LIMITS, D, Limit, Num
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.structured.params import StructuredOutputsParams
 from worker.protocol import limits
+from worker.protocol.chat import MAX_TOOLS, ChatMessage, Tool
 from worker.protocol.errors import JobRejected
 from worker.protocol.limits import check_metadata
 from worker.protocol.records import Choice, Delta, FinalRecord, Status, Timings, Usage  # noqa: F401 (re-exported)
@@ -40,7 +41,8 @@ LATER_SAMPLING_DEFAULTS = {
     name: SAMPLING_LIMITS[name].default
     for name in ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "best_of")
 } | {"include_stop_str_in_output": False, "logit_bias": None, "structured_outputs": None}
-LATER_JOB_DEFAULTS = {**LATER_SAMPLING_DEFAULTS, "echo": False}  # and the later fields that are not sampling
+# and the later fields that are not sampling
+LATER_JOB_DEFAULTS = {**LATER_SAMPLING_DEFAULTS, "echo": False, "tools": None, "tool_call_parser": None}
 
 
 def bounded(limit: Limit[Num, D]) -> D:
@@ -81,15 +83,6 @@ def new_job_id() -> str:
     return uuid.uuid4().hex
 
 
-class ChatMessage(BaseModel):
-    """One chat turn; the worker renders a list of these with the checkpoint's chat template."""
-
-    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
-
-    role: str = Field(min_length=1, max_length=64)
-    content: str = Field(max_length=MAX_PROMPT_CHARS)
-
-
 class Job(BaseModel):
     """One generation job, as enqueued. JSON numbers may be ints where floats are expected, never the reverse."""
 
@@ -101,6 +94,10 @@ class Job(BaseModel):
     prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
     prompt_token_ids: list[TokenId] | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
     messages: list[ChatMessage] | None = Field(default=None, max_length=limits.MAX_MESSAGES)
+    # OpenAI's function tools, rendered with the conversation (protocol/chat.py); "hermes": the caller parses the
+    # answer's <tool_call> blocks (tool_choice auto), which a template writing calls in its own format refuses
+    tools: list[Tool] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS)
+    tool_call_parser: Literal["hermes"] | None = None
     max_tokens: int = bounded(sampling.MAX_TOKENS)
     temperature: float = bounded(sampling.TEMPERATURE)
     top_p: float = bounded(sampling.TOP_P)
@@ -147,8 +144,10 @@ class Job(BaseModel):
         if self.messages is not None:
             if not self.messages:
                 raise ValueError("messages must not be empty")
-            if sum(len(m.content) for m in self.messages) > MAX_PROMPT_CHARS:
+            if sum(len(m.content or "") for m in self.messages) > MAX_PROMPT_CHARS:
                 raise ValueError(f"messages hold more than {MAX_PROMPT_CHARS} characters")
+        elif self.tools is not None or self.tool_call_parser is not None:
+            raise ValueError("tools and tool_call_parser go with messages")
         if self.prompt is not None and not self.prompt.strip():
             raise ValueError("prompt must not be empty")
         if self.prompt_token_ids is not None:
@@ -185,9 +184,9 @@ class Job(BaseModel):
             output_kind = RequestOutputKind.FINAL_ONLY
         return SamplingParams(**self.sampling_kwargs(), output_kind=output_kind)
 
-    def chat(self) -> list[dict[str, str]] | None:
-        """The messages as plain dicts (what tokenizer.apply_chat_template takes)."""
-        return None if self.messages is None else [m.model_dump() for m in self.messages]
+    def chat(self) -> list[dict[str, Any]] | None:
+        """The messages as dicts (what tokenizer.apply_chat_template takes), only the fields each one has."""
+        return None if self.messages is None else [m.as_dict() for m in self.messages]
 
     def to_json(self) -> str:
         # A job without messages serialises without the key, so workers that predate chat still accept it.

@@ -13,6 +13,7 @@ from collections import deque
 from typing import Any
 
 from worker.protocol import limits
+from worker.protocol.chat import render_conversation
 from worker.protocol.errors import JobRejected
 from worker.protocol.job import FinalRecord, Job, parse_job, salvage
 from worker.protocol.keys import BANDS, DEFAULT_BAND, GROUP, JOB_FIELD, QueueKeys, band_rank
@@ -270,11 +271,11 @@ def _waiting_behind(in_engine: list[HeldJob]) -> list[tuple[int, int]]:
 
 
 def engine_prompt(engine: WorkerEngine, job: Job) -> str | list[int]:
-    """What the engine gets: the prompt, the token ids, or the messages rendered with the model's chat
-    template (`apply_chat_template(..., add_generation_prompt=True)`) and tokenized without special tokens,
-    as transformers does: the template writes BOS itself where the model wants one, so encoding the text
-    with special tokens would double it. Raises ValueError (the job is rejected) when the model has no chat
-    template or the template refuses."""
+    """What the engine gets: the prompt, the token ids, or the messages rendered with the model's chat template
+    (`apply_chat_template(..., add_generation_prompt=True)`, tools natively or in the Hermes form: protocol/chat.py)
+    and tokenized without special tokens, as transformers does: the template writes BOS itself where the model
+    wants one, so encoding the text with special tokens would double it. Raises ValueError (the job is rejected)
+    when the model has no chat template or the template refuses."""
     if job.messages is None:
         if job.prompt is not None:
             return job.prompt
@@ -287,7 +288,7 @@ def engine_prompt(engine: WorkerEngine, job: Job) -> str | list[int]:
             "the model has no chat template: send the conversation as a formatted `prompt` instead of `messages`"
         )
     try:
-        text = tokenizer.apply_chat_template(job.chat(), tokenize=False, add_generation_prompt=True)
+        text = render_conversation(tokenizer, job.messages, job.tools, job.tool_call_parser)
         return tokenizer.encode(text, add_special_tokens=False)
     except Exception as exc:  # jinja raises for e.g. roles that do not alternate: the job's fault
         raise ValueError(f"the chat template refused the messages: {exc}") from None
