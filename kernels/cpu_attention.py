@@ -157,6 +157,12 @@ def _best_cut(padded: np.ndarray, start: int, end: int) -> tuple[int, int]:
     return int((end - start) * padded[end - 1] - split_cost[best]), int(cuts[best])
 
 
+# Chunks of at most this many query tokens (a verify row: its last token and up to 16 drafts, engine/spec/config.py's
+# bound; a one-token chunk) are attended in batches, like decode rows: such a chunk's work (q_len x context_len) is
+# too small to pay its own gather slice, mask and SDPA call in every layer. Longer chunks keep one call each.
+MAX_BATCHED_QUERY_TOKENS = 17
+
+
 @dataclass(frozen=True)
 class PrefillChunk:
     """One sequence's query chunk: rows [q_start, q_end) of the step's prefill queries, attending to context_len
@@ -170,20 +176,51 @@ class PrefillChunk:
 
 
 @dataclass(frozen=True)
+class ShortChunkGroup:
+    """Short chunks attended by one SDPA call, each padded to `width` queries and num_blocks gathered blocks (the
+    plan's blocks [block_start, block_start + rows * num_blocks), row after row).
+
+    queries [rows * width]: the prefill rows gathered (a padding query repeats its chunk's last one); kept
+    [n]: which of them are real, scattered back to their prefill rows `targets` [n]. mask [rows, 1, width *
+    heads_per_kv, num_blocks * block_size] bool: query i of a chunk (each KV head's query heads folded in as
+    heads_per_kv rows per query, as decode folds them) sees the keys up to its position context_len - q_len + i.
+    """
+
+    rows: int
+    width: int
+    num_blocks: int
+    block_start: int
+    queries: torch.Tensor
+    kept: torch.Tensor
+    targets: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclass(frozen=True)
 class PrefillPlan:
-    blocks: torch.Tensor  # every chunk's blocks, chunk after chunk: one index_select per cache and layer
+    blocks: torch.Tensor  # every chunk's and group's blocks: one index_select per cache and layer
     chunks: tuple[PrefillChunk, ...]
+    short_groups: tuple[ShortChunkGroup, ...] = ()
+    heads_per_kv: int = 1  # query heads per KV head, which the short groups' masks are laid out for
 
 
 def plan_prefill(
-    block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor, block_size: int
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    heads_per_kv: int = 1,
 ) -> PrefillPlan:
-    """The chunks of a prefill step (empty ones left out), their blocks and causal masks: once a step."""
+    """The chunks of a prefill step (empty ones left out), their blocks and causal masks: once a step. Chunks of
+    up to MAX_BATCHED_QUERY_TOKENS queries go to length groups (length_groups), the others one call each."""
     starts, lens = cu_seqlens_q.tolist(), context_lens.tolist()
-    blocks, chunks, block_start = [], [], 0
+    blocks, chunks, short, block_start = [], [], [], 0
     for seq, context_len in enumerate(lens):
         q_start, q_end = starts[seq], starts[seq + 1]
         if q_end == q_start:
+            continue
+        if q_end - q_start <= MAX_BATCHED_QUERY_TOKENS:
+            short.append(seq)
             continue
         num_blocks = -(-context_len // block_size)
         blocks.append(block_tables[seq, :num_blocks])
@@ -193,8 +230,44 @@ def plan_prefill(
             mask = torch.arange(context_len)[None, :] <= torch.arange(prefix, context_len)[:, None]
         chunks.append(PrefillChunk(q_start, q_end, context_len, block_start, mask))
         block_start += num_blocks
+    groups = []
+    if short:
+        seqs = np.array(short)[np.argsort(np.array(lens)[short], kind="stable")]
+        for start, end, longest in length_groups(np.array(lens)[seqs], block_size):
+            group = _short_group(seqs[start:end], starts, lens, longest, block_size, heads_per_kv, block_start)
+            blocks.append(block_tables[torch.from_numpy(seqs[start:end]), : group.num_blocks].reshape(-1))
+            block_start += group.rows * group.num_blocks
+            groups.append(group)
     flat = torch.cat(blocks).long() if blocks else torch.zeros(0, dtype=torch.long)
-    return PrefillPlan(flat, tuple(chunks))
+    return PrefillPlan(flat, tuple(chunks), tuple(groups), heads_per_kv)
+
+
+def _short_group(
+    seqs: np.ndarray, starts: list[int], lens: list[int], longest: int, block_size: int, heads: int, block_start: int
+) -> ShortChunkGroup:
+    """The gather and scatter indices and the causal mask of short chunks `seqs` (sorted by context length)."""
+    q_starts = torch.tensor([starts[s] for s in seqs])
+    q_lens = torch.tensor([starts[s + 1] - starts[s] for s in seqs])
+    context = torch.tensor([lens[s] for s in seqs])
+    width, num_blocks = int(q_lens.max()), -(-longest // block_size)
+    step = torch.arange(width)
+    real = step[None, :] < q_lens[:, None]  # [rows, width]
+    queries = q_starts[:, None] + torch.minimum(step[None, :], q_lens[:, None] - 1)
+    # a padding query sits where its chunk's last one does: its row is a copy, never all masked (no NaN)
+    positions = context[:, None] - q_lens[:, None] + torch.minimum(step[None, :], q_lens[:, None] - 1)
+    mask = torch.arange(num_blocks * block_size)[None, None, :] <= positions[:, :, None]  # [rows, width, keys]
+    mask = mask.repeat_interleave(heads, dim=1)[:, None]  # query i's heads_per_kv folded rows share its mask
+    flat_real = real.reshape(-1)
+    return ShortChunkGroup(
+        len(seqs),
+        width,
+        num_blocks,
+        block_start,
+        queries.reshape(-1),
+        flat_real.nonzero().reshape(-1),
+        queries.reshape(-1)[flat_real],
+        mask,
+    )
 
 
 def paged_prefill_attention(
@@ -212,17 +285,21 @@ def paged_prefill_attention(
     Query i of sequence s sits at position context_len - q_len + i and sees positions <= its own.
     Plans the step (plan_prefill) and runs it; the engine's layers plan once a step and call planned_prefill.
     """
-    plan = plan_prefill(block_tables, cu_seqlens_q, context_lens, k_cache.shape[1])
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    plan = plan_prefill(block_tables, cu_seqlens_q, context_lens, block_size, query.shape[1] // num_kv_heads)
     return planned_prefill(query, k_cache, v_cache, plan, scale)
 
 
 def planned_prefill(
     query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PrefillPlan, scale: float
 ) -> torch.Tensor:
-    """One SDPA call per chunk over its part of one gather: a chunk's work (q_len x context_len) dwarfs the call,
-    and padding the chunks of a step to one batch wasted more than the loop costs (prompt lengths vary a lot)."""
+    """One SDPA call per long chunk over its part of one gather: a chunk's work (q_len x context_len) dwarfs the
+    call, and padding the chunks of a step to one batch wasted more than the loop costs (prompt lengths vary a
+    lot). Then one call per group of short chunks (verify rows), as decode does its rows."""
     out = torch.empty_like(query)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
+    if plan.short_groups and query.shape[1] != plan.heads_per_kv * num_kv_heads:
+        raise ValueError(f"the plan folds {plan.heads_per_kv} query heads per KV head, the query has {query.shape[1]}")
     keys, values = k_cache.index_select(0, plan.blocks), v_cache.index_select(0, plan.blocks)
     for chunk in plan.chunks:
         width = -(-chunk.context_len // block_size)
@@ -234,4 +311,24 @@ def planned_prefill(
             q, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=True
         )
         out[chunk.q_start : chunk.q_end] = attended[0].transpose(0, 1)
+    for group in plan.short_groups:
+        out.index_copy_(0, group.targets, _attend_short_group(query, keys, values, group, block_size, scale))
     return out
+
+
+def _attend_short_group(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: ShortChunkGroup, block_size: int, scale: float
+) -> torch.Tensor:
+    """The group's real queries' outputs [n, Hq, D], in the order of group.targets."""
+    rows, width, num_blocks = group.rows, group.width, group.num_blocks
+    _, num_q_heads, head_dim = query.shape
+    num_kv_heads = keys.shape[2]
+    heads = num_q_heads // num_kv_heads
+    part = slice(group.block_start, group.block_start + rows * num_blocks)
+    k = keys[part].view(rows, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    v = values[part].view(rows, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    q = query.index_select(0, group.queries).view(rows, width, num_kv_heads, heads, head_dim)
+    q = q.transpose(1, 2).reshape(rows, num_kv_heads, width * heads, head_dim)  # row j = query j // heads
+    attended = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)
+    attended = attended.view(rows, num_kv_heads, width, heads, head_dim).transpose(1, 2)
+    return attended.reshape(rows * width, num_q_heads, head_dim).index_select(0, group.kept)

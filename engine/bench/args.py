@@ -166,6 +166,16 @@ def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
         "requests finish and the run is not paced by its slowest request (1: B requests, all at once)",
     )
     parser.add_argument(
+        "--repeats",
+        type=int,
+        choices=range(1, 9),
+        default=2,
+        metavar="P",
+        help="with --batch-sizes and --speculative-config: P pairs of runs (off and on) per batch size, in ABBA "
+        "order (off, on, on, off, ...; the next batch size starts the other way); the record has every run and "
+        "the mean of the pairs' ratios (default 2; 1: one pair, the order alternating per batch size)",
+    )
+    parser.add_argument(
         "--hf-prompt-lookup",
         action=argparse.BooleanOptionalAction,
         default=True,

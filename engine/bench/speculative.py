@@ -1,10 +1,13 @@
 """`pagedq bench throughput --batch-sizes ... [--speculative-config JSON] [--workload grounded]`: the workload at
 each batch size B (max_num_seqs = B; B x --requests-per-seat requests, so seats refill as requests finish and
-the slowest request does not set the pace), without speculation and with it, same run.
+the slowest request does not set the pace), without speculation and with it, same run: --repeats pairs of runs
+(default 2), in ABBA order (off, on, on, off; the next batch size on, off, off, on), since a process's first
+engine runs slower and the mode that always went first would pay for it.
 
-Per batch size: output tok/s of each and their ratio, whether the greedy outputs are token-identical (they must
-be), the draft counters of the engine's stats() (drafts verified, drafts accepted, rows that carried a draft)
-and what they give (acceptance rate, accepted tokens per verifying row), steps and execute time per step of each.
+Per batch size: output tok/s of each run, each pair's ratio and their mean, whether the greedy outputs are
+token-identical (they must be), the draft counters of the engine's stats() (drafts verified, drafts accepted,
+rows that carried a draft) and what they give (acceptance rate, accepted tokens per verifying row), steps and
+execute time per step of each.
 --baseline hf adds transformers' generate at the same batch size on the same prompts, and with
 --hf-prompt-lookup its own prompt lookup (`prompt_lookup_num_tokens`, batch 1 only in transformers).
 
@@ -179,16 +182,16 @@ def run_sweep(model_dir: str, vocab: int, args: argparse.Namespace, engine_kwarg
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         eos = ModelConfig.from_pretrained(model_dir).eos_token_ids
         hf = HFRunner(model_dir, device, resolve_dtype(args.dtype, device), eos)
-    rows = []
+    rows: list[dict[str, object]] = []
     for size in sizes:
         batch = requests.first(max(size * per_seat, num_prompts))
         kwargs = {**engine_kwargs, "max_num_seqs": size}
-        base = run_engine(model_dir, batch, kwargs)
-        row: dict[str, object] = {"batch_size": size, "num_requests": len(batch.prompts), "engine": base.record}
-        if config is not None:
-            spec = run_engine(model_dir, batch, {**kwargs, "speculative_config": config})
-            row["engine_speculative"] = spec.record
-            row.update(speculation_figures(base, spec))
+        row: dict[str, object] = {"batch_size": size, "num_requests": len(batch.prompts)}
+        if config is None:
+            base = run_engine(model_dir, batch, kwargs)
+            row["engine"] = base.record
+        else:
+            base = _speculation_pairs(model_dir, batch, kwargs, config, args.repeats, len(rows), row)
         if hf is not None:
             hf_record = hf.run(batch, size)
             row["hf"] = hf_record
@@ -203,3 +206,47 @@ def run_sweep(model_dir: str, vocab: int, args: argparse.Namespace, engine_kwarg
         "batch_sizes": sizes,
         "runs": rows,
     }
+
+
+def run_order(repeats: int, first_pair: int) -> list[bool]:
+    """Whether each run of a batch size speculates: `repeats` pairs, each pair's order the reverse of the one
+    before it (off, on, on, off, ...: ABBA), and each batch size starting with the order its predecessor's first
+    pair did not, so neither mode always pays for the first run (a process's first engine is slower)."""
+    order = []
+    for pair in range(first_pair, first_pair + repeats):
+        order += [False, True] if pair % 2 == 0 else [True, False]
+    return order
+
+
+def _speculation_pairs(
+    model_dir: str,
+    batch: Requests,
+    kwargs: dict,
+    config: SpeculativeConfig,
+    repeats: int,
+    index: int,
+    row: dict[str, object],
+) -> EngineRun:
+    """The batch size's runs without and with speculation in run_order; fills `row` and returns the first run
+    without. Row: the first pair's records and figures (`engine`, `engine_speculative`, speculation_figures), every
+    run of each mode (`engine_runs`, `engine_speculative_runs`), `order`, each pair's ratio (`speedups`) and their
+    mean as `speedup`; `identical_outputs` counts the requests whose outputs agree across all the runs."""
+    runs: dict[bool, list[EngineRun]] = {False: [], True: []}
+    order = run_order(repeats, index)
+    for speculate in order:
+        extra = {"speculative_config": config} if speculate else {}
+        runs[speculate].append(run_engine(model_dir, batch, {**kwargs, **extra}))
+    base, spec = runs[False][0], runs[True][0]
+    row["engine"], row["engine_speculative"] = base.record, spec.record
+    row.update(speculation_figures(base, spec))
+    speedups = [on.record["output_tok_s"] / off.record["output_tok_s"] for off, on in zip(runs[False], runs[True])]
+    every = runs[False] + runs[True]
+    row["order"] = ["on" if speculate else "off" for speculate in order]
+    row["engine_runs"] = [run.record for run in runs[False]]
+    row["engine_speculative_runs"] = [run.record for run in runs[True]]
+    row["speedups"] = speedups
+    row["speedup"] = sum(speedups) / len(speedups)
+    row["identical_outputs"] = sum(
+        len({tuple(run.outputs[i]) for run in every}) == 1 for i in range(len(batch.prompts))
+    )
+    return base

@@ -20,7 +20,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention output [T, heads, head_dim]: decode tokens (first) by the decode kernel, prefill chunks by the
     varlen prefill kernel, each over the paged cache through its block table."""
-    decode, prefill = _decode_kernel(ops, k_cache, meta), _prefill_kernel(ops, k_cache, meta)
+    decode, prefill = _decode_kernel(ops, k_cache, meta), _prefill_kernel(ops, k_cache, meta, q.shape[1])
     num_decode = meta.num_decode_tokens
     if not meta.has_prefill:
         return decode(q, k_cache, v_cache, scale)
@@ -44,12 +44,17 @@ def _decode_kernel(ops: KernelSet, k_cache: torch.Tensor, meta: AttentionMetadat
     return lambda q, k, v, scale: cpu_attention.planned_decode(q, k, v, plan, scale)
 
 
-def _prefill_kernel(ops: KernelSet, k_cache: torch.Tensor, meta: AttentionMetadata) -> AttentionKernel:
+def _prefill_kernel(
+    ops: KernelSet, k_cache: torch.Tensor, meta: AttentionMetadata, num_q_heads: int
+) -> AttentionKernel:
+    """(q, k_cache, v_cache, scale) -> prefill attention; on the CPU backend over the step's plan, whose batched short
+    chunks (verify rows) fold num_q_heads // num_kv_heads query heads per KV head into their masks."""
     tables, cu_seqlens, lens = meta.prefill_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_context_lens
     if ops.backend != "cpu":
         return lambda q, k, v, scale: ops.paged_prefill_attention(q, k, v, tables, cu_seqlens, lens, scale)
     plan = meta.derive(
-        "cpu_prefill_plan", lambda: cpu_attention.plan_prefill(tables, cu_seqlens, lens, k_cache.shape[1])
+        "cpu_prefill_plan",
+        lambda: cpu_attention.plan_prefill(tables, cu_seqlens, lens, k_cache.shape[1], num_q_heads // k_cache.shape[2]),
     )
     return lambda q, k, v, scale: cpu_attention.planned_prefill(q, k, v, plan, scale)
 

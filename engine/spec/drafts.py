@@ -77,6 +77,7 @@ class Speculation:
         self.max_verify_tokens = max_verify_tokens
         self.grammar = grammar  # None: structured requests get no drafts
         self._known: dict[str, int] = {}  # request id -> tokens of its history the proposer has
+        self._groups: dict[str, str] = {}  # group id of an n > 1 request -> the proposer's id of its prompt history
         self.num_draft_tokens = 0  # drafts verified
         self.num_accepted_draft_tokens = 0  # of which accepted
         self.num_grammar_cut_draft_tokens = 0  # proposed, then cut by a structured request's grammar (not verified)
@@ -109,11 +110,8 @@ class Speculation:
     # ---- per step ------------------------------------------------------------------------------------
     def wants_drafts(self, running: Sequence[Request]) -> bool:
         """Whether this step proposes drafts (the switch above); forgets requests that left."""
-        if len(self._known) > len(running):
-            live = {r.request_id for r in running}
-            for req_id in [r for r in self._known if r not in live]:
-                del self._known[req_id]
-                self.proposer.remove(req_id)
+        if len(self._known) > len(running) or self._groups:
+            self._forget_left(running)
         if self._skip or len(running) * (1 + self.num_speculative_tokens) > self.max_verify_tokens:
             self._skip = max(0, self._skip - 1)
             self.num_off_steps += 1
@@ -177,7 +175,7 @@ class Speculation:
         req_id, tokens = request.request_id, request.all_token_ids
         known = self._known.get(req_id)
         if known is None:
-            self.proposer.add_request(req_id, tokens)
+            self._start(request)
         elif known < len(tokens):
             self.proposer.append(req_id, tokens[known:])
         self._known[req_id] = len(tokens)
@@ -187,6 +185,32 @@ class Speculation:
                 break  # a proposer's bad token would reach the embedding: keep the drafts before it
             drafts.append(token)
         return tuple(drafts)
+
+    def _start(self, request: Request) -> None:
+        """Hand the proposer a request it does not track yet. A sample of a request with n > 1 forks the group's
+        prompt history (added once for the group, kept while any of its samples runs) and adds only its own
+        outputs: each sample proposes from its own history, and the prompt's index is built and held once."""
+        req_id, tokens = request.request_id, request.all_token_ids
+        if request.sampling_params.num_samples <= 1:
+            self.proposer.add_request(req_id, tokens)
+            return
+        shared = self._groups.get(request.group_id)
+        if shared is None:
+            shared = self._groups[request.group_id] = f"{request.group_id}\x00prompt"
+            self.proposer.add_request(shared, request.prompt_token_ids)
+        self.proposer.fork(shared, req_id)
+        self.proposer.append(req_id, tokens[len(request.prompt_token_ids) :])
+
+    def _forget_left(self, running: Sequence[Request]) -> None:
+        """Forget the requests that left (finished, aborted, preempted) and the groups none of whose samples runs."""
+        live = {r.request_id for r in running}
+        for req_id in [r for r in self._known if r not in live]:
+            del self._known[req_id]
+            self.proposer.remove(req_id)
+        if self._groups:
+            groups = {r.group_id for r in running}
+            for group_id in [g for g in self._groups if g not in groups]:
+                self.proposer.remove(self._groups.pop(group_id))
 
     def record_step(self, scheduled: Sequence[ScheduledDrafts], sampled: dict[str, list[SampledToken]]) -> None:
         """Count a step's verify rows (scheduler.ScheduledRequest) and what verification kept of their drafts."""

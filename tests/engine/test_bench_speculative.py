@@ -94,7 +94,15 @@ def test_speculative_sweep_record_and_counters(chat_llama_dir, capsys):
         if drafts:
             assert run["draft_acceptance_rate"] == accepted / drafts
             assert run["mean_accepted_tokens_per_step"] == accepted / rows
-        assert run["speedup"] == spec["output_tok_s"] / base["output_tok_s"]
+        # ABBA: two pairs (the default --repeats), batch 1 off first, batch 2 on first; the ratio is the pairs' mean
+        first = "off" if run["batch_size"] == 1 else "on"
+        assert run["order"] == ([first, "on", "on", "off"] if first == "off" else ["on", "off", "off", "on"])
+        offs, ons = run["engine_runs"], run["engine_speculative_runs"]
+        assert len(offs) == len(ons) == 2 and offs[0] == base and ons[0] == spec
+        assert run["speedups"] == [on["output_tok_s"] / off["output_tok_s"] for off, on in zip(offs, ons)]
+        assert run["speedup"] == sum(run["speedups"]) / 2
+        assert all(r["generated_tokens"] == base["generated_tokens"] for r in offs + ons)
+        assert [r["num_draft_tokens"] for r in ons] == [drafts, drafts]  # greedy: the same drafts both times
         if run["batch_size"] == 1:  # one sequence at a time: each step makes 1 + its accepted drafts final
             assert base["num_steps"] == base["generated_tokens"]
             assert spec["num_steps"] == spec["generated_tokens"] - accepted
@@ -104,6 +112,16 @@ def test_speculative_sweep_record_and_counters(chat_llama_dir, capsys):
         assert 0 < run["hf"]["generated_tokens"] <= 2 * 24
         assert run["engine_vs_hf"] == base["output_tok_s"] / run["hf"]["output_tok_s"]
     assert total_drafts > 0  # the counters were exercised
+
+
+@pytest.mark.parametrize(
+    "repeats,first_pair,expected",
+    [(1, 0, "AB"), (1, 1, "BA"), (2, 0, "ABBA"), (2, 1, "BAAB"), (3, 0, "ABBAAB")],
+)
+def test_the_sweep_order_alternates(repeats, first_pair, expected):
+    from engine.bench.speculative import run_order
+
+    assert "".join("B" if on else "A" for on in run_order(repeats, first_pair)) == expected
 
 
 def test_bench_ngram_agrees_with_the_scan(capsys):
