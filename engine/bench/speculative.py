@@ -28,7 +28,13 @@ from engine.bench.args import GROUNDED, GROUNDED_BATCH_SIZES
 from engine.bench.workload import left_padded
 from engine.spec.config import SpeculativeConfig
 
-SPEC_COUNTERS = ("num_draft_tokens", "num_accepted_draft_tokens", "num_verify_rows", "num_spec_off_steps")
+SPEC_COUNTERS = (
+    "num_draft_tokens",
+    "num_accepted_draft_tokens",
+    "num_verify_rows",
+    "num_spec_off_steps",
+    "num_grammar_cut_draft_tokens",
+)
 DEFAULT_GROUNDED_PROMPTS = 4  # at least this many requests per batch size (batch 1 runs them one by one)
 
 
