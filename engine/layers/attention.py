@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.layers.linear import PackedLinear
+from engine.layers.linear import Linear, PackedLinear
 from engine.layers.metadata import AttentionMetadata
 from engine.layers.norm import RMSNorm
 from kernels import KernelSet, cpu_attention
@@ -68,7 +68,7 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim**-0.5
         self.qkv_proj = PackedLinear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.qk_norm = config.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)

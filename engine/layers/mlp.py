@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.layers.linear import PackedLinear
+from engine.layers.linear import Linear, PackedLinear
 from kernels import KernelSet
 
 
@@ -16,7 +16,7 @@ class MLP(nn.Module):
         self.ops = ops
         size = config.intermediate_size
         self.gate_up_proj = PackedLinear(config.hidden_size, [size, size], bias=False)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=False)
+        self.down_proj = Linear(size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))

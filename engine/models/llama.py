@@ -13,6 +13,7 @@ from torch import nn
 
 from engine.config import ModelConfig
 from engine.layers import MLP, Attention, AttentionMetadata, RMSNorm, rope_cos_sin_cache
+from engine.layers.linear import Linear
 from kernels import KernelSet
 
 
@@ -50,7 +51,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.kernels = ops
         self.model = LlamaModel(config, ops)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("cos_sin_cache", rope_cos_sin_cache(config), persistent=False)
