@@ -40,7 +40,7 @@ def gguf_path() -> Path:
 def demo_model_path(cache_dir: Path | None = None) -> Path:
     """Folder of the converted demo checkpoint, converting it on first use (about a minute on 2 cores)."""
     target = (cache_dir or cache_root()) / DEMO_MODEL_NAME
-    if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
+    if _is_complete(target):
         return target
     _convert(gguf_path(), target)
     return target
@@ -68,6 +68,13 @@ def _convert(gguf_file: Path, target: Path) -> None:
     partial.mkdir(parents=True, exist_ok=True)
     plain.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
+    if _is_complete(target):  # another process converted it meanwhile (parallel test workers): keep theirs
+        shutil.rmtree(partial)
+        return
     if target.exists():  # an earlier, incomplete conversion
         shutil.rmtree(target)
     partial.rename(target)
+
+
+def _is_complete(target: Path) -> bool:
+    return (target / "model.safetensors").is_file() and (target / "config.json").is_file()

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-# Tests compare against transformers on CPU in fp32: keep torch's threading predictable on 2 cores.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Tests compare against transformers on CPU in fp32: keep torch's threading predictable on 2 cores, and with
+# pytest-xdist's parallel workers (PYTEST_XDIST_WORKER_COUNT) share the cores out instead of oversubscribing them.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
 
 VOCAB_SIZE = 512
 

@@ -54,6 +54,15 @@ DEFAULT_MAX_VERIFY_TOKENS = 160
 MAX_BACKOFF_STEPS = 8
 
 
+def next_draft_limit(num_drafts: int, num_accepted: int, k: int) -> int:
+    """A request's most drafts at its next verify, from its last one: as many as just held plus one after a
+    rejection (a draft past the first wrong one is wasted work: on a CPU a verify row's tokens cost nearly what
+    prefill tokens do), two more after a full acceptance, within [1, k]. The outputs never depend on it: greedy
+    tokens are the target's whatever is drafted, and sampling keeps the target's distribution."""
+    grown = num_accepted + (2 if num_accepted == num_drafts else 1)
+    return max(1, min(k, grown))
+
+
 class Speculation:
     def __init__(
         self,
@@ -77,6 +86,7 @@ class Speculation:
         self.max_verify_tokens = max_verify_tokens
         self.grammar = grammar  # None: structured requests get no drafts
         self._known: dict[str, int] = {}  # request id -> tokens of its history the proposer has
+        self._limits: dict[str, int] = {}  # request id -> most drafts at its next verify (next_draft_limit)
         self._groups: dict[str, str] = {}  # group id of an n > 1 request -> the proposer's id of its prompt history
         self.num_draft_tokens = 0  # drafts verified
         self.num_accepted_draft_tokens = 0  # of which accepted
@@ -135,7 +145,7 @@ class Speculation:
         params = request.sampling_params
         num_tokens = request.num_tokens
         limit = min(
-            self.num_speculative_tokens,
+            self._limits.get(request.request_id, self.num_speculative_tokens),
             budget,
             params.max_tokens - request.num_output_tokens - 1,  # the step emits at most 1 + d tokens
             self.max_model_len - num_tokens - 1,
@@ -206,6 +216,7 @@ class Speculation:
         live = {r.request_id for r in running}
         for req_id in [r for r in self._known if r not in live]:
             del self._known[req_id]
+            self._limits.pop(req_id, None)
             self.proposer.remove(req_id)
         if self._groups:
             groups = {r.group_id for r in running}
@@ -219,3 +230,5 @@ class Speculation:
                 self.num_verify_rows += 1
                 self.num_draft_tokens += len(item.draft_token_ids)
                 self.num_accepted_draft_tokens += len(draws) - 1
+                limit = next_draft_limit(len(item.draft_token_ids), len(draws) - 1, self.num_speculative_tokens)
+                self._limits[item.request.request_id] = limit

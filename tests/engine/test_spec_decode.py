@@ -333,3 +333,38 @@ def test_a_bad_speculative_config_is_refused_naming_the_key(tiny_llama_dir):
             num_kv_blocks=16,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_typo": 3},
         )
+
+
+class AskedProposer(TestProposer):
+    """A TestProposer that records, per request, how many drafts each call allowed."""
+
+    __test__ = False
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked: dict[str, list[int]] = {}
+
+    def propose(self, req_id: str, max_drafts: int) -> list[int]:
+        self.asked.setdefault(req_id, []).append(max_drafts)
+        return super().propose(req_id, max_drafts)
+
+
+def test_draft_lengths_follow_each_requests_acceptance(tiny_llama_dir, workload):
+    """After a rejection a request drafts at most what held plus one; after full acceptance two more, up to K.
+    Wrong drafts only (random): from its second proposal on, a request is asked for one draft at a time (random
+    tokens pass ~never); right drafts only (the truth): always K. Outputs stay identical either way."""
+    prompts = [_tokens(6, 60 + i) for i in range(3)]
+    greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    expected, _ = _run(tiny_llama_dir, {"num_kv_blocks": 256}, prompts, greedy)
+    wrong = AskedProposer(random_only=True)
+    got, _ = _run(tiny_llama_dir, {"num_kv_blocks": 256}, prompts, greedy, wrong)
+    assert _summary(got) == _summary(expected)
+    for asked in wrong.asked.values():
+        assert asked[0] == K and len(asked) > 5 and max(asked[1:]) <= 2 and asked.count(1) >= len(asked) - 3
+    truths = [p + o.outputs[0].token_ids for p, o in zip(prompts, expected)]
+    right = AskedProposer(truths)
+    got, stats = _run(tiny_llama_dir, {"num_kv_blocks": 256}, prompts, greedy, right)
+    assert _summary(got) == _summary(expected)
+    assert stats["num_accepted_draft_tokens"] == stats["num_draft_tokens"] > 0
+    for asked in right.asked.values():  # K, but never past max_tokens: the last proposals may ask for fewer
+        assert asked[:-2] == [K] * (len(asked) - 2)
