@@ -1,9 +1,15 @@
-"""Paged attention for the CPU: gather the blocks a step reads with `index_select`, then torch's fused SDPA.
+"""Paged attention for the CPU: decode by a native kernel that reads the blocks in place (kernels/cpu_native.c),
+else, and for prefill, gather the blocks a step reads with `index_select`, then torch's fused SDPA.
 
 Same signatures and semantics as `kernels.reference.paged_decode_attention` / `paged_prefill_attention` (the
 oracle these are tested against). Why this shape, measured on the 2-core CPU (docs/kernels.md has the figures):
-  - `cache.index_select(0, blocks)` copies a sequence's blocks ~4x faster than `cache[tables]` (advanced indexing),
-    at the speed of a plain copy of the same bytes;
+  - decode, when `cpu_native.available()` (a C compiler, PAGEDQ_CPU_NATIVE not 0) and the tensors suit it (fp32
+    or bf16, contiguous caches): one OpenMP task per (sequence, KV head) walks the sequence's blocks where they
+    lie, with an online softmax, reading each K/V row once for all the head's query heads. The gather below
+    copies K and V once more before SDPA reads them, which made that path ~2-3x SDPA over contiguous K/V of the
+    same shape; the native kernel is within ~1x of it (and below it on spread contexts, having no padding);
+  - otherwise `cache.index_select(0, blocks)` copies a sequence's blocks ~4x faster than `cache[tables]`
+    (advanced indexing), at the speed of a plain copy of the same bytes;
   - the gathered [S, L, Hkv, D] buffer is handed to SDPA as a transposed view: SDPA's CPU flash kernel reads it
     strided as fast as contiguous, and a `.contiguous()` copy would cost more than it saves;
   - a boolean length mask (a float -inf mask made SDPA 4x slower), and for decode each KV head's query heads
@@ -12,10 +18,11 @@ oracle these are tested against). Why this shape, measured on the 2-core CPU (do
     context, never the step's widest table;
   - what every layer would recompute the same (the groups, the flat block list, the masks; prefill's chunks) is a
     plan built once a step (`plan_decode`, `plan_prefill`; engine/layers/attention.py keeps it on the step's
-    metadata), and each layer then gathers all its blocks with one index_select per cache.
-SDPA accumulates in fp32 for bf16/fp16 inputs, as the reference does; only the summation order differs.
-A kernel reading the blocks in place was tried as torch.compile (inductor's C++) over a gather-reduce
-formulation: 106 s to compile on 2 cores and no faster than this path (docs/kernels.md).
+    metadata), and each layer then gathers all its blocks with one index_select per cache. The native path's
+    plan is only the tables and lengths as contiguous int32.
+SDPA and the native kernel accumulate in fp32 for bf16 inputs, as the reference does; only the summation order
+differs. torch.compile (inductor's C++) over a gather-reduce formulation was tried before the native kernel:
+106 s to compile on 2 cores and no faster than the gather (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch.nn import functional as F
+
+from kernels import cpu_native
 
 
 @dataclass(frozen=True)
@@ -43,18 +52,33 @@ class DecodePlan:
 
     blocks: every group's table blocks, group after group (one index_select per cache and layer gathers them all);
     order: the sequences sorted by context length (None when one group covers them in the step's order), inverse
-    its inverse permutation.
+    its inverse permutation. A plan for the native kernel has no groups, only `tables` [S, M] and `lens` [S]
+    (contiguous int32; None in an SDPA plan).
     """
 
     blocks: torch.Tensor
     groups: tuple[DecodeGroup, ...]
     order: torch.Tensor | None
     inverse: torch.Tensor | None
+    tables: torch.Tensor | None = None
+    lens: torch.Tensor | None = None
 
 
-def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> DecodePlan:
-    """Length groups (length_groups), the blocks each gathers and its length mask, for block_tables [S, M] int32
-    and context_lens [S] int32 (CPU tensors: no device sync to pay)."""
+def use_native(k_cache: torch.Tensor) -> bool:
+    """Whether decode over this cache runs the native kernel: it is available (built, not PAGEDQ_CPU_NATIVE=0) and
+    takes the cache (fp32 or bf16, contiguous, on the CPU). What plan_decode's `native` is told."""
+    return k_cache.dtype in (torch.float32, torch.bfloat16) and k_cache.is_contiguous() and cpu_native.available()
+
+
+def plan_decode(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, native: bool = False
+) -> DecodePlan:
+    """The step's plan for block_tables [S, M] int32 and context_lens [S] int32 (CPU tensors: no device sync to
+    pay). native (callers pass use_native(k_cache)): a plan for the native kernel, just the tables and lengths as
+    contiguous int32; else the length groups (length_groups), the blocks each gathers and its length mask."""
+    if native:
+        tables, lens = block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous()
+        return DecodePlan(torch.zeros(0, dtype=torch.long), (), None, None, tables, lens)
     lens = context_lens.numpy()
     groups = length_groups(lens, block_size) if len(lens) else []
     order = inverse = None
@@ -91,7 +115,8 @@ def paged_decode_attention(
     query [S, Hq, D]; block_tables [S, M] int32; context_lens [S] int32 -> [S, Hq, D].
     Plans the step (plan_decode) and runs it; the engine's layers plan once a step and call planned_decode.
     """
-    return planned_decode(query, k_cache, v_cache, plan_decode(block_tables, context_lens, k_cache.shape[1]), scale)
+    plan = plan_decode(block_tables, context_lens, k_cache.shape[1], use_native(k_cache))
+    return planned_decode(query, k_cache, v_cache, plan, scale)
 
 
 def planned_decode(
@@ -104,11 +129,17 @@ def planned_decode(
     enable_gqa): SDPA then reads each head's K/V once for all its queries, not once per query head (a 48-sequence
     step at context 256 on SmolLM2's 9:3 heads: 4.8 against 5.6 ms a layer, one thread). The length mask is the
     same for every row of a head, so folding the queries changes nothing else.
+    A native plan runs the native kernel, or, for tensors it does not take (cpu_native.supports), is planned again
+    for SDPA.
     """
     num_seqs, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if plan.tables is not None and plan.lens is not None:
+        if cpu_native.supports(query, k_cache, v_cache):
+            return cpu_native.run_decode(query, k_cache, v_cache, plan.tables, plan.lens, scale)
+        plan = plan_decode(plan.tables, plan.lens, block_size, native=False)
     if num_seqs == 0:
         return torch.empty_like(query)
-    _, block_size, num_kv_heads, _ = k_cache.shape
     keys, values = k_cache.index_select(0, plan.blocks), v_cache.index_select(0, plan.blocks)
     if plan.order is not None:
         query = query.index_select(0, plan.order)

@@ -35,12 +35,16 @@ AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], to
 
 
 def _decode_kernel(ops: KernelSet, k_cache: torch.Tensor, meta: AttentionMetadata) -> AttentionKernel:
-    """(q, k_cache, v_cache, scale) -> decode attention. On the CPU backend, over the step's plan (the gather's
-    blocks, length groups and masks), built by the first layer and reused by the others (kernels/cpu_attention.py)."""
+    """(q, k_cache, v_cache, scale) -> decode attention. On the CPU backend, over the step's plan (for the native
+    kernel the tables and lengths as int32, else the gather's blocks, length groups and masks), built by the first
+    layer and reused by the others (kernels/cpu_attention.py)."""
     tables, lens = meta.decode_block_tables, meta.decode_context_lens
     if ops.backend != "cpu":
         return lambda q, k, v, scale: ops.paged_decode_attention(q, k, v, tables, lens, scale)
-    plan = meta.derive("cpu_decode_plan", lambda: cpu_attention.plan_decode(tables, lens, k_cache.shape[1]))
+    plan = meta.derive(
+        "cpu_decode_plan",
+        lambda: cpu_attention.plan_decode(tables, lens, k_cache.shape[1], cpu_attention.use_native(k_cache)),
+    )
     return lambda q, k, v, scale: cpu_attention.planned_decode(q, k, v, plan, scale)
 
 
