@@ -77,8 +77,8 @@ def plan_decode(
     pay). native (callers pass use_native(k_cache)): a plan for the native kernel, just the tables and lengths as
     contiguous int32; else the length groups (length_groups), the blocks each gathers and its length mask."""
     if native:
-        tables, lens = block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous()
-        return DecodePlan(torch.zeros(0, dtype=torch.long), (), None, None, tables, lens)
+        int_tables, int_lens = block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous()
+        return DecodePlan(torch.zeros(0, dtype=torch.long), (), None, None, int_tables, int_lens)
     lens = context_lens.numpy()
     groups = length_groups(lens, block_size) if len(lens) else []
     order = inverse = None

@@ -94,7 +94,7 @@ def test_native_decode_rejects_a_block_outside_the_pool():
 
 def test_native_decode_takes_a_strided_query():
     """The engine's query is a view of the packed qkv projection: rows are strided, heads contiguous."""
-    query, k_cache, v_cache, tables, lens, scale = _inputs(_spread_lens(7), 3, 64, torch.bfloat16)
+    _, k_cache, v_cache, tables, lens, scale = _inputs(_spread_lens(7), 3, 64, torch.bfloat16)
     packed = torch.randn(len(lens), (9 + 2 * NUM_KV_HEADS) * 64).to(torch.bfloat16)
     strided = packed[:, : 9 * 64].view(len(lens), 9, 64)
     assert not strided.is_contiguous()
