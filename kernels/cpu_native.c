@@ -62,22 +62,36 @@ static inline v8sf exp8(v8sf x) {
 }
 
 static inline float dot(const float *a, const float *b, int d_size) {
-    v8sf s0 = splat(0.0f), s1 = splat(0.0f);
+    v8sf s0 = splat(0.0f), s1 = splat(0.0f), s2 = splat(0.0f), s3 = splat(0.0f); /* four chains: FMA latency */
     int d = 0;
-    for (; d + 16 <= d_size; d += 16) {
+    for (; d + 32 <= d_size; d += 32) {
         s0 += load8(a + d) * load8(b + d);
         s1 += load8(a + d + 8) * load8(b + d + 8);
+        s2 += load8(a + d + 16) * load8(b + d + 16);
+        s3 += load8(a + d + 24) * load8(b + d + 24);
     }
     for (; d + 8 <= d_size; d += 8) s0 += load8(a + d) * load8(b + d);
-    float sum = hsum8(s0 + s1);
+    float sum = hsum8((s0 + s1) + (s2 + s3));
     for (; d < d_size; d++) sum += a[d] * b[d];
     return sum;
 }
 
-/* acc[0:d_size] = acc * alpha + sum over t < n of p[t] * v[t * stride:]. */
+#define CHUNK 64 /* floats of acc one register-blocked pass keeps in registers: 8 vectors of 8 */
+
+/* acc[0:d_size] = acc * alpha + sum over t < n of p[t] * v[t * stride:]. Each CHUNK of acc stays in registers
+   over the tile's tokens: eight independent FMA chains instead of one per vector. */
 static inline void accumulate(float *acc, float alpha, const float *p, const float *v, ptrdiff_t stride, int n,
                               int d_size) {
     int d = 0;
+    for (; d + CHUNK <= d_size; d += CHUNK) {
+        v8sf a[CHUNK / 8];
+        for (int c = 0; c < CHUNK / 8; c++) a[c] = load8(acc + d + 8 * c) * splat(alpha);
+        for (int t = 0; t < n; t++) {
+            const v8sf weight = splat(p[t]);
+            for (int c = 0; c < CHUNK / 8; c++) a[c] += weight * load8(v + t * stride + d + 8 * c);
+        }
+        for (int c = 0; c < CHUNK / 8; c++) store8(acc + d + 8 * c, a[c]);
+    }
     for (; d + 8 <= d_size; d += 8) {
         v8sf a = load8(acc + d) * splat(alpha);
         for (int t = 0; t < n; t++) a += splat(p[t]) * load8(v + t * stride + d);
