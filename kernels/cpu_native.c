@@ -1,7 +1,8 @@
-/* Paged decode attention for the CPU, reading the KV blocks in place (kernels/cpu_native.py builds and loads it).
+/* Paged attention for the CPU, reading the KV blocks in place (kernels/cpu_native.py builds and loads it): decode,
+   and short causal query chunks (speculative verify rows, <= 17 queries after a cached prefix).
 
-   Same math as kernels.reference.paged_decode_attention: one query per sequence over its context_len cached
-   tokens, scores and softmax and P.V in fp32 (bf16 is widened on load), the output rounded to the input dtype
+   Same math as kernels.reference.paged_decode_attention (and paged_prefill_attention for the chunks): one query
+   per sequence over its context_len cached tokens (a chunk's query i sees context_len - q_len + i + 1 of them), scores and softmax and P.V in fp32 (bf16 is widened on load), the output rounded to the input dtype
    (bf16: to nearest even, as torch rounds). No torch headers, so it compiles in about a second.
 
    Layout (fixed for the project): k_cache, v_cache [num_blocks, block_size, Hkv, D] contiguous; token t of block
@@ -17,6 +18,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define TILE 16
@@ -105,35 +107,43 @@ static inline void accumulate(float *acc, float alpha, const float *p, const flo
 }
 
 /* Running state of one task: q [G][D] (fp32), acc [G][D], running max m [G] and sum l [G]. */
+/* Running state of one task, rows = its queries x the KV head's G query heads (row i * G + g): q [rows][D]
+   (fp32), acc [rows][D], running max m and sum l [rows], and limit [rows]: how many tokens from the start of the
+   context the row sees (decode: all of them; query i of a chunk of q_len: context_len - q_len + i + 1). */
 typedef struct {
     const float *q;
     float *acc, *m, *l;
-    int groups;
+    const int *limit;
+    int rows;
     float scale;
 } State;
 
-/* One tile of n <= TILE tokens, K/V rows `stride` floats apart: scores, one rescale per query head, P.V. */
-static inline void attend_tile(State *st, const float *k, const float *v, ptrdiff_t stride, int n, int d_size) {
+/* One tile of n <= TILE tokens from token `start`, K/V rows `stride` floats apart: per row, the scores of the
+   tokens it sees, one max and rescale, P.V. A row that sees none of the tile is left as it is. */
+static inline void attend_tile(State *st, const float *k, const float *v, ptrdiff_t stride, int start, int n,
+                               int d_size) {
     float p[TILE] __attribute__((aligned(32)));
-    for (int g = 0; g < st->groups; g++) {
-        const float *q = st->q + (ptrdiff_t)g * d_size;
+    for (int r = 0; r < st->rows; r++) {
+        const int seen = st->limit[r] - start < n ? st->limit[r] - start : n;
+        if (seen <= 0) continue;
+        const float *q = st->q + (ptrdiff_t)r * d_size;
         float block_max = -INFINITY;
-        for (int t = 0; t < n; t++) {
+        for (int t = 0; t < seen; t++) {
             p[t] = dot(q, k + t * stride, d_size) * st->scale;
             block_max = p[t] > block_max ? p[t] : block_max;
         }
-        for (int t = n; t < TILE; t++) p[t] = -INFINITY;
-        float m_new = block_max > st->m[g] ? block_max : st->m[g];
-        float alpha = expf(st->m[g] - m_new); /* 0 on the first tile (m = -inf) */
+        for (int t = seen; t < TILE; t++) p[t] = -INFINITY;
+        float m_new = block_max > st->m[r] ? block_max : st->m[r];
+        float alpha = expf(st->m[r] - m_new); /* 0 on the first tile (m = -inf) */
         v8sf sum = splat(0.0f);
         for (int t = 0; t < TILE; t += 8) {
             v8sf e = exp8(load8(p + t) - splat(m_new));
             store8(p + t, e);
             sum += e;
         }
-        st->l[g] = st->l[g] * alpha + hsum8(sum);
-        st->m[g] = m_new;
-        accumulate(st->acc + (ptrdiff_t)g * d_size, alpha, p, v, stride, n, d_size);
+        st->l[r] = st->l[r] * alpha + hsum8(sum);
+        st->m[r] = m_new;
+        accumulate(st->acc + (ptrdiff_t)r * d_size, alpha, p, v, stride, seen, d_size);
     }
 }
 
@@ -159,9 +169,9 @@ static inline void widen_rows(const uint16_t *src, ptrdiff_t stride, int n, int 
 
 typedef struct {
     const void *q, *k, *v;
-    int64_t q_seq, q_head, num_blocks;
+    int64_t q_seq, q_head, out_seq, out_head, num_blocks;
     int block_size, num_kv_heads, head_dim, num_q_heads, table_width, bf16;
-    const int32_t *tables, *lens;
+    const int32_t *tables, *lens, *q_starts, *q_lens;
     float scale;
     void *out;
 } Args;
@@ -182,49 +192,66 @@ static inline void prefetch_tile(const Args *a, int seq, int head, int start, in
         }
 }
 
-/* Task (seq, head), d_size = a->head_dim (passed as a constant by the callers of the fast paths). Returns 1 if a
-   block index is out of range (nothing is read from it). */
-static inline __attribute__((always_inline)) int run_task(const Args *a, int seq, int head, int d_size) {
-    const int groups = a->num_q_heads / a->num_kv_heads, bs = a->block_size;
-    float q[groups * d_size], acc[groups * d_size], m[groups], l[groups];
-    float kbuf[a->bf16 ? TILE * d_size : 1], vbuf[a->bf16 ? TILE * d_size : 1];
-    for (int g = 0; g < groups; g++) {
-        const ptrdiff_t off = seq * a->q_seq + (ptrdiff_t)(head * groups + g) * a->q_head;
-        for (int d = 0; d < d_size; d++)
-            q[g * d_size + d] = a->bf16 ? bf16_to_f32(((const uint16_t *)a->q)[off + d]) : ((const float *)a->q)[off + d];
-        m[g] = -INFINITY, l[g] = 0.0f;
-    }
-    memset(acc, 0, sizeof acc);
-    State st = {q, acc, m, l, groups, a->scale};
+/* Walk sequence seq's context for KV head `head`, TILE tokens at a time (a tile never crosses a block). */
+static inline __attribute__((always_inline)) int walk_context(const Args *a, State *st, int seq, int head, int len,
+                                                              float *kbuf, float *vbuf, int d_size) {
+    const int bs = a->block_size;
     const ptrdiff_t row = (ptrdiff_t)a->num_kv_heads * d_size;
-    int len = a->lens[seq];
-    if (len > a->table_width * bs) len = a->table_width * bs; /* the reference's mask stops at the table too */
     for (int start = 0, tile; start < len; start += tile) {
         const int32_t block = a->tables[(ptrdiff_t)seq * a->table_width + start / bs];
         if (block < 0 || block >= a->num_blocks) return 1;
         const int n = len - start < TILE ? len - start : TILE, in_block = start % bs;
-        tile = n < bs - in_block ? n : bs - in_block; /* a tile never crosses a block */
+        tile = n < bs - in_block ? n : bs - in_block;
         const ptrdiff_t base = ((ptrdiff_t)block * bs + in_block) * row + (ptrdiff_t)head * d_size;
         prefetch_tile(a, seq, head, start + tile, len, row);
         if (a->bf16) {
             widen_rows((const uint16_t *)a->k + base, row, tile, d_size, kbuf);
             widen_rows((const uint16_t *)a->v + base, row, tile, d_size, vbuf);
-            attend_tile(&st, kbuf, vbuf, d_size, tile, d_size);
+            attend_tile(st, kbuf, vbuf, d_size, start, tile, d_size);
         } else {
-            attend_tile(&st, (const float *)a->k + base, (const float *)a->v + base, row, tile, d_size);
+            attend_tile(st, (const float *)a->k + base, (const float *)a->v + base, row, start, tile, d_size);
         }
     }
-    for (int g = 0; g < groups; g++) {
-        const ptrdiff_t off = ((ptrdiff_t)seq * a->num_q_heads + head * groups + g) * d_size;
+    return 0;
+}
+
+/* Task (seq, head): seq's queries (decode: query row seq alone; a chunk: rows q_starts[seq] + [0, q_lens[seq]))
+   with the head's query heads, d_size = a->head_dim (a constant from the fast paths' callers). Returns 1 if a
+   block index within the context is out of range (nothing is read from it), 3 if memory ran out. */
+static inline __attribute__((always_inline)) int run_task(const Args *a, int seq, int head, int d_size) {
+    const int groups = a->num_q_heads / a->num_kv_heads;
+    const int first = a->q_starts ? a->q_starts[seq] : seq, queries = a->q_starts ? a->q_lens[seq] : 1;
+    const int rows = queries * groups, wide = a->bf16 ? TILE * d_size : 0;
+    int len = a->lens[seq];
+    if (len > a->table_width * a->block_size) len = a->table_width * a->block_size; /* as the reference's mask */
+    /* q, acc [rows][D]; m, l [rows]; kbuf, vbuf [TILE][D] (bf16 only): a chunk's rows may not fit a stack */
+    float *buf = malloc(sizeof(float) * ((size_t)rows * (2 * d_size + 2) + 2 * (size_t)wide));
+    int *limit = malloc(sizeof(int) * (size_t)rows);
+    if (!buf || !limit) return free(buf), free(limit), 3;
+    float *q = buf, *acc = q + rows * d_size, *m = acc + rows * d_size, *l = m + rows, *kbuf = l + rows;
+    for (int r = 0; r < rows; r++) {
+        const int i = r / groups, g = r % groups;
+        const ptrdiff_t off = (first + i) * a->q_seq + (ptrdiff_t)(head * groups + g) * a->q_head;
+        for (int d = 0; d < d_size; d++)
+            q[r * d_size + d] = a->bf16 ? bf16_to_f32(((const uint16_t *)a->q)[off + d]) : ((const float *)a->q)[off + d];
+        m[r] = -INFINITY, l[r] = 0.0f, limit[r] = a->lens[seq] - queries + i + 1;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)rows * d_size);
+    State st = {q, acc, m, l, limit, rows, a->scale};
+    const int status = walk_context(a, &st, seq, head, len, kbuf, kbuf + wide, d_size);
+    for (int r = 0; status == 0 && r < rows; r++) {
+        const int i = r / groups, g = r % groups;
+        const ptrdiff_t off = (first + i) * a->out_seq + (ptrdiff_t)(head * groups + g) * a->out_head;
         for (int d = 0; d < d_size; d++) {
-            const float o = acc[g * d_size + d] / l[g]; /* l = 0 (no context) gives NaN, as the reference */
+            const float o = acc[r * d_size + d] / l[r]; /* l = 0 (no context) gives NaN, as the reference */
             if (a->bf16)
                 ((uint16_t *)a->out)[off + d] = f32_to_bf16(o);
             else
                 ((float *)a->out)[off + d] = o;
         }
     }
-    return 0;
+    free(buf), free(limit);
+    return status;
 }
 
 static int run_task_any(const Args *a, int seq, int head) {
@@ -235,22 +262,30 @@ static int run_task_any(const Args *a, int seq, int head) {
     }
 }
 
-/* Returns 0, or 1 if a block table entry within a context is out of range, 2 if the shapes are inconsistent. */
-int pagedq_paged_decode(const void *query, int64_t q_seq, int64_t q_head, const void *k_cache, const void *v_cache,
-                        int64_t num_blocks, int block_size, int num_kv_heads, int head_dim, int num_seqs,
-                        int num_q_heads, const int32_t *block_tables, int table_width, const int32_t *context_lens,
-                        float scale, void *out, int bf16, int num_threads) {
-    if (num_kv_heads <= 0 || num_q_heads % num_kv_heads || block_size <= 0 || head_dim <= 0 || num_seqs < 0)
+/* Paged attention of num_seqs query groups over their contexts: decode (q_starts = NULL: query row s of
+   sequence s, one token at position context_lens[s] - 1) or short chunks (rows q_starts[s] + [0, q_lens[s]) of
+   query, query i at position context_lens[s] - q_lens[s] + i, seeing the keys up to it). Strides in elements,
+   the head dim contiguous. Returns 0; 1 if a block table entry within a context is out of range, 2 if the
+   shapes are inconsistent, 3 if memory ran out. */
+int pagedq_paged_attention(const void *query, int64_t q_seq, int64_t q_head, const void *k_cache,
+                           const void *v_cache, int64_t num_blocks, int block_size, int num_kv_heads, int head_dim,
+                           int num_seqs, int num_q_heads, const int32_t *block_tables, int table_width,
+                           const int32_t *context_lens, const int32_t *q_starts, const int32_t *q_lens, float scale,
+                           void *out, int64_t out_seq, int64_t out_head, int bf16, int num_threads) {
+    if (num_kv_heads <= 0 || num_q_heads % num_kv_heads || block_size <= 0 || head_dim <= 0 || num_seqs < 0 ||
+        (q_starts == NULL) != (q_lens == NULL))
         return 2;
-    const Args a = {query, k_cache, v_cache, q_seq, q_head, num_blocks, block_size, num_kv_heads, head_dim,
-                    num_q_heads, table_width, bf16, block_tables, context_lens, scale, out};
+    const Args a = {query, k_cache, v_cache, q_seq, q_head, out_seq, out_head, num_blocks, block_size,
+                    num_kv_heads, head_dim, num_q_heads, table_width, bf16, block_tables, context_lens, q_starts,
+                    q_lens, scale, out};
     const int64_t tasks = (int64_t)num_seqs * num_kv_heads;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic) num_threads(num_threads)
     for (int64_t task = 0; task < tasks; task++) {
-        if (run_task_any(&a, (int)(task / num_kv_heads), (int)(task % num_kv_heads))) {
+        const int status = run_task_any(&a, (int)(task / num_kv_heads), (int)(task % num_kv_heads));
+        if (status) {
 #pragma omp atomic write
-            failed = 1;
+            failed = status;
         }
     }
     return failed;

@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,7 +40,6 @@ SOURCE = Path(__file__).with_name("cpu_native.c")
 # No -ffast-math: it would let the compiler assume no NaN/inf (the reference propagates them) and reorder the
 # reductions; the kernel's loops are written so -O3 vectorises them without it.
 FLAGS = ("-O3", "-march=native", "-std=gnu11", "-fopenmp", "-fPIC", "-shared")
-MAX_GROUP_FLOATS = 16384  # query heads per KV head x head_dim: the C task keeps two such arrays on its stack
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -100,10 +100,10 @@ def build(directory: Path | None = None) -> Path:
 
 def _load() -> ctypes.CDLL:
     library = ctypes.CDLL(str(build()))
-    fn = library.pagedq_paged_decode
+    fn = library.pagedq_paged_attention
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i32, i32, i32, i32, i32, ptr, i32, ptr, ctypes.c_float, ptr]
-    fn.argtypes += [i32, i32]
+    fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i32, i32, i32, i32, i32, ptr, i32, ptr, ptr, ptr, ctypes.c_float]
+    fn.argtypes += [ptr, i64, i64, i32, i32]
     fn.restype = i32
     return library
 
@@ -144,9 +144,9 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.shape != v_cache.shape:
         return False
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    if query.dim() != 3 or query.shape[2] != head_dim or query.shape[1] % num_kv_heads or query.stride(2) != 1:
-        return False
-    return query.shape[1] // num_kv_heads * head_dim <= MAX_GROUP_FLOATS
+    return (
+        query.dim() == 3 and query.shape[2] == head_dim and query.shape[1] % num_kv_heads == 0 and query.stride(2) == 1
+    )
 
 
 def paged_decode_attention(
@@ -183,20 +183,80 @@ def run_decode(
     num_threads defaults to torch.get_num_threads(), as torch's own ops would use in this thread."""
     assert _library is not None, "call available() first"
     num_seqs, num_q_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     if tables.dim() != 2 or tables.shape[0] != num_seqs or lens.shape != (num_seqs,):
         raise ValueError(f"block_tables {tuple(tables.shape)} / context_lens {tuple(lens.shape)} for {num_seqs} rows")
     out = torch.empty(num_seqs, num_q_heads, head_dim, dtype=query.dtype)
-    if num_seqs == 0:
-        return out
-    status = _library.pagedq_paged_decode(
+    _call(query, k_cache, v_cache, tables, lens, None, scale, out, num_threads)
+    return out
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """Short query chunks for run_chunks, [N] / [N, M] contiguous int32, the longest context first (the dynamic
+    schedule then ends on short tasks): chunk s is query rows q_starts[s] + [0, q_lens[s]), query i at position
+    lens[s] - q_lens[s] + i over the blocks tables[s], seeing the keys up to its own."""
+
+    q_starts: torch.Tensor
+    q_lens: torch.Tensor
+    tables: torch.Tensor
+    lens: torch.Tensor
+
+
+def short_chunks(block_tables: torch.Tensor, starts: list[int], lens: list[int], seqs: list[int]) -> Chunks:
+    """The Chunks of sequences `seqs` of a prefill step: block_tables [P, M], cu_seqlens_q `starts` [P + 1] and
+    context_lens `lens` [P] as lists (prefill's plan has them so)."""
+    order = sorted(seqs, key=lambda seq: -lens[seq])
+    q_starts = torch.tensor([starts[seq] for seq in order], dtype=torch.int32)
+    q_lens = torch.tensor([starts[seq + 1] - starts[seq] for seq in order], dtype=torch.int32)
+    tables = block_tables[torch.tensor(order, dtype=torch.long)].to(torch.int32).contiguous()
+    return Chunks(q_starts, q_lens, tables, torch.tensor([lens[seq] for seq in order], dtype=torch.int32))
+
+
+def run_chunks(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    chunks: Chunks,
+    scale: float,
+    out: torch.Tensor,
+    num_threads: int | None = None,
+) -> None:
+    """Causal attention of short query chunks (Chunks) into their rows of `out` (the query's shape and dtype, head
+    dim contiguous; other rows are left as they are), with available() and supports() checked by the caller."""
+    if out.shape != query.shape or out.dtype != query.dtype or out.stride(2) != 1:
+        raise ValueError("out must have the query's shape and dtype, its head dim contiguous")
+    ends = chunks.q_starts.long() + chunks.q_lens.long()
+    if len(ends) and (int(ends.max()) > query.shape[0] or int(chunks.q_starts.min()) < 0):
+        raise ValueError(f"chunk rows outside the query's {query.shape[0]} rows")
+    limits = (chunks.q_starts, chunks.q_lens)
+    _call(query, k_cache, v_cache, chunks.tables, chunks.lens, limits, scale, out, num_threads)
+
+
+def _call(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    chunks: tuple[torch.Tensor, torch.Tensor] | None,
+    scale: float,
+    out: torch.Tensor,
+    num_threads: int | None,
+) -> None:
+    assert _library is not None, "call available() first"
+    if lens.shape[0] == 0:
+        return
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    starts, q_lens = (None, None) if chunks is None else (chunks[0].data_ptr(), chunks[1].data_ptr())
+    status = _library.pagedq_paged_attention(
         query.data_ptr(), query.stride(0), query.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
-        num_blocks, block_size, num_kv_heads, head_dim, num_seqs, num_q_heads, tables.data_ptr(), tables.shape[1],
-        lens.data_ptr(), scale, out.data_ptr(), query.dtype == torch.bfloat16,
-        num_threads or torch.get_num_threads(),
+        num_blocks, block_size, num_kv_heads, head_dim, lens.shape[0], query.shape[1], tables.data_ptr(),
+        tables.shape[1], lens.data_ptr(), starts, q_lens, scale, out.data_ptr(), out.stride(0), out.stride(1),
+        query.dtype == torch.bfloat16, num_threads or torch.get_num_threads(),
     )  # fmt: skip
     if status == 1:
         raise IndexError(f"a block table entry within a context is outside the pool of {num_blocks} blocks")
+    if status == 3:
+        raise MemoryError("native CPU attention could not allocate a task's state")
     if status:
         raise ValueError(f"native CPU attention rejected the shapes (status {status})")
-    return out

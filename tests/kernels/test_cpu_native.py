@@ -43,8 +43,8 @@ def _spread_lens(seed: int, count: int = 6, max_len: int = 600) -> list[int]:
 @pytest.mark.parametrize("group,head_dim", [(1, 64), (3, 64), (4, 64), (3, 32), (4, 128), (2, 44), (1, 96)])
 def test_native_decode_matches_reference(dtype, group, head_dim, num_threads):
     """GQA 1/3/4 (3: SmolLM2's 9 query heads on 3 KV heads), the head dims with a fast path (64, 128) and without
-    (32; 44 and 96 reach every vector and scalar tail of the loops over D), contexts at block edges and spread to 600, tables shuffled over the pool and
-    wider than each row needs (the extra entries point at other, random blocks)."""
+    (32; 44 and 96 reach every vector and scalar tail of the loops over D), contexts at block edges and spread to
+    600, tables shuffled over the pool and wider than each row needs (the extra entries point at random blocks)."""
     args = _inputs(_spread_lens(group * head_dim), group, head_dim, dtype)
     out = cpu_native.paged_decode_attention(*args, num_threads=num_threads)
     assert_close(out, reference.paged_decode_attention(*args))
@@ -205,3 +205,58 @@ def test_no_compiler_means_unavailable_logged_once(monkeypatch, tmp_path, caplog
         assert not cpu_native.available() and not cpu_native.available()
     assert "no C compiler" in (cpu_native.failure() or "")
     assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1
+
+
+def _chunk_inputs(chunks, group, head_dim, dtype, block_size=16):
+    """A prefill step of (cached prefix, q_len) chunks: query, caches, tables, cu_seqlens_q, context_lens."""
+    context_lens = [prefix + q_len for prefix, q_len in chunks]
+    k_cache, v_cache, tables, lens = make_paged_kv(context_lens, NUM_KV_HEADS, head_dim, block_size, dtype, "cpu")
+    q_lens = torch.tensor([q_len for _, q_len in chunks])
+    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).to(torch.int32)
+    query = torch.randn(int(q_lens.sum()), NUM_KV_HEADS * group, head_dim).to(dtype)
+    return query, k_cache, v_cache, tables, cu_seqlens, lens, head_dim**-0.5
+
+
+VERIFY_CHUNKS = [(14, 2), (3, 5), (300, 5), (58, 6), (7, 3), (280, 17), (1, 1), (150, 2), (0, 17), (0, 1), (16, 16)]
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group,head_dim", [(3, 64), (1, 32), (4, 128)])
+def test_native_short_chunks_match_reference(dtype, group, head_dim, num_threads):
+    """Verify rows (1..17 queries after a cached prefix, ending mid-block and on block edges) and short fresh
+    prompts, each query seeing the keys up to its own position; rows of out outside the chunks are left alone."""
+    torch.manual_seed(11)
+    query, k_cache, v_cache, tables, cu_seqlens, lens, scale = _chunk_inputs(VERIFY_CHUNKS, group, head_dim, dtype)
+    starts, lens_list = cu_seqlens.tolist(), lens.tolist()
+    chunks = cpu_native.short_chunks(tables, starts, lens_list, [s for s in range(len(VERIFY_CHUNKS)) if s != 4])
+    out = torch.full_like(query, 7.0)
+    cpu_native.run_chunks(query, k_cache, v_cache, chunks, scale, out, num_threads=num_threads)
+    expected = reference.paged_prefill_attention(query, k_cache, v_cache, tables, cu_seqlens, lens, scale)
+    skipped = slice(starts[4], starts[5])
+    assert (out[skipped] == 7.0).all()
+    out[skipped] = expected[skipped]
+    assert_close(out, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_plan_sends_short_chunks_to_native(monkeypatch, dtype):
+    """cpu_attention's prefill: long chunks by SDPA, short ones by the native kernel (which replaces the short
+    groups and their part of the gather); over an fp16 cache, which the kernel does not take, the short groups."""
+    torch.manual_seed(12)
+    calls: list[int] = []
+    native = cpu_native.run_chunks
+    monkeypatch.setattr(cpu_native, "run_chunks", lambda *args: calls.append(1) or native(*args))
+    chunks = [*VERIFY_CHUNKS, (0, 40), (35, 25)]  # and two longer than the batched bound
+    for cache_dtype, runs in ((dtype, [1]), (torch.float16, [1])):
+        query, k_cache, v_cache, tables, cu_seqlens, lens, scale = _chunk_inputs(chunks, 3, 64, cache_dtype)
+        plan = cpu_attention.plan_prefill(tables, cu_seqlens, lens, 16, 3, cpu_attention.use_native(k_cache))
+        assert (plan.native_short is not None) == (cache_dtype != torch.float16) and plan.short_groups
+        assert plan.long_blocks == sum(-(-chunk.context_len // 16) for chunk in plan.chunks)
+        out = cpu_attention.planned_prefill(query, k_cache, v_cache, plan, scale)
+        assert calls == runs
+        expected = reference.paged_prefill_attention(query, k_cache, v_cache, tables, cu_seqlens, lens, scale)
+        assert_close(out, expected)
+    forced = cpu_attention.plan_prefill(tables, cu_seqlens, lens, 16, 3, native=True)  # fp16 under a native plan
+    assert_close(cpu_attention.planned_prefill(query, k_cache, v_cache, forced, scale), expected)
+    assert calls == [1]
