@@ -7,7 +7,8 @@ oracle these are tested against). Why this shape, measured on the 2-core CPU (do
     or bf16, contiguous caches): one OpenMP task per (sequence, KV head) walks the sequence's blocks where they
     lie, with an online softmax, reading each K/V row once for all the head's query heads. The gather below
     copies K and V once more before SDPA reads them, which made that path ~2-3x SDPA over contiguous K/V of the
-    same shape; the native kernel is within ~1x of it (and below it on spread contexts, having no padding);
+    same shape; the native kernel is within ~1x of it (and below it on spread contexts, having no padding).
+    Prefill's short chunks (verify rows) go to the same kernel, each query with its causal limit;
   - otherwise `cache.index_select(0, blocks)` copies a sequence's blocks ~4x faster than `cache[tables]`
     (advanced indexing), at the speed of a plain copy of the same bytes;
   - the gathered [S, L, Hkv, D] buffer is handed to SDPA as a transposed view: SDPA's CPU flash kernel reads it

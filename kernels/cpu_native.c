@@ -2,8 +2,9 @@
    and short causal query chunks (speculative verify rows, <= 17 queries after a cached prefix).
 
    Same math as kernels.reference.paged_decode_attention (and paged_prefill_attention for the chunks): one query
-   per sequence over its context_len cached tokens (a chunk's query i sees context_len - q_len + i + 1 of them), scores and softmax and P.V in fp32 (bf16 is widened on load), the output rounded to the input dtype
-   (bf16: to nearest even, as torch rounds). No torch headers, so it compiles in about a second.
+   per sequence over its context_len cached tokens (a chunk's query i sees context_len - q_len + i + 1 of them),
+   scores and softmax and P.V in fp32 (bf16 is widened on load), the output rounded to the input dtype (bf16: to
+   nearest even, as torch rounds). No torch headers, so it compiles in about two seconds.
 
    Layout (fixed for the project): k_cache, v_cache [num_blocks, block_size, Hkv, D] contiguous; token t of block
    b, head h at ((b * block_size + t) * Hkv + h) * D. query [S, Hq, D] with row strides q_seq, q_head (elements;
@@ -107,7 +108,7 @@ static inline void accumulate(float *acc, float alpha, const float *p, const flo
 }
 
 /* Running state of one task: q [G][D] (fp32), acc [G][D], running max m [G] and sum l [G]. */
-/* Running state of one task, rows = its queries x the KV head's G query heads (row i * G + g): q [rows][D]
+/* Running state of one task (one per (sequence, KV head)), rows = its queries x the KV head's G query heads (row i * G + g): q [rows][D]
    (fp32), acc [rows][D], running max m and sum l [rows], and limit [rows]: how many tokens from the start of the
    context the row sees (decode: all of them; query i of a chunk of q_len: context_len - q_len + i + 1). */
 typedef struct {
