@@ -1,5 +1,5 @@
-"""Paged attention for the CPU: decode by a native kernel that reads the blocks in place (kernels/cpu_native.c),
-else, and for prefill, gather the blocks a step reads with `index_select`, then torch's fused SDPA.
+"""Paged attention for the CPU: decode and short prefill chunks by a native kernel that reads the blocks in place
+(kernels/cpu_native.c); else, and for longer chunks, gather the blocks with `index_select`, then torch's SDPA.
 
 Same signatures and semantics as `kernels.reference.paged_decode_attention` / `paged_prefill_attention` (the
 oracle these are tested against). Why this shape, measured on the 2-core CPU (docs/kernels.md has the figures):
