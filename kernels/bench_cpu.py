@@ -2,7 +2,9 @@
 against in the same run: torch's SDPA over the same K/V already contiguous (the cost of attention alone, with no
 gather: the target the paged path is held to; called both with enable_gqa and with each KV head's query heads
 folded into query rows, as the paged path does, and the faster of the two is the target) and the reference
-(kernels.reference, the oracle).
+(kernels.reference, the oracle). Decode reports both of its paths: the native kernel reading the blocks in place
+(kernels.cpu_native; `native_ms`, null where it is unavailable) and the index_select + SDPA fallback
+(`gather_sdpa_ms`); `ms` is the path kernels.cpu_attention takes here (`native_path` says which).
 
 Timings are medians over --repeats calls, after one warm-up call. The K/V pool is one layer's; each sequence's
 blocks are scattered over it as a busy server leaves them.
@@ -18,7 +20,7 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
-from kernels import cpu_attention, reference
+from kernels import cpu_attention, cpu_native, reference
 from kernels.cpu_allocator import tune_cpu_allocator
 
 
@@ -52,20 +54,14 @@ def bench_cpu_decode(args: argparse.Namespace, context_len: int, report: Callabl
     paged_args = (query, k_cache, v_cache, tables, lens, scale)
     shape = f"S={args.batch} ctx={context_len} Hq={num_q_heads} Hkv={num_kv_heads} D={args.head_dim} {args.dtype}"
     paged_ms = _median_ms(lambda: cpu_attention.paged_decode_attention(*paged_args), args.repeats)
-
-    def contiguous(cache: torch.Tensor) -> torch.Tensor:
-        return torch.stack([reference.gather_kv(cache, tables[s], context_len) for s in range(args.batch)]).transpose(
-            1, 2
-        )
-
-    keys, values = contiguous(k_cache).contiguous(), contiguous(v_cache).contiguous()
-    gqa_ms = _median_ms(
-        lambda: F.scaled_dot_product_attention(query[:, :, None], keys, values, scale=scale, enable_gqa=True),
-        args.repeats,
+    sdpa = _contiguous_sdpa_ms(args, query, k_cache, v_cache, tables, context_len)
+    gather_plan = cpu_attention.plan_decode(tables, lens, args.block_size, native=False)
+    gather_ms = _median_ms(
+        lambda: cpu_attention.planned_decode(query, k_cache, v_cache, gather_plan, scale), args.repeats
     )
-    folded = query.view(args.batch, num_kv_heads, num_q_heads // num_kv_heads, args.head_dim)  # as the paged path
-    folded_ms = _median_ms(lambda: F.scaled_dot_product_attention(folded, keys, values, scale=scale), args.repeats)
-    sdpa_ms = min(gqa_ms, folded_ms)  # the faster way to call SDPA on contiguous K/V: the target
+    native_ms = None
+    if cpu_native.available() and cpu_native.supports(query, k_cache, v_cache):
+        native_ms = _median_ms(lambda: cpu_native.paged_decode_attention(*paged_args), args.repeats)
     reference_ms = _median_ms(lambda: reference.paged_decode_attention(*paged_args), args.repeats)
     fast, oracle = cpu_attention.paged_decode_attention(*paged_args), reference.paged_decode_attention(*paged_args)
     diff = (fast.float() - oracle.float()).abs().max()
@@ -73,14 +69,46 @@ def bench_cpu_decode(args: argparse.Namespace, context_len: int, report: Callabl
         "cpu paged_decode_attention",
         shape,
         paged_ms,
-        sdpa_contiguous_ms=sdpa_ms,
-        sdpa_contiguous_gqa_ms=gqa_ms,
-        sdpa_contiguous_folded_ms=folded_ms,
-        over_sdpa=paged_ms / sdpa_ms,
+        sdpa_contiguous_ms=sdpa["sdpa_contiguous_ms"],
+        sdpa_contiguous_gqa_ms=sdpa["gqa"],
+        sdpa_contiguous_folded_ms=sdpa["folded"],
+        over_sdpa=paged_ms / sdpa["sdpa_contiguous_ms"],
         reference_ms=reference_ms,
         speedup_over_reference=reference_ms / paged_ms,
         max_abs_diff_vs_reference=float(diff),
+        native_path=cpu_attention.use_native(k_cache),
+        native_ms=native_ms,
+        native_over_sdpa=None if native_ms is None else native_ms / sdpa["sdpa_contiguous_ms"],
+        gather_sdpa_ms=gather_ms,
+        gather_sdpa_over_sdpa=gather_ms / sdpa["sdpa_contiguous_ms"],
     )
+
+
+def _contiguous_sdpa_ms(
+    args: argparse.Namespace,
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    context_len: int,
+) -> dict[str, float]:
+    """SDPA over the same K/V already contiguous ([S, Hkv, ctx, D]), called with enable_gqa and with the query
+    heads folded as the paged path folds them; the faster of the two is the target (sdpa_contiguous_ms)."""
+    num_q_heads, num_kv_heads = args.heads
+    scale = args.head_dim**-0.5
+
+    def contiguous(cache: torch.Tensor) -> torch.Tensor:
+        gathered = [reference.gather_kv(cache, tables[s], context_len) for s in range(args.batch)]
+        return torch.stack(gathered).transpose(1, 2).contiguous()
+
+    keys, values = contiguous(k_cache), contiguous(v_cache)
+    gqa_ms = _median_ms(
+        lambda: F.scaled_dot_product_attention(query[:, :, None], keys, values, scale=scale, enable_gqa=True),
+        args.repeats,
+    )
+    folded = query.view(args.batch, num_kv_heads, num_q_heads // num_kv_heads, args.head_dim)  # as the paged path
+    folded_ms = _median_ms(lambda: F.scaled_dot_product_attention(folded, keys, values, scale=scale), args.repeats)
+    return {"gqa": gqa_ms, "folded": folded_ms, "sdpa_contiguous_ms": min(gqa_ms, folded_ms)}
 
 
 def bench_cpu_prefill(args: argparse.Namespace, report: Callable[..., None]) -> None:

@@ -1,9 +1,16 @@
-"""Paged attention for the CPU: gather the blocks a step reads with `index_select`, then torch's fused SDPA.
+"""Paged attention for the CPU: decode and short prefill chunks by a native kernel that reads the blocks in place
+(kernels/cpu_native.c); else, and for longer chunks, gather the blocks with `index_select`, then torch's SDPA.
 
 Same signatures and semantics as `kernels.reference.paged_decode_attention` / `paged_prefill_attention` (the
 oracle these are tested against). Why this shape, measured on the 2-core CPU (docs/kernels.md has the figures):
-  - `cache.index_select(0, blocks)` copies a sequence's blocks ~4x faster than `cache[tables]` (advanced indexing),
-    at the speed of a plain copy of the same bytes;
+  - decode, when `cpu_native.available()` (a C compiler, PAGEDQ_CPU_NATIVE not 0) and the tensors suit it (fp32
+    or bf16, contiguous caches): one OpenMP task per (sequence, KV head) walks the sequence's blocks where they
+    lie, with an online softmax, reading each K/V row once for all the head's query heads. The gather below
+    copies K and V once more before SDPA reads them, which made that path ~2-3x SDPA over contiguous K/V of the
+    same shape; the native kernel is within ~1x of it (and below it on spread contexts, having no padding).
+    Prefill's short chunks (verify rows) go to the same kernel, each query with its causal limit;
+  - otherwise `cache.index_select(0, blocks)` copies a sequence's blocks ~4x faster than `cache[tables]`
+    (advanced indexing), at the speed of a plain copy of the same bytes;
   - the gathered [S, L, Hkv, D] buffer is handed to SDPA as a transposed view: SDPA's CPU flash kernel reads it
     strided as fast as contiguous, and a `.contiguous()` copy would cost more than it saves;
   - a boolean length mask (a float -inf mask made SDPA 4x slower), and for decode each KV head's query heads
@@ -12,10 +19,11 @@ oracle these are tested against). Why this shape, measured on the 2-core CPU (do
     context, never the step's widest table;
   - what every layer would recompute the same (the groups, the flat block list, the masks; prefill's chunks) is a
     plan built once a step (`plan_decode`, `plan_prefill`; engine/layers/attention.py keeps it on the step's
-    metadata), and each layer then gathers all its blocks with one index_select per cache.
-SDPA accumulates in fp32 for bf16/fp16 inputs, as the reference does; only the summation order differs.
-A kernel reading the blocks in place was tried as torch.compile (inductor's C++) over a gather-reduce
-formulation: 106 s to compile on 2 cores and no faster than this path (docs/kernels.md).
+    metadata), and each layer then gathers all its blocks with one index_select per cache. The native path's
+    plan is only the tables and lengths as contiguous int32.
+SDPA and the native kernel accumulate in fp32 for bf16 inputs, as the reference does; only the summation order
+differs. torch.compile (inductor's C++) over a gather-reduce formulation was tried before the native kernel:
+106 s to compile on 2 cores and no faster than the gather (docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch.nn import functional as F
+
+from kernels import cpu_native
 
 
 @dataclass(frozen=True)
@@ -43,18 +53,33 @@ class DecodePlan:
 
     blocks: every group's table blocks, group after group (one index_select per cache and layer gathers them all);
     order: the sequences sorted by context length (None when one group covers them in the step's order), inverse
-    its inverse permutation.
+    its inverse permutation. A plan for the native kernel has no groups, only `tables` [S, M] and `lens` [S]
+    (contiguous int32; None in an SDPA plan).
     """
 
     blocks: torch.Tensor
     groups: tuple[DecodeGroup, ...]
     order: torch.Tensor | None
     inverse: torch.Tensor | None
+    tables: torch.Tensor | None = None
+    lens: torch.Tensor | None = None
 
 
-def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> DecodePlan:
-    """Length groups (length_groups), the blocks each gathers and its length mask, for block_tables [S, M] int32
-    and context_lens [S] int32 (CPU tensors: no device sync to pay)."""
+def use_native(k_cache: torch.Tensor) -> bool:
+    """Whether decode over this cache runs the native kernel: it is available (built, not PAGEDQ_CPU_NATIVE=0) and
+    takes the cache (fp32 or bf16, contiguous, on the CPU). What plan_decode's `native` is told."""
+    return k_cache.dtype in (torch.float32, torch.bfloat16) and k_cache.is_contiguous() and cpu_native.available()
+
+
+def plan_decode(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, native: bool = False
+) -> DecodePlan:
+    """The step's plan for block_tables [S, M] int32 and context_lens [S] int32 (CPU tensors: no device sync to
+    pay). native (callers pass use_native(k_cache)): a plan for the native kernel, just the tables and lengths as
+    contiguous int32; else the length groups (length_groups), the blocks each gathers and its length mask."""
+    if native:
+        int_tables, int_lens = block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous()
+        return DecodePlan(torch.zeros(0, dtype=torch.long), (), None, None, int_tables, int_lens)
     lens = context_lens.numpy()
     groups = length_groups(lens, block_size) if len(lens) else []
     order = inverse = None
@@ -91,7 +116,8 @@ def paged_decode_attention(
     query [S, Hq, D]; block_tables [S, M] int32; context_lens [S] int32 -> [S, Hq, D].
     Plans the step (plan_decode) and runs it; the engine's layers plan once a step and call planned_decode.
     """
-    return planned_decode(query, k_cache, v_cache, plan_decode(block_tables, context_lens, k_cache.shape[1]), scale)
+    plan = plan_decode(block_tables, context_lens, k_cache.shape[1], use_native(k_cache))
+    return planned_decode(query, k_cache, v_cache, plan, scale)
 
 
 def planned_decode(
@@ -104,11 +130,17 @@ def planned_decode(
     enable_gqa): SDPA then reads each head's K/V once for all its queries, not once per query head (a 48-sequence
     step at context 256 on SmolLM2's 9:3 heads: 4.8 against 5.6 ms a layer, one thread). The length mask is the
     same for every row of a head, so folding the queries changes nothing else.
+    A native plan runs the native kernel, or, for tensors it does not take (cpu_native.supports), is planned again
+    for SDPA.
     """
     num_seqs, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if plan.tables is not None and plan.lens is not None:
+        if cpu_native.supports(query, k_cache, v_cache):
+            return cpu_native.run_decode(query, k_cache, v_cache, plan.tables, plan.lens, scale)
+        plan = plan_decode(plan.tables, plan.lens, block_size, native=False)
     if num_seqs == 0:
         return torch.empty_like(query)
-    _, block_size, num_kv_heads, _ = k_cache.shape
     keys, values = k_cache.index_select(0, plan.blocks), v_cache.index_select(0, plan.blocks)
     if plan.order is not None:
         query = query.index_select(0, plan.order)
@@ -202,6 +234,10 @@ class PrefillPlan:
     chunks: tuple[PrefillChunk, ...]
     short_groups: tuple[ShortChunkGroup, ...] = ()
     heads_per_kv: int = 1  # query heads per KV head, which the short groups' masks are laid out for
+    # The short chunks for the native kernel (a native plan): where it takes the tensors it replaces the short
+    # groups and their part of the gather, blocks[long_blocks:] (the long chunks' blocks come first).
+    native_short: cpu_native.Chunks | None = None
+    long_blocks: int = 0
 
 
 def plan_prefill(
@@ -210,9 +246,12 @@ def plan_prefill(
     context_lens: torch.Tensor,
     block_size: int,
     heads_per_kv: int = 1,
+    native: bool = False,
 ) -> PrefillPlan:
     """The chunks of a prefill step (empty ones left out), their blocks and causal masks: once a step. Chunks of
-    up to MAX_BATCHED_QUERY_TOKENS queries go to length groups (length_groups), the others one call each."""
+    up to MAX_BATCHED_QUERY_TOKENS queries go to length groups (length_groups) and, if `native` (use_native),
+    also to the native kernel's Chunks, which replace the groups where it takes the tensors; the others one call
+    each."""
     starts, lens = cu_seqlens_q.tolist(), context_lens.tolist()
     blocks, chunks, short, block_start = [], [], [], 0
     for seq, context_len in enumerate(lens):
@@ -230,7 +269,8 @@ def plan_prefill(
             mask = torch.arange(context_len)[None, :] <= torch.arange(prefix, context_len)[:, None]
         chunks.append(PrefillChunk(q_start, q_end, context_len, block_start, mask))
         block_start += num_blocks
-    groups = []
+    groups, long_blocks = [], block_start
+    native_short = cpu_native.short_chunks(block_tables, starts, lens, short) if short and native else None
     if short:
         seqs = np.array(short)[np.argsort(np.array(lens)[short], kind="stable")]
         for start, end, longest in length_groups(np.array(lens)[seqs], block_size):
@@ -239,7 +279,7 @@ def plan_prefill(
             block_start += group.rows * group.num_blocks
             groups.append(group)
     flat = torch.cat(blocks).long() if blocks else torch.zeros(0, dtype=torch.long)
-    return PrefillPlan(flat, tuple(chunks), tuple(groups), heads_per_kv)
+    return PrefillPlan(flat, tuple(chunks), tuple(groups), heads_per_kv, native_short, long_blocks)
 
 
 def _short_group(
@@ -286,7 +326,8 @@ def paged_prefill_attention(
     Plans the step (plan_prefill) and runs it; the engine's layers plan once a step and call planned_prefill.
     """
     _, block_size, num_kv_heads, _ = k_cache.shape
-    plan = plan_prefill(block_tables, cu_seqlens_q, context_lens, block_size, query.shape[1] // num_kv_heads)
+    heads = query.shape[1] // num_kv_heads
+    plan = plan_prefill(block_tables, cu_seqlens_q, context_lens, block_size, heads, use_native(k_cache))
     return planned_prefill(query, k_cache, v_cache, plan, scale)
 
 
@@ -295,12 +336,14 @@ def planned_prefill(
 ) -> torch.Tensor:
     """One SDPA call per long chunk over its part of one gather: a chunk's work (q_len x context_len) dwarfs the
     call, and padding the chunks of a step to one batch wasted more than the loop costs (prompt lengths vary a
-    lot). Then one call per group of short chunks (verify rows), as decode does its rows."""
+    lot). Then the short chunks (verify rows): by the native kernel, or one call per group, as decode does."""
     out = torch.empty_like(query)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
+    native = plan.native_short is not None and cpu_native.supports(query, k_cache, v_cache)
+    blocks = plan.blocks[: plan.long_blocks] if native else plan.blocks
     if plan.short_groups and query.shape[1] != plan.heads_per_kv * num_kv_heads:
         raise ValueError(f"the plan folds {plan.heads_per_kv} query heads per KV head, the query has {query.shape[1]}")
-    keys, values = k_cache.index_select(0, plan.blocks), v_cache.index_select(0, plan.blocks)
+    keys, values = k_cache.index_select(0, blocks), v_cache.index_select(0, blocks)
     for chunk in plan.chunks:
         width = -(-chunk.context_len // block_size)
         part = slice(chunk.block_start, chunk.block_start + width)
@@ -311,6 +354,9 @@ def planned_prefill(
             q, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=True
         )
         out[chunk.q_start : chunk.q_end] = attended[0].transpose(0, 1)
+    if native and plan.native_short is not None:
+        cpu_native.run_chunks(query, k_cache, v_cache, plan.native_short, scale, out)
+        return out
     for group in plan.short_groups:
         out.index_copy_(0, group.targets, _attend_short_group(query, keys, values, group, block_size, scale))
     return out

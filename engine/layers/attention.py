@@ -35,12 +35,16 @@ AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], to
 
 
 def _decode_kernel(ops: KernelSet, k_cache: torch.Tensor, meta: AttentionMetadata) -> AttentionKernel:
-    """(q, k_cache, v_cache, scale) -> decode attention. On the CPU backend, over the step's plan (the gather's
-    blocks, length groups and masks), built by the first layer and reused by the others (kernels/cpu_attention.py)."""
+    """(q, k_cache, v_cache, scale) -> decode attention. On the CPU backend, over the step's plan (for the native
+    kernel the tables and lengths as int32, else the gather's blocks, length groups and masks), built by the first
+    layer and reused by the others (kernels/cpu_attention.py)."""
     tables, lens = meta.decode_block_tables, meta.decode_context_lens
     if ops.backend != "cpu":
         return lambda q, k, v, scale: ops.paged_decode_attention(q, k, v, tables, lens, scale)
-    plan = meta.derive("cpu_decode_plan", lambda: cpu_attention.plan_decode(tables, lens, k_cache.shape[1]))
+    plan = meta.derive(
+        "cpu_decode_plan",
+        lambda: cpu_attention.plan_decode(tables, lens, k_cache.shape[1], cpu_attention.use_native(k_cache)),
+    )
     return lambda q, k, v, scale: cpu_attention.planned_decode(q, k, v, plan, scale)
 
 
@@ -48,14 +52,17 @@ def _prefill_kernel(
     ops: KernelSet, k_cache: torch.Tensor, meta: AttentionMetadata, num_q_heads: int
 ) -> AttentionKernel:
     """(q, k_cache, v_cache, scale) -> prefill attention; on the CPU backend over the step's plan, whose batched short
-    chunks (verify rows) fold num_q_heads // num_kv_heads query heads per KV head into their masks."""
+    chunks (verify rows) go to the native kernel where it runs, else fold num_q_heads // num_kv_heads query heads
+    per KV head into their masks."""
     tables, cu_seqlens, lens = meta.prefill_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_context_lens
     if ops.backend != "cpu":
         return lambda q, k, v, scale: ops.paged_prefill_attention(q, k, v, tables, cu_seqlens, lens, scale)
-    plan = meta.derive(
-        "cpu_prefill_plan",
-        lambda: cpu_attention.plan_prefill(tables, cu_seqlens, lens, k_cache.shape[1], num_q_heads // k_cache.shape[2]),
-    )
+
+    def build() -> cpu_attention.PrefillPlan:  # by the step's first layer; the others reuse it
+        block_size, heads, native = k_cache.shape[1], num_q_heads // k_cache.shape[2], cpu_attention.use_native(k_cache)
+        return cpu_attention.plan_prefill(tables, cu_seqlens, lens, block_size, heads, native)
+
+    plan = meta.derive("cpu_prefill_plan", build)
     return lambda q, k, v, scale: cpu_attention.planned_prefill(q, k, v, plan, scale)
 
 
