@@ -54,8 +54,12 @@ def advance_sequences(
             _advance_verified(scheduler, request, draws, max_model_len, find_stops)
             verified.append(request)
             continue
-        if len(draws) == 1:  # the common case, without the zip
-            request.append_output_token(draws[0])
+        if len(draws) == 1:  # the common case, without the zip (nor a call, for a bare token after the first)
+            draw = draws[0]
+            if draw[1] is None and draw[2] is None and request.first_token_time is not None:
+                request.all_token_ids.append(draw[0])  # all append_output_token does for it
+            else:
+                request.append_output_token(draw)
             advanced.append(request)
             continue
         for sequence, draw in zip(_fan_out(scheduler, request, len(draws)), draws):
