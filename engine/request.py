@@ -45,7 +45,7 @@ class SampledToken(NamedTuple):
     top_logprobs: dict[int, float] | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class Request:
     request_id: str
     prompt_token_ids: list[int]

@@ -37,6 +37,8 @@ _START = attrgetter("start_position")
 _TOKEN_IDS = attrgetter("token_ids")
 _NEEDS_SAMPLE = attrgetter("needs_sample")
 _NUM_PROMPT = attrgetter("num_prompt_tokens")
+_DRAFTS = attrgetter("draft_token_ids")
+_FAN_OUT = attrgetter("fan_out")
 
 
 def decodes_first(
@@ -74,7 +76,7 @@ def build_step_inputs(
     # so its flat index is its chunk's index.
     unknown = np.flatnonzero(starts >= num_known)
     total = int(lengths.sum())
-    if total == count and not any(map(attrgetter("draft_token_ids"), ordered)):  # decodes only: a token each
+    if (lengths == 1).all() and not any(map(_DRAFTS, ordered)):  # decodes only: a token each, no drafts
         token_ids = np.zeros(count, dtype=np.int64)
         known = np.flatnonzero(starts < num_known)
         if len(known) == count:
@@ -117,7 +119,7 @@ def plain_draw_layout(ordered: list[ScheduledChunk], infos: list[RowInfo], rows:
     or drafts: one draw per sampling chunk, without that function's per-field passes. None when some chunk has
     either (draw_layout then decides)."""
     count = len(ordered)
-    if any(map(attrgetter("draft_token_ids"), ordered)) or any(map(attrgetter("fan_out"), infos)):
+    if any(map(_DRAFTS, ordered)) or any(map(_FAN_OUT, infos)):
         return None
     chunks = np.flatnonzero(np.fromiter(map(_NEEDS_SAMPLE, ordered), dtype=bool, count=count))
     if not len(chunks):
