@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -24,11 +25,12 @@ import torch
 
 from engine.sampler import SamplingBatch
 from engine.sampling_params import SamplingParams
-from engine.step_data import CachedRequestData, NewRequestData, StepPlan
+from engine.step_data import NewRequestData, StepPlan
 
 if TYPE_CHECKING:
     from engine.spec.verify_plan import VerifyPlan
 
+_WANTS_LOGPROBS = attrgetter("wants_logprobs")
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
@@ -146,14 +148,30 @@ class BatchState:
                 self.uses_penalties[row] = self.has_logit_bias[row] = False
                 self._free.append(row)
 
-    def apply(self, plan: StepPlan) -> None:
-        """Drop the rows of requests that left, add the new requests, patch the held ones."""
+    def apply(self, plan: StepPlan) -> tuple[list[int], list[RowInfo]]:
+        """Drop the rows of requests that left, add the new requests, patch the held ones; returns each chunk's
+        row and row info, in the plan's order."""
         self.drop(plan.finished_req_ids)
+        row_of, info_of = self.rows, self.info
+        rows: list[int] = []
+        infos: list[RowInfo] = []
         for chunk in plan.chunks:
             if isinstance(chunk, NewRequestData):
                 self._add(chunk)
-            else:
-                self._patch(chunk)
+                row = row_of[chunk.req_id]
+                info = info_of[row]
+                assert info is not None
+            else:  # a held request's diff (inlined: one per request per step)
+                row = row_of[chunk.req_id]
+                info = info_of[row]
+                if info is None:
+                    raise RuntimeError(f"request {chunk.req_id} holds row {row}, which is free")
+                info.token_ids.extend(chunk.new_token_ids)
+                if chunk.block_ids:
+                    self._set_blocks(row, chunk.block_ids_from, chunk.block_ids)
+            rows.append(row)
+            infos.append(info)
+        return rows, infos
 
     def _add(self, new: NewRequestData) -> None:
         self.drop((new.req_id,))  # a stale row (its departure named in a plan that never ran)
@@ -213,15 +231,6 @@ class BatchState:
             raise RuntimeError("penalty state used before any request with penalties allocated it")
         return self.prompt_mask, self.output_counts
 
-    def _patch(self, diff: CachedRequestData) -> None:
-        row = self.rows[diff.req_id]
-        info = self.info[row]
-        if info is None:
-            raise RuntimeError(f"request {diff.req_id} holds row {row}, which is free")
-        info.token_ids.extend(diff.new_token_ids)
-        if diff.block_ids:
-            self._set_blocks(row, diff.block_ids_from, diff.block_ids)
-
     # ---- one step's views ----------------------------------------------------------------------------
     def tables(self, rows: np.ndarray) -> np.ndarray:
         """[len(rows), widest] block tables of these rows (entries past a row's length are never read)."""
@@ -229,11 +238,18 @@ class BatchState:
         return self.block_table[rows, :width]
 
     def sampling_plan(
-        self, rows: np.ndarray, draw_index: np.ndarray, positions: np.ndarray, verify: VerifyPlan | None = None
+        self,
+        rows: np.ndarray,
+        draw_index: np.ndarray,
+        positions: np.ndarray,
+        verify: VerifyPlan | None = None,
+        infos: list[RowInfo] | None = None,
     ) -> SamplingPlan:
         """Host side of a step's sampling settings for draws from `rows` (a row repeats for a fan-out or for its
-        verify positions; `draw_index` numbers a fan-out's draws; `positions`: the output index each draw is for)."""
-        infos = [self.info[row] for row in rows.tolist()]
+        verify positions; `draw_index` numbers a fan-out's draws; `positions`: the output index each draw is for;
+        `infos`: the rows' infos when the caller has them)."""
+        if infos is None:
+            infos = [self.info[row] for row in rows.tolist()]
         floats, top_ks = self.floats[rows], self.top_k_seed[rows, 0]
         first = draw_index == 0
         if verify is not None:
@@ -252,7 +268,7 @@ class BatchState:
             seeds=self.top_k_seed[rows, 1],
             verify=verify,
         )
-        if any(info.wants_logprobs for info in infos):
+        if any(map(_WANTS_LOGPROBS, infos)):
             plan.max_num_logprobs = max(info.params.logprobs or 0 for info in infos)
         if self.has_logit_bias[rows].any():  # no per-row Python loop for batches without a bias
             plan.logit_bias = _sparse_bias(infos)

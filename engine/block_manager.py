@@ -50,6 +50,11 @@ class BlockManager:
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    @property
+    def block_tables(self) -> dict[str, list[int]]:
+        """Every request's block table, by request id (read-only to callers: for per-step loops over many)."""
+        return self._block_tables
+
     def block_table(self, request_id: str) -> list[int]:
         return self._block_tables.get(request_id, [])
 
@@ -136,6 +141,25 @@ class BlockManager:
                 self._filled_slots += new_fill - fill[block_id]
                 fill[block_id] = new_fill
         return copies
+
+    def append_slot(self, request_id: str, position: int, token_ids: list[int], num_known: int) -> bool:
+        """`allocate_slots(request_id, position, position + 1)` then `cache_full_blocks(request_id, token_ids,
+        num_known)` for the common decode step, where `position` falls in a block the request already holds alone:
+        no growth, no copy-on-write, only its fill counter moves. False (nothing changed) otherwise: then those two
+        decide. Most steps of a decoding sequence take this, so it is one call with the arithmetic inlined."""
+        table = self._block_tables.get(request_id)
+        index = position // self.block_size
+        if table is None or index >= len(table) or self._ref_counts[block_id := table[index]] != 1:
+            return False
+        new_fill = position - index * self.block_size + 1
+        if new_fill > self._fill[block_id]:
+            self._filled_slots += new_fill - self._fill[block_id]
+            self._fill[block_id] = new_fill
+        if self.enable_prefix_caching:
+            hashes = self._block_hashes.get(request_id)
+            if hashes is None or len(hashes) < num_known // self.block_size:  # a block filled: hash it
+                self.cache_full_blocks(request_id, token_ids, num_known)
+        return True
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Cut a request's slots back to its first `num_tokens` (lookahead slots of speculative drafts that

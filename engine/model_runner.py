@@ -25,7 +25,7 @@ from engine.runner_outputs import prompt_logprobs, sampled_tokens
 from engine.sampler import sample
 from engine.spec.verify import draw_layout, record_verified
 from engine.step_data import ModelRunnerOutput, ScheduledChunk, StepPlan
-from engine.step_inputs import StepInputs, build_step_inputs
+from engine.step_inputs import StepInputs, build_step_inputs, decodes_first, plain_draw_layout
 
 
 @dataclass
@@ -123,17 +123,20 @@ class ModelRunner:
     def prepare(self, plan: StepPlan) -> PreparedStep:
         """Host side: patch the persistent batch and build the step's inputs (may run while a step is on the
         device: nothing here reads or writes device tensors)."""
-        self.state.apply(plan)
+        rows_of_chunks, infos_of_chunks = self.state.apply(plan)
         # Taken here, on the host, and run by this step's device work: the device thread never touches the queue.
         device_ops = self.state.take_device_ops()
         if not plan.chunks:
             return PreparedStep(plan, device_ops)
-        ordered = sorted(plan.chunks, key=lambda c: c.num_new_tokens > 1)  # decodes first
-        rows = np.fromiter((self.state.rows[c.req_id] for c in ordered), dtype=np.int64, count=len(ordered))
-        infos = [self.state.info[row] for row in rows.tolist()]
-        inputs = build_step_inputs(ordered, infos, rows, self.state.tables(rows), self.block_size)
+        ordered, rows, infos, lengths = decodes_first(plan.chunks, rows_of_chunks, infos_of_chunks)
+        inputs = build_step_inputs(ordered, infos, rows, self.state.tables(rows), self.block_size, lengths)
         self.num_device_fed_tokens += len(inputs.placeholders)
-        draws = draw_layout(ordered, infos, rows, inputs.lengths)
+        plain = plain_draw_layout(ordered, infos, rows, inputs.lengths)  # the common step: no fan-out, no drafts
+        if plain is None:
+            draws, draw_infos = draw_layout(ordered, infos, rows, inputs.lengths), None
+        else:
+            draws, sampling_chunks = plain
+            draw_infos = infos if len(sampling_chunks) == len(infos) else [infos[i] for i in sampling_chunks.tolist()]
         if draws is None:
             return PreparedStep(plan, device_ops, ordered, infos, inputs)
         last_index, draw_rows, draw_index, positions, verify = draws
@@ -143,7 +146,7 @@ class ModelRunner:
             ordered,
             infos,
             inputs,
-            self.state.sampling_plan(draw_rows, draw_index, positions, verify),
+            self.state.sampling_plan(draw_rows, draw_index, positions, verify, draw_infos),
             last_index,
         )
 

@@ -104,15 +104,24 @@ class OutputProcessor:
 
     def report(self, advanced: list[Request]) -> list[RequestOutput]:
         """One output per group that advanced, per its output kind (the final one for a finished group)."""
-        touched: dict[str, tuple[list[int], bool]] = {}
+        touched: dict[str, tuple[list[int], bool] | None] = {}
+        final_only, running = RequestOutputKind.FINAL_ONLY, RequestStatus.RUNNING
         for request in advanced:
+            status = request.status
+            finished = status is not running and status.is_finished
+            if not finished and request.sampling_params.output_kind is final_only:
+                # Nothing to report for it (its group may still finish by another sequence, which fills the entry).
+                touched.setdefault(request.group_id, None)
+                continue
             indices, any_finished = touched.get(request.group_id) or ([], False)
             indices.append(request.index)
-            touched[request.group_id] = indices, any_finished or request.is_finished
+            touched[request.group_id] = indices, any_finished or finished
         outputs = []
-        for group_id, (indices, any_finished) in touched.items():
+        for group_id, entry in touched.items():
+            if entry is None:
+                continue
             # A group can only have finished this step if one of the sequences that advanced did.
-            output = self._report(self.groups[group_id], indices, any_finished)
+            output = self._report(self.groups[group_id], *entry)
             if output is not None:
                 outputs.append(output)
         return outputs

@@ -32,26 +32,37 @@ def advance_sequences(
     """Apply one step's results to the scheduler's requests (whose computed counts advanced when scheduled);
     returns every sequence that got a new token (finished and newly forked ones included)."""
     advanced, verified = [], []
+    running = RequestStatus.RUNNING
     for item in output.scheduled:
         request = item.request
-        if request.is_finished or request.epoch != item.epoch:
+        status = request.status
+        if (status is not running and status.is_finished) or request.epoch != item.epoch:
             continue  # finished, aborted or sent back to recompute while the step ran (async): drop its result
         request.num_in_flight -= 1
-        request.num_placeholders -= item.needs_sample and not request.is_beam
+        is_beam = request.is_beam
+        if item.needs_sample and not is_beam:
+            request.num_placeholders -= 1
         if prompt_logprobs and request.request_id in prompt_logprobs:
             request.prompt_logprobs.extend(prompt_logprobs[request.request_id])
         draws = sampled.get(request.request_id)
         if not draws:
             continue  # a prefill chunk that did not reach the end of the prompt
-        if request.is_beam:
+        if is_beam:
             request.beam_candidates = draws[0].top_logprobs
             continue
         if item.draft_token_ids:
             _advance_verified(scheduler, request, draws, max_model_len, find_stops)
             verified.append(request)
             continue
-        sequences = [request] if len(draws) == 1 else _fan_out(scheduler, request, len(draws))
-        for sequence, draw in zip(sequences, draws):
+        if len(draws) == 1:  # the common case, without the zip (nor a call, for a bare token after the first)
+            draw = draws[0]
+            if draw[1] is None and draw[2] is None and request.first_token_time is not None:
+                request.all_token_ids.append(draw[0])  # all append_output_token does for it
+            else:
+                request.append_output_token(draw)
+            advanced.append(request)
+            continue
+        for sequence, draw in zip(_fan_out(scheduler, request, len(draws)), draws):
             sequence.append_output_token(draw)
             advanced.append(sequence)
     for sequence in advanced:

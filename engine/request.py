@@ -45,7 +45,7 @@ class SampledToken(NamedTuple):
     top_logprobs: dict[int, float] | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -150,23 +150,25 @@ class Request:
     def append_output_token(self, sampled: SampledToken) -> None:
         if self.first_token_time is None:
             self.first_token_time = time.monotonic()
-        self.all_token_ids.append(sampled.token_id)
-        if sampled.logprob is not None:
-            self.cumulative_logprob += sampled.logprob
-        if self.sampling_params.logprobs is not None and sampled.top_logprobs is not None:
-            self.logprobs.append(sampled.top_logprobs)
+        token_id, logprob, top_logprobs = sampled
+        self.all_token_ids.append(token_id)
+        if logprob is not None:
+            self.cumulative_logprob += logprob
+        if top_logprobs is not None and self.sampling_params.logprobs is not None:
+            self.logprobs.append(top_logprobs)
 
     def check_token_stop(self, max_model_len: int) -> RequestStatus | None:
         """Stop conditions decidable from token ids alone (stop strings need text: the output processor)."""
         params = self.sampling_params
-        last = self.all_token_ids[-1]
-        num_tokens = len(self.all_token_ids)
+        token_ids = self.all_token_ids
+        num_tokens = len(token_ids)
         num_output_tokens = num_tokens - len(self.prompt_token_ids)
         if num_output_tokens >= params.min_tokens:
+            last = token_ids[-1]
             if not params.ignore_eos and last in self.eos_token_ids:
                 self.stop_reason = None
                 return RequestStatus.FINISHED_STOPPED
-            if last in params.stop_token_ids:
+            if params.stop_token_ids and last in params.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
         if num_output_tokens >= params.max_tokens or num_tokens >= max_model_len:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import torch
 
 from engine.batch_state import RowInfo
 from engine.request import SampledToken
 from engine.sampler import SamplerOutput
 from engine.step_data import ModelRunnerOutput, ScheduledChunk
+
+_REQ_ID = attrgetter("req_id")
 
 
 def sampled_tokens(
@@ -27,12 +31,13 @@ def sampled_tokens(
         )
     sampled = output.sampled
     if sampled_lps is None:  # the common case, kept lean: it runs for every sequence every step
-        for info, token in zip(draw_rows, token_ids):
-            draws = sampled.get(info.req_id)
+        get, new = sampled.get, tuple.__new__  # tuple.__new__: without the NamedTuple's Python-level __new__
+        for req_id, token in zip(map(_REQ_ID, draw_rows), token_ids):
+            draws = get(req_id)
             if draws is None:
-                sampled[info.req_id] = [SampledToken(token)]
+                sampled[req_id] = [new(SampledToken, (token, None, None))]
             else:
-                draws.append(SampledToken(token))
+                draws.append(new(SampledToken, (token, None, None)))
         return
     for i, info in enumerate(draw_rows):
         draw = SampledToken(token_ids[i])

@@ -17,9 +17,11 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from operator import attrgetter
+from typing import TYPE_CHECKING
 
 from engine.block_manager import BlockManager
+from engine.decode_fast_path import ScheduledRequest, schedule_decodes
 from engine.request import Request, RequestStatus
 from engine.seats import SeatPolicy, seat_victims, seats_of, waiting_groups
 from engine.step_data import StepPlan
@@ -29,19 +31,7 @@ from engine.swap import SwapSpace
 if TYPE_CHECKING:
     from engine.spec.drafts import Speculation
 
-
-class ScheduledRequest(NamedTuple):
-    """One sequence's share of a step, the scheduler's own record of it (the runner gets `SchedulerOutput.plan`).
-
-    A NamedTuple rather than a frozen dataclass: one is built per sequence per step, and it is 3x cheaper.
-    """
-
-    request: Request
-    num_new_tokens: int
-    start_position: int  # the request's num_computed_tokens when scheduled
-    needs_sample: bool  # this chunk reaches the request's last token, so its logits yield the next token
-    epoch: int  # the request's epoch when scheduled: a result from before a recompute preemption is stale
-    draft_token_ids: tuple[int, ...] = ()  # speculative drafts after its last token (counted in num_new_tokens)
+_NUM_NEW, _DRAFTS = attrgetter("num_new_tokens"), attrgetter("draft_token_ids")
 
 
 @dataclass
@@ -58,11 +48,11 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(map(_NUM_NEW, self.scheduled))
 
     @property
     def num_drafts(self) -> int:
-        return sum(len(s.draft_token_ids) for s in self.scheduled)
+        return sum(map(len, map(_DRAFTS, self.scheduled)))  # C loops: read twice per step
 
     @property
     def is_empty(self) -> bool:
@@ -155,8 +145,14 @@ class Scheduler:
         num_seat_victims = self._preempt_for_seats(output)
         budget = self.max_num_batched_tokens
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
+        running, scheduled, manager = self.running, output.scheduled, self.block_manager
+        while index < len(running) and budget > 0:
+            if speculation is None:  # most sequences most steps: one token into a block of their own
+                reached = schedule_decodes(running, index, budget, manager, self.max_model_len, scheduled)
+                budget, index = budget - (reached - index), reached
+                if index == len(running) or not budget:
+                    break
+            request = running[index]
             placeholders = request.num_placeholders
             num_new = min(len(request.all_token_ids) + placeholders - request.num_computed_tokens, budget)
             if num_new == 0 or (placeholders and self._waits_for_its_token(request)):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter, getitem
 
 import numpy as np
 
@@ -30,33 +32,75 @@ class StepInputs:
         return self.num_decode == len(self.lengths)
 
 
+_NUM_NEW = attrgetter("num_new_tokens")
+_START = attrgetter("start_position")
+_TOKEN_IDS = attrgetter("token_ids")
+_NEEDS_SAMPLE = attrgetter("needs_sample")
+_NUM_PROMPT = attrgetter("num_prompt_tokens")
+_DRAFTS = attrgetter("draft_token_ids")
+_FAN_OUT = attrgetter("fan_out")
+
+
+def decodes_first(
+    chunks: Sequence[ScheduledChunk], rows: list[int], infos: list[RowInfo]
+) -> tuple[list[ScheduledChunk], np.ndarray, list[RowInfo], np.ndarray]:
+    """The step's chunks with the decodes first, in order otherwise (a stable sort), with their rows, infos and
+    token counts. Per-field arrays come from map(attrgetter): C loops, no generator frame per sequence."""
+    lengths = np.fromiter(map(_NUM_NEW, chunks), dtype=np.int64, count=len(chunks))
+    multi = lengths > 1
+    if (multi[:-1] <= multi[1:]).all():  # already decodes first: most steps
+        return list(chunks), np.array(rows, dtype=np.int64), infos, lengths
+    order = np.argsort(multi, kind="stable")
+    picked = order.tolist()
+    row_array = np.array(rows, dtype=np.int64)[order]
+    return [chunks[i] for i in picked], row_array, [infos[i] for i in picked], lengths[order]
+
+
 def build_step_inputs(
-    ordered: list[ScheduledChunk], infos: list[RowInfo], rows: np.ndarray, block_tables: np.ndarray, block_size: int
+    ordered: list[ScheduledChunk],
+    infos: list[RowInfo],
+    rows: np.ndarray,
+    block_tables: np.ndarray,
+    block_size: int,
+    lengths: np.ndarray | None = None,
 ) -> StepInputs:
     # numpy, not Python lists or torch.tensor(nested lists): this runs every step on the host while the GPU
     # waits, and at 256 sequences with ~100-block tables the list version cost several milliseconds.
-    lengths = np.fromiter((c.num_new_tokens for c in ordered), dtype=np.int64, count=len(ordered))
-    starts = np.fromiter((c.start_position for c in ordered), dtype=np.int64, count=len(ordered))
+    count = len(ordered)
+    if lengths is None:
+        lengths = np.fromiter(map(_NUM_NEW, ordered), dtype=np.int64, count=count)
+    starts = np.fromiter(map(_START, ordered), dtype=np.int64, count=count)
+    token_lists = list(map(_TOKEN_IDS, infos))
+    num_known = np.fromiter(map(len, token_lists), dtype=np.int64, count=count)
     # Only a decode can bring a token still unknown (the one its previous step is drawing): decodes come first,
     # so its flat index is its chunk's index.
-    unknown = [i for i, (c, info) in enumerate(zip(ordered, infos)) if c.start_position >= len(info.token_ids)]
-    # A verify row brings its drafts after its known tokens (engine/spec/verify.py).
-    token_ids = np.fromiter(
-        itertools.chain.from_iterable(
-            (info.token_ids[c.start_position : c.start_position + c.num_new_tokens] or (0,))
-            if not c.draft_token_ids
-            else (*info.token_ids[c.start_position :], *c.draft_token_ids)
-            for c, info in zip(ordered, infos)
-        ),
-        dtype=np.int64,
-        count=int(lengths.sum()),
-    )
-    placeholders = np.array(unknown, dtype=np.int64)
+    unknown = np.flatnonzero(starts >= num_known)
+    total = int(lengths.sum())
+    if (lengths == 1).all() and not any(map(_DRAFTS, ordered)):  # decodes only: a token each, no drafts
+        token_ids = np.zeros(count, dtype=np.int64)
+        known = np.flatnonzero(starts < num_known)
+        if len(known) == count:
+            token_ids[:] = list(map(getitem, token_lists, starts.tolist()))
+        elif len(known):
+            token_ids[known] = [token_lists[i][start] for i, start in zip(known.tolist(), starts[known].tolist())]
+    else:
+        # A verify row brings its drafts after its known tokens (engine/spec/verify.py).
+        token_ids = np.fromiter(
+            itertools.chain.from_iterable(
+                (info.token_ids[c.start_position : c.start_position + c.num_new_tokens] or (0,))
+                if not c.draft_token_ids
+                else (*info.token_ids[c.start_position :], *c.draft_token_ids)
+                for c, info in zip(ordered, infos)
+            ),
+            dtype=np.int64,
+            count=total,
+        )
+    placeholders = unknown.astype(np.int64)
     placeholder_rows = rows[placeholders]
-    rows = np.repeat(np.arange(len(ordered)), lengths)
+    flat_rows = np.repeat(np.arange(count), lengths)
     chunk_offsets = np.arange(len(token_ids)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    positions = starts[rows] + chunk_offsets
-    pages = block_tables[rows, positions // block_size].astype(np.int64)
+    positions = starts[flat_rows] + chunk_offsets
+    pages = block_tables[flat_rows, positions // block_size].astype(np.int64)
     return StepInputs(
         token_ids=token_ids,
         positions=positions,
@@ -68,3 +112,20 @@ def build_step_inputs(
         placeholders=placeholders,
         placeholder_rows=placeholder_rows,
     )
+
+
+def plain_draw_layout(ordered: list[ScheduledChunk], infos: list[RowInfo], rows: np.ndarray, lengths: np.ndarray):
+    """(engine.spec.verify.draw_layout's answer, the indices of the chunks that sample) for a step without fan-outs
+    or drafts: one draw per sampling chunk, without that function's per-field passes. None when some chunk has
+    either (draw_layout then decides)."""
+    count = len(ordered)
+    if any(map(_DRAFTS, ordered)) or any(map(_FAN_OUT, infos)):
+        return None
+    chunks = np.flatnonzero(np.fromiter(map(_NEEDS_SAMPLE, ordered), dtype=bool, count=count))
+    if not len(chunks):
+        return None, chunks
+    starts = np.fromiter(map(_START, ordered), dtype=np.int64, count=count)
+    num_prompt = np.fromiter(map(_NUM_PROMPT, infos), dtype=np.int64, count=count)
+    last_index = np.cumsum(lengths)[chunks] - 1
+    positions = (starts + lengths - num_prompt)[chunks]
+    return (last_index, rows[chunks], np.zeros(len(chunks), dtype=np.int64), positions, None), chunks
