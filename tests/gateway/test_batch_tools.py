@@ -67,6 +67,11 @@ def _line(custom_id: str, body: dict) -> str:
     )
 
 
+class _Killed(BulkRun):
+    def _collect(self) -> int:
+        raise KeyboardInterrupt
+
+
 @pytest.fixture(scope="module")
 def served(chat_llama_dir):
     binary = REDIS_SERVERS.get("redis-system") or next(iter(REDIS_SERVERS.values()))
@@ -118,6 +123,9 @@ def test_batch_and_bulk_lines_with_tools_answer_as_the_chat_endpoint(served, bod
     batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h")
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     inp.write_text(content)
+    with pytest.raises(KeyboardInterrupt):  # killed once its jobs are enqueued (what SIGTERM does to the CLI)
+        _Killed(connect(served.url), inp, out, progress=False).run()
+    # the rerun awaits them: what their answers are parsed for comes again from the lines, re-read
     counts = BulkRun(connect(served.url), inp, out, progress=False, poll_s=0.02).run()
     done = wait_for(
         lambda: (b := sdk.batches.retrieve(batch.id)).status == "completed" and b,
@@ -131,7 +139,8 @@ def test_batch_and_bulk_lines_with_tools_answer_as_the_chat_endpoint(served, bod
     (batch_error,) = [json.loads(x) for x in sdk.files.content(done.error_file_id).text.splitlines()]
     bulk_lines = {line["custom_id"]: line for line in map(json.loads, out.read_text().splitlines())}
     (bulk_error,) = [json.loads(x) for x in out.with_suffix(".errors.jsonl").read_text().splitlines()]
-    assert counts["completed"] == len(bodies) and counts["errors"] == 1
+    assert counts["completed"] == counts["awaited"] == len(bodies) and counts["enqueued"] == 0
+    assert counts["errors"] == 0 and counts["skipped"] == 1  # the bad line: answered before the kill
     for name, want in expected.items():
         for got in (batch_lines[name], bulk_lines[name]):
             body = got["response"]["body"]

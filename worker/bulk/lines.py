@@ -132,6 +132,12 @@ def _openai_fields(data: dict[str, Any]) -> tuple[dict[str, Any], ToolSpec | Non
     if isinstance(fields.get("logprobs"), bool):  # chat: logprobs true + top_logprobs k
         top = fields.pop("top_logprobs", 0)
         fields["logprobs"] = top if fields["logprobs"] else None
+    return fields, _tools_and_constraint(fields)
+
+
+def _tools_and_constraint(fields: dict[str, Any]) -> ToolSpec | None:
+    """An OpenAI body's tools, tool_choice, conversation and output constraint as the job's fields, as the chat
+    endpoint makes them (protocol/tool_calls.py); returns the ToolSpec its answer is parsed for."""
     tools, choice, parallel = (fields.pop(k, None) for k in ("tools", "tool_choice", "parallel_tool_calls"))
     spec = _spec(tools, choice)
     try:
@@ -148,7 +154,7 @@ def _openai_fields(data: dict[str, Any]) -> tuple[dict[str, Any], ToolSpec | Non
         raise LineError("invalid_request", str(error)) from None
     if chosen is not None:
         fields["structured_outputs"] = chosen[1]
-    return fields, spec
+    return spec
 
 
 def _response_format(form: Any) -> list[tuple[str, Any]]:
