@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -93,3 +94,102 @@ def test_a_bad_constraint_on_a_line_is_refused_naming_it() -> None:
     _, fields, _, _ = parse_request(_openai_line(structured_outputs={"choice": []}))
     with pytest.raises(JobRejected, match="choice must be a non-empty list"):
         make_job(job_id="j5", **fields)
+
+
+# ---------------------------------------------------------------------------------------------- tools
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time"}},
+]
+CALLED = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+HISTORY = [
+    {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Paris?"}]},
+    {"role": "assistant", "content": None, "tool_calls": CALLED, "refusal": None},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+]
+
+
+def _chat_line(**body: object) -> str:
+    request = {"custom_id": "t", "url": "/v1/chat/completions", "body": {"model": "m", "messages": HISTORY, **body}}
+    return json.dumps(request)
+
+
+def test_a_chat_line_with_tools_becomes_the_job_the_chat_endpoint_makes() -> None:
+    from worker.bulk.lines import read_request
+
+    named = read_request(_chat_line(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    assert named.tools is not None and (named.tools.mode, named.tools.named) == ("named", "get_weather")
+    assert named.fields["structured_outputs"] == {"json": WEATHER} and named.fields["tools"] == TOOLS
+    job = make_job(job_id="t1", **named.fields)
+    assert job.messages[0].content == "Weather in Paris?" and job.tool_call_parser is None
+    assert job.messages[1].tool_calls[0].function.arguments == {"city": "Paris"}  # JSON text -> the object
+    required = read_request(_chat_line(tools=TOOLS, tool_choice="required", parallel_tool_calls=False)).fields
+    schema = required["structured_outputs"]["json"]
+    assert schema["maxItems"] == 1 and [a["properties"]["name"]["enum"] for a in schema["items"]["anyOf"]] == [
+        ["get_weather"],
+        ["get_time"],
+    ]
+    auto = read_request(_chat_line(tools=TOOLS))  # OpenAI's default with tools: auto
+    assert auto.tools is not None and auto.tools.mode == "auto" and auto.tools.names == ("get_weather", "get_time")
+    assert auto.fields["tool_call_parser"] == "hermes" and "structured_outputs" not in auto.fields
+    none = read_request(_chat_line(tools=TOOLS, tool_choice="none"))
+    assert none.tools is None and "tools" not in none.fields and make_job(job_id="t2", **none.fields).tools is None
+
+
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        (
+            {
+                "messages": [
+                    HISTORY[0],
+                    {**HISTORY[1], "tool_calls": [{**CALLED[0], "function": {"name": "f", "arguments": "[1]"}}]},
+                ]
+            },
+            "messages.1.tool_calls.function.arguments: a call's arguments must be a JSON object",
+        ),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format and tool_choice each constrain",
+        ),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "'nope', which is not in tools",
+        ),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice must be"),
+        ({"tools": [{"type": "function"}]}, "tools.0.function"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content: only text parts"),
+    ],
+)
+def test_bad_tools_on_a_line_are_refused_naming_the_field(body: dict, words: str) -> None:
+    with pytest.raises(LineError, match=re.escape(words)) as caught:
+        parse_request(_chat_line(**body))
+    assert caught.value.code == "invalid_request"
+
+
+def test_the_output_line_carries_tool_calls_as_the_chat_endpoint_gives_them() -> None:
+    from worker.bulk.lines import output_line
+    from worker.protocol.tool_calls import ToolSpec
+
+    def choice(spec: ToolSpec | None, text: str, reason: str = "stop") -> dict:
+        record = {"status": "completed", "text": text, "finish_reason": reason, "usage": {}}
+        return output_line("c", "j", record, "chat", tools=spec)["response"]["body"]["choices"][0]
+
+    named = choice(ToolSpec("named", ("get_weather",), "get_weather"), '{"city": "Paris"}')
+    (call,) = named["message"]["tool_calls"]
+    assert named["message"]["content"] is None and named["finish_reason"] == "stop" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'} and call["type"] == "function"
+    required = choice(
+        ToolSpec("required", ("get_weather",)), '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+    )
+    assert json.loads(required["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
+    cut = choice(ToolSpec("required", ("get_weather",)), '[{"name": "get_wea', "length")
+    assert cut["message"] == {"role": "assistant", "content": '[{"name": "get_wea'} and cut["finish_reason"] == "length"
+    auto = choice(
+        ToolSpec("auto", ("get_time",)), 'Let me see.\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    )
+    assert auto["finish_reason"] == "tool_calls" and auto["message"]["content"] == "Let me see."
+    assert auto["message"]["tool_calls"][0]["function"] == {"name": "get_time", "arguments": "{}"}
+    plain = choice(ToolSpec("auto", ("get_time",)), "No call.")
+    assert plain["message"] == {"role": "assistant", "content": "No call."} and plain["finish_reason"] == "stop"

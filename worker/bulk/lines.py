@@ -3,7 +3,9 @@ fields out; an output or error line for each finished job; which lines a previou
 
 A request line is the OpenAI Batch format (`{"custom_id", "method": "POST", "url", "body"}`) or a plain
 `{"custom_id", "prompt" | "messages" | "prompt_token_ids", <job fields>}`. Parsing raises LineError, whose code is
-what the errors file records.
+what the errors file records. A chat body's tools, tool_choice and OpenAI-shaped conversation become the job's
+fields as the gateway's chat endpoint makes them (worker/protocol/tool_calls.py, the one implementation), and the
+line's ToolSpec is what its output line's answer is parsed for (tool_calls, finish_reason "tool_calls").
 """
 
 from __future__ import annotations
@@ -11,10 +13,14 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from worker.protocol import tool_calls
+from worker.protocol.chat import HERMES
 from worker.protocol.job import SAMPLING_FIELDS
+from worker.protocol.tool_calls import RequestFieldError, ToolSpec
 
 OPENAI_IGNORED = {"model", "user"}  # the worker serves one model (model is echoed in the output); user: informational
 OPENAI_RENAMED = {"max_completion_tokens": "max_tokens"}
@@ -24,6 +30,8 @@ JOB_FIELDS = {
     "prompt",
     "prompt_token_ids",
     "messages",
+    "tools",  # a plain line's, as the job takes them (an OpenAI body's: from tools + tool_choice)
+    "tool_call_parser",
     *(set(SAMPLING_FIELDS) - {"n"}),
     "priority",
     "deadline",
@@ -40,14 +48,32 @@ class LineError(ValueError):
         self.code = code
 
 
+@dataclass(frozen=True)
+class Request:
+    """A parsed request line: its custom_id, the job's keywords, "chat" | "completion", the request's `model`
+    (an OpenAI body's, echoed in the output; else None) and what its answer is parsed for (None: plain text)."""
+
+    custom_id: str
+    fields: dict[str, Any]
+    kind: str
+    model: str | None
+    tools: ToolSpec | None
+
+
 def parse_line(line: str) -> tuple[str, dict[str, Any], str]:
     """(custom_id, job keywords, "chat" | "completion"); LineError otherwise."""
-    custom_id, fields, kind, _ = parse_request(line)
-    return custom_id, fields, kind
+    request = read_request(line)
+    return request.custom_id, request.fields, request.kind
 
 
 def parse_request(line: str) -> tuple[str, dict[str, Any], str, str | None]:
     """parse_line's answer and the request's `model` (an OpenAI body's, echoed in the output; else None)."""
+    request = read_request(line)
+    return request.custom_id, request.fields, request.kind, request.model
+
+
+def read_request(line: str) -> Request:
+    """The line as a Request; LineError otherwise."""
     try:
         data = json.loads(line)
     except ValueError as exc:
@@ -57,22 +83,32 @@ def parse_request(line: str) -> tuple[str, dict[str, Any], str, str | None]:
     custom_id = data.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         raise LineError("missing_custom_id", "custom_id (a non-empty string) is required")
-    fields = _openai_fields(data) if "body" in data else {k: v for k, v in data.items() if k != "custom_id"}
+    spec: ToolSpec | None = None
+    if "body" in data:
+        fields, spec = _openai_fields(data)
+    else:
+        fields = {k: v for k, v in data.items() if k != "custom_id"}
+        if fields.get("tool_call_parser") == HERMES:  # a plain line asking for its calls parsed: "auto"
+            spec = _spec(fields.get("tools"), None)
     model = data["body"].get("model") if "body" in data else None
     unknown = sorted(set(fields) - JOB_FIELDS)
     if unknown:
         raise LineError("invalid_request", f"unsupported field(s): {', '.join(unknown)}")
     metadata = fields.get("metadata")
     fields["metadata"] = {**(metadata if isinstance(metadata, dict) else {}), "custom_id": custom_id}
-    return (
-        custom_id,
-        fields,
-        "chat" if "messages" in fields else "completion",
-        model if isinstance(model, str) else None,
-    )
+    kind = "chat" if "messages" in fields else "completion"
+    return Request(custom_id, fields, kind, model if isinstance(model, str) else None, spec)
 
 
-def _openai_fields(data: dict[str, Any]) -> dict[str, Any]:
+def _spec(tools: Any, tool_choice: Any) -> ToolSpec | None:
+    try:
+        return tool_calls.tool_spec(tools, tool_choice)
+    except RequestFieldError as error:
+        raise LineError("invalid_request", str(error)) from None
+
+
+def _openai_fields(data: dict[str, Any]) -> tuple[dict[str, Any], ToolSpec | None]:
+    """The job's keywords of an OpenAI body, and its ToolSpec."""
     body = data.get("body")
     if not isinstance(body, dict):
         raise LineError("invalid_request", "body must be an object")
@@ -96,25 +132,41 @@ def _openai_fields(data: dict[str, Any]) -> dict[str, Any]:
     if isinstance(fields.get("logprobs"), bool):  # chat: logprobs true + top_logprobs k
         top = fields.pop("top_logprobs", 0)
         fields["logprobs"] = top if fields["logprobs"] else None
-    if "response_format" in fields:
-        _response_format_to_structured_outputs(fields)
-    return fields
+    return fields, _tools_and_constraint(fields)
 
 
-def _response_format_to_structured_outputs(fields: dict[str, Any]) -> None:
-    """OpenAI's response_format (json_object, json_schema) as the job's structured_outputs (the job validates it)."""
-    form = fields.pop("response_format")
+def _tools_and_constraint(fields: dict[str, Any]) -> ToolSpec | None:
+    """An OpenAI body's tools, tool_choice, conversation and output constraint as the job's fields, as the chat
+    endpoint makes them (protocol/tool_calls.py); returns the ToolSpec its answer is parsed for."""
+    tools, choice, parallel = (fields.pop(k, None) for k in ("tools", "tool_choice", "parallel_tool_calls"))
+    spec = _spec(tools, choice)
+    try:
+        if "messages" in fields:  # OpenAI's conversation (arguments as JSON text) as the job's, as the gateway's
+            fields.update(tool_calls.conversation_fields(fields["messages"], tools, spec.mode if spec else None))
+        elif tools is not None:
+            fields["tools"] = tools  # the job refuses tools without messages, naming them
+        given = [("structured_outputs", fields.pop("structured_outputs"))] if "structured_outputs" in fields else []
+        if "response_format" in fields:
+            given += _response_format(fields.pop("response_format"))
+        forced = tool_calls.tool_constraint(tools, choice, parallel) if spec else None
+        chosen = tool_calls.one_constraint([*given, *([("tool_choice", forced)] if forced else [])])
+    except RequestFieldError as error:
+        raise LineError("invalid_request", str(error)) from None
+    if chosen is not None:
+        fields["structured_outputs"] = chosen[1]
+    return spec
+
+
+def _response_format(form: Any) -> list[tuple[str, Any]]:
+    """OpenAI's response_format (json_object, json_schema) as a structured_outputs (the job validates it)."""
     kind = form.get("type") if isinstance(form, dict) else None
     if kind == "text":
-        return
-    if "structured_outputs" in fields:
-        raise LineError("invalid_request", "response_format and structured_outputs each constrain the output")
+        return []
     if kind == "json_object":
-        fields["structured_outputs"] = {"json_object": True}
-    elif kind == "json_schema" and isinstance(form.get("json_schema"), dict) and "schema" in form["json_schema"]:
-        fields["structured_outputs"] = {"json": form["json_schema"]["schema"]}
-    else:
-        raise LineError("invalid_request", "response_format must be text, json_object or json_schema with a schema")
+        return [("response_format", {"json_object": True})]
+    if kind == "json_schema" and isinstance(form.get("json_schema"), dict) and "schema" in form["json_schema"]:
+        return [("response_format", {"json": form["json_schema"]["schema"]})]
+    raise LineError("invalid_request", "response_format must be text, json_object or json_schema with a schema")
 
 
 def job_id_for(run_id: str, custom_id: str) -> str:
@@ -140,9 +192,11 @@ def output_line(
     kind: str,
     body: dict[str, Any] | None = None,
     model: str | None = None,
+    tools: ToolSpec | None = None,
 ) -> dict[str, Any]:
     """One output line; `body` replaces the response body built here (the gateway's Batch API passes its own).
-    `model`: the request's, echoed as OpenAI's batch output does."""
+    `model`: the request's, echoed as OpenAI's batch output does; `tools`: what a chat answer is parsed for (its
+    message's tool_calls and content, and finish_reason, as the chat endpoint gives them)."""
     if body is not None:
         return {
             "id": f"batch_req_{job_id}",
@@ -151,11 +205,12 @@ def output_line(
             "error": None,
         }
     text, finish = record.get("text", ""), record.get("finish_reason")
-    choice = (
-        {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": None}
-        if kind == "chat"
-        else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-    )
+    if kind == "chat":
+        message = tools.message(text) if tools else {"role": "assistant", "content": text}
+        finish = tools.finish_reason(text, finish) if tools else finish
+        choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
     usage = record.get("usage") or {}
     body = {
         "id": job_id,

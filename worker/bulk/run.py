@@ -24,13 +24,14 @@ from typing import Any
 
 from worker.bulk.lines import (
     LineError,
+    Request,
     custom_id_of,
     error_line,
     file_digest,
     job_id_for,
     output_line,
-    parse_request,
     read_done,
+    read_request,
 )
 from worker.client.core import make_job
 from worker.flags import Option, add_options, queue_option
@@ -89,8 +90,9 @@ class BulkRun:
         self.errors = errors_path or output_path.with_suffix(".errors.jsonl")
         digest, self.total_lines = file_digest(input_path)
         self.run_id = run_id or digest
-        # job id -> (custom_id, line number, kind, the request's model)
-        self.pending: dict[str, tuple[str, int, str, str | None]] = {}
+        # job id -> (custom_id, line number, the parsed line: its kind, model and ToolSpec). A resumed run re-reads
+        # every line not answered yet, jobs in flight at the kill too, so this is rebuilt from the input.
+        self.pending: dict[str, tuple[str, int, Request]] = {}
         # "tokens": completion tokens of the results written; "run_tokens": of those that finished while this
         # run watched (what tok/s counts: a resume collects results finished before it in one burst).
         self.counts = {
@@ -130,10 +132,10 @@ class BulkRun:
                 self.bar.close()
         return self.counts
 
-    def _loop(self, source: Iterator[tuple[int, str, Any, str, str | None]]) -> None:
+    def _loop(self, source: Iterator[tuple[int, Any, Request]]) -> None:
         exhausted, idle_sleep = False, self.poll_s
         while not exhausted or self.pending:
-            batch: list[tuple[int, str, Any, str, str | None]] = []
+            batch: list[tuple[int, Any, Request]] = []
             while not exhausted and len(self.pending) + len(batch) < self.window:
                 item = next(source, None)
                 if item is None:
@@ -148,8 +150,8 @@ class BulkRun:
                 time.sleep(idle_sleep)
                 idle_sleep = min(idle_sleep * 1.5, 0.5)  # long jobs: poll less often
 
-    def _requests(self, done_ids: set[str], done_lines: set[int]) -> Iterator[tuple[int, str, Any, str, str | None]]:
-        """(line number, custom_id, Job, kind, model) of every line still to do; writes line errors as it goes."""
+    def _requests(self, done_ids: set[str], done_lines: set[int]) -> Iterator[tuple[int, Any, Request]]:
+        """(line number, Job, the parsed line) of every line still to do; writes line errors as it goes."""
         seen: set[str] = set()
         with open(self.input, encoding="utf-8") as fh:
             for line_no, text in enumerate(fh, 1):
@@ -159,14 +161,15 @@ class BulkRun:
                 if line_no in done_lines:
                     continue
                 try:
-                    custom_id, fields, kind, model = parse_request(text)
+                    request = read_request(text)
+                    custom_id = request.custom_id
                     if custom_id in seen:
                         raise LineError("duplicate_custom_id", f"custom_id {custom_id!r} appeared on an earlier line")
                     seen.add(custom_id)
                     if custom_id in done_ids:
                         self.counts["skipped"] += 1
                         continue
-                    job = make_job(job_id=job_id_for(self.run_id, custom_id), **fields)
+                    job = make_job(job_id=job_id_for(self.run_id, custom_id), **request.fields)
                 except LineError as exc:
                     cid = custom_id_of(text, exc)
                     if cid is not None and cid in done_ids and exc.code != "duplicate_custom_id":
@@ -177,16 +180,16 @@ class BulkRun:
                 except JobRejected as exc:
                     self._write_error(error_line(custom_id, line_no, "invalid_request", str(exc)))
                     continue
-                yield line_no, custom_id, job, kind, model
+                yield line_no, job, request
 
-    def _enqueue(self, batch: list[tuple[int, str, Any, str, str | None]]) -> None:
+    def _enqueue(self, batch: list[tuple[int, Any, Request]]) -> None:
         """One script call for the batch (pipelined): ids already enqueued by an earlier run are skipped."""
         args: list[Any] = [self.ttl_s, JOB_FIELD]
-        for line_no, custom_id, job, kind, model in batch:
-            self.pending[job.id] = (custom_id, line_no, kind, model)
+        for line_no, job, request in batch:
+            self.pending[job.id] = (request.custom_id, line_no, request)
             args += [job.id, job.to_json()]
         keys = [self.keys.jobs_of(self.band), self.keys.bulk_enqueued(self.run_id), self.keys.ids]
-        ids = [item[2].id for item in batch]
+        ids = [item[1].id for item in batch]
         self._prior.update(i for i, known in zip(ids, self.r.smismember(keys[1], ids)) if known)
         sent = int(scripts.call(self.r, "bulk_enqueue", keys, args))
         self.counts["enqueued"] += sent
@@ -216,11 +219,12 @@ class BulkRun:
         return finished
 
     def _write_result(self, job_id: str, record: dict[str, Any]) -> None:
-        custom_id, line_no, kind, model = self.pending.pop(job_id)
+        custom_id, line_no, request = self.pending.pop(job_id)
         finished_before_this_run = job_id in self._prior
         self._prior.discard(job_id)
         if record.get("status") == "completed":
-            self.out.write(json.dumps(output_line(custom_id, job_id, record, kind, model=model)) + "\n")
+            line = output_line(custom_id, job_id, record, request.kind, model=request.model, tools=request.tools)
+            self.out.write(json.dumps(line) + "\n")
             self.counts["completed"] += 1
             tokens = (record.get("usage") or {}).get("completion_tokens", 0)
             self.counts["tokens"] += tokens

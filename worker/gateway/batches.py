@@ -36,6 +36,7 @@ from worker.protocol.errors import JobRejected
 from worker.protocol.job import FinalRecord
 from worker.protocol.keys import JOB_FIELD
 from worker.protocol.replies import text as reply_text
+from worker.protocol.tool_calls import ToolSpec
 
 LEASE_S = 15
 POLL_S = 0.05
@@ -136,7 +137,8 @@ class BatchRun:
 
     def __init__(self, batches: Batches, batch_id: str, lease: str) -> None:
         self.b, self.batch_id, self.lease = batches, batch_id, lease
-        self.pending: dict[str, tuple[str, str, int | None]] = {}  # job id -> (custom_id, kind, logprobs k)
+        # job id -> (custom_id, kind, logprobs k, ToolSpec); a run taking a batch over re-reads its lines to answer
+        self.pending: dict[str, tuple[str, str, int | None, ToolSpec | None]] = {}
 
     async def run(self) -> None:
         b, batch_id = self.b, self.batch_id
@@ -198,20 +200,19 @@ class BatchRun:
                 await asyncio.sleep(POLL_S)
 
     def _requests(self, content: str, answered: set[str]) -> Iterator[tuple]:
-        """("job", custom_id, job, kind, k) per line to run, ("error", answer key, line) per bad line."""
+        """("job", custom_id, job, kind, k, tools) per line to run, ("error", answer key, line) per bad line."""
         seen: set[str] = set()
         for line_no, text in enumerate(content.splitlines(), 1):
             if not text.strip():
                 continue
             try:
-                custom_id, fields, kind = bulk_lines.parse_line(text)
+                request = bulk_lines.read_request(text)
+                custom_id, fields, kind = request.custom_id, request.fields, request.kind
                 if custom_id in seen:
                     raise LineError("duplicate_custom_id", f"custom_id {custom_id!r} appeared on an earlier line")
                 seen.add(custom_id)
-                if ENDPOINT_KIND[self.obj["endpoint"]] != kind:
-                    raise LineError(
-                        "invalid_request", f"line {line_no} does not match the batch's endpoint {self.obj['endpoint']}"
-                    )
+                if ENDPOINT_KIND[endpoint := self.obj["endpoint"]] != kind:
+                    raise LineError("invalid_request", f"line {line_no} does not match the batch's endpoint {endpoint}")
                 if custom_id in answered:
                     continue
                 fields["priority"] = self.b.s.batch_priority
@@ -223,12 +224,12 @@ class BatchRun:
                 if key not in answered:
                     yield "error", key, _error_line(cid, line_no, code, str(exc))
                 continue
-            yield "job", custom_id, job, kind, fields.get("logprobs")
+            yield "job", custom_id, job, kind, fields.get("logprobs"), request.tools
 
     async def _enqueue(self, batch: list[tuple]) -> None:
         args: list[Any] = [self.b.s.file_ttl_s, JOB_FIELD]
-        for custom_id, job, kind, k in batch:
-            self.pending[job.id] = (custom_id, kind, k)
+        for custom_id, job, kind, k, tools in batch:
+            self.pending[job.id] = (custom_id, kind, k, tools)
             args += [job.id, job.to_json()]
         keys = [self.b.keys.jobs_of("bulk"), self.b.keys.bulk_enqueued(self.batch_id), self.b.keys.ids]
         await scripts.acall(self.b.r, "bulk_enqueue", keys, args)
@@ -245,11 +246,12 @@ class BatchRun:
         return finished
 
     async def _answer(self, job_id: str, record: FinalRecord) -> None:
-        custom_id, kind, k = self.pending.pop(job_id)
+        custom_id, kind, k, tools = self.pending.pop(job_id)
         if not self.model:
             self.model = next(iter(sorted(await self.b.live.models())), "")
         if record.status == "completed":
-            endpoint = (ChatEndpoint if kind == "chat" else CompletionEndpoint)(None, self.model, int(time.time()), k)
+            args = (None, self.model, int(time.time()), k)  # chat: tool_calls, finish_reason as the endpoint's
+            endpoint = ChatEndpoint(*args, tools) if kind == "chat" else CompletionEndpoint(*args)
             line = bulk_lines.output_line(custom_id, job_id, {}, kind, body=endpoint.response([record]))
             await self._write("output", custom_id, line)
         else:

@@ -5,27 +5,36 @@ from __future__ import annotations
 from typing import Any
 
 from worker.gateway.completions import CompletionEndpoint
-from worker.gateway.constraints import call, new_call_id, tool_calls_of, tool_mode
 from worker.gateway.jobs import sampling_fields
 from worker.gateway.render import TokenNames, chat_logprobs, choices_of, usage
 from worker.gateway.schemas import ChatCompletionRequest
 from worker.gateway.settings import GatewaySettings
-from worker.gateway.tools import TOOL_CALL_OPEN, conversation_fields
+from worker.gateway.tools import TOOL_CALL_OPEN, conversation_fields, tool_spec
 from worker.protocol.job import Delta, FinalRecord
+from worker.protocol.tool_calls import ToolSpec, call, new_call_id
 
 
 class ChatEndpoint(CompletionEndpoint):
     object_name = "chat.completion"
     id_prefix = "chatcmpl-"
 
-    def __init__(self, body: ChatCompletionRequest | None, model: str, created: int, k: int | None = None) -> None:
+    def __init__(
+        self,
+        body: ChatCompletionRequest | None,
+        model: str,
+        created: int,
+        k: int | None = None,
+        tools: ToolSpec | None = None,
+    ) -> None:
+        """`k` and `tools` stand for the body's where there is none (the Batch API answers from a line's)."""
         self.body, self.model, self.created = body, model, created
         self.k = ((body.top_logprobs or 0) if body.logprobs else None) if body is not None else k
         self.as_ids = bool(body and body.return_tokens_as_token_ids)
         self.n = body.n if body is not None else 1
         # "named" / "required": the output is a tool call (its arguments, or a list of calls), returned as tool_calls;
-        # "auto": text that may hold calls (worker/gateway/tools.py), streamed as content up to the first call
-        self.tools = tool_mode(body) if body is not None else None
+        # "auto": text that may hold calls (protocol/tool_calls.py), streamed as content up to the first call
+        self.spec = tool_spec(body) if body is not None else tools
+        self.tools = self.spec.mode if self.spec is not None else None
         self.call_ids = [new_call_id() for _ in range(self.n)] if self.tools == "named" else []
         self.streamed: dict[int, str] = {}  # auto, streaming: each choice's text so far
         self.sent: dict[int, int] = {}  # and how much of it went out as content
@@ -64,16 +73,11 @@ class ChatEndpoint(CompletionEndpoint):
         return self.envelope(record.id, choices, usage=usage(records))
 
     def _message(self, text: str) -> dict[str, Any]:
-        content, calls = tool_calls_of(self.chat_body(), text) if self.tools else (text, None)
-        if calls is None:
-            return {"role": "assistant", "content": text, "refusal": None}
-        return {"role": "assistant", "content": content, "refusal": None, "tool_calls": calls}
+        message = self.spec.message(text) if self.spec is not None else {"role": "assistant", "content": text}
+        return {**message, "refusal": None}
 
     def _finish_reason(self, text: str, reason: str | None) -> str | None:
-        """OpenAI's "tool_calls" when an auto answer called tools (a forced call keeps the engine's reason)."""
-        if self.tools == "auto" and reason == "stop" and tool_calls_of(self.chat_body(), text)[1]:
-            return "tool_calls"
-        return reason
+        return self.spec.finish_reason(text, reason) if self.spec is not None else reason
 
     # --- streaming: object "chat.completion.chunk"; the first chunk of each choice names the role
     def chunk(self, job_id: str, choices: list[dict]) -> dict[str, Any]:
@@ -82,8 +86,8 @@ class ChatEndpoint(CompletionEndpoint):
     def opening(self, job_id: str) -> list[dict[str, Any]]:
         def first(i: int) -> dict[str, Any]:
             if self.tools == "named":  # the call's id and name first; its arguments stream as they are generated
-                name = self.chat_body().tool_choice.function.name  # type: ignore[union-attr]
-                opened = {**call(name, "", self.call_ids[i]), "index": 0}
+                assert self.spec is not None and self.spec.named is not None
+                opened = {**call(self.spec.named, "", self.call_ids[i]), "index": 0}
                 return {"role": "assistant", "content": None, "tool_calls": [opened]}
             return {"role": "assistant", "content": None if self.tools else ""}
 
@@ -122,8 +126,8 @@ class ChatEndpoint(CompletionEndpoint):
         chunks = []
         for c in choices_of(record):
             delta: dict[str, Any] | None = None
-            if self.tools in ("required", "auto"):
-                calls = tool_calls_of(self.chat_body(), c.text)[1]
+            if self.spec is not None and self.tools in ("required", "auto"):
+                calls = self.spec.answer(c.text)[1]
                 sent = self.sent.get(c.index, 0) if self.tools == "auto" else 0
                 if calls:
                     delta = {"tool_calls": [{**tc, "index": i} for i, tc in enumerate(calls)]}

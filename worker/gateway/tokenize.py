@@ -1,7 +1,8 @@
 """POST /tokenize and /detokenize in vLLM's shapes, served here from the tokenizer files a worker of the model
 published at start (worker/service/tokenizer_files.py): the same tokenizer the engine uses, without a round trip
 to a worker that may be busy generating. A prompt is tokenized as the engine tokenizes it (special tokens added);
-messages as the worker renders them (the chat template, then no special tokens)."""
+messages (and tools) as the worker renders a chat job's (protocol/chat.py's render_conversation: the chat template,
+tools natively or in the Hermes form, then no special tokens), so the count is a chat completion's prompt_tokens."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter
-from pydantic import Field
+from pydantic import Field, TypeAdapter, ValidationError
 
 from worker.gateway.errors import OpenAIError
 from worker.gateway.jobs import check_model
-from worker.gateway.schemas import ChatMessage, Strict
+from worker.gateway.schemas import ChatMessage, Strict, Tool
 from worker.gateway.workers import LiveWorkers
+from worker.protocol import chat, tool_calls
 from worker.protocol.job import MAX_PROMPT_CHARS, TokenId
 from worker.protocol.keys import QueueKeys
 
@@ -25,6 +27,7 @@ class TokenizeRequest(Strict):
     model: str = Field(min_length=1, max_length=512)
     prompt: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
     messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=10_000)
+    tools: list[Tool] | None = Field(default=None, max_length=128)  # rendered with the messages, as a chat job's
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (vLLM's)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -89,16 +92,41 @@ def _encode(tokenizer: Any, body: TokenizeRequest) -> list[int]:
     if body.messages is not None:
         if not getattr(tokenizer, "chat_template", None):
             raise OpenAIError(400, "the model has no chat template: send a prompt", param="messages")
-        text = tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.text()} for m in body.messages],
-            tokenize=False,
-            add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-            continue_final_message=body.continue_final_message,
-        )
+        messages, tools = _conversation(body)
+        try:
+            text = chat.render_conversation(
+                tokenizer,
+                messages,
+                tools,
+                None,  # no answer is parsed here: a template writing its own calls renders too
+                add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
+                continue_final_message=body.continue_final_message,
+            )
+        except Exception as exc:  # jinja raises for e.g. roles that do not alternate, as a chat job is rejected
+            raise OpenAIError(400, f"the chat template refused the messages: {exc}", param="messages") from None
         special = bool(body.add_special_tokens)
     else:
         text, special = body.prompt or "", body.add_special_tokens is not False
     return list(tokenizer.encode(text, add_special_tokens=special))
+
+
+_JOB_MESSAGES: TypeAdapter[list[chat.ChatMessage]] = TypeAdapter(list[chat.ChatMessage])
+_JOB_TOOLS: TypeAdapter[list[chat.Tool] | None] = TypeAdapter(list[chat.Tool] | None)
+
+
+def _conversation(body: TokenizeRequest) -> tuple[list[chat.ChatMessage], list[chat.Tool] | None]:
+    """The messages and tools as a chat job carries them (tool_calls.conversation_fields, the chat endpoint's)."""
+    assert body.messages is not None
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools] if body.tools else None
+    try:
+        fields = tool_calls.conversation_fields(
+            [m.model_dump(exclude_none=True) for m in body.messages], tools, "required" if tools else None
+        )
+        return _JOB_MESSAGES.validate_python(fields["messages"]), _JOB_TOOLS.validate_python(fields.get("tools"))
+    except tool_calls.RequestFieldError as error:
+        raise OpenAIError(400, str(error), param=error.param) from None
+    except ValidationError as error:
+        raise OpenAIError(400, f"messages: {error.errors()[0]['msg']}", param="messages") from None
 
 
 def router(tokenizers: Tokenizers, auth: Any) -> APIRouter:

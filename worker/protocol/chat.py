@@ -6,7 +6,7 @@ structured messages and `tools=` natively, as vLLM passes them to `apply_chat_te
 (SmolLM2's) knows nothing of tools, and a `tool` turn or an assistant turn without content would break it: it gets
 the Hermes convention written as plain turns (the functions as JSON inside <tools></tools> in the system turn, each
 call as <tool_call>{"name": ..., "arguments": {...}}</tool_call>, each result inside <tool_response> in a user
-turn), the one source of that text. Answers are parsed as Hermes <tool_call> blocks (worker/gateway/tools.py): a job
+turn), the one source of that text. Answers are parsed as Hermes <tool_call> blocks (protocol/tool_calls.py): a job
 asking for that (`tool_call_parser: "hermes"`) is rejected by a worker whose template declares tools but writes
 calls in another format (no "<tool_call>" in its source).
 """
@@ -162,18 +162,27 @@ def template_declares_tools(source: str) -> bool:
 
 
 def render_conversation(
-    tokenizer: Any, messages: list[ChatMessage], tools: list[Tool] | None, tool_call_parser: str | None
+    tokenizer: Any,
+    messages: list[ChatMessage],
+    tools: list[Tool] | None,
+    tool_call_parser: str | None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> str:
-    """The prompt text of a conversation (add_generation_prompt=True). Raises ValueError when the template cannot
-    take it, or writes tool calls in a format other than the one the job's answer will be parsed as."""
+    """The prompt text of a conversation (a job's: add_generation_prompt=True; /tokenize may ask otherwise).
+    Raises ValueError when the template cannot take it, or writes tool calls in a format other than the one the
+    job's answer will be parsed as."""
+    options = {"add_generation_prompt": add_generation_prompt, "tokenize": False}
+    if continue_final_message:  # only when asked: a tokenizer that predates the option takes every job
+        options["continue_final_message"] = True
     if not uses_tools(messages, tools):
         plain = [m.as_dict() for m in messages]
-        return tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(plain, **options)
     tool_dicts = [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
     source = tokenizer.get_chat_template(tools=tool_dicts)
     if not template_declares_tools(source):
         turns = hermes_turns(messages, tools)
-        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(turns, **options)
     if tool_call_parser == HERMES and TOOL_CALL_OPEN not in source:
         raise ValueError(
             "tool_choice auto: this model's chat template writes tool calls in its own format, not as Hermes "
@@ -181,4 +190,4 @@ def render_conversation(
             "function"
         )
     structured = [m.as_dict() for m in messages]
-    return tokenizer.apply_chat_template(structured, tools=tool_dicts, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(structured, tools=tool_dicts, **options)
