@@ -27,7 +27,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.seats import SeatPolicy
 from engine.spec import Proposer
-from engine.spec.drafts import DEFAULT_MAX_VERIFY_TOKENS, Speculation
+from engine.spec.drafts import DEFAULT_MAX_VERIFY_TOKENS, Speculation, default_backoff_steps
 from engine.stats import engine_stats
 from engine.step_data import ModelRunnerOutput
 from engine.step_times import StepTimes
@@ -83,17 +83,24 @@ class LLMEngine:
         if self.config.speculative_config is not None:
             vocab = self.model_config.vocab_size
             spec, length = self.config.speculative_config, self.max_model_len
-            self.speculation = Speculation.from_config(spec, vocab, length, grammar=self.structured)
+            backoff = default_backoff_steps(self.model_runner.device.type)
+            self.speculation = Speculation.from_config(spec, vocab, length, self.structured, backoff)
 
     def set_proposer(
-        self, proposer: Proposer, num_speculative_tokens: int, max_verify_tokens: int = DEFAULT_MAX_VERIFY_TOKENS
+        self,
+        proposer: Proposer,
+        num_speculative_tokens: int,
+        max_verify_tokens: int = DEFAULT_MAX_VERIFY_TOKENS,
+        max_backoff_steps: int | None = None,
     ) -> None:
         """Speculative decoding with drafts from any proposer (engine/spec/__init__.py), e.g. one of the tests'."""
         if self.beam_search.groups:
             raise ValueError("speculative decoding cannot start while beam searches run")
-        vocab = self.model_config.vocab_size
-        k, length = num_speculative_tokens, self.max_model_len
-        self.speculation = Speculation(proposer, k, vocab, length, max_verify_tokens, grammar=self.structured)
+        k, vocab, length = num_speculative_tokens, self.model_config.vocab_size, self.max_model_len
+        backoff = (
+            default_backoff_steps(self.model_runner.device.type) if max_backoff_steps is None else max_backoff_steps
+        )
+        self.speculation = Speculation(proposer, k, vocab, length, max_verify_tokens, self.structured, backoff)
 
     # ---- admission -----------------------------------------------------------------------------
     def add_request(

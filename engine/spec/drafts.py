@@ -51,7 +51,15 @@ class ScheduledDrafts(Protocol):
 DEFAULT_MAX_VERIFY_TOKENS = 160
 # A step that asked the proposer and got no draft for anyone gave up its overlap with the step before it for nothing:
 # the next 1, 2, 4, ... (at most this many) steps then run without drafts, pipelined; a step with drafts resets it.
+# That pays where the host's work a step is a real share of the step (a GPU); on the CPU it is 1-3 ms of an 80+ ms
+# step, and the skipped steps lose the drafts they would have found: batch 1 of the grounded workload ran 216 steps
+# with the back-off against 193 without (1.61x against 1.76x, 2026-12-03, docs/benchmarks.md), so the engine turns
+# it off there (max_backoff_steps 0).
 MAX_BACKOFF_STEPS = 8
+
+
+def default_backoff_steps(device: str) -> int:
+    return 0 if device == "cpu" else MAX_BACKOFF_STEPS
 
 
 def next_draft_limit(num_drafts: int, num_accepted: int, k: int) -> int:
@@ -72,6 +80,7 @@ class Speculation:
         max_model_len: int,
         max_verify_tokens: int = DEFAULT_MAX_VERIFY_TOKENS,
         grammar: DraftGrammar | None = None,
+        max_backoff_steps: int = MAX_BACKOFF_STEPS,
     ) -> None:
         if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int):
             raise ValueError(f"num_speculative_tokens must be an integer, got {num_speculative_tokens!r}")
@@ -84,6 +93,7 @@ class Speculation:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_verify_tokens = max_verify_tokens
+        self.max_backoff_steps = max_backoff_steps  # 0: every step the switch allows asks the proposer
         self.grammar = grammar  # None: structured requests get no drafts
         self._known: dict[str, int] = {}  # request id -> tokens of its history the proposer has
         self._limits: dict[str, int] = {}  # request id -> most drafts at its next verify (next_draft_limit)
@@ -98,7 +108,12 @@ class Speculation:
 
     @classmethod
     def from_config(
-        cls, config: SpeculativeConfig, vocab_size: int, max_model_len: int, grammar: DraftGrammar | None = None
+        cls,
+        config: SpeculativeConfig,
+        vocab_size: int,
+        max_model_len: int,
+        grammar: DraftGrammar | None = None,
+        max_backoff_steps: int = MAX_BACKOFF_STEPS,
     ) -> Speculation:
         """From a parsed SpeculativeConfig (engine/spec/config.py)."""
         from engine.spec.ngram import NgramProposer
@@ -106,7 +121,9 @@ class Speculation:
         if config.method != "ngram":
             raise ValueError(f"speculative_config method must be 'ngram', got {config.method!r}")
         k = config.num_speculative_tokens
-        return cls(NgramProposer(config), k, vocab_size, max_model_len, grammar=grammar)
+        return cls(
+            NgramProposer(config), k, vocab_size, max_model_len, grammar=grammar, max_backoff_steps=max_backoff_steps
+        )
 
     def stats(self) -> dict[str, float]:
         return {
@@ -134,7 +151,7 @@ class Speculation:
         if self._found:
             self._backoff = 0
         elif self._asked:
-            self._backoff = min(2 * self._backoff or 1, MAX_BACKOFF_STEPS)
+            self._backoff = min(2 * self._backoff or 1, self.max_backoff_steps)
             self._skip = self._backoff
 
     def lookahead(self, request: Request, budget: int, manager: BlockManager, reserve: int) -> tuple[int, ...]:

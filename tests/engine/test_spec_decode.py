@@ -228,10 +228,20 @@ def test_the_switch_runs_wide_steps_without_drafts(tiny_llama_dir):
 def test_steps_whose_proposals_all_come_back_empty_back_off(tiny_llama_dir):
     """A proposer that never finds a draft costs the overlap of the steps that ask it: the next ones do not ask."""
     llm = LLM(tiny_llama_dir, block_size=BLOCK, num_kv_blocks=256)
-    llm.llm_engine.set_proposer(TestProposer(), K)  # no truths: it never proposes
+    llm.llm_engine.set_proposer(TestProposer(), K, max_backoff_steps=8)  # no truths: it never proposes
     llm.generate([_tokens(6, 40)], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
     stats = llm.llm_engine.stats()
     assert stats["num_verify_rows"] == 0 and stats["num_spec_off_steps"] >= 15
+
+
+def test_on_the_cpu_every_step_asks_the_proposer(tiny_llama_dir):
+    """The CPU default: no back-off (engine/spec/drafts.py), so drafts that appear late are found at once."""
+    llm = LLM(tiny_llama_dir, block_size=BLOCK, num_kv_blocks=256)
+    proposer = AskedProposer()  # no truths: it never proposes
+    llm.llm_engine.set_proposer(proposer, K)
+    llm.generate([_tokens(6, 40)], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    (asked,) = proposer.asked.values()
+    assert llm.llm_engine.stats()["num_spec_off_steps"] == 0 and len(asked) >= 28
 
 
 @pytest.fixture(scope="module")

@@ -12,17 +12,20 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import uvicorn
 
+from engine import LLMEngine
 from worker.gateway import create_app
 from worker.gateway.settings import GatewaySettings
 from worker.ops.embedded_redis import EmbeddedRedis, free_port
 
-from ..worker.helpers import REDIS_SERVERS, REPO, wait_for, worker_thread  # noqa: F401  (re-exported)
+from ..worker.helpers import PRIMARY_REDIS, REDIS_SERVERS, REPO, wait_for, worker_thread
 
 # A minimal chat template (the tiny checkpoints have none): the oracle renders it with transformers.
 CHAT_TEMPLATE = (
@@ -34,12 +37,16 @@ CHAT_TEMPLATE = (
 @pytest.fixture
 def redis_url() -> Iterator[str]:
     """One fresh redis-server (the worker tests cover both server versions; the gateway adds no command)."""
-    binary = REDIS_SERVERS.get("redis-system") or next(iter(REDIS_SERVERS.values()))
-    server = EmbeddedRedis(binary=binary, extra_args=("--save", "", "--appendonly", "no")).start()
+    server = private_redis()
     try:
         yield server.url
     finally:
         server.stop()
+
+
+def private_redis() -> EmbeddedRedis:
+    """A started redis-server of the primary version, without persistence (stop() it)."""
+    return EmbeddedRedis(binary=REDIS_SERVERS[PRIMARY_REDIS], extra_args=("--save", "", "--appendonly", "no")).start()
 
 
 @pytest.fixture(scope="session")
@@ -101,6 +108,21 @@ def start_gateway_process(redis_url: str, log: Path, *args: str) -> tuple[subpro
 def wait_live(base_url: str) -> None:
     """Until the gateway sees a live worker (its first heartbeat)."""
     wait_for(lambda: httpx.get(base_url + "/models", timeout=5).json().get("data"), timeout=30, what="a live worker")
+
+
+@contextlib.contextmanager
+def served_model(model_dir: Path) -> Iterator[SimpleNamespace]:
+    """Redis, one worker thread on `model_dir` and one gateway thread, for a test module: base (URL), sdk (the
+    openai client), model (its id), url (Redis), engine."""
+    server = private_redis()
+    engine = LLMEngine(str(model_dir), device="cpu", num_kv_blocks=256)
+    try:
+        with worker_thread(engine, server.url), gateway_thread(server.url) as base:
+            wait_live(base)
+            sdk = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
+            yield SimpleNamespace(base=base, sdk=sdk, model=sdk.models.list().data[0].id, url=server.url, engine=engine)
+    finally:
+        server.stop()
 
 
 AS_IDS = {"return_tokens_as_token_ids": True}  # vLLM's extra: logprobs name tokens "token_id:<id>"

@@ -11,17 +11,14 @@ from types import SimpleNamespace
 
 import httpx
 import jsonschema
-import openai
 import pytest
 
-from engine import LLMEngine
 from worker.bulk.lines import read_request
 from worker.bulk.run import BulkRun
 from worker.client.core import make_job
-from worker.ops.embedded_redis import EmbeddedRedis
 from worker.protocol.connection import connect
 
-from .conftest import REDIS_SERVERS, gateway_thread, wait_for, wait_live, worker_thread
+from .conftest import served_model, wait_for
 
 # Small tools (the tiny model's context is 512 tokens) with bounded arguments, so forced calls finish
 CITY = {"type": "object", "properties": {"u": {"enum": ["c", "f"]}}, "required": ["u"], "additionalProperties": False}
@@ -74,16 +71,8 @@ class _Killed(BulkRun):
 
 @pytest.fixture(scope="module")
 def served(chat_llama_dir):
-    binary = REDIS_SERVERS.get("redis-system") or next(iter(REDIS_SERVERS.values()))
-    server = EmbeddedRedis(binary=binary, extra_args=("--save", "", "--appendonly", "no")).start()
-    engine = LLMEngine(str(chat_llama_dir), device="cpu", num_kv_blocks=256)
-    try:
-        with worker_thread(engine, server.url), gateway_thread(server.url) as base:
-            wait_live(base)
-            sdk = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
-            yield SimpleNamespace(sdk=sdk, base=base, url=server.url, model=sdk.models.list().data[0].id)
-    finally:
-        server.stop()
+    with served_model(chat_llama_dir) as stack:
+        yield stack
 
 
 def _endpoint(served, body: dict) -> dict:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from types import SimpleNamespace
 
 import httpx
 import openai
@@ -17,12 +16,11 @@ import torch
 from redis import Redis
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, LLMEngine, SamplingParams
-from worker.ops.embedded_redis import EmbeddedRedis
+from engine import LLM, SamplingParams
 from worker.protocol.job import FinalRecord
 from worker.protocol.keys import DATA_FIELD, QueueKeys
 
-from .conftest import AS_IDS, REDIS_SERVERS, gateway_thread, wait_for, wait_live, worker_thread
+from .conftest import AS_IDS, gateway_thread, served_model, wait_for
 
 PROMPT = "The capital of France is"
 PROMPTS = [PROMPT, "Paged attention stores the", "Redis streams carry jobs to"]
@@ -34,16 +32,8 @@ QUESTION = "Question: 34 + 30 = ?\nAnswer:"  # SmolLM2 answers " 34 + 30 = 64\n"
 @pytest.fixture(scope="module")
 def served(demo_model_dir):
     """One Redis, one worker on SmolLM2 and one gateway for the module."""
-    binary = REDIS_SERVERS.get("redis-system") or next(iter(REDIS_SERVERS.values()))
-    server = EmbeddedRedis(binary=binary, extra_args=("--save", "", "--appendonly", "no")).start()
-    engine = LLMEngine(str(demo_model_dir), device="cpu", num_kv_blocks=256)
-    try:
-        with worker_thread(engine, server.url), gateway_thread(server.url) as base:
-            wait_live(base)
-            sdk = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
-            yield SimpleNamespace(base=base, sdk=sdk, model=sdk.models.list().data[0].id, url=server.url, engine=engine)
-    finally:
-        server.stop()
+    with served_model(demo_model_dir) as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,9 @@ import jsonschema
 import openai
 import pytest
 
-from engine import LLMEngine
-from worker.ops.embedded_redis import EmbeddedRedis
 from worker.service.admission import engine_prompt
 
-from .conftest import REDIS_SERVERS, gateway_thread, wait_live, worker_thread
+from .conftest import served_model
 
 WEATHER = {
     "type": "object",
@@ -49,17 +47,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris, in celsius? An
 @pytest.fixture(scope="module")
 def served(request):
     """Redis, one worker and a gateway on the model the test module asks for."""
-    model_dir = request.getfixturevalue(request.param)
-    binary = REDIS_SERVERS.get("redis-system") or next(iter(REDIS_SERVERS.values()))
-    server = EmbeddedRedis(binary=binary, extra_args=("--save", "", "--appendonly", "no")).start()
-    engine = LLMEngine(str(model_dir), device="cpu", num_kv_blocks=256)
-    try:
-        with worker_thread(engine, server.url), gateway_thread(server.url) as base:
-            wait_live(base)
-            sdk = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
-            yield SimpleNamespace(sdk=sdk, model=sdk.models.list().data[0].id)
-    finally:
-        server.stop()
+    with served_model(request.getfixturevalue(request.param)) as stack:
+        yield stack
 
 
 @pytest.mark.parametrize("served", ["chat_llama_dir"], indirect=True)
