@@ -21,7 +21,7 @@ import pytest
 
 from engine import LLMEngine
 from tests.gateway import conftest as gateway_fixtures
-from tests.gateway.conftest import CHAT_TEMPLATE, gateway_thread, wait_live
+from tests.gateway.conftest import gateway_thread, wait_live
 from tests.worker.helpers import offline, worker_thread
 from worker import Client
 from worker.testing.stub_engine import StubEngine
@@ -129,7 +129,9 @@ def test_celery_snippet(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None
         importlib.reload(celery_app)
 
 
-def test_bulk_snippet(redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+def test_bulk_snippet(
+    redis_url: str, chat_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
     from worker.cli.main import main
 
     (requests,) = blocks("jsonl")
@@ -141,16 +143,26 @@ def test_bulk_snippet(redis_url: str, tmp_path: Path, monkeypatch: pytest.Monkey
     (tmp_path / argv[2]).write_text(requests)
     previous = signal.getsignal(signal.SIGTERM)  # the command installs its own SIGTERM handler
     try:
-        with worker_thread(StubEngine(chat_template=CHAT_TEMPLATE), redis_url):
+        # the real engine (a tiny random checkpoint with a chat template): the tool line's forced call is a grammar
+        engine = LLMEngine(str(chat_llama_dir), device="cpu", num_kv_blocks=128)
+        with worker_thread(engine, redis_url):
             code = main([*argv[1:], "--redis", redis_url, "--no-progress"])
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert code == 0
     (summary,) = [json.loads(s) for s in capsys.readouterr().out.splitlines() if s.startswith('{"run_id"')]
-    assert summary["completed"] == 2 and summary["errors"] == 0, summary
-    lines = [json.loads(line) for line in (tmp_path / argv[3]).read_text().splitlines()]
-    assert sorted(line["custom_id"] for line in lines) == ["q1", "q2"]
-    assert all(line["response"]["status_code"] == 200 and line["error"] is None for line in lines)
+    assert summary["completed"] == 3 and summary["errors"] == 0, summary
+    lines = {line["custom_id"]: line for line in map(json.loads, (tmp_path / argv[3]).read_text().splitlines())}
+    assert sorted(lines) == ["q1", "q2", "q3"]
+    assert all(line["response"]["status_code"] == 200 and line["error"] is None for line in lines.values())
+    (choice,) = lines["q3"]["response"]["body"]["choices"]
+    if choice["finish_reason"] == "stop":
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"]["name"] == "set_unit" and isinstance(json.loads(call["function"]["arguments"]), dict)
+    else:  # the random model spends its 64 tokens on the whitespace JSON allows: what it wrote is the forced call's
+        assert choice["finish_reason"] == "length"
+        written, forced = re.sub(r"\s", "", choice["message"]["content"]), '[{"name":"set_unit","parameters":{'
+        assert written and (forced.startswith(written) or written.startswith(forced)), written
 
 
 def test_openai_snippet(redis_url: str, chat_llama_dir) -> None:
