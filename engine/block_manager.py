@@ -151,10 +151,8 @@ class BlockManager:
         index = position // self.block_size
         if table is None or index >= len(table) or self._ref_counts[block_id := table[index]] != 1:
             return False
-        new_fill = position - index * self.block_size + 1
-        if new_fill > self._fill[block_id]:
-            self._filled_slots += new_fill - self._fill[block_id]
-            self._fill[block_id] = new_fill
+        if (new_fill := position - index * self.block_size + 1) > self._fill[block_id]:
+            self._set_fill(block_id, new_fill)
         if self.enable_prefix_caching:
             hashes = self._block_hashes.get(request_id)
             if hashes is None or len(hashes) < num_known // self.block_size:  # a block filled: hash it

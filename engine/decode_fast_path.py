@@ -34,6 +34,20 @@ class ScheduledRequest(NamedTuple):
 _new_scheduled = tuple.__new__  # builds a ScheduledRequest without the NamedTuple's Python-level __new__
 
 
+def waits_for_its_token(request: Request, max_model_len: int) -> bool:
+    """Whether a request whose last sample is still in flight (async scheduling) must not run again yet: it
+    has reached its length limit by that token (vLLM's guard: no wasted step), or that token fans out into
+    siblings, which must fork from the state before the next position is computed."""
+    if not request.num_placeholders:
+        return False
+    num_tokens = request.num_tokens + request.num_placeholders
+    return (
+        request.fan_out > 0
+        or num_tokens - request.num_prompt_tokens >= request.sampling_params.max_tokens
+        or num_tokens >= max_model_len
+    )
+
+
 def schedule_decodes(
     running: list[Request], index: int, budget: int, manager: BlockManager, max_model_len: int, scheduled: list
 ) -> int:
@@ -50,14 +64,8 @@ def schedule_decodes(
         start = request.num_computed_tokens
         if num_tokens + placeholders - start != 1 or request.is_beam:
             return index  # a prefill chunk, nothing to compute, or a beam
-        # A token in flight that fans out or reaches a length limit holds the request back (as
-        # Scheduler._waits_for_its_token: the general path decides those).
-        if placeholders and (
-            request.fan_out
-            or num_tokens + placeholders - len(request.prompt_token_ids) >= request.sampling_params.max_tokens
-            or num_tokens + placeholders >= max_model_len
-        ):
-            return index
+        if placeholders and waits_for_its_token(request, max_model_len):
+            return index  # held back: the general path skips it
         # As Scheduler._scheduled: blocks of known tokens filled by now are hashed too (most steps: none).
         if not append_slot(request.request_id, start, token_ids, start + 1 if start < num_tokens else num_tokens):
             return index

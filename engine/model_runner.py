@@ -25,7 +25,7 @@ from engine.runner_outputs import prompt_logprobs, sampled_tokens
 from engine.sampler import sample
 from engine.spec.verify import draw_layout, record_verified
 from engine.step_data import ModelRunnerOutput, ScheduledChunk, StepPlan
-from engine.step_inputs import StepInputs, build_step_inputs, decodes_first, plain_draw_layout
+from engine.step_inputs import StepInputs, build_step_inputs, decodes_first
 
 
 @dataclass
@@ -131,15 +131,13 @@ class ModelRunner:
         ordered, rows, infos, lengths = decodes_first(plan.chunks, rows_of_chunks, infos_of_chunks)
         inputs = build_step_inputs(ordered, infos, rows, self.state.tables(rows), self.block_size, lengths)
         self.num_device_fed_tokens += len(inputs.placeholders)
-        plain = plain_draw_layout(ordered, infos, rows, inputs.lengths)  # the common step: no fan-out, no drafts
-        if plain is None:
-            draws, draw_infos = draw_layout(ordered, infos, rows, inputs.lengths), None
-        else:
-            draws, sampling_chunks = plain
-            draw_infos = infos if len(sampling_chunks) == len(infos) else [infos[i] for i in sampling_chunks.tolist()]
+        draws = draw_layout(ordered, infos, rows, inputs.lengths)
         if draws is None:
             return PreparedStep(plan, device_ops, ordered, infos, inputs)
-        last_index, draw_rows, draw_index, positions, verify = draws
+        last_index, draw_rows, draw_index, positions, verify, draw_chunks = draws
+        # every chunk draws once, in order (most steps), or each draw takes its chunk's row info
+        once_each = np.array_equal(draw_chunks, np.arange(len(infos)))
+        draw_infos = infos if once_each else [infos[i] for i in draw_chunks.tolist()]
         return PreparedStep(
             plan,
             device_ops,

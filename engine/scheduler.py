@@ -21,7 +21,7 @@ from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from engine.block_manager import BlockManager
-from engine.decode_fast_path import ScheduledRequest, schedule_decodes
+from engine.decode_fast_path import ScheduledRequest, schedule_decodes, waits_for_its_token
 from engine.request import Request, RequestStatus
 from engine.seats import SeatPolicy, seat_victims, seats_of, waiting_groups
 from engine.step_data import StepPlan
@@ -155,8 +155,8 @@ class Scheduler:
             request = running[index]
             placeholders = request.num_placeholders
             num_new = min(len(request.all_token_ids) + placeholders - request.num_computed_tokens, budget)
-            if num_new == 0 or (placeholders and self._waits_for_its_token(request)):
-                index += 1  # a beam waiting for its siblings' candidates, or see _waits_for_its_token
+            if num_new == 0 or (placeholders and waits_for_its_token(request, self.max_model_len)):
+                index += 1  # a beam waiting for its siblings' candidates, or see waits_for_its_token
                 continue
             num_preempted = len(output.preempted)
             if not self._allocate_or_preempt(request, num_new, output):
@@ -231,19 +231,6 @@ class Scheduler:
             request.runner_num_blocks = min(request.runner_num_blocks, start // self.block_manager.block_size)
         output.blocks_to_copy += copies
         return True
-
-    def _waits_for_its_token(self, request: Request) -> bool:
-        """Whether a request whose last sample is still in flight (async scheduling) must not run again yet: it
-        has reached its length limit by that token (vLLM's guard: no wasted step), or that token fans out into
-        siblings, which must fork from the state before the next position is computed."""
-        if not request.num_placeholders:
-            return False
-        num_tokens = request.num_tokens + request.num_placeholders
-        return (
-            request.fan_out > 0
-            or num_tokens - request.num_prompt_tokens >= request.sampling_params.max_tokens
-            or num_tokens >= self.max_model_len
-        )
 
     def _pick_victim(self) -> Request:
         """The lowest-priority running request; among equals the most recently admitted."""

@@ -35,10 +35,7 @@ class StepInputs:
 _NUM_NEW = attrgetter("num_new_tokens")
 _START = attrgetter("start_position")
 _TOKEN_IDS = attrgetter("token_ids")
-_NEEDS_SAMPLE = attrgetter("needs_sample")
-_NUM_PROMPT = attrgetter("num_prompt_tokens")
 _DRAFTS = attrgetter("draft_token_ids")
-_FAN_OUT = attrgetter("fan_out")
 
 
 def decodes_first(
@@ -112,20 +109,3 @@ def build_step_inputs(
         placeholders=placeholders,
         placeholder_rows=placeholder_rows,
     )
-
-
-def plain_draw_layout(ordered: list[ScheduledChunk], infos: list[RowInfo], rows: np.ndarray, lengths: np.ndarray):
-    """(engine.spec.verify.draw_layout's answer, the indices of the chunks that sample) for a step without fan-outs
-    or drafts: one draw per sampling chunk, without that function's per-field passes. None when some chunk has
-    either (draw_layout then decides)."""
-    count = len(ordered)
-    if any(map(_DRAFTS, ordered)) or any(map(_FAN_OUT, infos)):
-        return None
-    chunks = np.flatnonzero(np.fromiter(map(_NEEDS_SAMPLE, ordered), dtype=bool, count=count))
-    if not len(chunks):
-        return None, chunks
-    starts = np.fromiter(map(_START, ordered), dtype=np.int64, count=count)
-    num_prompt = np.fromiter(map(_NUM_PROMPT, infos), dtype=np.int64, count=count)
-    last_index = np.cumsum(lengths)[chunks] - 1
-    positions = (starts + lengths - num_prompt)[chunks]
-    return (last_index, rows[chunks], np.zeros(len(chunks), dtype=np.int64), positions, None), chunks

@@ -234,10 +234,11 @@ class PrefillPlan:
     chunks: tuple[PrefillChunk, ...]
     short_groups: tuple[ShortChunkGroup, ...] = ()
     heads_per_kv: int = 1  # query heads per KV head, which the short groups' masks are laid out for
-    # The short chunks for the native kernel (a native plan): where it takes the tensors it replaces the short
-    # groups and their part of the gather, blocks[long_blocks:] (the long chunks' blocks come first).
+    # A native plan's short chunks, for the native kernel instead of short groups (none are built), and the
+    # plan's inputs (block_tables, cu_seqlens_q, context_lens, block_size), to plan again for SDPA should the
+    # query not suit the kernel (as a native decode plan keeps its tables and lengths).
     native_short: cpu_native.Chunks | None = None
-    long_blocks: int = 0
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
 
 
 def plan_prefill(
@@ -249,9 +250,8 @@ def plan_prefill(
     native: bool = False,
 ) -> PrefillPlan:
     """The chunks of a prefill step (empty ones left out), their blocks and causal masks: once a step. Chunks of
-    up to MAX_BATCHED_QUERY_TOKENS queries go to length groups (length_groups) and, if `native` (use_native),
-    also to the native kernel's Chunks, which replace the groups where it takes the tensors; the others one call
-    each."""
+    up to MAX_BATCHED_QUERY_TOKENS queries go to the native kernel's Chunks if `native` (use_native), else to
+    length groups (length_groups); the others one call each."""
     starts, lens = cu_seqlens_q.tolist(), context_lens.tolist()
     blocks, chunks, short, block_start = [], [], [], 0
     for seq, context_len in enumerate(lens):
@@ -269,8 +269,12 @@ def plan_prefill(
             mask = torch.arange(context_len)[None, :] <= torch.arange(prefix, context_len)[:, None]
         chunks.append(PrefillChunk(q_start, q_end, context_len, block_start, mask))
         block_start += num_blocks
-    groups, long_blocks = [], block_start
-    native_short = cpu_native.short_chunks(block_tables, starts, lens, short) if short and native else None
+    flat = torch.cat(blocks).long() if blocks else torch.zeros(0, dtype=torch.long)
+    if short and native:
+        inputs = (block_tables, cu_seqlens_q, context_lens, block_size)
+        native_short = cpu_native.short_chunks(block_tables, starts, lens, short)
+        return PrefillPlan(flat, tuple(chunks), (), heads_per_kv, native_short, inputs)
+    groups = []
     if short:
         seqs = np.array(short)[np.argsort(np.array(lens)[short], kind="stable")]
         for start, end, longest in length_groups(np.array(lens)[seqs], block_size):
@@ -279,7 +283,7 @@ def plan_prefill(
             block_start += group.rows * group.num_blocks
             groups.append(group)
     flat = torch.cat(blocks).long() if blocks else torch.zeros(0, dtype=torch.long)
-    return PrefillPlan(flat, tuple(chunks), tuple(groups), heads_per_kv, native_short, long_blocks)
+    return PrefillPlan(flat, tuple(chunks), tuple(groups), heads_per_kv)
 
 
 def _short_group(
@@ -339,11 +343,11 @@ def planned_prefill(
     lot). Then the short chunks (verify rows): by the native kernel, or one call per group, as decode does."""
     out = torch.empty_like(query)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    native = plan.native_short is not None and cpu_native.supports(query, k_cache, v_cache)
-    blocks = plan.blocks[: plan.long_blocks] if native else plan.blocks
+    if plan.native_short is not None and plan.inputs is not None and not cpu_native.supports(query, k_cache, v_cache):
+        plan = plan_prefill(*plan.inputs, query.shape[1] // num_kv_heads, native=False)
     if plan.short_groups and query.shape[1] != plan.heads_per_kv * num_kv_heads:
         raise ValueError(f"the plan folds {plan.heads_per_kv} query heads per KV head, the query has {query.shape[1]}")
-    keys, values = k_cache.index_select(0, blocks), v_cache.index_select(0, blocks)
+    keys, values = k_cache.index_select(0, plan.blocks), v_cache.index_select(0, plan.blocks)
     for chunk in plan.chunks:
         width = -(-chunk.context_len // block_size)
         part = slice(chunk.block_start, chunk.block_start + width)
@@ -354,9 +358,8 @@ def planned_prefill(
             q, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=True
         )
         out[chunk.q_start : chunk.q_end] = attended[0].transpose(0, 1)
-    if native and plan.native_short is not None:
+    if plan.native_short is not None:
         cpu_native.run_chunks(query, k_cache, v_cache, plan.native_short, scale, out)
-        return out
     for group in plan.short_groups:
         out.index_copy_(0, group.targets, _attend_short_group(query, keys, values, group, block_size, scale))
     return out

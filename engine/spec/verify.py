@@ -16,6 +16,7 @@ drops them. The row's latest token and, with penalties, its output-token counts 
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -28,20 +29,32 @@ if TYPE_CHECKING:
     from engine.step_data import ScheduledChunk
 
 
+_NEEDS_SAMPLE, _FAN_OUT = attrgetter("needs_sample"), attrgetter("fan_out")
+_START, _NUM_PROMPT, _DRAFTS = (
+    attrgetter("start_position"),
+    attrgetter("num_prompt_tokens"),
+    attrgetter("draft_token_ids"),
+)
+
+
 def draw_layout(ordered: list[ScheduledChunk], infos: list[RowInfo], rows: np.ndarray, lengths: np.ndarray):
     """(flat token index whose logits are sampled, batch-state row, fan-out draw number, output position, the
-    verify plan or None) per draw, as arrays; None when nothing samples. A request about to fork into several
-    samples draws them all from its one row of logits (and forks only once: its fan-out is spent here); a verify row
-    draws at each of its 1 + d positions."""
+    verify plan or None, the chunk each draw is of) per draw, as arrays; None when nothing samples. A request about
+    to fork into several samples draws them all from its one row of logits (and forks only once: its fan-out is
+    spent here); a verify row draws at each of its 1 + d positions. Fields are read with map(attrgetter) (C loops:
+    this runs every step for every sequence while the device waits)."""
     count = len(ordered)
-    needs = np.fromiter((c.needs_sample for c in ordered), dtype=bool, count=count)
-    chunks = np.flatnonzero(needs)
+    chunks = np.flatnonzero(np.fromiter(map(_NEEDS_SAMPLE, ordered), dtype=bool, count=count))
     if not len(chunks):
         return None
-    fan_out = np.fromiter((info.fan_out for info in infos), dtype=np.int64, count=count)[chunks]
-    num_drafts = np.fromiter((len(c.draft_token_ids) for c in ordered), dtype=np.int64, count=count)[chunks]
-    starts = np.fromiter((c.start_position for c in ordered), dtype=np.int64, count=count)
-    num_prompt = np.fromiter((info.num_prompt_tokens for info in infos), dtype=np.int64, count=count)
+    fan_out = np.fromiter(map(_FAN_OUT, infos), dtype=np.int64, count=count)[chunks]
+    num_drafts = np.fromiter(map(len, map(_DRAFTS, ordered)), dtype=np.int64, count=count)[chunks]
+    starts = np.fromiter(map(_START, ordered), dtype=np.int64, count=count)
+    num_prompt = np.fromiter(map(_NUM_PROMPT, infos), dtype=np.int64, count=count)
+    ends = np.cumsum(lengths)
+    if not fan_out.any() and not num_drafts.any():  # one draw per sampling chunk: most steps
+        positions = (starts + lengths - num_prompt)[chunks]
+        return ends[chunks] - 1, rows[chunks], np.zeros(len(chunks), dtype=np.int64), positions, None, chunks
     repeats = 1 + fan_out + num_drafts  # a row forks or verifies, never both (forks come with the first token)
     draw_chunk = np.repeat(chunks, repeats)
     offset = np.arange(len(draw_chunk)) - np.repeat(np.cumsum(repeats) - repeats, repeats)
@@ -51,12 +64,11 @@ def draw_layout(ordered: list[ScheduledChunk], infos: list[RowInfo], rows: np.nd
     draw_index = np.where(verifying, 0, offset)
     for i in chunks[fan_out > 0].tolist():
         infos[i].fan_out = 0
-    ends = np.cumsum(lengths)
     back = drafts_of_draw - step  # positions before the row's last
     last_index = ends[draw_chunk] - 1 - back
     positions = (starts + lengths - num_prompt)[draw_chunk] - back
     verify = _verify_plan(ordered, chunks, num_drafts, rows, repeats, verifying, step) if verifying.any() else None
-    return last_index, rows[draw_chunk], draw_index, positions, verify
+    return last_index, rows[draw_chunk], draw_index, positions, verify, draw_chunk
 
 
 def _verify_plan(ordered, chunks, num_drafts, rows, repeats, verifying, step) -> VerifyPlan:

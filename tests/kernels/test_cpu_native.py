@@ -241,8 +241,9 @@ def test_native_short_chunks_match_reference(dtype, group, head_dim, num_threads
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_plan_sends_short_chunks_to_native(monkeypatch, dtype):
-    """cpu_attention's prefill: long chunks by SDPA, short ones by the native kernel (which replaces the short
-    groups and their part of the gather); over an fp16 cache, which the kernel does not take, the short groups."""
+    """cpu_attention's prefill: long chunks by SDPA, short ones by the native kernel (no short groups built, none
+    of their blocks gathered); over an fp16 cache, which the kernel does not take, the short groups; a native plan
+    handed a query the kernel does not take plans again for SDPA."""
     torch.manual_seed(12)
     calls: list[int] = []
     native = cpu_native.run_chunks
@@ -251,8 +252,10 @@ def test_prefill_plan_sends_short_chunks_to_native(monkeypatch, dtype):
     for cache_dtype, runs in ((dtype, [1]), (torch.float16, [1])):
         query, k_cache, v_cache, tables, cu_seqlens, lens, scale = _chunk_inputs(chunks, 3, 64, cache_dtype)
         plan = cpu_attention.plan_prefill(tables, cu_seqlens, lens, 16, 3, cpu_attention.use_native(k_cache))
-        assert (plan.native_short is not None) == (cache_dtype != torch.float16) and plan.short_groups
-        assert plan.long_blocks == sum(-(-chunk.context_len // 16) for chunk in plan.chunks)
+        native_plan = cache_dtype != torch.float16
+        assert (plan.native_short is not None) == native_plan and bool(plan.short_groups) != native_plan
+        long_blocks = sum(-(-chunk.context_len // 16) for chunk in plan.chunks)
+        assert (len(plan.blocks) == long_blocks) == native_plan  # the short chunks' blocks are read in place
         out = cpu_attention.planned_prefill(query, k_cache, v_cache, plan, scale)
         assert calls == runs
         expected = reference.paged_prefill_attention(query, k_cache, v_cache, tables, cu_seqlens, lens, scale)

@@ -45,11 +45,14 @@ def _expected(query, k_cache, v_cache, meta, scale):
     return torch.cat([decode, prefill])
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["sdpa", "native"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group,head_dim,block_size", [(3, 64, 16), (1, 32, 8), (4, 64, 32)])
-def test_mixed_step_matches_reference(dtype, group, head_dim, block_size):
+def test_mixed_step_matches_reference(dtype, group, head_dim, block_size, native, monkeypatch):
     """Decode rows, verify rows of 2..6 queries over short and long contexts (several length groups, rows ending
-    mid-block and on a block edge), a one-token chunk, a fresh prompt and a chunk after a cached prefix."""
+    mid-block and on a block edge), a one-token chunk, a fresh prompt and a chunk after a cached prefix; by the
+    short groups (PAGEDQ_CPU_NATIVE=0) and by the native kernel, which takes the short chunks instead."""
+    monkeypatch.setenv("PAGEDQ_CPU_NATIVE", "1" if native else "0")
     torch.manual_seed(5)
     verify = [(block_size - 2, 2), (3, 5), (300, 5), (4 * block_size - 6, 6), (7, 3), (280, 4), (1, 1), (150, 2)]
     prefill = [(0, 40), (2 * block_size + 3, 25)]  # longer than the batched bound: one call each
@@ -58,6 +61,9 @@ def test_mixed_step_matches_reference(dtype, group, head_dim, block_size):
     out = paged_attention(kernels.bind("cpu"), query, k_cache, v_cache, meta, head_dim**-0.5)
     assert_close(out, _expected(query, k_cache, v_cache, meta, head_dim**-0.5))
     plan = meta.derived["cpu_prefill_plan"]
+    if native:
+        assert len(plan.chunks) == 2 and len(plan.native_short.q_lens) == len(verify) and not plan.short_groups
+        return
     assert len(plan.chunks) == 2 and sum(g.rows for g in plan.short_groups) == len(verify)
     assert len(plan.short_groups) > 1  # contexts 3..305 split into length groups
 
