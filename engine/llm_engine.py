@@ -311,6 +311,7 @@ class LLMEngine:
         """Tokens, fan-outs, token stops and beam selection; then stop strings; then the outputs."""
         if scheduler_output.num_drafts and self.speculation is not None:
             self.speculation.record_step(scheduler_output.scheduled, runner_output.sampled)
+        self.structured.advance_early(scheduler_output, runner_output.sampled)  # the next step's mask fills now
         advanced, beam_outputs = self.post_step.run(scheduler_output, runner_output)
         for request, stop in self.output_processor.find_stop_strings(advanced):
             request.stop_reason = stop

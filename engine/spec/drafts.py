@@ -9,9 +9,11 @@ Drafts are never registered in the prefix cache: blocks are hashed over final to
 after the step the sequence's computed count and its block table are cut back to what verification accepted
 (engine/post_step.py), so a rejected draft's slot is never counted as computed and is overwritten later.
 
-The per-step switch (`wants_drafts`): speculation pays while a step is bound by its fixed per-step cost, and costs
-once verifying (1 + k) tokens per row makes the forward wider than the batch alone would: with more than
-`max_verify_tokens` verify tokens in view, the step runs as a plain decode (docs/engine.md has the measurement).
+The per-step verify budget (`wants_drafts`): speculation pays while a step is bound by its fixed per-step cost, and
+costs once verifying 1 + d tokens per row makes the forward wider than the batch alone would. So a step's verify
+tokens stay within `max_verify_tokens`: with R sequences running each drafts at most max_verify_tokens // R - 1
+(within k), and where that is under one the step runs as a plain decode (docs/engine.md has the measurement). One
+configuration then drafts long at batch 1, shorter at batch 16 and not at all at batch 64.
 And a step that proposes gives up its overlap with the step in flight (async scheduling), so after a step whose
 proposals all came back empty, the next ones run without drafts, backing off exponentially.
 """
@@ -45,10 +47,11 @@ class ScheduledDrafts(Protocol):
     def draft_token_ids(self) -> tuple[int, ...]: ...
 
 
-# Verify tokens (running sequences x (1 + k)) above which a step runs without drafts. Measured on SmolLM2, 2 shared
-# CPU cores, the grounded workload, k = 4, speculation forced on: 1.71x at batch 16 (80 verify tokens), 1.24x at 32
-# (160), 0.73x at 64 (320): docs/engine.md. So on up to 160, i.e. up to 32 sequences at k = 4.
-DEFAULT_MAX_VERIFY_TOKENS = 160
+# A step's verify tokens at most (running sequences x (1 + drafts each)). Measured on SmolLM2, 2 CPU cores, the
+# grounded workload (docs/engine.md): at batch 16 four drafts a row (80 verify tokens) did better than eight (144),
+# at batch 1 eight better than four, and at batch 64 four drafts a row (320) ran at 0.73x. So 80: with k = 8, eight
+# drafts a row up to batch 8, 4 at batch 16, 1 at batch 27-40, none from batch 41 on.
+DEFAULT_MAX_VERIFY_TOKENS = 80
 # A step that asked the proposer and got no draft for anyone gave up its overlap with the step before it for nothing:
 # the next 1, 2, 4, ... (at most this many) steps then run without drafts, pipelined; a step with drafts resets it.
 # That pays where the host's work a step is a real share of the step (a GPU); on the CPU it is 1-3 ms of an 80+ ms
@@ -105,6 +108,7 @@ class Speculation:
         self.num_off_steps = 0  # steps the switch ran without drafts
         self._asked = self._found = 0  # this step's sequences that asked the proposer, and those it gave drafts
         self._backoff = self._skip = 0
+        self._row_cap = num_speculative_tokens  # most drafts a row this step (wants_drafts)
 
     @classmethod
     def from_config(
@@ -136,13 +140,16 @@ class Speculation:
 
     # ---- per step ------------------------------------------------------------------------------------
     def wants_drafts(self, running: Sequence[Request]) -> bool:
-        """Whether this step proposes drafts (the switch above); forgets requests that left."""
+        """Whether this step proposes drafts, and at most how many a row (the verify budget above); forgets
+        requests that left."""
         if len(self._known) > len(running) or self._groups:
             self._forget_left(running)
-        if self._skip or len(running) * (1 + self.num_speculative_tokens) > self.max_verify_tokens:
+        row_cap = min(self.num_speculative_tokens, self.max_verify_tokens // max(1, len(running)) - 1)
+        if self._skip or row_cap < 1:
             self._skip = max(0, self._skip - 1)
             self.num_off_steps += 1
             return False
+        self._row_cap = row_cap
         self._asked = self._found = 0
         return True
 
@@ -163,6 +170,7 @@ class Speculation:
         num_tokens = request.num_tokens
         limit = min(
             self._limits.get(request.request_id, self.num_speculative_tokens),
+            self._row_cap,  # this step's share of the verify budget
             budget,
             params.max_tokens - request.num_output_tokens - 1,  # the step emits at most 1 + d tokens
             self.max_model_len - num_tokens - 1,

@@ -9,6 +9,8 @@ and the per-step masks.
     fill_pending()  the masks of steps already launched, now that their sequences' tokens are known (async):
                filled on a background thread while the engine schedules the next step; settle() waits for them
                before any matcher moves again
+    advance_early()  async, before a step's processing: the matchers take its tokens first and the launched
+               step's mask fills at once, so that step's sampling waits for the matchers, not the whole batch
 """
 
 from __future__ import annotations
@@ -31,6 +33,21 @@ class _Compiling:
     request: Request
     future: Future
     deadline: float
+
+
+@dataclass(slots=True)
+class _EarlyToken:
+    """A token a matcher took before its step was processed (advance_early), and what it then said."""
+
+    request: Request
+    state: SequenceGrammar
+    position: int  # its output position
+    token: int
+    done: bool  # the grammar accepts nothing more after it (is_done)
+
+    def was_kept(self) -> bool:
+        tokens, at = self.request.all_token_ids, len(self.request.prompt_token_ids) + self.position
+        return at < len(tokens) and tokens[at] == self.token
 
 
 class StructuredOutputManager:
@@ -63,6 +80,7 @@ class StructuredOutputManager:
         self._filler: ThreadPoolExecutor | None = None  # runs the async fills (one at a time, in step order)
         self._filling: list[Future] = []  # fills submitted and maybe not done: no matcher moves until they are
         self._mask_buffers: list[Any] = []  # the last masks' tensors, oldest first (StepMask buffer)
+        self._early: dict[str, _EarlyToken] = {}  # request id -> the token its matcher took early (this step)
 
     @classmethod
     def for_model(cls, tokenizer: Any, model_config: Any, config: Any) -> StructuredOutputManager:
@@ -174,22 +192,68 @@ class StructuredOutputManager:
     # ---- after a step ---------------------------------------------------------------------------
     def advance(self, advanced: list[Request]) -> list[tuple[Request, RequestStatus]]:
         """Feed each live structured sequence its new tokens; the finishes this calls for (a grammar done: stopped;
-        a token refused: aborted, with the error kept for the group's final output)."""
-        finishes: list[tuple[Request, RequestStatus]] = []
+        a token refused: aborted, with the error kept for the group's final output). A matcher that took its token
+        early is not touched again (its step's mask may be filling from it): what it said then stands."""
+        early, self._early = self._early, {}
+        stale = [e for e in early.values() if not e.request.is_finished and not e.was_kept()]  # never, in practice
         for request in advanced:  # samples forked this step first, from their parent's matcher before it moves on
             if request.request_id not in self.sequences and request.sampling_params.structured_outputs is not None:
+                self.settle()
                 self.sequences[request.request_id] = self._fork_for(request)
         live = [r for r in advanced if r.sampling_params.structured_outputs is not None and not r.is_finished]
-        states = [self.sequences[r.request_id] for r in live]
-        errors = SequenceGrammar.feed_all(states, [r.output_token_ids for r in live])
-        for request, state, error in zip(live, states, errors):
+        rest = [r for r in live if r.request_id not in early or early[r.request_id] in stale]
+        if rest or stale:
+            self.settle()  # these matchers move now: no fill may read them meanwhile
+        for entry in stale:  # a token its sequence did not keep: the matcher steps back
+            entry.state.matcher.rollback(1)
+            entry.state.num_accepted -= 1
+        states = [self.sequences[r.request_id] for r in rest]
+        errors = dict(zip(map(id, rest), SequenceGrammar.feed_all(states, [r.output_token_ids for r in rest])))
+        finishes: list[tuple[Request, RequestStatus]] = []
+        for request in live:  # in the batch's order, whichever way each was fed
+            if id(request) in errors:
+                error = errors[id(request)]
+                done = error is None and self.sequences[request.request_id].is_done(self._scratch_row())
+            else:
+                error, done = None, early[request.request_id].done
             if error is not None:
                 self.errors.setdefault(request.group_id, error)
                 finishes.append((request, RequestStatus.FINISHED_ABORTED))
-            elif state.is_done(self._scratch_row()):
+            elif done:
                 request.stop_reason = None
                 finishes.append((request, RequestStatus.FINISHED_STOPPED))
         return finishes
+
+    def advance_early(self, output: Any, sampled: dict[str, list]) -> None:
+        """Async, before a step's processing, with a launched step's mask waiting for its tokens: the structured
+        sequences' matchers take them now and that mask fills at once, so its sampling waits for the matchers
+        alone, not for the whole batch's appends, stop checks and reports (the chain vLLM #26866 keeps short).
+        Only when each structured row brings one plain next token (not a fan-out's first draws, nor drafts); else
+        finish_advanced feeds them in order and the mask fills after. Either way the matchers hold the same tokens
+        when the mask fills (a finished sequence's row is dropped), so the masks, and the outputs, are the same."""
+        if not self._pending_masks or not self.sequences or output.num_drafts:
+            return
+        self.settle()
+        fed: list[tuple[Request, SequenceGrammar, int]] = []
+        for item in output.scheduled:
+            request = item.request
+            state = self.sequences.get(request.request_id)
+            if state is None or request.is_finished or request.epoch != item.epoch:
+                continue  # not structured, or its result is dropped (engine/post_step.py): its matcher stays
+            draws = sampled.get(request.request_id)
+            if not draws:
+                continue  # a prefill chunk short of its prompt's end
+            if len(draws) != 1 or request.fan_out or state.num_accepted != request.num_output_tokens:
+                return
+            fed.append((request, state, draws[0][0]))
+        if fed:
+            accepted = SequenceGrammar.accept_next([state for _, state, _ in fed], [token for _, _, token in fed])
+            scratch = self._scratch_row()
+            for (request, state, token), ok in zip(fed, accepted):
+                if ok:  # a refused one is fed again in order, and names its error then
+                    done = state.is_done(scratch)
+                    self._early[request.request_id] = _EarlyToken(request, state, state.num_accepted - 1, token, done)
+        self.fill_pending()
 
     def _fork_for(self, request: Request) -> SequenceGrammar:
         """A sample forked this step (n > 1, best_of): its own matcher, forked from its parent's at the fork point
@@ -207,8 +271,8 @@ class StructuredOutputManager:
 
     def finish_advanced(self, advanced: list[Request], scheduler: Any) -> None:
         """advance(), then the finishes it calls for, then the matchers of every sequence that finished."""
-        self.settle()
         if not self.sequences:
+            self._early.clear()
             return
         for request, status in self.advance(advanced):
             scheduler.finish_request(request, status)

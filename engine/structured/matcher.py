@@ -57,6 +57,18 @@ class SequenceGrammar:
                 errors[i] = state.feed(tokens)
         return errors
 
+    @staticmethod
+    def accept_next(states: list[SequenceGrammar], tokens: list[int]) -> list[bool]:
+        """Each matcher takes one next token (each in step with its sequence's outputs before it); whether it did.
+        A refused token leaves its matcher as it was (feed() then names the error)."""
+        if len(states) == 1:
+            accepted = [states[0].matcher.accept_token(tokens[0])]
+        else:
+            accepted = xgrammar().BatchGrammarMatcher.batch_accept_token([s.matcher for s in states], tokens)
+        for state, ok in zip(states, accepted):
+            state.num_accepted += bool(ok)
+        return [bool(ok) for ok in accepted]
+
     def fill_row(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 

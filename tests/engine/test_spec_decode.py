@@ -215,14 +215,34 @@ def test_beam_search_is_refused_with_speculation(tiny_llama_dir):
         engine.add_beam_search_request("b", _tokens(5, 1), BeamSearchParams(beam_width=2, max_tokens=4))
 
 
-def test_the_switch_runs_wide_steps_without_drafts(tiny_llama_dir):
-    """Above max_verify_tokens (running sequences x (1 + k)) a step runs as a plain decode."""
+def test_the_verify_budget_caps_drafts_per_row_and_switches_wide_steps_off(tiny_llama_dir):
+    """A step's verify tokens stay within max_verify_tokens: with R running each row drafts at most
+    max_verify_tokens // R - 1 (within k), and a step where that is under one runs as a plain decode."""
+    budget = 7  # R = 1: k (4) drafts; R = 2: 2; R = 3: 1; R = 4: none
     llm = LLM(tiny_llama_dir, block_size=BLOCK, num_kv_blocks=256)
-    llm.llm_engine.set_proposer(TestProposer(random_only=True), K, max_verify_tokens=2 * (1 + K))
-    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (4, 4, 16, 16)]
-    llm.generate([_tokens(6, i) for i in range(4)], params)
-    stats = llm.llm_engine.stats()
-    assert stats["num_spec_off_steps"] > 0 and stats["num_verify_rows"] > 0  # the last two ran with drafts
+    prompts = [_tokens(6, i) for i in range(4)]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (4, 8, 16, 40)]
+    truths = [p + o.outputs[0].token_ids for p, o in zip(prompts, llm.generate(prompts, params))]
+    engine = llm.llm_engine
+    engine.set_proposer(TestProposer(truths), K, max_verify_tokens=budget)  # right drafts: limits stay at k
+    schedule, seen = engine.scheduler.schedule, []
+
+    def recording_schedule(*args):
+        output = schedule(*args)
+        drafts = [len(item.draft_token_ids) for item in output.scheduled]
+        seen.append((len(engine.scheduler.running), max(drafts, default=0), sum(drafts) + len(drafts)))
+        return output
+
+    engine.scheduler.schedule = recording_schedule
+    assert [p + o.outputs[0].token_ids for p, o in zip(prompts, llm.generate(prompts, params))] == truths
+    for running, most, verify_tokens in seen:
+        assert most <= max(0, min(K, budget // running - 1)), (running, most)
+        assert most == 0 or verify_tokens <= budget
+    widths: dict[int, int] = {}  # running sequences -> the most drafts a row brought then
+    for running, most, _ in seen:
+        widths[running] = max(widths.get(running, 0), most)
+    assert widths.get(1) == K and widths.get(2) == 2 and widths.get(4, 0) == 0  # long alone, shorter in company
+    assert engine.stats()["num_spec_off_steps"] > 0
 
 
 def test_steps_whose_proposals_all_come_back_empty_back_off(tiny_llama_dir):

@@ -154,6 +154,32 @@ def test_work_launched_behind_a_waiting_step_runs_after_it():
     queue.close()
 
 
+def test_the_launched_steps_mask_fills_before_the_batch_is_post_processed(tiny_llama_dir):
+    """Async: the matchers take a step's tokens before the batch's appends, stop checks and reports, and the
+    launched step's mask starts filling then, so that step's sampling waits for the matchers alone (vLLM #26866).
+    The tokens stay those of the sync run, stop strings and lengths included."""
+    jobs = [
+        (p, SamplingParams(max_tokens=12 + i, temperature=0.0, structured_outputs=c))
+        for i, (p, c) in enumerate(zip(PROMPTS, CONSTRAINTS))
+    ]
+    jobs += [(p, SamplingParams(max_tokens=10, temperature=1.0, seed=3, stop=["e"])) for p in PROMPTS]
+    llm = LLM(tiny_llama_dir, max_num_seqs=8, async_scheduling=True)
+    engine, manager = llm.llm_engine, llm.llm_engine.structured
+    post_step, seen = engine.post_step.run, []
+
+    def watching(output, result):
+        seen.append((len(manager._pending_masks), len(manager._filling)))
+        return post_step(output, result)
+
+    engine.post_step.run = watching
+    outputs = llm.generate([p for p, _ in jobs], [s for _, s in jobs])
+    assert all(pending == 0 for pending, _ in seen)  # no launched step's mask waited for the processing
+    assert sum(filling > 0 for _, filling in seen) >= 8  # its fill was under way during it
+    _, synced = run(tiny_llama_dir, jobs, async_scheduling=False)
+    assert tokens(outputs) == tokens(synced)
+    check_against_replay(llm, jobs, outputs)
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_chunked_prefill_and_no_prefix_cache_keep_the_tokens(tiny_llama_dir, baseline, mode):
     jobs, _, outputs = baseline
