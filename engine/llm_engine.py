@@ -262,7 +262,7 @@ class LLMEngine:
         started = time.perf_counter()
         compiled = self.structured.admit(self.scheduler, self.output_processor)  # grammars ready, or failed
         # Speculation: drafts need every token before them, so a step that proposes waits for the one in flight
-        # and runs alone (docs/engine.md); a step the switch leaves without drafts pipelines as usual. A masked
+        # and runs alone (docs/engine.md); a step the verify budget leaves without drafts pipelines as usual. A masked
         # step's sampling waits for its mask in the DeviceQueue, so structured steps need no drain.
         speculate = self.speculation is not None and self.speculation.wants_drafts(self.scheduler.running)
         drain = speculate and self._in_flight

@@ -96,7 +96,7 @@ class Speculation:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_verify_tokens = max_verify_tokens
-        self.max_backoff_steps = max_backoff_steps  # 0: every step the switch allows asks the proposer
+        self.max_backoff_steps = max_backoff_steps  # 0: every step the verify budget allows asks the proposer
         self.grammar = grammar  # None: structured requests get no drafts
         self._known: dict[str, int] = {}  # request id -> tokens of its history the proposer has
         self._limits: dict[str, int] = {}  # request id -> most drafts at its next verify (next_draft_limit)
@@ -105,7 +105,7 @@ class Speculation:
         self.num_accepted_draft_tokens = 0  # of which accepted
         self.num_grammar_cut_draft_tokens = 0  # proposed, then cut by a structured request's grammar (not verified)
         self.num_verify_rows = 0  # row-steps that carried at least one draft
-        self.num_off_steps = 0  # steps the switch ran without drafts
+        self.num_off_steps = 0  # steps run without drafts (the verify budget, or the back-off)
         self._asked = self._found = 0  # this step's sequences that asked the proposer, and those it gave drafts
         self._backoff = self._skip = 0
         self._row_cap = num_speculative_tokens  # most drafts a row this step (wants_drafts)
