@@ -195,18 +195,18 @@ class StructuredOutputManager:
         a token refused: aborted, with the error kept for the group's final output). A matcher that took its token
         early is not touched again (its step's mask may be filling from it): what it said then stands."""
         early, self._early = self._early, {}
-        stale = [e for e in early.values() if not e.request.is_finished and not e.was_kept()]  # never, in practice
+        stale = {i for i, e in early.items() if not e.request.is_finished and not e.was_kept()}  # never, in practice
         for request in advanced:  # samples forked this step first, from their parent's matcher before it moves on
             if request.request_id not in self.sequences and request.sampling_params.structured_outputs is not None:
                 self.settle()
                 self.sequences[request.request_id] = self._fork_for(request)
         live = [r for r in advanced if r.sampling_params.structured_outputs is not None and not r.is_finished]
-        rest = [r for r in live if r.request_id not in early or early[r.request_id] in stale]
+        rest = [r for r in live if r.request_id not in early or r.request_id in stale]
         if rest or stale:
             self.settle()  # these matchers move now: no fill may read them meanwhile
-        for entry in stale:  # a token its sequence did not keep: the matcher steps back
-            entry.state.matcher.rollback(1)
-            entry.state.num_accepted -= 1
+        for req_id in stale:  # a token its sequence did not keep: the matcher steps back
+            early[req_id].state.matcher.rollback(1)
+            early[req_id].state.num_accepted -= 1
         states = [self.sequences[r.request_id] for r in rest]
         errors = dict(zip(map(id, rest), SequenceGrammar.feed_all(states, [r.output_token_ids for r in rest])))
         finishes: list[tuple[Request, RequestStatus]] = []
@@ -246,14 +246,15 @@ class StructuredOutputManager:
             if len(draws) != 1 or request.fan_out or state.num_accepted != request.num_output_tokens:
                 return
             fed.append((request, state, draws[0][0]))
-        if fed:
-            accepted = SequenceGrammar.accept_next([state for _, state, _ in fed], [token for _, _, token in fed])
-            scratch = self._scratch_row()
-            for (request, state, token), ok in zip(fed, accepted):
-                if ok:  # a refused one is fed again in order, and names its error then
-                    done = state.is_done(scratch)
-                    self._early[request.request_id] = _EarlyToken(request, state, state.num_accepted - 1, token, done)
-        self.fill_pending()
+        accepted = SequenceGrammar.accept_next([state for _, state, _ in fed], [token for _, _, token in fed])
+        for (request, state, token), ok in zip(fed, accepted):
+            if ok:  # a refused one is fed again in order, and names its error then
+                done = state.is_done(self._scratch_row())
+                self._early[request.request_id] = _EarlyToken(request, state, state.num_accepted - 1, token, done)
+        # a sequence whose grammar just ended stops this step: its row stays all-allowed (xgrammar refuses to fill
+        # a terminated matcher) and its draw is dropped
+        ended = {req_id for req_id, entry in self._early.items() if entry.done}
+        self.fill_pending({k: v for k, v in self.sequences.items() if k not in ended} if ended else self.sequences)
 
     def _fork_for(self, request: Request) -> SequenceGrammar:
         """A sample forked this step (n > 1, best_of): its own matcher, forked from its parent's at the fork point
@@ -342,9 +343,10 @@ class StructuredOutputManager:
         else:
             self._pending_masks.append(mask)
 
-    def fill_pending(self) -> None:
+    def fill_pending(self, matchers: dict[str, SequenceGrammar] | None = None) -> None:
         """The launched steps' masks, on the filler thread: the engine thread goes on to schedule and prepare the
-        next step meanwhile (which matcher fills which row is decided here, before the scheduler moves on)."""
+        next step meanwhile (which matcher fills which row is decided here, before the scheduler moves on).
+        `matchers`: those that fill (default: every live sequence's)."""
         masks, self._pending_masks = self._pending_masks, []
         if not masks:
             return
@@ -352,7 +354,9 @@ class StructuredOutputManager:
             self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedq-mask")
         batch = self._batch_matcher()
         for mask in masks:
-            self._filling.append(self._filler.submit(mask.collect(self.sequences), batch))
+            self._filling.append(
+                self._filler.submit(mask.collect(self.sequences if matchers is None else matchers), batch)
+            )
 
     def settle(self) -> None:
         """Wait for the fills in progress (a failed one has already failed its step's device work)."""

@@ -43,14 +43,10 @@ class SequenceGrammar:
         single = [i for i, (state, tokens) in enumerate(zip(states, outputs)) if len(tokens) == state.num_accepted + 1]
         if len(single) < 2:
             single = []
-        batch = xgrammar().BatchGrammarMatcher
-        accepted = batch.batch_accept_token([states[i].matcher for i in single], [outputs[i][-1] for i in single])
+        accepted = SequenceGrammar.accept_next([states[i] for i in single], [outputs[i][-1] for i in single])
         for i, ok in zip(single, accepted):
-            position = states[i].num_accepted
-            if ok:
-                states[i].num_accepted = position + 1
-            else:
-                errors[i] = _refused(outputs[i][position], position)
+            if not ok:
+                errors[i] = _refused(outputs[i][-1], states[i].num_accepted)
         fed = set(single)
         for i, (state, tokens) in enumerate(zip(states, outputs)):
             if i not in fed:
@@ -61,6 +57,8 @@ class SequenceGrammar:
     def accept_next(states: list[SequenceGrammar], tokens: list[int]) -> list[bool]:
         """Each matcher takes one next token (each in step with its sequence's outputs before it); whether it did.
         A refused token leaves its matcher as it was (feed() then names the error)."""
+        if not states:
+            return []
         if len(states) == 1:
             accepted = [states[0].matcher.accept_token(tokens[0])]
         else:

@@ -77,7 +77,7 @@ class StepMask:
         verify: dict[str, tuple[Any, list[int]]] = {}  # request id -> (its SequenceGrammar, its draws' rows)
         for row, req_id in zip(self.draw_rows, self.req_ids):
             state = matchers.get(req_id)
-            if state is None or state.matcher.is_terminated():  # left, or stops now: all allowed (draw dropped)
+            if state is None:  # left, or stops now: all allowed (its draw is dropped)
                 self.bitmask[row] = -1
                 continue
             if req_id in self.drafts:  # a verify row's draws, in position order (engine/spec/verify.draw_layout)
