@@ -11,10 +11,11 @@ ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY docker/requirements.py ./docker/
-RUN python docker/requirements.py gateway > /tmp/requirements.txt && pip install -r /tmp/requirements.txt
-COPY engine ./engine
-COPY kernels ./kernels
-COPY worker ./worker
+# At the versions CI tests: .ci/constraints.txt, the lock .ci/setup installs from.
+COPY .ci/constraints.txt ./.ci/
+RUN python docker/requirements.py gateway > /tmp/requirements.txt \
+ && pip install -c .ci/constraints.txt -r /tmp/requirements.txt
+COPY pagedq ./pagedq
 # --no-deps: the rest of the engine's dependencies (torch, triton) stays out: never imported here.
 RUN pip install --no-deps .
 

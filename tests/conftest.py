@@ -21,9 +21,9 @@ VOCAB_SIZE = 512
 _SCHEDULING = os.environ.get("PAGEDQ_TEST_SCHEDULING", "async")
 if _SCHEDULING not in ("async", "sync"):
     raise ValueError(f"PAGEDQ_TEST_SCHEDULING must be 'async' or 'sync', got {_SCHEDULING!r}")
-import engine.config  # noqa: E402
+import pagedq.engine.config as engine_config  # noqa: E402
 
-engine.config.DEFAULT_ASYNC_SCHEDULING = _SCHEDULING == "async"
+engine_config.DEFAULT_ASYNC_SCHEDULING = _SCHEDULING == "async"
 
 
 def random_tokens(n: int, seed: int) -> list[int]:
@@ -138,6 +138,6 @@ def tiny_llama_dir(checkpoint_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def demo_model_dir() -> Path:
-    from engine.demo_model import demo_model_path
+    from pagedq.engine.demo_model import demo_model_path
 
     return demo_model_path()

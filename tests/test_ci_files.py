@@ -18,14 +18,14 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCKERFILE = (ROOT / "worker" / "Dockerfile").read_text()
+DOCKERFILE = (ROOT / "docker" / "worker-gpu.Dockerfile").read_text()
 
 
 def _json_instruction(name: str) -> list[str]:
     """The exec-form (JSON array) argument list of the Dockerfile's last NAME instruction (its options and line
     continuations skipped: everything up to the first bracket)."""
     matches = re.findall(rf"^{name}\b[^\[]*(\[.*\])\s*$", DOCKERFILE, flags=re.MULTILINE)
-    assert matches, f"no exec-form {name} in worker/Dockerfile"
+    assert matches, f"no exec-form {name} in docker/worker-gpu.Dockerfile"
     return list(json.loads(matches[-1]))
 
 
@@ -37,7 +37,7 @@ def test_ci_run_is_the_readme_test_command():
 
 
 def test_image_command_parses_with_the_worker_cli():
-    from worker.cli.main import build_parser
+    from pagedq.worker.cli.main import build_parser
 
     cmd = _json_instruction("CMD")
     assert cmd[:2] == ["sh", "-c"]
@@ -57,7 +57,7 @@ def test_image_command_parses_with_the_worker_cli():
 
 
 def test_image_healthcheck_asks_the_worker_liveness_path():
-    from worker.ops import metrics
+    from pagedq.worker.ops import metrics
 
     check = _json_instruction("HEALTHCHECK")
     assert check[:2] == ["python3", "-c"]

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from engine.cli import build_parser as engine_parser
-from engine.options import engine_options
-from worker.cli.main import build_parser as pagedq_parser
+from pagedq.engine.cli import build_parser as engine_parser
+from pagedq.engine.options import engine_options
+from pagedq.worker.cli.main import build_parser as pagedq_parser
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -26,7 +26,9 @@ def walk(parser: argparse.ArgumentParser, path: str):
                 yield from walk(sub, f"{path} {name}")
 
 
-@pytest.mark.parametrize("build, least", [(pagedq_parser, 14), (engine_parser, 6)], ids=["pagedq", "python -m engine"])
+@pytest.mark.parametrize(
+    "build, least", [(pagedq_parser, 14), (engine_parser, 6)], ids=["pagedq", "python -m pagedq.engine"]
+)
 def test_every_argument_has_help_and_no_parser_takes_abbreviations(build, least):
     parsers = list(walk(build(), "pagedq"))
     assert len(parsers) >= least  # every command and sub-command
@@ -57,7 +59,7 @@ def test_an_abbreviated_flag_is_refused(argv, flag, capsys):
     assert f"unrecognized arguments: {flag}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("module", ["engine", "worker"])
+@pytest.mark.parametrize("module", ["pagedq.engine", "pagedq.worker"])
 def test_version_prints_the_package_version(module):
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
     proc = subprocess.run(
@@ -69,7 +71,7 @@ def test_version_prints_the_package_version(module):
 
 def test_the_pagedq_script_is_the_services_entry_point():
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
-    assert scripts == {"pagedq": "worker.cli:main"}
+    assert scripts == {"pagedq": "pagedq.worker.cli:main"}
 
 
 @pytest.mark.parametrize("command", ["generate", "bench throughput", "bench worker", "demo", "worker"])

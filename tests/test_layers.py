@@ -1,6 +1,7 @@
 """The shape of the code, from its imports (every import statement, at module level or inside a function or a
-TYPE_CHECKING block): engine/ and kernels/ never import worker/; worker/'s packages only import the layers below
-them; no module imports itself back through others."""
+TYPE_CHECKING block): under the one import root `pagedq`, engine/ and kernels/ never import worker/ (nor kernels/
+engine/); worker/'s packages only import the layers below them; nothing inside imports the root's lazy names; no
+module imports itself back through others."""
 
 from __future__ import annotations
 
@@ -11,29 +12,30 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-TOP_PACKAGES = ("engine", "kernels", "worker")
+PROJECT = "pagedq"  # the one import root; its parts are pagedq.engine, pagedq.kernels and pagedq.worker
+PARTS = ("engine", "kernels", "worker")
 
 # worker/'s layers, lowest first: a module may import its own package and the layers below its own; two packages
-# on one layer are peers and import neither each other nor anything above. `worker` itself (the producer-facing
-# names in worker/__init__) sits on top: nothing inside the project imports it.
+# on one layer are peers and import neither each other nor anything above. `pagedq.worker` itself (the
+# producer-facing names in worker/__init__) sits on top: nothing inside the project imports it.
 WORKER_LAYERS: dict[str, int] = {
-    "worker.logs": 0,
-    "worker.protocol": 0,
-    "worker.flags": 1,
-    "worker.client": 2,
-    "worker.service": 3,
-    "worker.bulk": 3,
-    "worker.celery": 4,
-    "worker.gateway": 4,
-    "worker.ops": 5,
-    "worker.testing": 5,
+    "pagedq.worker.logs": 0,
+    "pagedq.worker.protocol": 0,
+    "pagedq.worker.flags": 1,
+    "pagedq.worker.client": 2,
+    "pagedq.worker.service": 3,
+    "pagedq.worker.bulk": 3,
+    "pagedq.worker.celery": 4,
+    "pagedq.worker.gateway": 4,
+    "pagedq.worker.ops": 5,
+    "pagedq.worker.testing": 5,
     # The Worker as its settings describe it: the service loop with the Celery front door and the metrics endpoint,
     # which sit above the service layer the loop is in; bench and cli run it, so it sits below them.
-    "worker.assembly": 6,
-    "worker.bench": 7,
-    "worker.cli": 8,
-    "worker.__main__": 9,
-    "worker": 9,
+    "pagedq.worker.assembly": 6,
+    "pagedq.worker.bench": 7,
+    "pagedq.worker.cli": 8,
+    "pagedq.worker.__main__": 9,
+    "pagedq.worker": 9,
 }
 
 
@@ -43,7 +45,13 @@ def module_name(path: Path) -> str:
 
 
 def project_modules() -> dict[str, Path]:
-    return {module_name(p): p for top in TOP_PACKAGES for p in (ROOT / top).rglob("*.py")}
+    return {module_name(p): p for p in (ROOT / PROJECT).rglob("*.py")}
+
+
+def part_of(module: str) -> str:
+    """engine, kernels or worker for a module inside one of them; "" for the root package itself."""
+    names = module.split(".")
+    return names[1] if len(names) > 1 else ""
 
 
 def imports_of(name: str, path: Path, known: dict[str, Path]) -> Iterator[str]:
@@ -85,9 +93,9 @@ def test_engine_and_kernels_never_import_the_queue_side(graph: dict[str, set[str
     bad = sorted(
         (m, t)
         for m, targets in graph.items()
-        if m.split(".")[0] in ("engine", "kernels")
+        if part_of(m) in ("engine", "kernels")
         for t in targets
-        if t.split(".")[0] == "worker" or (m.startswith("kernels") and t.startswith("engine"))
+        if part_of(t) == "worker" or (part_of(m) == "kernels" and part_of(t) == "engine")
     )
     assert not bad, f"engine/kernels import upward: {bad}"
 
@@ -95,16 +103,22 @@ def test_engine_and_kernels_never_import_the_queue_side(graph: dict[str, set[str
 def test_worker_packages_import_only_the_layers_below(graph: dict[str, set[str]]) -> None:
     upward = set()
     for module, targets in graph.items():
-        if not module.startswith("worker"):
+        if part_of(module) != "worker":
             continue
         package, rank = layer_of(module)
         for target in targets:
-            if not target.startswith("worker"):
+            if part_of(target) != "worker":
                 continue
             target_package, target_rank = layer_of(target)
             if target_package != package and target_rank >= rank:
                 upward.add((module, target))
     assert upward == set(), "imports that run up or sideways between worker/'s layers"
+
+
+def test_nothing_inside_imports_the_root_package(graph: dict[str, set[str]]) -> None:
+    """`pagedq/__init__.py` re-exports engine's and worker's names for users: a part that imported them from there
+    would reach across the layers above without the checks above seeing it."""
+    assert sorted(m for m, targets in graph.items() if PROJECT in targets) == []
 
 
 def test_no_import_cycles(graph: dict[str, set[str]]) -> None:
@@ -144,18 +158,21 @@ def test_no_import_cycles(graph: dict[str, set[str]]) -> None:
 
 def test_the_checker_sees_a_circle_and_an_upward_import(tmp_path: Path) -> None:
     """The rules above are only as good as the import reading: a planted circle and upward import are found."""
-    known = {"worker.protocol.a": tmp_path / "a.py", "worker.cli.b": tmp_path / "b.py"}
-    known["worker.protocol.a"].write_text("def f():\n    from worker.cli import b\n")
-    known["worker.cli.b"].write_text("from ..protocol import a\n")
+    known = {"pagedq.worker.protocol.a": tmp_path / "a.py", "pagedq.worker.cli.b": tmp_path / "b.py"}
+    known["pagedq.worker.protocol.a"].write_text("def f():\n    from pagedq.worker.cli import b\n")
+    known["pagedq.worker.cli.b"].write_text("from ..protocol import a\n")
     found = {n: set(imports_of(n, p, known)) for n, p in known.items()}
-    assert found == {"worker.protocol.a": {"worker.cli.b"}, "worker.cli.b": {"worker.protocol.a"}}
-    assert layer_of("worker.protocol.a")[1] < layer_of("worker.cli.b")[1]
+    assert found == {
+        "pagedq.worker.protocol.a": {"pagedq.worker.cli.b"},
+        "pagedq.worker.cli.b": {"pagedq.worker.protocol.a"},
+    }
+    assert layer_of("pagedq.worker.protocol.a")[1] < layer_of("pagedq.worker.cli.b")[1]
 
 
 @pytest.mark.parametrize(("top", "limit"), [("worker", 300), ("engine", 400), ("kernels", 400)])
 def test_modules_stay_small(top: str, limit: int) -> None:
     """Small flat files: a module past its limit is split by concern, not left to grow."""
-    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in (ROOT / top).rglob("*.py")}
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in (ROOT / PROJECT / top).rglob("*.py")}
     assert {path: n for path, n in sizes.items() if n > limit} == {}
 
 
@@ -163,7 +180,7 @@ def test_modules_stay_small(top: str, limit: int) -> None:
 # tqdm comes with transformers). xgrammar is optional (the `structured` extra): only engine/structured/backend.py
 # imports it, inside a function, so the engine loads and serves everything else on a box without it.
 ENGINE_THIRD_PARTY = {"torch", "triton", "transformers", "safetensors", "tokenizers", "numpy", "tqdm"}
-LAZY_ONLY = {"xgrammar": "engine.structured.backend"}
+LAZY_ONLY = {"xgrammar": "pagedq.engine.structured.backend"}
 
 
 def _third_party_imports(path: Path) -> Iterator[tuple[str, bool]]:
@@ -182,14 +199,14 @@ def _third_party_imports(path: Path) -> Iterator[tuple[str, bool]]:
             continue
         for name in names:
             top = name.split(".")[0]
-            if top not in sys.stdlib_module_names and top not in TOP_PACKAGES and top != "__future__":
+            if top not in sys.stdlib_module_names and top != PROJECT and top != "__future__":
                 yield top, id(node) not in nested
 
 
 def test_engine_and_kernels_import_only_their_dependencies_and_xgrammar_lazily() -> None:
     bad, lazy = [], []
     for name, path in project_modules().items():
-        if name.split(".")[0] not in ("engine", "kernels"):
+        if part_of(name) not in ("engine", "kernels"):
             continue
         for top, at_module_level in _third_party_imports(path):
             if top in LAZY_ONLY:
@@ -199,4 +216,4 @@ def test_engine_and_kernels_import_only_their_dependencies_and_xgrammar_lazily()
             elif top not in ENGINE_THIRD_PARTY:
                 bad.append((name, top, "not a core dependency"))
     assert not bad, f"engine/kernels imports outside their dependencies: {bad}"
-    assert lazy == ["engine.structured.backend"]  # the check sees the one lazy import
+    assert lazy == ["pagedq.engine.structured.backend"]  # the check sees the one lazy import

@@ -1,5 +1,5 @@
-"""`-m "not slow"` is a real fast lane: every test that loads the demo model or starts a `python -m worker` process
-(itself, through a helper, or through a fixture) carries the `slow` marker.
+"""`-m "not slow"` is a real fast lane: every test that loads the demo model or starts a `python -m pagedq.worker`
+process (itself, through a helper, or through a fixture) carries the `slow` marker.
 
 The markers are read from a real collection of tests/ (so `pytestmark`, decorators and parametrize marks all count);
 what a test does is read from the source of the functions under tests/."""
@@ -17,7 +17,7 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 
-# Using one of these loads SmolLM2 (engine/demo_model.py).
+# Using one of these loads SmolLM2 (pagedq/engine/demo_model.py).
 DEMO_NAMES = frozenset({"demo_model_dir", "demo_model_path"})
 # Modules whose use means another process runs.
 PROCESS_MODULES = frozenset({"multiprocessing", "concurrent.futures.process"})
@@ -27,11 +27,11 @@ NOT_YET_MARKED: dict[str, str] = {}  # file -> why its tests are exempt (none ar
 
 
 def _starts_a_process_itself(tree: ast.AST) -> bool:
-    """`[..., "-m", "worker", ...]` in an argument list, or a process pool/`multiprocessing` in use."""
+    """`[..., "-m", "pagedq.worker", ...]` in an argument list, or a process pool/`multiprocessing` in use."""
     for node in ast.walk(tree):
         if isinstance(node, (ast.List, ast.Tuple)):
             words = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
-            if any(a == "-m" and b == "worker" for a, b in itertools.pairwise(words)):
+            if any(a == "-m" and b == "pagedq.worker" for a, b in itertools.pairwise(words)):
                 return True
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             names = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
@@ -93,7 +93,7 @@ def _needs_slow(item: pytest.Item, starters: set[str]) -> str | None:
     uses = set(getattr(item, "fixturenames", ()))
     tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
     if _starts_a_process_itself(tree):
-        return "starts `python -m worker` itself"
+        return "starts `python -m pagedq.worker` itself"
     uses |= _names_used(tree)
     if uses & DEMO_NAMES:
         return f"loads the demo model ({', '.join(sorted(uses & DEMO_NAMES))})"

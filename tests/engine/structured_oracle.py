@@ -8,8 +8,8 @@ import re
 
 import xgrammar as xgr
 
-from engine import StructuredOutputsParams
-from engine.structured.compiler import choice_grammar
+from pagedq.engine import StructuredOutputsParams
+from pagedq.engine.structured.compiler import choice_grammar
 
 
 class GrammarReplay:

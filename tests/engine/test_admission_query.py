@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLMEngine, SamplingParams
+from pagedq.engine import LLMEngine, SamplingParams
 
 BLOCK = 8
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from engine import LLMEngine, RequestOutputKind
+from pagedq.engine import LLMEngine, RequestOutputKind
 from tests.engine.helpers import TIGHT_POOLS, random_engine_traffic
 
 

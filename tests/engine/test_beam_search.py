@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, BeamSearchParams, SamplingParams
+from pagedq.engine import LLM, BeamSearchParams, SamplingParams
 from tests.conftest import VOCAB_SIZE
 
 MAX_TOKENS = 10
@@ -88,7 +88,7 @@ def test_beams_share_prefix_blocks(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, num_kv_blocks=64, block_size=16, enable_prefix_caching=False)
     engine = llm.llm_engine
     prompt = _prompts()[1] * 3  # 90 tokens: 5 full blocks + 10
-    from engine.beam_search import BeamSearchParams as Params
+    from pagedq.engine.beam_search import BeamSearchParams as Params
 
     engine.add_beam_search_request("b", prompt, Params(beam_width=4, max_tokens=8, ignore_eos=True))
     peak_used, peak_refs = 0, 0
@@ -145,7 +145,7 @@ def test_a_beam_group_that_could_never_run_whole_is_refused(tiny_llama_dir):
 
 
 def test_a_stuck_scheduler_raises_instead_of_spinning(tiny_llama_dir, monkeypatch):
-    from engine.scheduler import SchedulerOutput
+    from pagedq.engine.scheduler import SchedulerOutput
 
     engine = LLM(tiny_llama_dir, num_kv_blocks=32).llm_engine
     engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=4))

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from engine.bench.throughput import WORKLOADS, draw_workload
-from engine.cli import main
+from pagedq.engine.bench.throughput import WORKLOADS, draw_workload
+from pagedq.engine.cli import main
 
 
 def test_workload_draw_is_the_anchor_workload():

@@ -9,8 +9,8 @@ import shutil
 import pytest
 from transformers import AutoTokenizer
 
-from engine.bench.grounded import INSTRUCTIONS, build_grounded, topic_paragraphs
-from engine.cli import main
+from pagedq.engine.bench.grounded import INSTRUCTIONS, build_grounded, topic_paragraphs
+from pagedq.engine.cli import main
 
 K = 3
 SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
@@ -119,7 +119,7 @@ def test_speculative_sweep_record_and_counters(chat_llama_dir, capsys):
     [(1, 0, "AB"), (1, 1, "BA"), (2, 0, "ABBA"), (2, 1, "BAAB"), (3, 0, "ABBAAB")],
 )
 def test_the_sweep_order_alternates(repeats, first_pair, expected):
-    from engine.bench.speculative import run_order
+    from pagedq.engine.bench.speculative import run_order
 
     assert "".join("B" if on else "A" for on in run_order(repeats, first_pair)) == expected
 

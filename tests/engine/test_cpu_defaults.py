@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from engine import LLM
-from engine.model_runner import _lazily_zeroed
+from pagedq.engine import LLM
+from pagedq.engine.model_runner import _lazily_zeroed
 
 
 def _resident_bytes() -> int:
@@ -32,23 +32,23 @@ def test_cpu_engine_caches_are_lazily_zeroed_and_serve(tiny_llama_dir):
 
 
 def test_async_scheduling_defaults_per_device(monkeypatch, tiny_llama_dir):
-    """On for both, CPU as measured (engine/config.py); an explicit choice always wins."""
-    import engine.config
-    from engine.config import EngineConfig
+    """On for both, CPU as measured (pagedq/engine/config.py); an explicit choice always wins."""
+    import pagedq.engine.config as engine_config
+    from pagedq.engine.config import EngineConfig
 
-    monkeypatch.setattr(engine.config, "DEFAULT_ASYNC_SCHEDULING", None)  # as outside the tests
+    monkeypatch.setattr(engine_config, "DEFAULT_ASYNC_SCHEDULING", None)  # as outside the tests
     assert EngineConfig(model=str(tiny_llama_dir), device="cpu").async_scheduling is True
-    monkeypatch.setitem(engine.config.ASYNC_SCHEDULING_BY_DEVICE, "cpu", False)
+    monkeypatch.setitem(engine_config.ASYNC_SCHEDULING_BY_DEVICE, "cpu", False)
     assert EngineConfig(model=str(tiny_llama_dir), device="cpu").async_scheduling is False
     assert EngineConfig(model=str(tiny_llama_dir), device="cpu", async_scheduling=True).async_scheduling is True
-    assert engine.config.ASYNC_SCHEDULING_BY_DEVICE["cuda"] is True
+    assert engine_config.ASYNC_SCHEDULING_BY_DEVICE["cuda"] is True
 
 
 def test_logits_only_for_the_rows_that_sample(tiny_llama_dir, monkeypatch):
     """The LM head sees one row per draw: none for a prefill chunk that does not finish its prompt, one per beam,
     and the prompt-logprob rows only for the request that asked."""
-    from engine import SamplingParams
-    from engine.beam_search import BeamSearchParams
+    from pagedq.engine import SamplingParams
+    from pagedq.engine.beam_search import BeamSearchParams
 
     llm = LLM(tiny_llama_dir, max_num_batched_tokens=16, block_size=16)
     model = llm.llm_engine.model_runner.model

@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
-from engine.cuda_graphs import DecodeGraphRunner, batch_buckets, bucket_for, width_buckets
-from engine.model_runner import StepInputs
+from pagedq.engine import LLM, SamplingParams
+from pagedq.engine.cuda_graphs import DecodeGraphRunner, batch_buckets, bucket_for, width_buckets
+from pagedq.engine.model_runner import StepInputs
 from tests.conftest import VOCAB_SIZE
 from tests.engine.parity import assert_greedy_parity, hf_greedy
 

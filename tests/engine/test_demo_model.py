@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, LLMEngine, RequestOutputKind, SamplingParams
+from pagedq.engine import LLM, LLMEngine, RequestOutputKind, SamplingParams
 from tests.engine.helpers import stop_cut_after_min_tokens
 from tests.engine.parity import assert_greedy_parity, hf_greedy
 

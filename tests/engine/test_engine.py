@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, LLMEngine, RequestOutputKind, SamplingParams
+from pagedq.engine import LLM, LLMEngine, RequestOutputKind, SamplingParams
 from tests.conftest import random_tokens as _tokens
 from tests.engine.helpers import stop_cut_after_min_tokens
 from tests.engine.parity import assert_greedy_parity
@@ -335,7 +335,7 @@ def test_pagedq_generate_freezes_its_startup_objects(tiny_llama_dir, capsys):
     """The long-lived entry points (worker, generate, bench) are where gc.freeze belongs."""
     import gc
 
-    from engine.cli import main
+    from pagedq.engine.cli import main
 
     gc.unfreeze()
     try:

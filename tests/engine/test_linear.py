@@ -1,11 +1,11 @@
-"""engine.layers.Linear: the CPU's few-row product (weight @ x^T) against torch's F.linear."""
+"""pagedq.engine.layers.Linear: the CPU's few-row product (weight @ x^T) against torch's F.linear."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.layers.linear import CPU_FEW_ROWS, Linear, PackedLinear
+from pagedq.engine.layers.linear import CPU_FEW_ROWS, Linear, PackedLinear
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 17, CPU_FEW_ROWS, CPU_FEW_ROWS + 1])

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, LLMEngine, SamplingParams
+from pagedq.engine import LLM, LLMEngine, SamplingParams
 from tests.conftest import random_tokens
 
 # A template in the shape checkpoints ship (tokenizer_config.json's chat_template); it writes BOS itself.

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
+from pagedq.engine import LLM, SamplingParams
 from tests.conftest import ARCHITECTURES, VOCAB_SIZE
 from tests.engine.parity import assert_greedy_parity, hf_greedy
 

@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.config import ModelConfig
-from engine.models import registry
-from engine.models.llama import LlamaForCausalLM
+from pagedq.engine import LLM, SamplingParams
+from pagedq.engine.config import ModelConfig
+from pagedq.engine.models import registry
+from pagedq.engine.models.llama import LlamaForCausalLM
 
 
 class RecordingLlama(LlamaForCausalLM):

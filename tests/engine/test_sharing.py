@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from engine import LLM, LLMEngine, RequestOutputKind, SamplingParams
-from engine.block_manager import BlockManager
+from pagedq.engine import LLM, LLMEngine, RequestOutputKind, SamplingParams
+from pagedq.engine.block_manager import BlockManager
 from tests.conftest import random_tokens as _tokens
 from tests.engine.helpers import TIGHT_POOLS, random_engine_traffic
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.spec.config import SpeculativeConfig
-from engine.spec.ngram import NgramProposer
+from pagedq.engine import LLM, SamplingParams
+from pagedq.engine.spec.config import SpeculativeConfig
+from pagedq.engine.spec.ngram import NgramProposer
 from tests.conftest import random_tokens
 from tests.engine.test_ngram_proposer import reference
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import itertools
 
-from engine.block_manager import BlockManager
-from engine.post_step import advance_sequences
-from engine.request import Request, SampledToken
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.spec.drafts import Speculation
+from pagedq.engine.block_manager import BlockManager
+from pagedq.engine.post_step import advance_sequences
+from pagedq.engine.request import Request, SampledToken
+from pagedq.engine.sampling_params import SamplingParams
+from pagedq.engine.scheduler import Scheduler, SchedulerOutput
+from pagedq.engine.spec.drafts import Speculation
 from tests.engine.helpers import BLOCK, HistoryProposer
 
 _distinct = itertools.count(5000)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from engine import LLM, SamplingParams, StructuredOutputsParams
+from pagedq.engine import LLM, SamplingParams, StructuredOutputsParams
 from tests.conftest import VOCAB_SIZE
 from tests.engine.helpers import HistoryProposer
 from tests.engine.structured_oracle import GrammarReplay, text_matches

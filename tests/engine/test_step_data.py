@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from engine.batch_state import BatchState
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.step_data import StepPlan
+from pagedq.engine.batch_state import BatchState
+from pagedq.engine.request import Request
+from pagedq.engine.sampling_params import SamplingParams
+from pagedq.engine.step_data import StepPlan
 from tests.engine.helpers import random_traffic
 
 VOCAB = 64
@@ -68,7 +68,7 @@ def test_plans_alone_rebuild_every_scheduled_request(seed, swap):
 def test_penalty_state_of_forks_and_resumed_requests_equals_a_lone_run(tiny_llama_dir):
     """Penalty counts of a fork start from its tokens, of a resumed request from everything it generated: under
     preemption, each of n samples with all three penalties equals the same seed run alone, unforked, roomy."""
-    from engine import LLM, SamplingParams
+    from pagedq.engine import LLM, SamplingParams
     from tests.conftest import random_tokens
 
     prompts = [random_tokens(n, seed=n) for n in (30, 41, 25)]

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from engine import LLM, RequestOutputKind, SamplingParams
+from pagedq.engine import LLM, RequestOutputKind, SamplingParams
 
 DELTA = RequestOutputKind.DELTA
 

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from engine import SamplingParams, StructuredOutputsParams
-from engine.structured.schema import unsupported_features
+from pagedq.engine import SamplingParams, StructuredOutputsParams
+from pagedq.engine.structured.schema import unsupported_features
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import json
 import jsonschema
 import pytest
 
-from engine import LLM, SamplingParams, StructuredOutputsParams
+from pagedq.engine import LLM, SamplingParams, StructuredOutputsParams
 from tests.engine.structured_oracle import GrammarReplay
 
 pytestmark = pytest.mark.slow

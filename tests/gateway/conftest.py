@@ -20,10 +20,10 @@ import openai
 import pytest
 import uvicorn
 
-from engine import LLMEngine
-from worker.gateway import create_app
-from worker.gateway.settings import GatewaySettings
-from worker.ops.embedded_redis import EmbeddedRedis, free_port
+from pagedq.engine import LLMEngine
+from pagedq.worker.gateway import create_app
+from pagedq.worker.gateway.settings import GatewaySettings
+from pagedq.worker.ops.embedded_redis import EmbeddedRedis, free_port
 
 from ..worker.helpers import PRIMARY_REDIS, REDIS_SERVERS, REPO, wait_for, worker_thread
 
@@ -82,12 +82,12 @@ def gateway_thread(redis_url: str, **overrides: Any) -> Iterator[str]:
 
 
 def start_gateway_process(redis_url: str, log: Path, *args: str) -> tuple[subprocess.Popen, str]:
-    """`python -m worker serve` as a subprocess; returns it and its base URL once /health answers."""
+    """`python -m pagedq.worker serve` as a subprocess; returns it and its base URL once /health answers."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "PAGEDQ_WORKER_CACHE_S": "0"}
     with open(log, "ab") as fh:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "worker", "serve", "--redis", redis_url, "--port", str(port), *args],
+            [sys.executable, "-m", "pagedq.worker", "serve", "--redis", redis_url, "--port", str(port), *args],
             cwd=REPO,
             env=env,
             stdout=fh,

@@ -13,10 +13,10 @@ import httpx
 import jsonschema
 import pytest
 
-from worker.bulk.lines import read_request
-from worker.bulk.run import BulkRun
-from worker.client.core import make_job
-from worker.protocol.connection import connect
+from pagedq.worker.bulk.lines import read_request
+from pagedq.worker.bulk.run import BulkRun
+from pagedq.worker.client.core import make_job
+from pagedq.worker.protocol.connection import connect
 
 from .conftest import served_model, wait_for
 
@@ -153,9 +153,9 @@ def test_batch_and_bulk_lines_with_tools_answer_as_the_chat_endpoint(served, bod
 
 
 def test_a_line_makes_the_job_the_chat_endpoint_makes():
-    from worker.gateway.chat import ChatEndpoint
-    from worker.gateway.schemas import ChatCompletionRequest
-    from worker.gateway.settings import GatewaySettings
+    from pagedq.worker.gateway.chat import ChatEndpoint
+    from pagedq.worker.gateway.schemas import ChatCompletionRequest
+    from pagedq.worker.gateway.settings import GatewaySettings
 
     settings = GatewaySettings()
     for name, body in {**BODIES, "none": {**BODIES["named"], "tool_choice": "none"}}.items():
@@ -173,7 +173,7 @@ def test_a_line_makes_the_job_the_chat_endpoint_makes():
 def test_tokenize_renders_messages_and_tools_as_the_chat_job(served, chat_llama_dir, name):
     from transformers import AutoTokenizer
 
-    from worker.service.admission import engine_prompt
+    from pagedq.worker.service.admission import engine_prompt
 
     body = BODIES[name]
     request = {"model": served.model, "messages": body["messages"]}

@@ -10,9 +10,9 @@ import time
 import openai
 import pytest
 
-from engine import LLM, LLMEngine, SamplingParams
-from worker.protocol.keys import QueueKeys
-from worker.testing.stub_engine import StubEngine
+from pagedq.engine import LLM, LLMEngine, SamplingParams
+from pagedq.worker.protocol.keys import QueueKeys
+from pagedq.worker.testing.stub_engine import StubEngine
 
 from .conftest import gateway_thread, wait_for, worker_thread
 

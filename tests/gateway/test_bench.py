@@ -19,7 +19,7 @@ def test_bench_gateway_reports_native_and_gateway_figures():
         [
             sys.executable,
             "-m",
-            "worker",
+            "pagedq.worker",
             "bench",
             "gateway",
             "--requests",

@@ -10,7 +10,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from engine import LLM, LLMEngine, SamplingParams
+from pagedq.engine import LLM, LLMEngine, SamplingParams
 
 from ..conftest import random_tokens
 from .conftest import AS_IDS, gateway_thread, llm_tokens, wait_live, worker_thread

@@ -16,9 +16,9 @@ import torch
 from redis import Redis
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
-from worker.protocol.job import FinalRecord
-from worker.protocol.keys import DATA_FIELD, QueueKeys
+from pagedq.engine import LLM, SamplingParams
+from pagedq.worker.protocol.job import FinalRecord
+from pagedq.worker.protocol.keys import DATA_FIELD, QueueKeys
 
 from .conftest import AS_IDS, gateway_thread, served_model, wait_for
 

@@ -1,6 +1,6 @@
 """Errors in OpenAI's shape through the SDK: 401 (bad bearer token), 429 with Retry-After (full queue),
 503 (no live worker), a request's timeout as the job's deadline (504, the job expired); /v1/models from the
-live workers' heartbeats. Queue-level behaviour runs on the stub engine (worker/testing/stub_engine.py)."""
+live workers' heartbeats. Queue-level behaviour runs on the stub engine (pagedq/worker/testing/stub_engine.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
-from worker import Client
-from worker.testing.stub_engine import StubEngine
+from pagedq.worker import Client
+from pagedq.worker.testing.stub_engine import StubEngine
 
 from .conftest import gateway_thread, wait_for, wait_live, worker_thread
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from worker.protocol.errors import JobRejected
-from worker.protocol.job import Job, build_job
+from pagedq.worker.protocol.errors import JobRejected
+from pagedq.worker.protocol.job import Job, build_job
 
 OLD_FIELDS = set(Job.model_fields) - {"n", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"}
 

@@ -10,7 +10,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from worker.testing.stub_engine import StubEngine
+from pagedq.worker.testing.stub_engine import StubEngine
 
 from .conftest import gateway_thread, start_gateway_process, wait_for, wait_live, worker_thread
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import openai
 
-from engine import LLM, LLMEngine, SamplingParams
-from worker import Client
-from worker.protocol.keys import QueueKeys
+from pagedq.engine import LLM, LLMEngine, SamplingParams
+from pagedq.worker import Client
+from pagedq.worker.protocol.keys import QueueKeys
 
 from .conftest import AS_IDS, gateway_thread, llm_tokens, wait_for, wait_live, worker_thread
 

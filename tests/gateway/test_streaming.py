@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
-from engine import LLM, LLMEngine, SamplingParams
-from worker import Client
+from pagedq.engine import LLM, LLMEngine, SamplingParams
+from pagedq.worker import Client
 
 from .conftest import AS_IDS, gateway_thread, llm_tokens, start_gateway_process, wait_for, wait_live, worker_thread
 

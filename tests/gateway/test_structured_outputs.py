@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from worker.service.admission import engine_prompt
+from pagedq.worker.service.admission import engine_prompt
 
 from .conftest import served_model
 
@@ -124,10 +124,10 @@ def test_tool_choice_auto_parses_calls_and_the_history_goes_back_through_the_sdk
 def test_tools_and_their_history_render_for_a_template_without_tools(demo_model_dir):
     from transformers import AutoTokenizer
 
-    from worker.gateway.schemas import ChatCompletionRequest
-    from worker.gateway.tools import conversation_fields, parse_calls
-    from worker.protocol.chat import hermes_turns
-    from worker.protocol.job import build_job
+    from pagedq.worker.gateway.schemas import ChatCompletionRequest
+    from pagedq.worker.gateway.tools import conversation_fields, parse_calls
+    from pagedq.worker.protocol.chat import hermes_turns
+    from pagedq.worker.protocol.job import build_job
 
     called = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "utc"}'}}
     body = ChatCompletionRequest(

@@ -8,9 +8,9 @@ import json
 import openai
 import pytest
 
-from worker import Client
-from worker.gateway.settings import GatewaySettings
-from worker.testing.stub_engine import StubEngine
+from pagedq.worker import Client
+from pagedq.worker.gateway.settings import GatewaySettings
+from pagedq.worker.testing.stub_engine import StubEngine
 
 from .conftest import gateway_thread, wait_for, worker_thread
 

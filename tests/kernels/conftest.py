@@ -14,9 +14,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-from kernels import triton_ops
-from kernels.kv_cache import _store_kv_cache_kernel
-from kernels.triton_common import runs_in_interpreter
+from pagedq.kernels import triton_ops
+from pagedq.kernels.kv_cache import _store_kv_cache_kernel
+from pagedq.kernels.triton_common import runs_in_interpreter
 
 
 def _kernel_device() -> str:
@@ -25,7 +25,7 @@ def _kernel_device() -> str:
     if torch.cuda.is_available():
         return "cuda"
     raise pytest.UsageError(
-        "kernels.triton_ops was imported with TRITON_INTERPRET unset/0 and there is no GPU: "
+        "pagedq.kernels.triton_ops was imported with TRITON_INTERPRET unset/0 and there is no GPU: "
         "run tests/kernels with TRITON_INTERPRET=1 (or first in the session)"
     )
 

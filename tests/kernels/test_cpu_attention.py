@@ -1,4 +1,4 @@
-"""kernels.cpu_attention (index_select + SDPA, the CPU default) against kernels.reference, per dtype."""
+"""pagedq.kernels.cpu_attention (index_select + SDPA, the CPU default) against kernels.reference, per dtype."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from paged_cases import assert_close, edge_context_lens, make_paged_kv
 
-import kernels
-from kernels import cpu_attention, reference
+from pagedq import kernels
+from pagedq.kernels import cpu_attention, reference
 
 NUM_KV_HEADS = 3
 DTYPES = [torch.float32, torch.bfloat16]
@@ -106,7 +106,7 @@ def test_prefill_strided_query_view():
 def test_one_step_plan_serves_every_layer(monkeypatch):
     """The engine's layers plan a step once (the first layer asks, AttentionMetadata keeps it) and every layer runs
     over the plan with its own cache: each layer's output still equals the reference's over that layer's cache."""
-    from engine.layers import AttentionMetadata, paged_attention
+    from pagedq.engine.layers import AttentionMetadata, paged_attention
 
     torch.manual_seed(4)
     plans: list[str] = []
@@ -163,7 +163,7 @@ def test_cpu_backend_takes_only_attention_from_cpu_attention(monkeypatch):
 
 
 def test_allocator_tuning_leaves_a_users_malloc_settings_alone(monkeypatch):
-    from kernels.cpu_allocator import tune_cpu_allocator
+    from pagedq.kernels.cpu_allocator import tune_cpu_allocator
 
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
     assert tune_cpu_allocator() is False

@@ -1,5 +1,5 @@
-"""kernels.cpu_native (the C decode kernel reading the paged blocks in place) against kernels.reference, its build
-and cache, and kernels.cpu_attention's choice between it and the index_select + SDPA fallback."""
+"""pagedq.kernels.cpu_native (the C decode kernel reading the paged blocks in place) against kernels.reference, its
+build and cache, and kernels.cpu_attention's choice between it and the index_select + SDPA fallback."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 from paged_cases import assert_close, make_paged_kv
 
-import kernels
-from engine.layers.attention import paged_attention
-from engine.layers.metadata import AttentionMetadata
-from kernels import cpu_attention, cpu_native, reference
+from pagedq import kernels
+from pagedq.engine.layers.attention import paged_attention
+from pagedq.engine.layers.metadata import AttentionMetadata
+from pagedq.kernels import cpu_attention, cpu_native, reference
 
 NUM_KV_HEADS = 3
 DTYPES = [torch.float32, torch.bfloat16]

@@ -1,4 +1,4 @@
-"""kernels.cpu_attention's batched short prefill chunks (verify rows: the last token plus drafts over a paged
+"""pagedq.kernels.cpu_attention's batched short prefill chunks (verify rows: the last token plus drafts over a paged
 context) against kernels.reference, per dtype: mixed steps of decode rows, verify rows of varying q_len and
 prefill chunks, with and without cached prefixes, through the engine's layer dispatch (one plan a step)."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 from paged_cases import assert_close, make_paged_kv
 
-import kernels
-from engine.layers import AttentionMetadata, paged_attention
-from kernels import cpu_attention, reference
+from pagedq import kernels
+from pagedq.engine.layers import AttentionMetadata, paged_attention
+from pagedq.kernels import cpu_attention, reference
 
 NUM_KV_HEADS = 3
 DTYPES = [torch.float32, torch.bfloat16]

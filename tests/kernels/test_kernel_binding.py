@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels
-from engine import LLM, SamplingParams
-from kernels import reference, triton_ops
+from pagedq import kernels
+from pagedq.engine import LLM, SamplingParams
+from pagedq.kernels import reference, triton_ops
 
 
 def _spy(calls: dict[str, int], name: str, impl):

@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from kernels import bench
+from pagedq.kernels import bench
 
 
 def _nbytes(*tensors: torch.Tensor) -> int:

@@ -20,7 +20,7 @@ def _compile_report() -> subprocess.CompletedProcess:
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONWARNINGS": "ignore"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     return subprocess.run(
-        [sys.executable, "-m", "kernels.compile_check"], cwd=REPO_ROOT, env=env, capture_output=True, text=True
+        [sys.executable, "-m", "pagedq.kernels.compile_check"], cwd=REPO_ROOT, env=env, capture_output=True, text=True
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
+from pagedq.kernels import reference
 
 
 def _caches(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):

@@ -6,8 +6,8 @@ import pytest
 import torch
 from paged_cases import assert_close, edge_context_lens, make_paged_kv
 
-from kernels import reference
-from kernels.decode_attention import paged_decode_attention_with_partition
+from pagedq.kernels import reference
+from pagedq.kernels.decode_attention import paged_decode_attention_with_partition
 
 NUM_KV_HEADS = 2
 

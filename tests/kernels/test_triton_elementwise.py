@@ -6,7 +6,7 @@ import pytest
 import torch
 from paged_cases import assert_close
 
-from kernels import reference
+from pagedq.kernels import reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from engine import LLM, SamplingParams
-from kernels import triton_ops
+from pagedq.engine import LLM, SamplingParams
+from pagedq.kernels import triton_ops
 from tests.conftest import VOCAB_SIZE
 
 

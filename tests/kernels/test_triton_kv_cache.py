@@ -6,7 +6,7 @@ import pytest
 import torch
 from paged_cases import assert_close
 
-from kernels import reference
+from pagedq.kernels import reference
 
 
 def _store_inputs(num_tokens, num_kv_heads, head_dim, block_size, dtype, device, cache_dtype=None):

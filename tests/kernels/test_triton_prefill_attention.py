@@ -6,7 +6,7 @@ import pytest
 import torch
 from paged_cases import assert_close, make_paged_kv
 
-from kernels import reference
+from pagedq.kernels import reference
 
 NUM_KV_HEADS = 2
 

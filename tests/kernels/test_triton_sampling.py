@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.sampling import BLOCK_V, gumbel_argmax_split, gumbel_noise_triton
+from pagedq.kernels import reference
+from pagedq.kernels.sampling import BLOCK_V, gumbel_argmax_split, gumbel_noise_triton
 
 VOCAB = 2 * BLOCK_V + 452  # three tiles, the last one partial
 # Found by search: with the earlier 24-bit uniform, gumbel_noise(seed 3060, position 0) was +inf at token 949.

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 from redis import Redis
 
-from worker.ops.embedded_redis import EmbeddedRedis
+from pagedq.worker.ops.embedded_redis import EmbeddedRedis
 
 from .helpers import (
     PRIMARY_REDIS,

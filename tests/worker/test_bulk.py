@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from worker.bulk.run import job_id_for
-from worker.testing.stub_engine import StubEngine
+from pagedq.worker.bulk.run import job_id_for
+from pagedq.worker.testing.stub_engine import StubEngine
 
 from .helpers import KEYS, REPO, assert_clean_queue, finals_by_id, offline, wait_for, worker_thread
 
@@ -85,7 +85,7 @@ def make_input(path) -> tuple[dict[str, tuple[str, int]], dict[str, str]]:
 
 
 def bulk_cmd(redis_url: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "worker", "bulk", *args, "--redis", redis_url, "--window", "16"]
+    return [sys.executable, "-m", "pagedq.worker", "bulk", *args, "--redis", redis_url, "--window", "16"]
 
 
 @pytest.mark.slow

@@ -12,8 +12,8 @@ import sys
 import pytest
 from redis import Redis
 
-from worker.bulk.run import BulkRun, job_id_for
-from worker.testing.stub_engine import StubEngine
+from pagedq.worker.bulk.run import BulkRun, job_id_for
+from pagedq.worker.testing.stub_engine import StubEngine
 
 from .helpers import KEYS, REPO, offline, run_burst, wait_for, worker_thread
 
@@ -30,7 +30,7 @@ def _openai(cid: str, prompt: str, max_tokens: int, model: str = "my-model") -> 
 
 
 def _bulk(redis_url: str, *args: str, **kwargs) -> subprocess.CompletedProcess | subprocess.Popen:
-    cmd = [sys.executable, "-m", "worker", "bulk", *args, "--redis", redis_url, "--no-progress"]
+    cmd = [sys.executable, "-m", "pagedq.worker", "bulk", *args, "--redis", redis_url, "--no-progress"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     if kwargs.pop("background", False):
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -1,4 +1,4 @@
-"""The batch line format (worker/bulk/lines.py): every job field a line may set reaches the job."""
+"""The batch line format (pagedq/worker/bulk/lines.py): every job field a line may set reaches the job."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from worker.bulk.lines import LineError, parse_request
-from worker.client.core import make_job
-from worker.protocol.errors import JobRejected
+from pagedq.worker.bulk.lines import LineError, parse_request
+from pagedq.worker.client.core import make_job
+from pagedq.worker.protocol.errors import JobRejected
 
 
 def _openai_line(**body: object) -> str:
@@ -60,7 +60,7 @@ def test_logit_bias_and_best_of_reach_the_job_on_either_form(line: str) -> None:
 
 
 def test_a_logit_bias_out_of_bounds_is_refused() -> None:
-    from worker.protocol.errors import JobRejected
+    from pagedq.worker.protocol.errors import JobRejected
 
     _, fields, _, _ = parse_request(_openai_line(logit_bias={"28": 101}))
     with pytest.raises(JobRejected, match="logit_bias"):
@@ -116,7 +116,7 @@ def _chat_line(**body: object) -> str:
 
 
 def test_a_chat_line_with_tools_becomes_the_job_the_chat_endpoint_makes() -> None:
-    from worker.bulk.lines import read_request
+    from pagedq.worker.bulk.lines import read_request
 
     named = read_request(_chat_line(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}))
     assert named.tools is not None and (named.tools.mode, named.tools.named) == ("named", "get_weather")
@@ -169,8 +169,8 @@ def test_bad_tools_on_a_line_are_refused_naming_the_field(body: dict, words: str
 
 
 def test_the_output_line_carries_tool_calls_as_the_chat_endpoint_gives_them() -> None:
-    from worker.bulk.lines import output_line
-    from worker.protocol.tool_calls import ToolSpec
+    from pagedq.worker.bulk.lines import output_line
+    from pagedq.worker.protocol.tool_calls import ToolSpec
 
     def choice(spec: ToolSpec | None, text: str, reason: str = "stop") -> dict:
         record = {"status": "completed", "text": text, "finish_reason": reason, "usage": {}}

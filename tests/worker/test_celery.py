@@ -11,8 +11,8 @@ import pytest
 from celery import group
 from celery.result import AsyncResult
 
-from worker import Client, JobRejected
-from worker.testing.stub_engine import StubEngine
+from pagedq.worker import Client, JobRejected
+from pagedq.worker.testing.stub_engine import StubEngine
 
 from .helpers import finals_by_id, offline, start_worker, worker_thread
 
@@ -28,10 +28,10 @@ def assert_clean_celery(r, queue: str = "pagedq") -> None:
 
 def test_celery_round_trip_equals_native(redis_url, r, monkeypatch):
     monkeypatch.setenv("PAGEDQ_REDIS_URL", redis_url)
-    import worker.celery.app as celery_app
+    import pagedq.worker.celery.app as celery_app
 
     celery_app = importlib.reload(celery_app)  # the module's app reads its broker URL at import
-    from worker.celery.app import app, generate
+    from pagedq.worker.celery.app import app, generate
 
     client = Client(redis_url)
     with worker_thread(StubEngine(), redis_url, celery_broker=redis_url, celery_poll_s=0.01):
@@ -102,7 +102,7 @@ def test_celery_round_trip_equals_native(redis_url, r, monkeypatch):
 
 @pytest.mark.slow  # starts and kills `pagedq worker` processes
 def test_killed_worker_messages_are_redelivered_and_answered_once(redis_url, r, tmp_path):
-    from worker.celery.app import make_app
+    from pagedq.worker.celery.app import make_app
 
     app = make_app(redis_url, visibility_timeout_s=2)
     generate = app.tasks["pagedq.generate"]

@@ -12,9 +12,9 @@ import pytest
 from celery import Celery
 from celery.exceptions import TaskRevokedError
 
-from worker.celery.app import make_app, parse_queues
-from worker.protocol.keys import QueueKeys
-from worker.testing.stub_engine import StubEngine
+from pagedq.worker.celery.app import make_app, parse_queues
+from pagedq.worker.protocol.keys import QueueKeys
+from pagedq.worker.testing.stub_engine import StubEngine
 
 from .helpers import offline, wait_for, worker_thread
 from .test_celery import assert_clean_celery

@@ -11,10 +11,10 @@ import time
 import pytest
 from redis import Redis
 
-from worker import Client
-from worker.assembly import Worker
-from worker.testing.faults import FaultyEngine
-from worker.testing.stub_engine import StubEngine
+from pagedq.worker import Client
+from pagedq.worker.assembly import Worker
+from pagedq.worker.testing.faults import FaultyEngine
+from pagedq.worker.testing.stub_engine import StubEngine
 
 from .helpers import KEYS, fast_settings, finals_by_id, offline, wait_for
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from engine import LLMEngine
-from worker import Client
+from pagedq.engine import LLMEngine
+from pagedq.worker import Client
 
 from .helpers import worker_thread
 

@@ -1,4 +1,4 @@
-"""`pagedq demo` and `pagedq bench worker` run and say what they should (through python -m worker, which
+"""`pagedq demo` and `pagedq bench worker` run and say what they should (through python -m pagedq.worker, which
 registers the same subcommands as the top-level pagedq CLI)."""
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def test_worker_start_up_freezes_the_engine_objects(tiny_llama_dir):
     (LLMEngine does not.)"""
     import gc
 
-    from worker.cli.engine import build_engine
-    from worker.cli.main import build_parser
+    from pagedq.worker.cli.engine import build_engine
+    from pagedq.worker.cli.main import build_parser
 
     args = build_parser().parse_args(
         ["worker", "--model", str(tiny_llama_dir), "--device", "cpu", "--num-kv-blocks", "8"]

@@ -8,11 +8,11 @@ import pytest
 from redis import Redis
 from transformers import AutoTokenizer
 
-from engine import LLMEngine
-from worker import Client
-from worker.ops.embedded_redis import EmbeddedRedis
-from worker.protocol.errors import JobRejected
-from worker.protocol.keys import QueueKeys
+from pagedq.engine import LLMEngine
+from pagedq.worker import Client
+from pagedq.worker.ops.embedded_redis import EmbeddedRedis
+from pagedq.worker.protocol.errors import JobRejected
+from pagedq.worker.protocol.keys import QueueKeys
 
 from .helpers import REDIS_SERVERS, worker_thread
 

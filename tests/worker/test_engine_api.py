@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from redis import Redis
 
-from engine import LLMEngine
-from worker.assembly import Worker
-from worker.service.engine_api import WorkerEngine
-from worker.testing.faults import FaultyEngine
-from worker.testing.stub_engine import StubEngine
+from pagedq.engine import LLMEngine
+from pagedq.worker.assembly import Worker
+from pagedq.worker.service.engine_api import WorkerEngine
+from pagedq.worker.testing.faults import FaultyEngine
+from pagedq.worker.testing.stub_engine import StubEngine
 
 from .helpers import fast_settings
 

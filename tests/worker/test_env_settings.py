@@ -11,8 +11,8 @@ import sys
 import pytest
 from redis import Redis
 
-from worker import AsyncClient, Client
-from worker.protocol.keys import QueueKeys
+from pagedq.worker import AsyncClient, Client
+from pagedq.worker.protocol.keys import QueueKeys
 
 from .helpers import REPO
 
@@ -22,7 +22,7 @@ def _worker(env_url: str | None, tmp_path, *args: str) -> subprocess.CompletedPr
     if env_url is not None:
         env["PAGEDQ_REDIS_URL"] = env_url
     return subprocess.run(
-        [sys.executable, "-m", "worker", "worker", "--engine", "stub", "--burst", "--block-ms", "100", *args],
+        [sys.executable, "-m", "pagedq.worker", "worker", "--engine", "stub", "--burst", "--block-ms", "100", *args],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -45,7 +45,7 @@ def test_clients_connect_to_the_url_in_the_environment(redis_url: str, monkeypat
     assert queued == [job_id, async_id]
 
 
-@pytest.mark.slow  # a `python -m worker` process
+@pytest.mark.slow  # a `python -m pagedq.worker` process
 def test_the_worker_serves_the_redis_of_the_environment(redis_url: str, tmp_path) -> None:
     with Client(redis_url) as client:
         job_id = client.submit(prompt="served through the environment's Redis", max_tokens=3)
@@ -57,7 +57,7 @@ def test_the_worker_serves_the_redis_of_the_environment(redis_url: str, tmp_path
     assert record.status == "completed" and len(record.token_ids) == 3
 
 
-@pytest.mark.slow  # a `python -m worker` process
+@pytest.mark.slow  # a `python -m pagedq.worker` process
 def test_the_worker_says_why_it_starts_a_private_redis(tmp_path) -> None:
     proc = _worker(None, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -69,7 +69,7 @@ def test_the_worker_says_why_it_starts_a_private_redis(tmp_path) -> None:
     assert started[0]["url"].startswith("redis://127.0.0.1:")
 
 
-@pytest.mark.slow  # a `python -m worker` process
+@pytest.mark.slow  # a `python -m pagedq.worker` process
 def test_the_worker_takes_its_queue_and_stub_engine_from_the_environment(redis_url: str, tmp_path) -> None:
     with Client(redis_url, queue="envq") as client:
         job_id = client.submit(prompt="queue named by PAGEDQ_QUEUE", max_tokens=3)
@@ -84,7 +84,12 @@ def test_the_worker_takes_its_queue_and_stub_engine_from_the_environment(redis_u
         "PAGEDQ_NAME": "env-named",
     }
     proc = subprocess.run(
-        [sys.executable, "-m", "worker", "worker"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "pagedq.worker", "worker"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     started = [json.loads(line) for line in proc.stderr.splitlines() if "worker_started" in line]
@@ -93,10 +98,10 @@ def test_the_worker_takes_its_queue_and_stub_engine_from_the_environment(redis_u
         assert client.result(job_id, timeout=10).status == "completed"
 
 
-@pytest.mark.slow  # a `python -m worker` process
+@pytest.mark.slow  # a `python -m pagedq.worker` process
 def test_a_status_run_imports_no_torch_and_reads_its_queues_from_the_environment(redis_url: str) -> None:
     code = (
-        "import sys\nfrom worker.cli.main import main\nmain(['status', '--json'])\n"
+        "import sys\nfrom pagedq.worker.cli.main import main\nmain(['status', '--json'])\n"
         "print('torch' in sys.modules, file=sys.stderr)\n"
     )
     env = {

@@ -13,10 +13,10 @@ import urllib.request
 
 import pytest
 
-import worker.ops.metrics
-from worker import Client
-from worker.ops.embedded_redis import EmbeddedRedis
-from worker.testing.stub_engine import StubEngine
+import pagedq.worker.ops.metrics as worker_metrics
+from pagedq.worker import Client
+from pagedq.worker.ops.embedded_redis import EmbeddedRedis
+from pagedq.worker.testing.stub_engine import StubEngine
 
 from .helpers import REDIS_SERVERS, wait_for, worker_thread
 
@@ -63,7 +63,7 @@ def test_paths_serve_metrics_health_ready_and_404(redis_url):
 
 
 def test_liveness_fails_while_the_loop_is_stuck_and_recovers(redis_url, monkeypatch):
-    monkeypatch.setattr(worker.ops.metrics, "LIVENESS_STALE_S", 0.5)
+    monkeypatch.setattr(worker_metrics, "LIVENESS_STALE_S", 0.5)
     engine = GatedEngine()
     with worker_thread(engine, redis_url, metrics_port=0, metrics_every_s=0.02) as w:
         port = w.metrics.port

@@ -11,10 +11,10 @@ import json
 
 import pytest
 
-from worker import Client
-from worker.protocol.job import parse_job
-from worker.service.held import HeldJob, HeldJobs, IllegalMove, JobKey, JobState
-from worker.testing.stub_engine import StubEngine
+from pagedq.worker import Client
+from pagedq.worker.protocol.job import parse_job
+from pagedq.worker.service.held import HeldJob, HeldJobs, IllegalMove, JobKey, JobState
+from pagedq.worker.testing.stub_engine import StubEngine
 
 from .helpers import KEYS, finals_by_id, offline, run_burst, wait_for, worker_thread
 
@@ -89,10 +89,10 @@ def test_a_cancelled_backlog_job_never_reaches_the_engine(redis_url, r):
 
 def test_celery_and_a_stream_with_the_same_job_id_are_kept_apart(redis_url, r, monkeypatch):
     monkeypatch.setenv("PAGEDQ_REDIS_URL", redis_url)
-    import worker.celery.app as celery_app
+    import pagedq.worker.celery.app as celery_app
 
     importlib.reload(celery_app)  # the module's app reads its broker URL at import
-    from worker.celery.app import generate
+    from pagedq.worker.celery.app import generate
 
     engine = RecordingEngine(step_delay_s=0.005)
     client = Client(redis_url)

@@ -1,6 +1,6 @@
 """Hostile input never stops a worker: whatever bytes a job entry holds, it gets exactly one final record
 (`rejected`, naming the problem) or, if even that cannot be written, a raw dead letter; the jobs around it
-stay exact. Oracles: the stub engine's offline output, Redis state, the limits of worker/protocol/limits.py."""
+stay exact. Oracles: the stub engine's offline output, Redis state, the limits of pagedq/worker/protocol/limits.py."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from engine import SamplingParams
-from worker import AsyncClient, Client, JobRejected
-from worker.protocol.limits import MAX_ENTRY_BYTES, MAX_JSON_DEPTH, MAX_METADATA_BYTES
-from worker.testing.stub_engine import StubEngine
+from pagedq.engine import SamplingParams
+from pagedq.worker import AsyncClient, Client, JobRejected
+from pagedq.worker.protocol.limits import MAX_ENTRY_BYTES, MAX_JSON_DEPTH, MAX_METADATA_BYTES
+from pagedq.worker.testing.stub_engine import StubEngine
 
 from .helpers import KEYS, assert_clean_queue, finals_by_id, offline, run_burst
 
@@ -97,12 +97,12 @@ def test_limits_are_exactly_the_documented_ones(redis_url, r):
 
 
 def test_an_entry_that_cannot_even_be_rejected_is_dead_lettered_raw(redis_url, r, monkeypatch):
-    import worker.service.admission
+    import pagedq.worker.service.admission as admission
 
     def broken_record(**fields):
         raise RuntimeError("cannot build the record")
 
-    monkeypatch.setattr(worker.service.admission, "FinalRecord", broken_record)
+    monkeypatch.setattr(admission, "FinalRecord", broken_record)
     raw = b'{"id": "doomed", "prompt": "x", "top_k": "\xff"}'
     entry = r.xadd(KEYS.jobs, {"job": raw}).decode()
     after = Client(redis_url).submit(prompt="after the doomed one", max_tokens=4, temperature=0.0)

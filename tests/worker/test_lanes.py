@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from engine import LLM, LLMEngine, SamplingParams
-from worker import Client, QueueFullError
-from worker.protocol.keys import band_for_priority
-from worker.testing.faults import FaultyEngine
-from worker.testing.stub_engine import StubEngine
+from pagedq.engine import LLM, LLMEngine, SamplingParams
+from pagedq.worker import Client, QueueFullError
+from pagedq.worker.protocol.keys import band_for_priority
+from pagedq.worker.testing.faults import FaultyEngine
+from pagedq.worker.testing.stub_engine import StubEngine
 
 from .helpers import KEYS, assert_clean_queue, offline, run_burst, wait_for, worker_thread
 
@@ -89,7 +89,7 @@ def test_backpressure_and_dead_letters_are_per_band(redis_url, r):
     dead = r.xrange(KEYS.dead_of("bulk"))
     assert [d[1][b"id"].decode() for d in dead] == [poison] and r.xlen(KEYS.dead) == 0
     assert json.loads(dead[0][1][b"data"])["band"] == "bulk"
-    from worker.ops.dlq import dead_letters, retry
+    from pagedq.worker.ops.dlq import dead_letters, retry
 
     assert [(d["id"], d["band"]) for d in dead_letters(r, "default")] == [(poison, "bulk")]
     assert retry(r, "default") == [poison] and r.xlen(KEYS.jobs_of("bulk")) == 1  # back into its own band
@@ -144,7 +144,7 @@ def test_an_interactive_job_takes_kv_blocks_from_running_bulk_jobs_exactly(redis
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_an_interactive_job_takes_a_seat_from_running_bulk_jobs_at_once_and_exactly(redis_url, r, tiny_llama_dir, mode):
-    """Every seat is held by a long bulk job: the interactive one takes a seat (engine/seats.py) and ends while
+    """Every seat is held by a long bulk job: the interactive one takes a seat (pagedq/engine/seats.py) and ends while
     both bulk jobs still run, and every output is LLM.generate's (seeded and greedy)."""
     bulk_prompts = [[3 + i, 17, 29, 41] * 4 for i in range(2)]
     web_prompt = [5, 7, 11, 13] * 2

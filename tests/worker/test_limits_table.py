@@ -1,5 +1,5 @@
-"""One table of sampling bounds (engine/limits.py), read by the three validators a job's sampling parameters meet:
-the engine's SamplingParams, the queue's Job model and the gateway's OpenAI request schema. The probe values come
+"""One table of sampling bounds (pagedq/engine/limits.py), read by the three validators a job's sampling parameters
+meet: the engine's SamplingParams, the queue's Job model and the gateway's OpenAI request schema. The probe values come
 from the table; what is checked is each real validator, so a validator that drifts from the table fails here."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from engine.limits import SAMPLING_LIMITS, AnyLimit
-from engine.sampling_params import RequestOutputKind, SamplingParams
-from worker import Client
-from worker.gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingBody
-from worker.protocol.errors import JobRejected
-from worker.protocol.job import LATER_SAMPLING_DEFAULTS, SAMPLING_FIELDS, Job, build_job, parse_job
-from worker.testing.faults import FaultyEngine
-from worker.testing.stub_engine import StubEngine
+from pagedq.engine.limits import SAMPLING_LIMITS, AnyLimit
+from pagedq.engine.sampling_params import RequestOutputKind, SamplingParams
+from pagedq.worker import Client
+from pagedq.worker.gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingBody
+from pagedq.worker.protocol.errors import JobRejected
+from pagedq.worker.protocol.job import LATER_SAMPLING_DEFAULTS, SAMPLING_FIELDS, Job, build_job, parse_job
+from pagedq.worker.testing.faults import FaultyEngine
+from pagedq.worker.testing.stub_engine import StubEngine
 
 from .helpers import run_burst
 
@@ -141,7 +141,7 @@ def test_one_list_of_sampling_fields():
 
 
 def test_batch_state_columns_are_float_fields_of_the_table():
-    from engine.batch_state import _FLOATS
+    from pagedq.engine.batch_state import _FLOATS
 
     assert all(SAMPLING_LIMITS[name].kind is float for name in _FLOATS)
 

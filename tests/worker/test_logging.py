@@ -10,7 +10,7 @@ import sys
 import pytest
 import structlog
 
-from worker.logs import configure_logging
+from pagedq.worker.logs import configure_logging
 
 
 def test_a_log_line_goes_to_the_current_stderr_after_the_first_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:

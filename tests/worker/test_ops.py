@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from worker import Client
-from worker.testing.faults import FaultyEngine
-from worker.testing.stub_engine import StubEngine
+from pagedq.worker import Client
+from pagedq.worker.testing.faults import FaultyEngine
+from pagedq.worker.testing.stub_engine import StubEngine
 
 from .helpers import KEYS, run_burst, run_cli, scrape, wait_for, worker_thread
 

@@ -9,9 +9,9 @@ import signal
 
 import pytest
 
-from worker import Client
-from worker.service.engine_api import RequestOutputKind, SamplingParams
-from worker.testing.stub_engine import StubEngine
+from pagedq.worker import Client
+from pagedq.worker.service.engine_api import RequestOutputKind, SamplingParams
+from pagedq.worker.testing.stub_engine import StubEngine
 
 from .helpers import KEYS, assert_clean_queue, finals_by_id, result_stream, start_worker, wait_for
 

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from worker import Client, JobRejected, QueueFullError
-from worker.testing.faults import FaultyEngine
-from worker.testing.stub_engine import StubEngine
+from pagedq.worker import Client, JobRejected, QueueFullError
+from pagedq.worker.testing.faults import FaultyEngine
+from pagedq.worker.testing.stub_engine import StubEngine
 
 from .helpers import (
     KEYS,
@@ -257,8 +257,8 @@ def test_poison_job_is_dead_lettered_and_its_batch_completes(redis_url, r):
 
 def test_broken_engine_stops_the_worker_and_dead_letters_nothing(redis_url, r):
     """Every job failing alone means the engine is broken, not the jobs: stop, leave them for a healthy worker."""
-    from worker.assembly import Worker
-    from worker.service.recovery import EXIT_ENGINE_BROKEN
+    from pagedq.worker.assembly import Worker
+    from pagedq.worker.service.recovery import EXIT_ENGINE_BROKEN
 
     client = Client(redis_url)
     prompts = [f"job {i}" for i in range(8)]

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from engine import LLM, SamplingParams
-from worker import Client
+from pagedq.engine import LLM, SamplingParams
+from pagedq.worker import Client
 
 from .helpers import KEYS, assert_clean_queue, finals_by_id, result_stream, start_worker
 
@@ -102,7 +102,7 @@ def _assert_same_prompt_logprobs(got: list | None, expected: list | None) -> Non
 
 
 def test_cancelled_running_job_keeps_its_partial_output(redis_url, r, tiny_llama_dir):
-    from engine import LLMEngine
+    from pagedq.engine import LLMEngine
 
     from .helpers import wait_for, worker_thread
 

@@ -12,11 +12,11 @@ import time
 import pytest
 from redis import Redis
 
-from worker import Client
-from worker.assembly import Worker
-from worker.ops.embedded_redis import EmbeddedRedis
-from worker.service.recovery import EXIT_REDIS_LOST
-from worker.testing.stub_engine import StubEngine
+from pagedq.worker import Client
+from pagedq.worker.assembly import Worker
+from pagedq.worker.ops.embedded_redis import EmbeddedRedis
+from pagedq.worker.service.recovery import EXIT_REDIS_LOST
+from pagedq.worker.testing.stub_engine import StubEngine
 
 from .helpers import (
     KEYS,

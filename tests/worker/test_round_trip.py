@@ -1,11 +1,12 @@
-"""worker/service/round_trip.py: writes answer by position, reads through their typed replies, all in one pipeline."""
+"""pagedq/worker/service/round_trip.py: writes answer by position, reads through their typed replies, all in one
+pipeline."""
 
 from __future__ import annotations
 
 import pytest
 from redis.exceptions import ResponseError
 
-from worker.service.round_trip import RoundTrip
+from pagedq.worker.service.round_trip import RoundTrip
 
 
 class CountingPipeline:

@@ -1,4 +1,5 @@
-"""Start-up mistakes read as one line on stderr plus one JSON log line, exit status 2 (worker/cli/startup_errors.py).
+"""Start-up mistakes read as one line on stderr plus one JSON log line, exit status 2
+(pagedq/worker/cli/startup_errors.py).
 
 Each case runs the real command in a subprocess against a real (or a closed) Redis port, as a person would.
 """
@@ -19,9 +20,9 @@ import pytest
 from redis import Redis
 from redis.crc import key_slot
 
-from worker.cli.startup_errors import redact, with_readable_errors
-from worker.ops.embedded_redis import EmbeddedRedis, free_port
-from worker.protocol.keys import QueueKeys
+from pagedq.worker.cli.startup_errors import redact, with_readable_errors
+from pagedq.worker.ops.embedded_redis import EmbeddedRedis, free_port
+from pagedq.worker.protocol.keys import QueueKeys
 
 pytestmark = pytest.mark.slow  # each case runs the real command as a process
 
@@ -30,16 +31,17 @@ HUB_HINT = "pagedq loads local checkpoint folders only; no model hub is reachabl
 
 
 def run_cli(
-    args: list[str], cwd: Path, env: dict[str, str] | None = None, module: str = "worker"
+    args: list[str], cwd: Path, env: dict[str, str] | None = None, module: str = "pagedq.worker"
 ) -> subprocess.CompletedProcess[str]:
-    """`python -m worker ARGS` (module "worker") or the `pagedq` script's entry point, worker.cli:main
-    (module "pagedq"), from this checkout (the editable install may point elsewhere), no Redis in env."""
+    """`python -m pagedq.worker ARGS` (module "pagedq.worker") or the `pagedq` script's entry point,
+    pagedq.worker.cli:main (module "pagedq"), from this checkout (the editable install may point elsewhere), no
+    Redis in env."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("PAGEDQ_", "CELERY_"))}
     base["PYTHONPATH"] = str(REPO)
     command = (
         [sys.executable, "-m", module]
-        if module == "worker"
-        else [sys.executable, "-c", "import sys; from worker.cli.main import main; sys.exit(main())"]
+        if module == "pagedq.worker"
+        else [sys.executable, "-c", "import sys; from pagedq.worker.cli.main import main; sys.exit(main())"]
     )
     return subprocess.run(
         [*command, *args], cwd=cwd, env={**base, **(env or {})}, capture_output=True, text=True, timeout=120

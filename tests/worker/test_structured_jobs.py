@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import re
 
-from engine import LLMEngine
-from worker import Client, JobRejected
+from pagedq.engine import LLMEngine
+from pagedq.worker import Client, JobRejected
 
 from .helpers import KEYS, worker_thread
 

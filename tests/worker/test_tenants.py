@@ -1,5 +1,5 @@
-"""Tenants sharing a band (worker/service/tenants.py): deficit round robin over tokens, checked as a property over
-random arrival orders with no Redis, then through a worker on a real Redis (the completions stream's order)."""
+"""Tenants sharing a band (pagedq/worker/service/tenants.py): deficit round robin over tokens, checked as a property
+over random arrival orders with no Redis, then through a worker on a real Redis (the completions stream's order)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ import random
 
 import pytest
 
-from worker import Client, QueueFullError
-from worker.bulk.lines import parse_line
-from worker.client.core import make_job
-from worker.ops.status import queue_status, render
-from worker.protocol.errors import JobRejected
-from worker.protocol.job import Job, build_job, parse_job
-from worker.protocol.limits import DEFAULT_TENANT_BURST
-from worker.service.held import HeldJob, JobKey
-from worker.service.tenants import COST_CAP_QUANTA, MAX_SHOWN, OTHER, TenantShares, parse_weights
-from worker.testing.stub_engine import StubEngine
+from pagedq.worker import Client, QueueFullError
+from pagedq.worker.bulk.lines import parse_line
+from pagedq.worker.client.core import make_job
+from pagedq.worker.ops.status import queue_status, render
+from pagedq.worker.protocol.errors import JobRejected
+from pagedq.worker.protocol.job import Job, build_job, parse_job
+from pagedq.worker.protocol.limits import DEFAULT_TENANT_BURST
+from pagedq.worker.service.held import HeldJob, JobKey
+from pagedq.worker.service.tenants import COST_CAP_QUANTA, MAX_SHOWN, OTHER, TenantShares, parse_weights
+from pagedq.worker.testing.stub_engine import StubEngine
 
 from .helpers import KEYS, run_burst, scrape, wait_for, worker_thread
 

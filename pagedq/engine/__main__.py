@@ -1,0 +1,7 @@
+"""`python -m pagedq.engine generate|bench ...`: the engine's commands without the queue stack installed."""
+
+import sys
+
+from pagedq.engine.cli import main
+
+sys.exit(main())

@@ -1,0 +1,125 @@
+"""Build our model from a local Hugging Face checkpoint folder.
+
+Weights come from *.safetensors (preferred) or pytorch_model*.bin. The checkpoint's separate q/k/v and
+gate/up projections are copied into our packed matrices. A folder holding only config.json gets random
+weights (for benchmarks of a model shape without its weights).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from pagedq import kernels
+from pagedq.engine.config import ModelConfig
+from pagedq.engine.layers import PackedLinear
+from pagedq.engine.models.registry import model_class
+
+if TYPE_CHECKING:
+    from pagedq.engine.models.llama import LlamaForCausalLM
+
+# checkpoint projection name -> (our packed module name, shard index)
+_PACKED_SHARDS = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_PACKED_NAME = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+def load_model(folder: str | Path, config: ModelConfig, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
+    # Built on the target device: random init of a large shape on the CPU would take minutes.
+    ops = kernels.bind(device)  # the backend is chosen here, once, for the model's lifetime
+    with torch.device(device):
+        model = model_class(config.architecture)(config, ops)
+    files = _weight_files(Path(folder))
+    if files:
+        _load_weights(model, _iter_checkpoint(files))
+    else:
+        _init_random(model, seed=0)
+    rope_table = model.cos_sin_cache
+    model.to(dtype=dtype)
+    model.cos_sin_cache = rope_table  # RoPE tables stay fp32, as in transformers
+    return model.eval()
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    safetensors = sorted(folder.glob("*.safetensors"))
+    return safetensors or sorted(folder.glob("pytorch_model*.bin"))
+
+
+def _iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118  (safe_open handles have keys() but do not iterate)
+                    yield name, handle.get_tensor(name)
+        else:
+            yield from torch.load(path, map_location="cpu", weights_only=True).items()
+
+
+def _load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules())
+    loaded: set[str] = set()
+    for name, tensor in tensors:
+        if _IGNORED.search(name):
+            continue
+        packed = _PACKED_NAME.match(name)
+        if packed:
+            prefix, proj, kind = packed.groups()
+            module_name, shard = _PACKED_SHARDS[proj]
+            module = modules.get(f"{prefix}.{module_name}")
+            if not isinstance(module, PackedLinear) or getattr(module, kind) is None:
+                raise ValueError(f"checkpoint tensor {name} has no place in the model")
+            module.load_shard(kind, shard, tensor)
+            loaded.add(f"{prefix}.{module_name}.{kind}#{shard}")
+            continue
+        if name not in params:
+            raise ValueError(f"checkpoint tensor {name} has no place in the model")
+        if params[name].shape != tensor.shape:
+            raise ValueError(
+                f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, model expects {tuple(params[name].shape)}"
+            )
+        params[name].data.copy_(tensor)
+        loaded.add(name)
+    _check_complete(model, loaded)
+
+
+def _check_complete(model: LlamaForCausalLM, loaded: set[str]) -> None:
+    missing = []
+    for module_name, module in model.named_modules():
+        for kind in ("weight", "bias"):
+            if getattr(module, kind, None) is None or not isinstance(getattr(module, kind), torch.nn.Parameter):
+                continue
+            full = f"{module_name}.{kind}"
+            if isinstance(module, PackedLinear):
+                shards = len(module.shard_offsets) - 1
+                missing += [f"{full}#{i}" for i in range(shards) if f"{full}#{i}" not in loaded]
+            elif full not in loaded and not (full == "lm_head.weight" and model.config.tie_word_embeddings):
+                missing.append(full)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+
+def _init_random(model: nn.Module, seed: int) -> None:
+    """Random weights for a config-only folder: normal(0, 0.02) like transformers, norms at 1."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, 0.02, generator=generator)

@@ -1,0 +1,81 @@
+"""What crosses between the scheduler and the model runner: plain data keyed by request id, never a `Request`.
+
+As vLLM v1's `SchedulerOutput`: a request the runner does not hold yet (new, resumed after a preemption, a fresh
+fork or beam) comes in full; one it holds comes as a diff (tokens appended since it last saw it, block-table
+entries from the first that changed). Requests that left (finished, aborted, preempted) are named so the runner
+drops their rows. The runner answers with a `ModelRunnerOutput` keyed by request id. Everything here is an
+immutable snapshot taken at schedule time: the scheduler's own objects move on while the step runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from pagedq.engine.request import SampledToken
+from pagedq.engine.sampling_params import SamplingParams
+
+
+class NewRequestData(NamedTuple):
+    """A request the runner has no row for: everything it needs to run and sample it from now on.
+
+    NamedTuples (immutable, like frozen dataclasses, and 3x cheaper to build: one per request per step)."""
+
+    req_id: str
+    token_ids: tuple[int, ...]  # prompt + outputs so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    sampling_seed: int
+    eos_token_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]  # the whole block table
+    num_new_tokens: int
+    start_position: int  # num_computed_tokens when scheduled
+    needs_sample: bool  # this chunk reaches the last token: its logits give the next one
+    fan_out: int = 0  # extra draws from the same logits at the first sample (n / best_of)
+    wants_logprobs: bool = False  # asked for, or needed for ranking (best_of, beams)
+    num_prompt_logprobs_done: int = 0  # prompt log-probability entries the request already has
+    draft_token_ids: tuple[int, ...] = ()  # speculative drafts after its last token (in num_new_tokens)
+
+
+class CachedRequestData(NamedTuple):
+    """A request the runner holds: what changed since it last saw it."""
+
+    req_id: str
+    new_token_ids: tuple[int, ...]  # appended since (sampled, chosen by beam selection)
+    block_ids_from: int  # index of the first block-table entry below that changed (growth or copy-on-write)
+    block_ids: tuple[int, ...]  # entries [block_ids_from:]
+    num_new_tokens: int
+    start_position: int
+    needs_sample: bool
+    draft_token_ids: tuple[int, ...] = ()
+
+
+ScheduledChunk = NewRequestData | CachedRequestData
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step for the runner, in the scheduler's order."""
+
+    chunks: tuple[ScheduledChunk, ...] = ()
+    finished_req_ids: tuple[str, ...] = ()  # rows to drop before anything else
+    blocks_to_copy: tuple[tuple[int, int], ...] = ()  # copy-on-write (src, dst)
+    blocks_to_swap_out: tuple[tuple[int, int], ...] = ()  # (device, host)
+    blocks_to_swap_in: tuple[tuple[int, int], ...] = ()  # (host, device)
+
+    @property
+    def new_requests(self) -> list[NewRequestData]:
+        return [c for c in self.chunks if isinstance(c, NewRequestData)]
+
+    @property
+    def cached_requests(self) -> list[CachedRequestData]:
+        return [c for c in self.chunks if isinstance(c, CachedRequestData)]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per request id: the draws of a request that reached its last token (several for a fan-out), and the
+    prompt log-probability entries this step computed (in prompt order)."""
+
+    sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)

@@ -1,0 +1,5 @@
+import sys
+
+from pagedq.worker.cli.main import main
+
+sys.exit(main())

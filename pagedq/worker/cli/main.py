@@ -1,0 +1,196 @@
+"""The `pagedq` command: the queue's commands (`worker`, `demo`, `bulk`, `status`, `dlq`, `serve`, `bench worker`,
+`bench gateway`) next to the engine's (`generate`, `bench throughput|host|kernels`, from pagedq/engine/cli.py).
+
+Every flag of the queue's commands is also a PAGEDQ_* variable (pagedq/worker/flags.py); `python -m pagedq.worker ...`
+is the same command. Building the parser imports neither torch nor the engine's modules beyond pagedq/engine/options.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from pagedq.engine.cli import package_version, register_commands, run_command
+from pagedq.worker.cli.engine import build_engine, engine_device
+from pagedq.worker.cli.startup_errors import with_readable_errors
+from pagedq.worker.flags import Option, SettingsParser, add_options, dataclass_options, engine_flag_options
+from pagedq.worker.logs import configure_logging
+from pagedq.worker.service.config import WorkerSettings
+
+# The engine a worker, demo or bench runs: the engine's knobs (pagedq/engine/options.py) and the queue-side choices.
+ENGINE_OPTIONS: tuple[Option, ...] = (
+    Option("model", str, None, "model folder (default: the demo model)", nullable=True),
+    *engine_flag_options(),
+    Option(
+        "engine",
+        str,
+        "llm",
+        "stub: a fake engine that returns at once (queue tests and benchmarks)",
+        choices=("llm", "stub"),
+    ),
+    Option("stub_step_delay", float, 0.0, "seconds per stub engine step", bounds={"ge": 0}),
+    Option("log_level", str, "info", "level of the JSON log on stderr", choices=("debug", "info", "warning", "error")),
+)
+WORKER_OPTIONS: tuple[Option, ...] = (
+    *dataclass_options(WorkerSettings),
+    Option("celery", bool, False, "also serve the Celery queue of worker.celery.app"),
+)
+DEMO_OPTIONS = (Option("max_tokens", int, 32, "tokens per demo answer at most", bounds={"ge": 1}),)
+BENCH_OPTIONS = (
+    Option("stub_jobs", int, 20_000, "jobs through the stub engine (queue layer)", bounds={"ge": 1}),
+    Option("e2e_jobs", int, 64, "jobs through the real engine (0 skips it)", bounds={"ge": 0}),
+    Option("e2e_max_tokens", int, 32, "tokens per end-to-end job", bounds={"ge": 1}),
+    Option("e2e_repeats", int, 3, "alternate offline/worker runs; best of each", bounds={"ge": 1}),
+    Option(
+        "e2e_prompt_tokens",
+        str,
+        "",
+        "LOW:HIGH: token-id prompts of LOW to HIGH tokens (seeded) instead of text prompts (issue 23: 16:200)",
+    ),
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the top-level queue commands."""
+    p = subparsers.add_parser("worker", help="serve generation jobs from a Redis queue")
+    add_worker_args(p)
+    p.set_defaults(func=cmd_worker)
+    d = subparsers.add_parser("demo", help="embedded Redis + worker on the demo model; enqueue a few jobs")
+    add_options(d, (*ENGINE_OPTIONS, *DEMO_OPTIONS))
+    d.set_defaults(func=cmd_demo)
+    from pagedq.worker.bulk import run as bulk
+    from pagedq.worker.ops import dlq, status
+
+    for name, module, help_text in (
+        ("bulk", bulk, "run a JSONL file of requests (OpenAI batch format) through the queue, resumably"),
+        ("status", status, "workers, queue depths, pending jobs and dead letters"),
+        ("dlq", dlq, "list, retry or purge dead-lettered jobs"),
+        ("serve", _LazyServe, "OpenAI-compatible HTTP gateway over the queue (completions, chat, batches)"),
+    ):
+        sub = subparsers.add_parser(name, help=help_text)
+        module.add_args(sub)
+        sub.set_defaults(func=module.run)
+
+
+class _LazyServe:
+    """`pagedq serve` (pagedq/worker/gateway/): FastAPI and uvicorn are imported only when it runs."""
+
+    @staticmethod
+    def add_args(p: argparse.ArgumentParser) -> None:
+        from pagedq.worker.gateway.serve import add_args
+
+        add_args(p)
+
+    @staticmethod
+    def run(args: argparse.Namespace) -> int:
+        from pagedq.worker.gateway.serve import run
+
+        return run(args)
+
+
+def register_bench(bench_subparsers: argparse._SubParsersAction) -> None:
+    """Add `bench worker` and `bench gateway` under the `bench` group."""
+    p = bench_subparsers.add_parser("worker", help="queue-layer and end-to-end worker throughput (one JSON line)")
+    from pagedq.worker.bench.mixed import OPTIONS as MIXED_OPTIONS
+
+    add_options(p, (*ENGINE_OPTIONS, *BENCH_OPTIONS, *MIXED_OPTIONS))
+    p.set_defaults(func=cmd_bench)
+    g = bench_subparsers.add_parser("gateway", help="pagedq serve vs the native client on the stub engine (JSON)")
+    from pagedq.worker.bench.gateway_args import add_args as add_gateway_bench_args
+
+    add_gateway_bench_args(g)
+    g.set_defaults(func=cmd_bench_gateway)
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--redis", default=None, help="Redis URL (default: $PAGEDQ_REDIS_URL, else a private redis-server is started)"
+    )
+    add_options(p, (*ENGINE_OPTIONS, *WORKER_OPTIONS))
+
+
+def settings_from_args(args: argparse.Namespace, device: str, model: str) -> WorkerSettings:
+    """WorkerSettings from the parsed flags (each flagged field by its option's name)."""
+    values = {o.target or o.name: getattr(args, o.name) for o in dataclass_options(WorkerSettings)}
+    if values["name"] is None:
+        del values["name"]  # the field's default: hostname-pid
+    # --celery turns the Celery front door on; its broker defaults to $CELERY_BROKER_URL, else the worker's Redis
+    values["celery_broker"] = (
+        (args.celery_broker or os.environ.get("CELERY_BROKER_URL") or args.redis) if args.celery else None
+    )
+    return WorkerSettings(**values, device=device, model=model)
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    import structlog
+
+    from pagedq.worker.assembly import Worker
+    from pagedq.worker.ops.embedded_redis import EmbeddedRedis
+    from pagedq.worker.protocol.connection import connect
+    from pagedq.worker.protocol.settings import configured_redis_url
+    from pagedq.worker.testing import faults
+
+    configure_logging(args.log_level)
+    log = structlog.get_logger("pagedq.worker")
+    embedded = None
+    args.redis = configured_redis_url(args.redis)
+    if args.redis is None:
+        embedded = EmbeddedRedis().start()
+        args.redis = embedded.url
+        log.info(
+            "embedded_redis_started",
+            url=embedded.url,
+            reason="no Redis configured (neither --redis nor PAGEDQ_REDIS_URL): started a private redis-server",
+        )
+    try:
+        redis_client = connect(args.redis)
+        redis_client.ping()  # a wrong or unreachable Redis is reported now, not after a model load of minutes
+        engine, model = build_engine(args)
+        device = engine_device(engine, args.device)
+        wrapped = faults.wrap_from_env(engine)  # test-only, switched on by its environment variables
+        if wrapped is not engine:
+            log.warning("fault_injection_on", **faults.requested_by())
+            engine = wrapped
+        worker = Worker(engine, redis_client, settings_from_args(args, device, model))
+        return worker.run()
+    finally:
+        if embedded is not None:
+            embedded.stop()
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from pagedq.worker.cli.demo import run_demo
+
+    configure_logging("warning")
+    return run_demo(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from pagedq.worker.bench.throughput import run_bench
+
+    configure_logging("error")
+    return run_bench(args)
+
+
+def cmd_bench_gateway(args: argparse.Namespace) -> int:
+    from pagedq.worker.bench.gateway import run
+
+    configure_logging("error")
+    return run(args)
+
+
+def build_parser(prog: str = "pagedq") -> argparse.ArgumentParser:
+    """The `pagedq` command (also `python -m pagedq.worker`): the engine's commands and the queue's."""
+    parser = SettingsParser(prog=prog, description="LLM inference worker over a paged KV cache")
+    parser.add_argument("--version", action="version", version=f"pagedq {package_version()}")
+    commands = parser.add_subparsers(dest="command", required=True)
+    benches = register_commands(commands)
+    register(commands)
+    register_bench(benches)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.func = with_readable_errors(args.func)  # known start-up mistakes: one line, one JSON log line, exit 2
+    return run_command(args)

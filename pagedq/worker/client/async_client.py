@@ -1,0 +1,86 @@
+"""Producer API for asyncio (redis.asyncio); same methods and semantics as worker.client.sync_client.Client, with the
+same core (pagedq/worker/client/core.py): only the round trips differ."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import Any
+
+from pagedq.worker.client.core import ClientCore, DeltaFilter, Entry
+from pagedq.worker.protocol import scripts
+from pagedq.worker.protocol.connection import AsyncRedis, connect_async
+from pagedq.worker.protocol.job import Delta, FinalRecord, Job
+from pagedq.worker.protocol.settings import redis_url
+
+
+class AsyncClient(ClientCore):
+    def __init__(
+        self,
+        url: str | None = None,
+        queue: str = "default",
+        *,
+        max_queue_depth: int | None = None,
+        max_tenant_queued: int | None = None,
+        redis: AsyncRedis | None = None,
+    ) -> None:
+        super().__init__(queue, max_queue_depth, max_tenant_queued)
+        # url None: PAGEDQ_REDIS_URL, else a local Redis (pagedq/worker/protocol/settings.py);
+        # redis+cluster:// a cluster
+        self.r = redis if redis is not None else connect_async(redis_url(url))
+
+    async def aclose(self) -> None:
+        await self.r.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def submit(self, prompt: str | None = None, *, band: str | None = None, **kwargs: Any) -> str:
+        return (await self._submit(self._one(prompt, band, kwargs)))[0]
+
+    async def submit_many(self, jobs: Iterable[Job | Mapping[str, Any]]) -> list[str]:
+        return await self._submit(self._many(jobs))
+
+    async def _submit(self, built: list[tuple[Job, str]]) -> list[str]:
+        if not built:
+            return []
+        keys, args = self._submit_script(built)
+        return self._submitted(await scripts.acall(self.r, "submit", keys, args), built)
+
+    async def cancel(self, job_id: str) -> bool:
+        keys, args = self._cancel_script(job_id)
+        return bool(await scripts.acall(self.r, "cancel", keys, args))
+
+    async def queue_depth(self, band: str | None = None) -> int:
+        return sum([int(await self.r.xlen(key)) for key in self._depth_keys(band)])
+
+    async def final(self, job_id: str) -> FinalRecord | None:
+        return self._parse_final(await self.r.get(self.keys.final(job_id)))
+
+    async def result(self, job_id: str, timeout: float | None = None) -> FinalRecord:
+        async for _kind, item in self._entries(job_id, "0-0", timeout):
+            if isinstance(item, FinalRecord):
+                return item
+        raise AssertionError("unreachable")
+
+    async def stream(self, job_id: str, offset: str = "0-0", timeout: float | None = None) -> AsyncIterator[Delta]:
+        seen = DeltaFilter()
+        async for _kind, item in self._entries(job_id, offset, timeout, per_item=True):
+            if isinstance(item, FinalRecord):
+                return
+            if seen.keep(item):
+                yield item
+
+    async def _entries(
+        self, job_id: str, offset: str, timeout: float | None, per_item: bool = False
+    ) -> AsyncIterator[Entry]:
+        reader = self._reader(job_id, offset, timeout, per_item)
+        while True:
+            reply = await self.r.xread(**reader.xread_kwargs())
+            for entry in reader.entries(reply):
+                yield entry
+            if not reply:
+                for entry in reader.when_idle(await self.r.get(reader.final_key)):
+                    yield entry

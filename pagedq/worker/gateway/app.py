@@ -1,0 +1,207 @@
+"""The FastAPI application of `pagedq serve`: routes, authentication, the shared AsyncClient."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import structlog
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from pagedq.worker.client.async_client import AsyncClient
+from pagedq.worker.gateway import errors
+from pagedq.worker.gateway.batches import Batches
+from pagedq.worker.gateway.batches import router as batch_router
+from pagedq.worker.gateway.chat import ChatEndpoint
+from pagedq.worker.gateway.completions import CompletionEndpoint
+from pagedq.worker.gateway.errors import OpenAIError, record_error
+from pagedq.worker.gateway.files import FileStore
+from pagedq.worker.gateway.files import router as file_router
+from pagedq.worker.gateway.jobs import build, check_model, submit, wait_timeout
+from pagedq.worker.gateway.metrics import GatewayMetrics, ObserveRequests
+from pagedq.worker.gateway.render import now
+from pagedq.worker.gateway.schemas import ChatCompletionRequest, CompletionRequest
+from pagedq.worker.gateway.settings import GatewaySettings
+from pagedq.worker.gateway.streaming import StreamTracker, sse
+from pagedq.worker.gateway.tokenize import Tokenizers
+from pagedq.worker.gateway.tokenize import router as tokenize_router
+from pagedq.worker.gateway.workers import LiveWorkers
+from pagedq.worker.protocol.connection import AsyncRedis
+from pagedq.worker.protocol.errors import ResultTimeout
+
+
+class Gateway:
+    """What the routes share: settings, the queue client, the live-worker view, open streams."""
+
+    def __init__(self, settings: GatewaySettings, redis: AsyncRedis | None = None) -> None:
+        self.settings = settings
+        self.client = AsyncClient(
+            settings.redis_url,
+            settings.queue,
+            max_queue_depth=settings.max_queue_depth,
+            max_tenant_queued=settings.max_tenant_queued,
+            redis=redis,
+        )
+        self.live = LiveWorkers(self.client.r, self.client.keys, settings.worker_cache_s)
+        self.streams = StreamTracker()
+        self.files = FileStore(self.client.r, self.client.keys, settings.file_ttl_s)
+        self.batches = Batches(self.client, self.files, self.live, settings)
+        self.tokenizers = Tokenizers(self.client.r, self.client.keys, self.live, settings.queue)
+
+    async def generate(self, endpoint: CompletionEndpoint, request: Request) -> Response:
+        body = endpoint.request_body()
+        endpoint.model = await check_model(self.live, body.model, self.settings.queue)
+        jobs = [build(fields) for fields in endpoint.jobs_fields(self.settings)]
+        if (tenant := getattr(request.state, "tenant", None)) is not None:  # set with the API key (_authenticate)
+            jobs = [job.model_copy(update={"tenant": tenant}) for job in jobs]
+        if body.stream_options is not None and not body.stream:
+            raise OpenAIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        job_ids = await submit(self.client, jobs, self.settings.retry_after_s)  # all or none: backpressure counts each
+        timeout = wait_timeout(body, self.settings)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                sse(self.client, endpoint, job_ids, include_usage, timeout, self.streams),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        try:
+            records = await self._results_while_connected(request, job_ids, timeout)
+        except ResultTimeout:
+            for job_id in job_ids:
+                self.streams.cancel_later(self.client, job_id)
+            raise OpenAIError(504, f"job {job_ids[0]}: no result within {timeout} s", code="timeout") from None
+        for record in records:
+            if record.status != "completed":
+                raise record_error(record)
+        return JSONResponse(endpoint.response(records))
+
+    async def models(self) -> dict[str, Any]:
+        """GET /v1/models: what the live workers serve."""
+        served = await self.live.models()
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": info["created"],
+                    "owned_by": "pagedq",
+                    "workers": info["workers"],
+                }
+                for name, info in sorted(served.items())
+            ],
+        }
+
+    async def health(self) -> JSONResponse:
+        """GET /health: 503 while Redis is unreachable (the gateway can take nothing in)."""
+        try:
+            await self.client.r.ping()
+        except Exception as exc:
+            return JSONResponse({"status": "unavailable", "redis": repr(exc)}, status_code=503)
+        live = await self.live.heartbeats()
+        return JSONResponse(
+            {"status": "ok", "redis": "ok", "live_workers": len(live), "open_streams": self.streams.open}
+        )
+
+    async def _results_while_connected(self, request: Request, job_ids: list[str], timeout: float):
+        """The jobs' final records; if the client goes away first, every job is cancelled (nobody will read them)."""
+        reads = [asyncio.ensure_future(self.client.result(job_id, timeout=timeout)) for job_id in job_ids]
+        waiter = asyncio.gather(*reads)
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait((waiter, gone), return_when=asyncio.FIRST_COMPLETED)
+            answered = waiter.done()
+        finally:
+            gone.cancel()
+            for read in reads:  # one read failed (timed out) or the client left: the others are not needed
+                read.cancel()
+        if answered:
+            return waiter.result()
+        waiter.cancel()
+        for job_id in job_ids:
+            self.streams.cancel_later(self.client, job_id)
+        raise OpenAIError(
+            499, f"job {job_ids[0]}: the client closed the connection; its jobs were cancelled", code="client_closed"
+        )
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(settings: GatewaySettings | None = None, redis: AsyncRedis | None = None) -> FastAPI:
+    settings = settings or GatewaySettings()
+    gateway = Gateway(settings, redis)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        structlog.get_logger("pagedq.gateway").info(
+            "gateway_started",
+            queue=settings.queue,
+            host=settings.host,
+            port=settings.port,
+            auth=bool(settings.accepted_keys),
+        )
+        yield
+        for task in list(gateway.batches.tasks):  # their lease expires: the next GET on any gateway resumes them
+            task.cancel()
+        await asyncio.gather(*gateway.batches.tasks, *gateway.streams.cancels, return_exceptions=True)
+        await gateway.client.aclose()
+
+    app = FastAPI(title="pagedq gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.gateway = gateway
+    errors.install(app)
+    metrics = GatewayMetrics(lambda: gateway.streams.open)
+    app.add_middleware(ObserveRequests, metrics=metrics)
+    auth = Depends(_authenticate(settings.accepted_keys, settings.api_key_tenants))
+    app.include_router(file_router(gateway.files, auth))
+    app.include_router(batch_router(gateway.batches, auth))
+    app.include_router(tokenize_router(gateway.tokenizers, auth))
+
+    @app.post("/v1/completions", dependencies=[auth])
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await gateway.generate(CompletionEndpoint(body, body.model, now()), request)
+
+    @app.post("/v1/chat/completions", dependencies=[auth])
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await gateway.generate(ChatEndpoint(body, body.model, now()), request)
+
+    @app.get("/v1/models", dependencies=[auth])
+    async def models() -> dict[str, Any]:
+        return await gateway.models()
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        payload, content_type = metrics.exposition()
+        return Response(payload, media_type=content_type)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return await gateway.health()
+
+    return app
+
+
+def _authenticate(keys: list[str], tenants: dict[str, str]):
+    """Checks the Bearer key; the tenant it maps to (settings.api_key_tenants) goes on request.state."""
+    encoded = [(k.encode(), tenants.get(k)) for k in keys]
+
+    async def check(request: Request) -> None:
+        if not encoded:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        given = token.strip().encode()
+        # every key compared (constant time per key), so the match's position does not leak through timing
+        matches = [tenant for key, tenant in encoded if hmac.compare_digest(given, key)]
+        if scheme.lower() != "bearer" or not matches:
+            raise OpenAIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
+        request.state.tenant = matches[0]
+
+    return check

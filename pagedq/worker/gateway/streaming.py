@@ -1,0 +1,132 @@
+"""stream: true as Server-Sent Events in OpenAI's chunk format, read from the jobs' result streams.
+
+A request with several prompts streams them interleaved, each chunk as it comes. A client that goes away
+cancels every job of its request (the worker aborts them and frees their KV blocks). The jobs themselves live
+in Redis: if the gateway dies mid-stream they finish and their records stay under their ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from pagedq.worker.client.async_client import AsyncClient
+from pagedq.worker.gateway.completions import CompletionEndpoint
+from pagedq.worker.gateway.errors import OpenAIError, record_error
+from pagedq.worker.gateway.render import usage
+from pagedq.worker.protocol.errors import ResultTimeout
+from pagedq.worker.protocol.job import Delta, FinalRecord
+
+DONE = b"data: [DONE]\n\n"
+_LOST = object()  # a job whose final record expired between its stream's end and the read
+
+
+def event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+class StreamTracker:
+    """Open streams (a metric) and the cancels of abandoned jobs, which must outlive the cancelled stream."""
+
+    def __init__(self) -> None:
+        self.open = 0
+        self.cancels: set[asyncio.Task] = set()
+
+    def cancel_later(self, client: AsyncClient, job_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(client.cancel(job_id))
+        self.cancels.add(task)
+        task.add_done_callback(self.cancels.discard)
+
+
+async def _follow(client: AsyncClient, index: int, job_id: str, timeout: float, out: asyncio.Queue) -> None:
+    """One job's deltas, then its final record (or the error that ended the wait), into the shared queue."""
+    try:
+        async for delta in client.stream(job_id, timeout=timeout):
+            await out.put((index, delta))
+        record = await client.final(job_id)
+        await out.put((index, _LOST if record is None else record))
+    except Exception as exc:  # ResultTimeout, Redis errors: the consumer raises it
+        await out.put((index, exc))
+
+
+async def interleaved(client: AsyncClient, job_ids: list[str], timeout: float) -> AsyncGenerator[tuple[int, Any], None]:
+    """(prompt index, Delta | FinalRecord | _LOST) from every job as it comes; each job ends with its record."""
+    queue: asyncio.Queue = asyncio.Queue()
+    tasks = [asyncio.ensure_future(_follow(client, i, job_id, timeout, queue)) for i, job_id in enumerate(job_ids)]
+    try:
+        remaining = len(job_ids)
+        while remaining:
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if not isinstance(item, Delta):
+                remaining -= 1
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def sse(
+    client: AsyncClient,
+    endpoint: CompletionEndpoint,
+    job_ids: list[str],
+    include_usage: bool,
+    timeout: float,
+    tracker: StreamTracker,
+) -> AsyncIterator[bytes]:
+    response_id, settled, records = job_ids[0], set(), []
+    tracker.open += 1
+    try:
+        for chunk in endpoint.opening(response_id):
+            yield event(_with_usage(chunk, include_usage))
+        failed = False
+        async with contextlib.aclosing(interleaved(client, job_ids, timeout)) as items:
+            async for index, item in items:
+                if isinstance(item, Delta):
+                    piece = endpoint.delta_chunk(response_id, index, item)
+                    if piece is not None:
+                        yield event(_with_usage(piece, include_usage))
+                    continue
+                settled.add(index)
+                error = _failure(item, job_ids[index])
+                if error is not None:
+                    yield event(error.body())
+                    failed = True
+                    break
+                records.append(item)
+                for chunk in endpoint.closing(response_id, index, item):
+                    yield event(_with_usage(chunk, include_usage))
+        if include_usage and not failed:
+            yield event(
+                {**endpoint.envelope(response_id, []), "object": _chunk_object(endpoint), "usage": usage(records)}
+            )
+        yield DONE
+    except ResultTimeout:
+        yield event(OpenAIError(504, f"job {response_id}: no output within {timeout} s", code="timeout").body())
+        yield DONE
+    finally:
+        tracker.open -= 1
+        for index, job_id in enumerate(job_ids):
+            if index not in settled:  # the client went away (or the wait failed): nobody will read the rest
+                tracker.cancel_later(client, job_id)
+
+
+def _failure(item: Any, job_id: str) -> OpenAIError | None:
+    """Why a job's stream ends in an error event: its record expired, or it did not complete; None if it did."""
+    if not isinstance(item, FinalRecord):
+        return OpenAIError(500, f"job {job_id}: final record not found", code="lost")
+    return None if item.status == "completed" else record_error(item)
+
+
+def _chunk_object(endpoint: CompletionEndpoint) -> str:
+    return "chat.completion.chunk" if endpoint.object_name == "chat.completion" else endpoint.object_name
+
+
+def _with_usage(chunk: dict[str, Any], include_usage: bool) -> dict[str, Any]:
+    return {**chunk, "usage": None} if include_usage else chunk

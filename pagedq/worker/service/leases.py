@@ -1,0 +1,59 @@
+"""Leases on jobs (a job's idle time in the group's pending list), recovery, claiming, heartbeats.
+
+A job a worker holds stays "leased" while the worker renews it (XCLAIM JUSTID by the owner resets its
+idle time), so long generations are never stolen. Jobs of a dead worker go idle; after lease_ms any
+worker claims them with XAUTOCLAIM. Jobs recovered so (or re-read by a restarted worker) are suspects: they
+run alone, each run alone recorded in Redis first, so a job that kills its worker is the only one charged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedq.worker.protocol import scripts
+from pagedq.worker.protocol.keys import BANDS, GROUP, QueueKeys
+from pagedq.worker.protocol.replies import text
+
+
+class Leases:
+    def __init__(self, redis_client: Any, keys: QueueKeys, name: str, lease_ms: int) -> None:
+        self.r, self.keys, self.name, self.lease_ms = redis_client, keys, name, int(lease_ms)
+        self.cursors = {band: "0-0" for band in BANDS}  # XAUTOCLAIM walks each band's pending list
+
+    def ensure_group(self) -> None:
+        for band in BANDS:
+            try:
+                self.r.xgroup_create(self.keys.jobs_of(band), GROUP, id="0", mkstream=True)
+            except Exception as exc:  # BUSYGROUP: it exists already
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    def read_own_pending(self, band: str, count: int = 500) -> list:
+        """Entries of a band this consumer had not acknowledged before it stopped (restart recipe: read from 0)."""
+        entries: list = []  # (entry id, fields) pairs as redis-py returns them
+        last = "0"
+        while True:
+            reply = self.r.xreadgroup(GROUP, self.name, {self.keys.jobs_of(band): last}, count=count)
+            batch = reply[0][1] if reply else []
+            if not batch:
+                return entries
+            entries.extend(batch)
+            last = text(batch[-1][0])
+
+    def renew(self, band: str, entry_ids: list[str]) -> list[str]:
+        """Renew our leases on entries of a band; return those another worker has claimed meanwhile."""
+        lost = []
+        for i in range(0, len(entry_ids), 1000):
+            chunk = entry_ids[i : i + 1000]
+            lost += scripts.call(self.r, "renew", [self.keys.jobs_of(band)], [GROUP, self.name, *chunk])
+        return [text(x) for x in lost]
+
+    def claim(self, band: str, count: int) -> list:
+        """XAUTOCLAIM up to count entries of a band idle past the lease (walking its pending list with a cursor)."""
+        if count <= 0:
+            return []
+        reply = self.r.xautoclaim(
+            self.keys.jobs_of(band), GROUP, self.name, self.lease_ms, self.cursors[band], count=count
+        )
+        self.cursors[band] = text(reply[0])
+        return list(reply[1])
