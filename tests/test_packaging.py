@@ -28,6 +28,18 @@ def _python(code: str, cwd: Path, python: str = sys.executable) -> subprocess.Co
     return subprocess.run([python, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
+def _blocking(*tops: str) -> str:
+    """Code that makes these top-level packages unimportable, as on a machine without them."""
+    return (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name.split('.')[0] in {set(tops)!r}:\n"
+        "            raise ImportError('blocked ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+    )
+
+
 def test_hugging_face_kernels_and_ours_coexist(tmp_path: Path) -> None:
     """`import kernels` is Hugging Face's, `import pagedq.kernels` ours, and transformers' hub-kernel check reads
     Hugging Face's distribution, not pagedq's (the old layout put our `kernels` where theirs belongs)."""
@@ -57,13 +69,8 @@ def test_hugging_face_kernels_and_ours_coexist(tmp_path: Path) -> None:
 
 def test_engine_and_kernels_import_without_the_queue_stack():
     blocker = (
-        "import sys\n"
-        "class Block:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] in {'redis', 'celery', 'pydantic', 'structlog', 'kombu', 'xgrammar'}:\n"
-        "            raise ImportError('blocked ' + name)\n"
-        "sys.meta_path.insert(0, Block())\n"
-        "import pagedq, pagedq.engine, pagedq.kernels, pagedq.engine.llm_engine, pagedq.engine.cli\n"
+        _blocking("redis", "celery", "pydantic", "structlog", "kombu", "xgrammar")
+        + "import pagedq, pagedq.engine, pagedq.kernels, pagedq.engine.llm_engine, pagedq.engine.cli\n"
         "import pagedq.engine.options, pagedq.engine.bench.args\n"
         "import pagedq.engine.structured.manager, pagedq.engine.structured.compiler\n"
         "import pagedq.engine.structured.step_mask\n"
@@ -101,13 +108,7 @@ def test_engine_serves_without_xgrammar_and_refuses_structured_requests_clearly(
     """The GPU box may lack xgrammar: plain requests run; one carrying structured_outputs is refused at
     add_request with the install hint, and leaves no trace."""
     code = (
-        "import sys\n"
-        "class Block:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] == 'xgrammar':\n"
-        "            raise ImportError('blocked ' + name)\n"
-        "sys.meta_path.insert(0, Block())\n"
-        "from pagedq.engine import LLM, SamplingParams\n"
+        _blocking("xgrammar") + "from pagedq.engine import LLM, SamplingParams\n"
         f"llm = LLM({str(tiny_llama_dir)!r})\n"
         "try:\n"
         "    llm.llm_engine.add_request('s', 'The quick', SamplingParams(structured_outputs={'regex': 'a+'}))\n"
