@@ -24,18 +24,13 @@ if TYPE_CHECKING:  # what the names below are, for type checkers and editors (at
     from pagedq.worker.protocol.errors import QueueFullError as QueueFullError
     from pagedq.worker.protocol.errors import ResultTimeout as ResultTimeout
 
+# name -> the part that exports it (each part's own __init__ says from which module)
 _EXPORTS = {
-    "LLM": "pagedq.engine.llm",
-    "SamplingParams": "pagedq.engine.sampling_params",
-    "RequestOutput": "pagedq.engine.outputs",
-    "CompletionOutput": "pagedq.engine.outputs",
-    "Client": "pagedq.worker.client.sync_client",
-    "AsyncClient": "pagedq.worker.client.async_client",
-    "PagedQError": "pagedq.worker.protocol.errors",
-    "JobFailed": "pagedq.worker.protocol.errors",
-    "JobRejected": "pagedq.worker.protocol.errors",
-    "QueueFullError": "pagedq.worker.protocol.errors",
-    "ResultTimeout": "pagedq.worker.protocol.errors",
+    **dict.fromkeys(("LLM", "SamplingParams", "RequestOutput", "CompletionOutput"), "pagedq.engine"),
+    **dict.fromkeys(
+        ("Client", "AsyncClient", "PagedQError", "JobFailed", "JobRejected", "QueueFullError", "ResultTimeout"),
+        "pagedq.worker",
+    ),
 }
 __all__ = ["__version__", *_EXPORTS]
 
