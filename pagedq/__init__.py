@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what the names below are, for type checkers and editors (at run time: __getattr__)
     from pagedq.engine.llm import LLM as LLM
-    from pagedq.engine.outputs import CompletionOutput as CompletionOutput
-    from pagedq.engine.outputs import RequestOutput as RequestOutput
-    from pagedq.engine.sampling_params import SamplingParams as SamplingParams
+    from pagedq.engine.output.outputs import CompletionOutput as CompletionOutput
+    from pagedq.engine.output.outputs import RequestOutput as RequestOutput
+    from pagedq.engine.sample.sampling_params import SamplingParams as SamplingParams
     from pagedq.worker.client.async_client import AsyncClient as AsyncClient
     from pagedq.worker.client.sync_client import Client as Client
     from pagedq.worker.protocol.errors import JobFailed as JobFailed

@@ -21,7 +21,7 @@ VOCAB_SIZE = 512
 _SCHEDULING = os.environ.get("PAGEDQ_TEST_SCHEDULING", "async")
 if _SCHEDULING not in ("async", "sync"):
     raise ValueError(f"PAGEDQ_TEST_SCHEDULING must be 'async' or 'sync', got {_SCHEDULING!r}")
-import pagedq.engine.config as engine_config  # noqa: E402
+import pagedq.engine.config.engine as engine_config  # noqa: E402
 
 engine_config.DEFAULT_ASYNC_SCHEDULING = _SCHEDULING == "async"
 

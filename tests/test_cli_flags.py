@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
+from pagedq.bench.cli import build_parser as bench_parser
 from pagedq.engine.cli import build_parser as engine_parser
 from pagedq.engine.options import engine_options
 from pagedq.worker.cli.main import build_parser as pagedq_parser
@@ -27,7 +28,9 @@ def walk(parser: argparse.ArgumentParser, path: str):
 
 
 @pytest.mark.parametrize(
-    "build, least", [(pagedq_parser, 14), (engine_parser, 6)], ids=["pagedq", "python -m pagedq.engine"]
+    "build, least",
+    [(pagedq_parser, 14), (engine_parser, 2), (bench_parser, 6)],
+    ids=["pagedq", "python -m pagedq.engine", "python -m pagedq.bench"],
 )
 def test_every_argument_has_help_and_no_parser_takes_abbreviations(build, least):
     parsers = list(walk(build(), "pagedq"))
@@ -59,7 +62,7 @@ def test_an_abbreviated_flag_is_refused(argv, flag, capsys):
     assert f"unrecognized arguments: {flag}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("module", ["pagedq.engine", "pagedq.worker"])
+@pytest.mark.parametrize("module", ["pagedq.engine", "pagedq.bench", "pagedq.worker"])
 def test_version_prints_the_package_version(module):
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
     proc = subprocess.run(
@@ -86,4 +89,5 @@ def test_every_engine_knob_is_a_flag_of_every_engine_command(command):
 
 def test_engine_commands_are_the_same_in_both_parsers():
     engine_paths = {path for path, _ in walk(engine_parser(), "pagedq")}
-    assert engine_paths <= {path for path, _ in walk(pagedq_parser(), "pagedq")}
+    bench_paths = {path for path, _ in walk(bench_parser(), "pagedq bench")}
+    assert engine_paths | bench_paths <= {path for path, _ in walk(pagedq_parser(), "pagedq")}

@@ -1,7 +1,8 @@
 """The shape of the code, from its imports (every import statement, at module level or inside a function or a
-TYPE_CHECKING block): under the one import root `pagedq`, engine/ and kernels/ never import worker/ (nor kernels/
-engine/); worker/'s packages only import the layers below them; nothing inside imports the root's lazy names; no
-module imports itself back through others."""
+TYPE_CHECKING block): under the one import root `pagedq`, engine/ and kernels/ never import worker/ or bench/ (nor
+kernels/ engine/); engine/'s and worker/'s packages only import the layers below them; the engine's and kernels'
+benchmarks run without the queue stack; nothing inside imports the root's lazy names; no module imports itself
+back through others. Module sizes are a budget (a reason on record past it), not a wall."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = "pagedq"  # the one import root; its parts are pagedq.engine, pagedq.kernels and pagedq.worker
-PARTS = ("engine", "kernels", "worker")
+PARTS = ("engine", "kernels", "worker", "bench")
 
 # worker/'s layers, lowest first: a module may import its own package and the layers below its own; two packages
 # on one layer are peers and import neither each other nor anything above. `pagedq.worker` itself (the
@@ -32,10 +33,39 @@ WORKER_LAYERS: dict[str, int] = {
     # The Worker as its settings describe it: the service loop with the Celery front door and the metrics endpoint,
     # which sit above the service layer the loop is in; bench and cli run it, so it sits below them.
     "pagedq.worker.assembly": 6,
-    "pagedq.worker.bench": 7,
+    # Every benchmark (pagedq/bench/): it runs the engine and the worker; the `pagedq` command offers it.
+    "pagedq.bench": 7,
     "pagedq.worker.cli": 8,
     "pagedq.worker.__main__": 9,
     "pagedq.worker": 9,
+}
+
+
+# engine/'s layers, lowest first, by the same rule: the data path from a request's parameters to the API.
+ENGINE_LAYERS: dict[str, int] = {
+    # foundations: the one table of limits, the engine's options, and leaves that import nothing of the engine
+    "pagedq.engine.limits": 0,
+    "pagedq.engine.options": 0,
+    "pagedq.engine.step_times": 0,
+    "pagedq.engine.startup": 0,
+    "pagedq.engine.demo_model": 0,
+    "pagedq.engine.stats": 0,
+    "pagedq.engine.config": 1,  # model, engine and speculative configuration; the architectures served
+    "pagedq.engine.structured_output": 1,  # grammars: constraints, compilation, matchers, per-step masks
+    "pagedq.engine.sample": 2,  # sampling parameters and the sampler
+    "pagedq.engine.layers": 2,
+    "pagedq.engine.core": 3,  # requests, blocks, seats, swap, the scheduler and its plan for the runner
+    "pagedq.engine.models": 3,
+    "pagedq.engine.output": 4,  # outputs, detokenizer, output processor
+    "pagedq.engine.step": 5,  # the runner's batch state, step inputs, async steps, draws, post-step
+    "pagedq.engine.spec_decode": 6,  # drafts and their verification
+    "pagedq.engine.runner": 7,  # the model runner, decode CUDA graphs, memory profiling
+    "pagedq.engine.beam_search": 8,
+    "pagedq.engine.llm_engine": 9,
+    "pagedq.engine.llm": 10,
+    "pagedq.engine": 11,  # the package: the API names users import
+    "pagedq.engine.cli": 12,
+    "pagedq.engine.__main__": 13,
 }
 
 
@@ -82,11 +112,27 @@ def graph() -> dict[str, set[str]]:
     return {name: set(imports_of(name, path, known)) for name, path in known.items()}
 
 
-def layer_of(module: str) -> tuple[str, int]:
-    for prefix in sorted(WORKER_LAYERS, key=len, reverse=True):
+def layer_of(module: str, layers: dict[str, int] = WORKER_LAYERS) -> tuple[str, int]:
+    for prefix in sorted(layers, key=len, reverse=True):
         if module == prefix or module.startswith(prefix + "."):
-            return prefix, WORKER_LAYERS[prefix]
-    raise AssertionError(f"{module} is in no layer of WORKER_LAYERS: add its package there")
+            return prefix, layers[prefix]
+    raise AssertionError(f"{module} is in no layer: add its package there")
+
+
+def upward_imports(graph: dict[str, set[str]], parts: tuple[str, ...], layers: dict[str, int]) -> set[tuple[str, str]]:
+    """(module, target) for each import, among `parts`, of a package on the same layer or a higher one."""
+    upward = set()
+    for module, targets in graph.items():
+        if part_of(module) not in parts:
+            continue
+        package, rank = layer_of(module, layers)
+        for target in targets:
+            if part_of(target) not in parts:
+                continue
+            target_package, target_rank = layer_of(target, layers)
+            if target_package != package and target_rank >= rank:
+                upward.add((module, target))
+    return upward
 
 
 def test_engine_and_kernels_never_import_the_queue_side(graph: dict[str, set[str]]) -> None:
@@ -95,24 +141,37 @@ def test_engine_and_kernels_never_import_the_queue_side(graph: dict[str, set[str
         for m, targets in graph.items()
         if part_of(m) in ("engine", "kernels")
         for t in targets
-        if part_of(t) == "worker" or (part_of(m) == "kernels" and part_of(t) == "engine")
+        if part_of(t) in ("worker", "bench") or (part_of(m) == "kernels" and part_of(t) == "engine")
     )
     assert not bad, f"engine/kernels import upward: {bad}"
 
 
 def test_worker_packages_import_only_the_layers_below(graph: dict[str, set[str]]) -> None:
-    upward = set()
-    for module, targets in graph.items():
-        if part_of(module) != "worker":
-            continue
-        package, rank = layer_of(module)
-        for target in targets:
-            if part_of(target) != "worker":
-                continue
-            target_package, target_rank = layer_of(target)
-            if target_package != package and target_rank >= rank:
-                upward.add((module, target))
+    upward = upward_imports(graph, ("worker", "bench"), WORKER_LAYERS)
     assert upward == set(), "imports that run up or sideways between worker/'s layers"
+
+
+def test_engine_packages_import_only_the_layers_below(graph: dict[str, set[str]]) -> None:
+    upward = upward_imports(graph, ("engine",), ENGINE_LAYERS)
+    assert upward == set(), "imports that run up or sideways between engine/'s layers"
+
+
+def runs_without_the_queue_stack(module: str) -> bool:
+    """engine/, kernels/ and their benchmarks: what a GPU box with only the engine's dependencies runs."""
+    return part_of(module) in ("engine", "kernels") or (
+        part_of(module) == "bench" and not module.startswith("pagedq.bench.worker")
+    )
+
+
+def test_the_engines_benchmarks_never_import_the_queue_side(graph: dict[str, set[str]]) -> None:
+    bad = sorted(
+        (m, t)
+        for m, targets in graph.items()
+        if part_of(m) == "bench" and runs_without_the_queue_stack(m)
+        for t in targets
+        if part_of(t) == "worker" or t.startswith("pagedq.bench.worker")
+    )
+    assert not bad, f"the engine's benchmarks import the queue side: {bad}"
 
 
 def test_nothing_inside_imports_the_root_package(graph: dict[str, set[str]]) -> None:
@@ -167,20 +226,30 @@ def test_the_checker_sees_a_circle_and_an_upward_import(tmp_path: Path) -> None:
         "pagedq.worker.cli.b": {"pagedq.worker.protocol.a"},
     }
     assert layer_of("pagedq.worker.protocol.a")[1] < layer_of("pagedq.worker.cli.b")[1]
+    assert upward_imports(found, ("worker",), WORKER_LAYERS) == {("pagedq.worker.protocol.a", "pagedq.worker.cli.b")}
 
 
-@pytest.mark.parametrize(("top", "limit"), [("worker", 300), ("engine", 400), ("kernels", 400)])
-def test_modules_stay_small(top: str, limit: int) -> None:
-    """Small flat files: a module past its limit is split by concern, not left to grow."""
-    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in (ROOT / PROJECT / top).rglob("*.py")}
-    assert {path: n for path, n in sizes.items() if n > limit} == {}
+# A module's size is a budget: past it, look for a seam; a cohesive module may stay past it with its reason on
+# record here, up to the ceiling. A reason whose module is back under budget is dropped.
+SIZE_BUDGET = {"worker": 300, "engine": 400, "kernels": 400, "bench": 400}
+SIZE_CEILING = 600
+OVER_BUDGET: dict[str, str] = {}
+
+
+def test_modules_keep_to_their_size_budget() -> None:
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in (ROOT / PROJECT).rglob("*.py")}
+    budget = {path: SIZE_BUDGET.get(path.split("/")[1], 0) for path in sizes}  # 0: the root package's own files
+    over = {path for path, n in sizes.items() if budget[path] and n > budget[path]}
+    assert over - set(OVER_BUDGET) == set(), "past the budget: find a seam, or record why the module is one piece"
+    assert set(OVER_BUDGET) - over == set(), "back under budget: drop the recorded reason"
+    assert {path: n for path, n in sizes.items() if n > SIZE_CEILING} == {}
 
 
 # What engine/ and kernels/ may import beyond the standard library and the project (pyproject's core dependencies;
 # tqdm comes with transformers). xgrammar is optional (the `structured` extra): only engine/structured/backend.py
 # imports it, inside a function, so the engine loads and serves everything else on a box without it.
 ENGINE_THIRD_PARTY = {"torch", "triton", "transformers", "safetensors", "tokenizers", "numpy", "tqdm"}
-LAZY_ONLY = {"xgrammar": "pagedq.engine.structured.backend"}
+LAZY_ONLY = {"xgrammar": "pagedq.engine.structured_output.backend"}
 
 
 def _third_party_imports(path: Path) -> Iterator[tuple[str, bool]]:
@@ -206,7 +275,7 @@ def _third_party_imports(path: Path) -> Iterator[tuple[str, bool]]:
 def test_engine_and_kernels_import_only_their_dependencies_and_xgrammar_lazily() -> None:
     bad, lazy = [], []
     for name, path in project_modules().items():
-        if part_of(name) not in ("engine", "kernels"):
+        if not runs_without_the_queue_stack(name):
             continue
         for top, at_module_level in _third_party_imports(path):
             if top in LAZY_ONLY:
@@ -216,4 +285,4 @@ def test_engine_and_kernels_import_only_their_dependencies_and_xgrammar_lazily()
             elif top not in ENGINE_THIRD_PARTY:
                 bad.append((name, top, "not a core dependency"))
     assert not bad, f"engine/kernels imports outside their dependencies: {bad}"
-    assert lazy == ["pagedq.engine.structured.backend"]  # the check sees the one lazy import
+    assert lazy == ["pagedq.engine.structured_output.backend"]  # the check sees the one lazy import

@@ -71,9 +71,9 @@ def test_engine_and_kernels_import_without_the_queue_stack():
     blocker = (
         _blocking("redis", "celery", "pydantic", "structlog", "kombu", "xgrammar")
         + "import pagedq, pagedq.engine, pagedq.kernels, pagedq.engine.llm_engine, pagedq.engine.cli\n"
-        "import pagedq.engine.options, pagedq.engine.bench.args\n"
-        "import pagedq.engine.structured.manager, pagedq.engine.structured.compiler\n"
-        "import pagedq.engine.structured.step_mask\n"
+        "import pagedq.engine.options, pagedq.bench.engine.args\n"
+        "import pagedq.engine.structured_output.manager, pagedq.engine.structured_output.compiler\n"
+        "import pagedq.engine.structured_output.step_mask\n"
         "from pagedq import LLM, SamplingParams\n"
         "print('ok')\n"
     )

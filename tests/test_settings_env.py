@@ -182,7 +182,7 @@ def test_pagedq_status_and_dlq_help_import_no_torch() -> None:
         "import sys\nfrom pagedq.worker.cli.main import main\n"
         "for argv in (['status', '--help'], ['dlq', '--help'], ['bulk', '--help'], ['serve', '--help']):\n"
         "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
-        "print('torch' in sys.modules, 'pagedq.engine.config' in sys.modules)\n"
+        "print('torch' in sys.modules, 'pagedq.engine.config.engine' in sys.modules)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -198,17 +198,17 @@ _BLOCKER = (
     "        if name.startswith('pagedq.worker') or name.split('.')[0] in queue_stack:\n"
     "            raise ImportError('blocked ' + name)\n"
     "sys.meta_path.insert(0, Block())\n"
-    "sys.argv = ['pagedq.engine', *sys.argv[1:]]\n"
-    "runpy.run_module('pagedq.engine', run_name='__main__', alter_sys=True)\n"
+    "module, sys.argv = sys.argv[1], [sys.argv[1], *sys.argv[2:]]\n"
+    "runpy.run_module(module, run_name='__main__', alter_sys=True)\n"
 )
 
 
 @pytest.mark.parametrize(
     "argv, expect",
     [
-        (["--help"], "generate"),
-        (["generate", "--help"], "--preemption-mode"),
-        (["bench", "throughput", "--help"], "--workload"),
+        (["pagedq.engine", "--help"], "generate"),
+        (["pagedq.engine", "generate", "--help"], "--preemption-mode"),
+        (["pagedq.bench", "throughput", "--help"], "--workload"),
     ],
 )
 def test_python_m_engine_runs_without_the_queue_stack(argv, expect) -> None:
@@ -225,6 +225,7 @@ def test_python_m_engine_generates_without_the_queue_stack(tiny_llama_dir) -> No
             sys.executable,
             "-c",
             _BLOCKER,
+            "pagedq.engine",
             "generate",
             "--model",
             str(tiny_llama_dir),
@@ -250,7 +251,7 @@ def test_every_engine_config_knob_comes_from_the_flag_spec() -> None:
     """A knob added to EngineConfig itself (not to EngineOptions) would have no flag: refuse that here."""
     import dataclasses
 
-    from pagedq.engine.config import EngineConfig
+    from pagedq.engine.config.engine import EngineConfig
     from pagedq.engine.options import EngineOptions, engine_options
 
     config_fields = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "model"]

@@ -1,4 +1,4 @@
-"""`python -m pagedq.engine generate|bench ...`: the engine's commands without the queue stack installed."""
+"""`python -m pagedq.engine generate ...`: the engine's commands without the queue stack installed."""
 
 import sys
 

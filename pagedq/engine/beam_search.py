@@ -14,9 +14,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from pagedq.engine.outputs import CompletionOutput, RequestOutput
-from pagedq.engine.request import Request, RequestStatus, SampledToken
-from pagedq.engine.sampling_params import RequestOutputKind, SamplingParams
+from pagedq.engine.core.request import Request, RequestStatus, SampledToken
+from pagedq.engine.output.outputs import CompletionOutput, RequestOutput
+from pagedq.engine.sample.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from pagedq.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedq.engine.llm_engine import LLMEngine
-from pagedq.engine.outputs import CompletionOutput, RequestOutput
-from pagedq.engine.sampling_params import RequestOutputKind, SamplingParams
+from pagedq.engine.output.outputs import CompletionOutput, RequestOutput
+from pagedq.engine.sample.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessage = dict[str, str]  # {"role": ..., "content": ...}, what tokenizer.apply_chat_template takes
 

@@ -14,25 +14,25 @@ import time
 from collections import deque
 from pathlib import Path
 
-from pagedq.engine.async_step import StepHandle
 from pagedq.engine.beam_search import BeamSearchManager, BeamSearchParams
-from pagedq.engine.block_manager import BlockManager
-from pagedq.engine.config import EngineConfig, ModelConfig
-from pagedq.engine.model_runner import ModelRunner, PreparedStep
-from pagedq.engine.output_processor import OutputProcessor
-from pagedq.engine.outputs import RequestOutput
-from pagedq.engine.post_step import PostStep
-from pagedq.engine.request import Request, RequestStatus
-from pagedq.engine.sampling_params import SamplingParams
-from pagedq.engine.scheduler import Scheduler, SchedulerOutput
-from pagedq.engine.seats import SeatPolicy
-from pagedq.engine.spec import Proposer
-from pagedq.engine.spec.drafts import DEFAULT_MAX_VERIFY_TOKENS, Speculation, default_backoff_steps
+from pagedq.engine.config.engine import EngineConfig, ModelConfig
+from pagedq.engine.core.block_manager import BlockManager
+from pagedq.engine.core.request import Request, RequestStatus
+from pagedq.engine.core.scheduler import Scheduler, SchedulerOutput
+from pagedq.engine.core.seats import SeatPolicy
+from pagedq.engine.core.step_plan import ModelRunnerOutput
+from pagedq.engine.core.swap import SwapSpace
+from pagedq.engine.output.output_processor import OutputProcessor
+from pagedq.engine.output.outputs import RequestOutput
+from pagedq.engine.runner.model_runner import ModelRunner, PreparedStep
+from pagedq.engine.sample.sampling_params import SamplingParams
+from pagedq.engine.spec_decode import Proposer
+from pagedq.engine.spec_decode.drafts import DEFAULT_MAX_VERIFY_TOKENS, Speculation, default_backoff_steps
 from pagedq.engine.stats import engine_stats
-from pagedq.engine.step_data import ModelRunnerOutput
+from pagedq.engine.step.async_step import StepHandle
+from pagedq.engine.step.post_step import PostStep
 from pagedq.engine.step_times import StepTimes
-from pagedq.engine.structured.manager import StructuredOutputManager
-from pagedq.engine.swap import SwapSpace
+from pagedq.engine.structured_output.manager import StructuredOutputManager
 
 InFlightStep = tuple[SchedulerOutput, PreparedStep, StepHandle]
 
@@ -93,7 +93,7 @@ class LLMEngine:
         max_verify_tokens: int = DEFAULT_MAX_VERIFY_TOKENS,
         max_backoff_steps: int | None = None,
     ) -> None:
-        """Speculative decoding with drafts from any proposer (pagedq/engine/spec/), e.g. one of the tests'."""
+        """Speculative decoding with drafts from any proposer (pagedq/engine/spec_decode/), e.g. one of the tests'."""
         if self.beam_search.groups:
             raise ValueError("speculative decoding cannot start while beam searches run")
         k, vocab, length = num_speculative_tokens, self.model_config.vocab_size, self.max_model_len

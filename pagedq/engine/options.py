@@ -1,7 +1,7 @@
 """The engine knobs a user sets, with their help text: the one source of every engine flag.
 
 Torch-free on purpose: `pagedq worker/status/dlq --help` build their parsers from this module on machines
-without torch. `EngineConfig` (pagedq/engine/config.py) inherits these fields and validates them; the CLIs
+without torch. `EngineConfig` (pagedq/engine/config/engine.py) inherits these fields and validates them; the CLIs
 (pagedq/engine/cli.py here, pagedq/worker/cli/main.py through its pydantic settings model) derive their flags from
 `engine_options()`.
 """
@@ -47,15 +47,15 @@ class EngineOptions:
         "what a preempted sequence's blocks become: recomputed later, or swapped to a CPU pool and back",
         choices=("recompute", "swap"),
     )
-    # Seat preemption (pagedq/engine/seats.py): a waiting request of higher priority takes a running lower one's seat
+    # Seat preemption (core/seats.py): a waiting request of higher priority takes a running lower one's seat
     seat_preemption_interval: int = knob(
         4, "steps a sequence keeps its seat before a higher-priority request may take it (0: never)"
     )
     max_seat_preemptions: int = knob(2, "times one sequence may lose its seat to higher-priority requests")
     swap_space_gib: float = knob(4.0, "size of the CPU swap pool of --preemption-mode swap (GiB)")
     enforce_eager: bool = knob(False, "no CUDA graphs for decode steps")
-    # Schedule and prepare step t+1 while step t runs on the device (pagedq/engine/async_step.py); outputs are identical
-    # either way. None: DEFAULT_ASYNC_SCHEDULING, else ASYNC_SCHEDULING_BY_DEVICE (pagedq/engine/config.py).
+    # Schedule and prepare step t+1 while step t runs on the device (step/async_step.py); outputs are identical
+    # either way. None: DEFAULT_ASYNC_SCHEDULING, else ASYNC_SCHEDULING_BY_DEVICE (pagedq/engine/config/engine.py).
     async_scheduling: bool | None = knob(
         None, "schedule step t+1 while step t runs (default: on; on CPU as measured, docs/engine.md)", negatable=True
     )

@@ -190,7 +190,7 @@ def _best_cut(padded: np.ndarray, start: int, end: int) -> tuple[int, int]:
 
 
 # Chunks of at most this many query tokens (a verify row: its last token and up to 16 drafts,
-# pagedq/engine/spec/config.py's bound; a one-token chunk) are attended in batches, like decode rows: such a chunk's
+# the speculative config's bound; a one-token chunk) are attended in batches, like decode rows: such a chunk's
 # work (q_len x context_len) is too small to pay its own gather slice, mask and SDPA call in every layer. Longer chunks
 # keep one call each.
 MAX_BATCHED_QUERY_TOKENS = 17

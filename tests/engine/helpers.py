@@ -7,11 +7,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from pagedq.engine import BeamSearchParams, RequestOutputKind, SamplingParams
-from pagedq.engine.block_manager import BlockManager
-from pagedq.engine.post_step import advance_sequences
-from pagedq.engine.request import Request, RequestStatus, SampledToken
-from pagedq.engine.scheduler import Scheduler, SchedulerOutput
-from pagedq.engine.swap import SwapSpace
+from pagedq.engine.core.block_manager import BlockManager
+from pagedq.engine.core.request import Request, RequestStatus, SampledToken
+from pagedq.engine.core.scheduler import Scheduler, SchedulerOutput
+from pagedq.engine.core.swap import SwapSpace
+from pagedq.engine.step.post_step import advance_sequences
 from tests.conftest import random_tokens
 
 BLOCK = 4  # the block size of the scheduler tests' pools
@@ -127,8 +127,8 @@ TIGHT_POOLS: dict[str, dict[str, Any]] = {
 
 
 class HistoryProposer:
-    """A speculative proposer's bookkeeping (pagedq/engine/spec Proposer): each request's history, kept as the engine
-    feeds it; subclasses say what to propose from it."""
+    """A speculative proposer's bookkeeping (pagedq/engine/spec_decode Proposer): each request's history, kept as the
+    engine feeds it; subclasses say what to propose from it."""
 
     def __init__(self) -> None:
         self.histories: dict[str, list[int]] = {}

@@ -9,7 +9,7 @@ import re
 import xgrammar as xgr
 
 from pagedq.engine import StructuredOutputsParams
-from pagedq.engine.structured.compiler import choice_grammar
+from pagedq.engine.structured_output.compiler import choice_grammar
 
 
 class GrammarReplay:

@@ -145,7 +145,7 @@ def test_a_beam_group_that_could_never_run_whole_is_refused(tiny_llama_dir):
 
 
 def test_a_stuck_scheduler_raises_instead_of_spinning(tiny_llama_dir, monkeypatch):
-    from pagedq.engine.scheduler import SchedulerOutput
+    from pagedq.engine.core.scheduler import SchedulerOutput
 
     engine = LLM(tiny_llama_dir, num_kv_blocks=32).llm_engine
     engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=4))

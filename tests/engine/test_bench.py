@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from pagedq.engine.bench.throughput import WORKLOADS, draw_workload
-from pagedq.engine.cli import main
+from pagedq.bench.cli import main
+from pagedq.bench.engine.throughput import WORKLOADS, draw_workload
 
 
 def test_workload_draw_is_the_anchor_workload():
@@ -25,7 +25,6 @@ def test_workload_draw_is_the_anchor_workload():
 def test_bench_throughput_prints_one_json_line(tiny_llama_dir, capsys):
     code = main(
         [
-            "bench",
             "throughput",
             "--model",
             str(tiny_llama_dir),
@@ -73,7 +72,6 @@ def test_bench_throughput_prints_one_json_line(tiny_llama_dir, capsys):
 def test_sharing_bench_lines_report_memory_saved(tiny_llama_dir, capsys, kind):
     code = main(
         [
-            "bench",
             "throughput",
             "--model",
             str(tiny_llama_dir),

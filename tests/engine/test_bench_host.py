@@ -6,9 +6,9 @@ import argparse
 
 import pytest
 
-from pagedq.engine.bench import host as bench_host
-from pagedq.engine.bench.args import add_host_arguments
-from pagedq.engine.bench.throughput import _config_only_folder
+from pagedq.bench.engine import host as bench_host
+from pagedq.bench.engine.args import add_host_arguments
+from pagedq.bench.engine.throughput import _config_only_folder
 
 
 def test_timeline_accounting_counts_decode_steps_only():

@@ -9,8 +9,8 @@ import shutil
 import pytest
 from transformers import AutoTokenizer
 
-from pagedq.engine.bench.grounded import INSTRUCTIONS, build_grounded, topic_paragraphs
-from pagedq.engine.cli import main
+from pagedq.bench.cli import main
+from pagedq.bench.engine.grounded import INSTRUCTIONS, build_grounded, topic_paragraphs
 
 K = 3
 SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
@@ -54,7 +54,6 @@ def test_grounded_prompts_are_real_documents_with_instructions(chat_llama_dir):
 def test_speculative_sweep_record_and_counters(chat_llama_dir, capsys):
     code = main(
         [
-            "bench",
             "throughput",
             "--model",
             str(chat_llama_dir),
@@ -119,13 +118,13 @@ def test_speculative_sweep_record_and_counters(chat_llama_dir, capsys):
     [(1, 0, "AB"), (1, 1, "BA"), (2, 0, "ABBA"), (2, 1, "BAAB"), (3, 0, "ABBAAB")],
 )
 def test_the_sweep_order_alternates(repeats, first_pair, expected):
-    from pagedq.engine.bench.speculative import run_order
+    from pagedq.bench.engine.speculative import run_order
 
     assert "".join("B" if on else "A" for on in run_order(repeats, first_pair)) == expected
 
 
 def test_bench_ngram_agrees_with_the_scan(capsys):
-    code = main(["bench", "ngram", "--num-seqs", "6", "--history-len", "60:120", "--steps", "4", "--vocab-size", "50"])
+    code = main(["ngram", "--num-seqs", "6", "--history-len", "60:120", "--steps", "4", "--vocab-size", "50"])
     assert code == 0
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["proposals_identical"] is True  # the proposer's drafts are the scan's, step after step
@@ -136,6 +135,6 @@ def test_bench_ngram_agrees_with_the_scan(capsys):
 
 def test_a_bad_speculative_config_names_the_key(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "ngram", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 99}'])
+        main(["ngram", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 99}'])
     assert exit_info.value.code == 2
     assert "num_speculative_tokens" in capsys.readouterr().err

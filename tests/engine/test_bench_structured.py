@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pagedq.engine.bench import structured
+from pagedq.bench.engine import structured
 
 
 def test_bench_structured_runs_and_reports_every_figure(tiny_llama_dir, capsys):
@@ -33,7 +33,7 @@ def test_the_mask_fill_document_matches_its_schema():
 
 @pytest.mark.slow  # the demo model's tokenizer
 def test_bench_host_json_keeps_async_and_sync_identical_with_every_row_masked():
-    from pagedq.engine.bench import structured_host
+    from pagedq.bench.engine import structured_host
 
     args = argparse.Namespace(
         num_seqs=4,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pagedq.engine import LLM
-from pagedq.engine.model_runner import _lazily_zeroed
+from pagedq.engine.runner.model_runner import _lazily_zeroed
 
 
 def _resident_bytes() -> int:
@@ -32,9 +32,9 @@ def test_cpu_engine_caches_are_lazily_zeroed_and_serve(tiny_llama_dir):
 
 
 def test_async_scheduling_defaults_per_device(monkeypatch, tiny_llama_dir):
-    """On for both, CPU as measured (pagedq/engine/config.py); an explicit choice always wins."""
-    import pagedq.engine.config as engine_config
-    from pagedq.engine.config import EngineConfig
+    """On for both, CPU as measured (pagedq/engine/config/engine.py); an explicit choice always wins."""
+    import pagedq.engine.config.engine as engine_config
+    from pagedq.engine.config.engine import EngineConfig
 
     monkeypatch.setattr(engine_config, "DEFAULT_ASYNC_SCHEDULING", None)  # as outside the tests
     assert EngineConfig(model=str(tiny_llama_dir), device="cpu").async_scheduling is True

@@ -15,8 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagedq.engine import LLM, SamplingParams
-from pagedq.engine.cuda_graphs import DecodeGraphRunner, batch_buckets, bucket_for, width_buckets
-from pagedq.engine.model_runner import StepInputs
+from pagedq.engine.runner.cuda_graphs import DecodeGraphRunner, batch_buckets, bucket_for, width_buckets
+from pagedq.engine.runner.model_runner import StepInputs
 from tests.conftest import VOCAB_SIZE
 from tests.engine.parity import assert_greedy_parity, hf_greedy
 

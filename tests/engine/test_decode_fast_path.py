@@ -1,4 +1,4 @@
-"""The scheduler's steady-decode fast path (pagedq/engine/decode_fast_path.py) against the general path it shortcuts.
+"""The scheduler's steady-decode fast path (engine/core/decode_fast_path.py) against the general path it shortcuts.
 
 Random traffic (shared prefixes, forks, aborts, priorities, tight pools that preempt by recompute and by swap, prefix
 caching on and off, one or two steps in flight) is scheduled twice: with the fast path, and with it switched off so
@@ -15,13 +15,13 @@ from collections import deque
 
 import pytest
 
-import pagedq.engine.scheduler as scheduler_module
+import pagedq.engine.core.scheduler as scheduler_module
 from pagedq.engine import SamplingParams
-from pagedq.engine.block_manager import BlockManager
-from pagedq.engine.post_step import advance_sequences
-from pagedq.engine.request import Request, RequestStatus, SampledToken
-from pagedq.engine.scheduler import Scheduler
-from pagedq.engine.swap import SwapSpace
+from pagedq.engine.core.block_manager import BlockManager
+from pagedq.engine.core.request import Request, RequestStatus, SampledToken
+from pagedq.engine.core.scheduler import Scheduler
+from pagedq.engine.core.swap import SwapSpace
+from pagedq.engine.step.post_step import advance_sequences
 
 BLOCK = 4
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedq.engine import LLM, SamplingParams
-from pagedq.engine.sampler import SamplingBatch, sample
+from pagedq.engine.sample.sampler import SamplingBatch, sample
 
 PROMPTS = ["The quick brown fox", "Paged attention stores"]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

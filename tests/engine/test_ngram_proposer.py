@@ -8,9 +8,9 @@ import random
 import numpy as np
 import pytest
 
-from pagedq.engine.spec import ngram
-from pagedq.engine.spec.config import SpeculativeConfig
-from pagedq.engine.spec.ngram import NgramProposer
+from pagedq.engine.config.speculative import SpeculativeConfig
+from pagedq.engine.spec_decode import ngram
+from pagedq.engine.spec_decode.ngram import NgramProposer
 
 
 def reference(history: list[int], min_n: int, max_n: int, k: int, max_drafts: int) -> list[int]:

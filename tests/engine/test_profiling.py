@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedq.engine.llm_engine import LLMEngine
-from pagedq.engine.profiling import profile_num_blocks
+from pagedq.engine.runner.profiling import profile_num_blocks
 
 
 def test_blocks_fill_what_weights_and_the_step_peak_leave(tiny_llama_dir, monkeypatch):

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from pagedq.engine import LLM, SamplingParams
-from pagedq.engine.config import ModelConfig
+from pagedq.engine.config.engine import ModelConfig
 from pagedq.engine.models import registry
 from pagedq.engine.models.llama import LlamaForCausalLM
 

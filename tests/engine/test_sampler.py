@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedq.engine.sampler import SamplingBatch, sample
+from pagedq.engine.sample.sampler import SamplingBatch, sample
 from pagedq.kernels.reference import gumbel_noise
 
 VOCAB = 50
@@ -112,7 +112,7 @@ def test_penalties_match_their_definitions():
     batch.frequency_penalty = torch.tensor([0.25])
     batch.prompt_token_mask = torch.tensor([[False, True, False, False, False]])
     batch.output_token_counts = torch.tensor([[0.0, 0.0, 0.0, 2.0, 0.0]])
-    from pagedq.engine.sampler import apply_penalties
+    from pagedq.engine.sample.sampler import apply_penalties
 
     penalised = apply_penalties(logits, batch)
     # token 1: prompt only -> -1 * 2; token 3: output twice -> 3/2 - 0.25*2 - 0.5
@@ -128,7 +128,7 @@ def _real_shaped_logits(rows: int, seed: int = 0) -> torch.Tensor:
 
 
 def test_top_p_one_keeps_every_token_of_a_real_sized_vocabulary():
-    from pagedq.engine.sampler import apply_filters
+    from pagedq.engine.sample.sampler import apply_filters
 
     logits = _real_shaped_logits(4)
     filtered = apply_filters(logits, make_batch(4, top_k=logits.shape[-1], top_p=1.0))
@@ -154,7 +154,7 @@ def _rows_batch(rows: list[dict], positions: int, needs_filters: bool) -> Sampli
 
 
 def test_a_plain_rows_draw_does_not_depend_on_a_filtering_neighbour():
-    from pagedq.engine.sampler import apply_filters
+    from pagedq.engine.sample.sampler import apply_filters
 
     positions, logits = 32, _real_shaped_logits(2, seed=1)
     vocab = logits.shape[-1]

@@ -6,12 +6,12 @@ import itertools
 
 import pytest
 
-from pagedq.engine.block_manager import BlockManager
-from pagedq.engine.post_step import advance_sequences
-from pagedq.engine.request import Request, RequestStatus, SampledToken
-from pagedq.engine.sampling_params import SamplingParams
-from pagedq.engine.scheduler import Scheduler
-from pagedq.engine.swap import SwapSpace
+from pagedq.engine.core.block_manager import BlockManager
+from pagedq.engine.core.request import Request, RequestStatus, SampledToken
+from pagedq.engine.core.scheduler import Scheduler
+from pagedq.engine.core.swap import SwapSpace
+from pagedq.engine.sample.sampling_params import SamplingParams
+from pagedq.engine.step.post_step import advance_sequences
 from tests.engine.helpers import BLOCK, random_traffic, run_step
 
 _distinct = itertools.count(1000)
@@ -45,7 +45,7 @@ def test_failed_allocation_changes_nothing():
 
 
 def test_a_growing_request_takes_the_next_free_block():
-    # (the cache slots are derived from this table in pagedq/engine/step_inputs.py; the parity tests cover them)
+    # (the cache slots are derived from this table in pagedq/engine/step/step_inputs.py; the parity tests cover them)
     manager = BlockManager(num_blocks=6, block_size=BLOCK)
     manager.allocate_slots("x", 0, 4)
     manager.allocate_slots("y", 0, 4)

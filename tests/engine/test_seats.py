@@ -1,4 +1,4 @@
-"""Seat preemption (pagedq/engine/seats.py): with no model (a fake runner, as in test_scheduler.py), then on a tiny
+"""Seat preemption (pagedq/engine/core/seats.py): with no model (a fake runner, as in test_scheduler.py), then on a tiny
 checkpoint, where a preempted sequence must resume with exactly the output it has with room to spare."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import random
 import pytest
 
 from pagedq.engine import LLMEngine, RequestOutputKind, SamplingParams
-from pagedq.engine.block_manager import BlockManager
-from pagedq.engine.request import Request, RequestStatus
-from pagedq.engine.scheduler import Scheduler
-from pagedq.engine.seats import SeatPolicy
-from pagedq.engine.swap import SwapSpace
+from pagedq.engine.core.block_manager import BlockManager
+from pagedq.engine.core.request import Request, RequestStatus
+from pagedq.engine.core.scheduler import Scheduler
+from pagedq.engine.core.seats import SeatPolicy
+from pagedq.engine.core.swap import SwapSpace
 from tests.conftest import random_tokens
 from tests.engine.helpers import BLOCK, run_step
 

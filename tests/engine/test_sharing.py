@@ -8,7 +8,7 @@ import random
 import pytest
 
 from pagedq.engine import LLM, LLMEngine, RequestOutputKind, SamplingParams
-from pagedq.engine.block_manager import BlockManager
+from pagedq.engine.core.block_manager import BlockManager
 from tests.conftest import random_tokens as _tokens
 from tests.engine.helpers import TIGHT_POOLS, random_engine_traffic
 

@@ -255,7 +255,7 @@ def test_steps_whose_proposals_all_come_back_empty_back_off(tiny_llama_dir):
 
 
 def test_on_the_cpu_every_step_asks_the_proposer(tiny_llama_dir):
-    """The CPU default: no back-off (pagedq/engine/spec/drafts.py), so drafts that appear late are found at once."""
+    """The CPU default: no back-off (engine/spec_decode/drafts.py), so drafts that appear late are found at once."""
     llm = LLM(tiny_llama_dir, block_size=BLOCK, num_kv_blocks=256)
     proposer = AskedProposer()  # no truths: it never proposes
     llm.llm_engine.set_proposer(proposer, K)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from pagedq.engine import LLM, SamplingParams
-from pagedq.engine.spec.config import SpeculativeConfig
-from pagedq.engine.spec.ngram import NgramProposer
+from pagedq.engine.config.speculative import SpeculativeConfig
+from pagedq.engine.spec_decode.ngram import NgramProposer
 from tests.conftest import random_tokens
 from tests.engine.test_ngram_proposer import reference
 

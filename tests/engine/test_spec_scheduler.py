@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import itertools
 
-from pagedq.engine.block_manager import BlockManager
-from pagedq.engine.post_step import advance_sequences
-from pagedq.engine.request import Request, SampledToken
-from pagedq.engine.sampling_params import SamplingParams
-from pagedq.engine.scheduler import Scheduler, SchedulerOutput
-from pagedq.engine.spec.drafts import Speculation
+from pagedq.engine.core.block_manager import BlockManager
+from pagedq.engine.core.request import Request, SampledToken
+from pagedq.engine.core.scheduler import Scheduler, SchedulerOutput
+from pagedq.engine.sample.sampling_params import SamplingParams
+from pagedq.engine.spec_decode.drafts import Speculation
+from pagedq.engine.step.post_step import advance_sequences
 from tests.engine.helpers import BLOCK, HistoryProposer
 
 _distinct = itertools.count(5000)

@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from pagedq.engine.batch_state import BatchState
-from pagedq.engine.request import Request
-from pagedq.engine.sampling_params import SamplingParams
-from pagedq.engine.step_data import StepPlan
+from pagedq.engine.core.request import Request
+from pagedq.engine.core.step_plan import StepPlan
+from pagedq.engine.sample.sampling_params import SamplingParams
+from pagedq.engine.step.batch_state import BatchState
 from tests.engine.helpers import random_traffic
 
 VOCAB = 64

@@ -107,7 +107,7 @@ def test_an_inline_device_queue_samples_masked_steps_behind_their_mask_and_keeps
     while it waits queued behind it. Out of order, a step would read the previous one's tokens before they exist."""
     import threading
 
-    from pagedq.engine.async_step import DeviceQueue
+    from pagedq.engine.step.async_step import DeviceQueue
 
     jobs, _, outputs = baseline
     llm = LLM(tiny_llama_dir, max_num_seqs=32)
@@ -134,7 +134,7 @@ def test_work_launched_behind_a_waiting_step_runs_after_it():
     before it (on CUDA: the next forward would read the draws the waiting step has not sampled yet)."""
     import threading
 
-    from pagedq.engine.async_step import DeviceQueue, DeviceResult
+    from pagedq.engine.step.async_step import DeviceQueue, DeviceResult
 
     queue, mask_filled, order = DeviceQueue(torch.device("cpu"), inline=True), threading.Event(), []
 
@@ -288,7 +288,7 @@ def test_a_steps_tokens_are_accepted_in_one_batch_as_one_by_one(tiny_llama_dir):
     per sequence: the same accepted and refused tokens, the same error."""
     import xgrammar as xgr
 
-    from pagedq.engine.structured.matcher import SequenceGrammar
+    from pagedq.engine.structured_output.matcher import SequenceGrammar
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_llama_dir)
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
@@ -355,8 +355,8 @@ def test_a_fan_outs_draws_share_one_filled_row(tiny_llama_dir):
     copied (xgrammar's batch fill would otherwise run one matcher on two threads at once)."""
     import xgrammar as xgr
 
-    from pagedq.engine.structured.matcher import SequenceGrammar
-    from pagedq.engine.structured.step_mask import StepMask
+    from pagedq.engine.structured_output.matcher import SequenceGrammar
+    from pagedq.engine.structured_output.step_mask import StepMask
 
     engine = LLMEngine(tiny_llama_dir)
     compiled = engine.structured.pool.compile(CONSTRAINTS[0])

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from pagedq.engine import SamplingParams, StructuredOutputsParams
-from pagedq.engine.structured.schema import unsupported_features
+from pagedq.engine.structured_output.schema import unsupported_features
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from pagedq.kernels import bench
+from pagedq.bench import kernels as bench
 
 
 def _nbytes(*tensors: torch.Tensor) -> int:
@@ -62,9 +62,9 @@ def test_bench_without_gpu_exits_2(capsys):
 
 def test_cpu_bench_honours_its_flags(capsys):
     """pagedq bench kernels hands its flags to the benchmark (they were once dropped): each shows in the records."""
-    from pagedq.engine.cli import main
+    from pagedq.bench.cli import main
 
-    argv = ["bench", "kernels", "--device", "cpu", "--batch", "3", "--context-lens", "20", "33", "--heads", "4:2"]
+    argv = ["kernels", "--device", "cpu", "--batch", "3", "--context-lens", "20", "33", "--heads", "4:2"]
     argv += ["--head-dim", "16", "--dtype", "bfloat16", "--repeats", "1", "--prefill-lens", "7", "5"]
     assert main(argv) == 0
     records = [json.loads(line[5:]) for line in capsys.readouterr().out.splitlines() if line.startswith("JSON ")]

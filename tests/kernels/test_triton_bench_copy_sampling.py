@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from pagedq.kernels import bench
+from pagedq.bench import kernels as bench
 
 
 def _nbytes(*tensors: torch.Tensor) -> int:

@@ -144,7 +144,7 @@ def test_an_interactive_job_takes_kv_blocks_from_running_bulk_jobs_exactly(redis
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_an_interactive_job_takes_a_seat_from_running_bulk_jobs_at_once_and_exactly(redis_url, r, tiny_llama_dir, mode):
-    """Every seat is held by a long bulk job: the interactive one takes a seat (pagedq/engine/seats.py) and ends while
+    """Every seat is held by a long bulk job: the interactive one takes a seat (engine/core/seats.py) and ends while
     both bulk jobs still run, and every output is LLM.generate's (seeded and greedy)."""
     bulk_prompts = [[3 + i, 17, 29, 41] * 4 for i in range(2)]
     web_prompt = [5, 7, 11, 13] * 2

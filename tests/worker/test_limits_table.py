@@ -13,7 +13,7 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from pagedq.engine.limits import SAMPLING_LIMITS, AnyLimit
-from pagedq.engine.sampling_params import RequestOutputKind, SamplingParams
+from pagedq.engine.sample.sampling_params import RequestOutputKind, SamplingParams
 from pagedq.worker import Client
 from pagedq.worker.gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingBody
 from pagedq.worker.protocol.errors import JobRejected
@@ -141,7 +141,7 @@ def test_one_list_of_sampling_fields():
 
 
 def test_batch_state_columns_are_float_fields_of_the_table():
-    from pagedq.engine.batch_state import _FLOATS
+    from pagedq.engine.step.batch_state import _FLOATS
 
     assert all(SAMPLING_LIMITS[name].kind is float for name in _FLOATS)
 

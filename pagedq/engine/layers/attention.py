@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from pagedq.engine.config import ModelConfig
+from pagedq.engine.config.engine import ModelConfig
 from pagedq.engine.layers.linear import Linear, PackedLinear
 from pagedq.engine.layers.metadata import AttentionMetadata
 from pagedq.engine.layers.norm import RMSNorm

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedq.engine.config import ModelConfig
+from pagedq.engine.config.engine import ModelConfig
 from pagedq.engine.layers.linear import Linear, PackedLinear
 from pagedq.kernels import KernelSet
 

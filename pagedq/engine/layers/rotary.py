@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedq.engine.config import ModelConfig
+from pagedq.engine.config.engine import ModelConfig
 
 
 def rope_cos_sin_cache(config: ModelConfig) -> torch.Tensor:

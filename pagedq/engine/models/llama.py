@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedq.engine.config import ModelConfig
+from pagedq.engine.config.engine import ModelConfig
 from pagedq.engine.layers import MLP, Attention, AttentionMetadata, RMSNorm, rope_cos_sin_cache
 from pagedq.engine.layers.linear import Linear
 from pagedq.kernels import KernelSet

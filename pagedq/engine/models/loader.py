@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pagedq import kernels
-from pagedq.engine.config import ModelConfig
+from pagedq.engine.config.engine import ModelConfig
 from pagedq.engine.layers import PackedLinear
 from pagedq.engine.models.registry import model_class
 

@@ -1,7 +1,7 @@
 """Which model class serves which checkpoint architecture (config.json's `architectures[0]`).
 
 Adding an architecture: write its model file in pagedq/engine/models/ (composing pagedq/engine/layers/) and add one line
-to pagedq/engine/models/architectures.py. Classes are imported only when a model is built.
+to pagedq/engine/config/architectures.py. Classes are imported only when a model is built.
 """
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from pagedq.engine.models.architectures import ARCHITECTURES, check_supported, supported_architectures
+from pagedq.engine.config.architectures import ARCHITECTURES, check_supported, supported_architectures
 
 if TYPE_CHECKING:  # for the annotation only: the table stays readable without model code
     from pagedq.engine.models.llama import LlamaForCausalLM
 
-# the table itself (not a copy): registering an architecture here is seen by pagedq/engine/config.py's check too
+# the table itself (not a copy): registering an architecture here is seen by the config's check too
 _MODELS = ARCHITECTURES
 __all__ = ["check_supported", "model_class", "supported_architectures"]
 

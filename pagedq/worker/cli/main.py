@@ -1,5 +1,6 @@
 """The `pagedq` command: the queue's commands (`worker`, `demo`, `bulk`, `status`, `dlq`, `serve`, `bench worker`,
-`bench gateway`) next to the engine's (`generate`, `bench throughput|host|kernels`, from pagedq/engine/cli.py).
+`bench gateway`) next to the engine's (`generate`, from pagedq/engine/cli.py) and the benchmarks'
+(`bench throughput|host|kernels`, from pagedq/bench/cli.py).
 
 Every flag of the queue's commands is also a PAGEDQ_* variable (pagedq/worker/flags.py); `python -m pagedq.worker ...`
 is the same command. Building the parser imports neither torch nor the engine's modules beyond pagedq/engine/options.py.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from pagedq.bench.cli import register_benches
 from pagedq.engine.cli import package_version, register_commands, run_command
 from pagedq.worker.cli.engine import build_engine, engine_device
 from pagedq.worker.cli.startup_errors import with_readable_errors
@@ -91,12 +93,12 @@ class _LazyServe:
 def register_bench(bench_subparsers: argparse._SubParsersAction) -> None:
     """Add `bench worker` and `bench gateway` under the `bench` group."""
     p = bench_subparsers.add_parser("worker", help="queue-layer and end-to-end worker throughput (one JSON line)")
-    from pagedq.worker.bench.mixed import OPTIONS as MIXED_OPTIONS
+    from pagedq.bench.worker.mixed import OPTIONS as MIXED_OPTIONS
 
     add_options(p, (*ENGINE_OPTIONS, *BENCH_OPTIONS, *MIXED_OPTIONS))
     p.set_defaults(func=cmd_bench)
     g = bench_subparsers.add_parser("gateway", help="pagedq serve vs the native client on the stub engine (JSON)")
-    from pagedq.worker.bench.gateway_args import add_args as add_gateway_bench_args
+    from pagedq.bench.worker.gateway_args import add_args as add_gateway_bench_args
 
     add_gateway_bench_args(g)
     g.set_defaults(func=cmd_bench_gateway)
@@ -166,14 +168,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from pagedq.worker.bench.throughput import run_bench
+    from pagedq.bench.worker.throughput import run_bench
 
     configure_logging("error")
     return run_bench(args)
 
 
 def cmd_bench_gateway(args: argparse.Namespace) -> int:
-    from pagedq.worker.bench.gateway import run
+    from pagedq.bench.worker.gateway import run
 
     configure_logging("error")
     return run(args)
@@ -184,9 +186,9 @@ def build_parser(prog: str = "pagedq") -> argparse.ArgumentParser:
     parser = SettingsParser(prog=prog, description="LLM inference worker over a paged KV cache")
     parser.add_argument("--version", action="version", version=f"pagedq {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
-    benches = register_commands(commands)
+    register_commands(commands)
     register(commands)
-    register_bench(benches)
+    register_bench(register_benches(commands))
     return parser
 
 

@@ -11,8 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pagedq.engine import limits as sampling
 from pagedq.engine.limits import SAMPLING_LIMITS, D, Limit, Num
-from pagedq.engine.sampling_params import RequestOutputKind, SamplingParams
-from pagedq.engine.structured.params import StructuredOutputsParams
+from pagedq.engine.sample.sampling_params import RequestOutputKind, SamplingParams
+from pagedq.engine.structured_output.params import StructuredOutputsParams
 from pagedq.worker.protocol import limits
 from pagedq.worker.protocol.chat import MAX_TOOLS, ChatMessage, Tool
 from pagedq.worker.protocol.errors import JobRejected

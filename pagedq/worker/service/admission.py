@@ -225,7 +225,7 @@ def pick(
     first, so every suspect runs once before any is retried (what lets the breaker see a broken engine).
 
     A job of a higher band is not held back by lower-band jobs waiting in the engine: the engine admits it
-    ahead of them (and takes a seat from a running one, pagedq/engine/seats.py), so the cap and the KV budget it is
+    ahead of them (and takes a seat from a running one, pagedq/engine/core/seats.py), so the cap and the KV budget it is
     checked against leave those out."""
     if not backlog or isolating:
         return []

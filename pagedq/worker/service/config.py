@@ -68,7 +68,7 @@ class WorkerSettings:
     band_min_share: float = _flag(
         0.1, "starvation guard: least share of admissions a lower band keeps while higher ones are busy", ge=0, le=1
     )
-    # 0: the engine takes a bulk sequence's seat for a higher band's job (pagedq/engine/seats.py); the stub
+    # 0: the engine takes a bulk sequence's seat for a higher band's job (pagedq/engine/core/seats.py); the stub
     # engine cannot
     reserve_seqs: int = _flag(0, "engine sequence slots the bulk band leaves free for interactive/default jobs", ge=0)
     # Tenants share each band by deficit round robin over tokens (pagedq/worker/service/tenants.py)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from pagedq.engine.outputs import CompletionOutput, RequestOutput  # noqa: F401
-from pagedq.engine.sampling_params import RequestOutputKind, SamplingParams  # noqa: F401
+from pagedq.engine.output.outputs import CompletionOutput, RequestOutput  # noqa: F401
+from pagedq.engine.sample.sampling_params import RequestOutputKind, SamplingParams  # noqa: F401
 
 
 @runtime_checkable

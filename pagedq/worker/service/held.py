@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple
 
-from pagedq.engine.sampling_params import SamplingParams
+from pagedq.engine.sample.sampling_params import SamplingParams
 from pagedq.worker.protocol.job import Job
 from pagedq.worker.protocol.keys import BANDS, band_for_priority
 

@@ -43,7 +43,7 @@ class WorkerSnapshot:
     # The figures that cost a call each (engine.stats(), a broker round trip per door): the metrics timer asks
     # for them, the heartbeat does not.
     preemptions: int = 0
-    seat_preemptions: int = 0  # of those, for a sequence seat (pagedq/engine/seats.py)
+    seat_preemptions: int = 0  # of those, for a sequence seat (pagedq/engine/core/seats.py)
     # Per tenant (service/tenants.py figures, the busiest by name): waiting, in_engine, admitted, admitted_tokens
     tenants: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     # Per band: the read-to-admit delay (service/admit_delay.py): count, p50_ms, p99_ms, max_ms

@@ -1,0 +1,26 @@
+"""The architectures pagedq serves (config.json's `architectures[0]`) and the module and class of each: plain data.
+
+A leaf: pagedq/engine/config/engine.py checks a checkpoint against this table without importing model code, and
+pagedq/engine/models/registry.py turns an entry into its class.
+"""
+
+from __future__ import annotations
+
+# architecture name -> (module, class): Mistral, Qwen2 and Qwen3 share the Llama module tree (their differences,
+# qkv bias and per-head q/k norm, are ModelConfig flags the shared layers read).
+ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
+    "Qwen3ForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
+}
+
+
+def supported_architectures() -> tuple[str, ...]:
+    return tuple(ARCHITECTURES)
+
+
+def check_supported(architecture: str) -> None:
+    """ValueError naming the supported architectures if `architecture` has no model class."""
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: {', '.join(ARCHITECTURES)}")

@@ -1,0 +1,174 @@
+"""Engine and model configuration: what the user asks for, and what a checkpoint folder says."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedq.engine.config.architectures import check_supported
+from pagedq.engine.options import EngineOptions
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+# None: per device, ASYNC_SCHEDULING_BY_DEVICE; the tests set it for every engine (PAGEDQ_TEST_SCHEDULING,
+# tests/conftest.py).
+DEFAULT_ASYNC_SCHEDULING: bool | None = None
+# On CUDA the host's work hides behind the device's. On CPU the "device" is a thread on the same cores, so the
+# overlap was measured (docs/benchmarks.md): SmolLM2, 2 cores, two warmed engines in one process, 32 requests run
+# alternately async, sync, sync, async: 72.7 / 74.0 tok/s async against 69.3 / 70.7 sync (+4.5%). (Single runs of
+# `pagedq bench throughput --scheduling both` pointed either way: the first engine of a process ran slower.)
+ASYNC_SCHEDULING_BY_DEVICE = {"cuda": True, "cpu": True}
+# Said wherever a model path is not a checkpoint: a hub id like meta-llama/Llama-3.2-1B looks like a path here.
+LOCAL_CHECKPOINTS_ONLY = (
+    "pagedq loads local checkpoint folders only; no model hub is reachable: download it elsewhere and pass the folder"
+)
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+    "half": torch.float16,
+}
+
+
+@dataclass
+class EngineConfig(EngineOptions):
+    """Knobs of one engine instance: the fields (defaults and help) are EngineOptions' (pagedq/engine/options.py,
+    torch-free, where the CLIs derive their flags from); this adds the checkpoint and validates."""
+
+    model: str = field(kw_only=True)
+    # a torch.dtype once resolved (EngineOptions, torch-free, can only say str)
+    dtype: str | torch.dtype = EngineOptions.dtype  # type: ignore[assignment]
+    # JSON text, a dict or a SpeculativeConfig; a SpeculativeConfig (or None) once parsed
+    speculative_config: Any = EngineOptions.speculative_config
+
+    def __post_init__(self) -> None:
+        self.device = resolve_device(self.device)
+        if self.async_scheduling is None:
+            self.async_scheduling = DEFAULT_ASYNC_SCHEDULING
+        if self.async_scheduling is None:
+            self.async_scheduling = ASYNC_SCHEDULING_BY_DEVICE["cuda" if self.device.startswith("cuda") else "cpu"]
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be True, False or None, got {self.async_scheduling!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 1):
+            raise ValueError(f"num_kv_blocks must be a positive integer or None, got {self.num_kv_blocks!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if not self.swap_space_gib > 0:
+            raise ValueError(f"swap_space_gib must be > 0, got {self.swap_space_gib!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        self.dtype = resolve_dtype(self.dtype, self.device)
+        if self.speculative_config is not None:  # ValueError naming the bad key
+            from pagedq.engine.config.speculative import SpeculativeConfig
+
+            self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+
+
+def resolve_device(device: str | torch.device) -> str:
+    device = str(device)
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for but CUDA is not available")
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
+    """'auto' means bf16 on CUDA and fp32 on CPU (CPU bf16 matmuls are slow and inexact)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class ModelConfig:
+    """The architecture facts our model code needs, read from a Hugging Face config.json."""
+
+    architecture: str
+    hf_config: object = field(repr=False)
+    vocab_size: int = 0
+    hidden_size: int = 0
+    intermediate_size: int = 0
+    num_layers: int = 0
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    rms_norm_eps: float = 1e-6
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 2048
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path) -> ModelConfig:
+        from transformers import AutoConfig
+
+        folder = Path(folder)
+        if not (folder / "config.json").is_file():
+            what = "no config.json in it" if folder.is_dir() else "a file" if folder.exists() else "no such folder"
+            raise FileNotFoundError(f"{folder} is not a checkpoint folder ({what}); {LOCAL_CHECKPOINTS_ONLY}")
+        hf = AutoConfig.from_pretrained(folder)
+        architecture = (getattr(hf, "architectures", None) or ["?"])[0]
+        check_supported(architecture)
+        rope_type = (getattr(hf, "rope_parameters", None) or {}).get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        if getattr(hf, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {hf.hidden_act!r}; only 'silu' is supported")
+        num_heads = hf.num_attention_heads
+        return cls(
+            architecture=architecture,
+            hf_config=hf,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads,
+            rms_norm_eps=hf.rms_norm_eps,
+            qkv_bias=architecture == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False)),
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            max_position_embeddings=_max_model_len(hf),
+            eos_token_ids=_eos_token_ids(folder, hf),
+        )
+
+
+def _max_model_len(hf) -> int:
+    """Sliding-window models are served up to their window only: there full attention is exact."""
+    max_len = hf.max_position_embeddings
+    window = getattr(hf, "sliding_window", None)
+    if window and getattr(hf, "use_sliding_window", True):
+        max_len = min(max_len, window)
+    return max_len
+
+
+def _eos_token_ids(folder: Path, hf) -> tuple[int, ...]:
+    """EOS ids from generation_config.json (may be a list, and may differ from config.json), else config.json."""
+    ids = None
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        ids = json.loads(gen.read_text()).get("eos_token_id")
+    if ids is None:
+        ids = getattr(hf, "eos_token_id", None)
+    if ids is None:
+        return ()
+    return tuple(ids) if isinstance(ids, (list, tuple)) else (int(ids),)
