@@ -14,8 +14,8 @@ from pagedq.kernels.cpu_allocator import tune_cpu_allocator
 def freeze_startup_objects() -> None:
     """Move everything alive after start-up (modules, weights' wrappers, tokenizer) out of the cyclic GC's reach.
 
-    A loaded engine holds hundreds of thousands of long-lived objects; every full collection walked them all,
-    which cost ~3.5 ms per step averaged at batch 256 (one ~180 ms pause every ~50 steps). vLLM does the same.
+    A loaded engine holds hundreds of thousands of long-lived objects, and every full collection walked them all:
+    a periodic pause in the step loop (docs/benchmarks-log.md#figures-moved-from-code-comments). vLLM does the same.
     Call it once the engine is built, before serving. It also tunes the CPU allocator (pagedq/kernels/cpu_allocator.py).
     """
     tune_cpu_allocator()

@@ -127,8 +127,8 @@ def planned_decode(
     SDPA per group over its part of them.
 
     Each KV head's query heads go to SDPA as that many query rows of one head ([S, Hkv, group, D], no
-    enable_gqa): SDPA then reads each head's K/V once for all its queries, not once per query head (a 48-sequence
-    step at context 256 on SmolLM2's 9:3 heads: 4.8 against 5.6 ms a layer, one thread). The length mask is the
+    enable_gqa): SDPA then reads each head's K/V once for all its queries, not once per query head (faster:
+    docs/benchmarks-log.md#figures-moved-from-code-comments). The length mask is the
     same for every row of a head, so folding the queries changes nothing else.
     A native plan runs the native kernel, or, for tensors it does not take (cpu_native.supports), is planned again
     for SDPA.

@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> dict:
     if results["async"].pop("tokens") != results["sync"].pop("tokens"):
         raise RuntimeError("async and sync runs generated different tokens")
     # The same run with no row structured: what the engine's own host work leaves of the device at this batch,
-    # measured the same way, so the mask's share is the difference (docs/benchmarks.md).
+    # measured the same way, so the mask's share is the difference (docs/benchmarks.md#structured-outputs).
     unconstrained = argparse.Namespace(**{**vars(args), "structured_fraction": 0.0})
     results["unconstrained_async"] = run_mode(unconstrained, model_dir, True)
     results["unconstrained_async"].pop("tokens")

@@ -16,10 +16,8 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 # None: per device, ASYNC_SCHEDULING_BY_DEVICE; the tests set it for every engine (PAGEDQ_TEST_SCHEDULING,
 # tests/conftest.py).
 DEFAULT_ASYNC_SCHEDULING: bool | None = None
-# On CUDA the host's work hides behind the device's. On CPU the "device" is a thread on the same cores, so the
-# overlap was measured (docs/benchmarks.md): SmolLM2, 2 cores, two warmed engines in one process, 32 requests run
-# alternately async, sync, sync, async: 72.7 / 74.0 tok/s async against 69.3 / 70.7 sync (+4.5%). (Single runs of
-# `pagedq bench throughput --scheduling both` pointed either way: the first engine of a process ran slower.)
+# On CUDA the host's work hides behind the device's; on CPU the "device" is a thread on the same cores, and the
+# overlap still paid in interleaved runs (docs/benchmarks.md#async-scheduling).
 ASYNC_SCHEDULING_BY_DEVICE = {"cuda": True, "cpu": True}
 # Said wherever a model path is not a checkpoint: a hub id like meta-llama/Llama-3.2-1B looks like a path here.
 LOCAL_CHECKPOINTS_ONLY = (

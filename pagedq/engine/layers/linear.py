@@ -6,10 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-# Rows up to which a CPU linear runs as weight @ x^T. torch's F.linear (x @ weight^T) of 2-80 rows took 1.4-2.8x as
-# long as the same product written weight @ x^T on the 2-core AMD EPYC of 2026-12-02 (MKL, 30 layers of SmolLM2's
-# shapes: 2 rows 107 vs 38 ms, 5 rows 140 vs 53, 16 rows 156 vs 66, 48 rows 238 vs 151, 80 rows 309 vs 229; one
-# row 48 vs 42; 512 rows even, 1,307 vs 1,372): decode steps and verify rows live in that range, prefill does not.
+# Rows up to which a CPU linear runs as weight @ x^T: torch's F.linear (x @ weight^T) of a few rows is slower than
+# the same product in that layout on the CPU's BLAS, and decode steps and verify rows live in that range, prefill
+# does not (docs/benchmarks.md#cpu-few-row-products).
 CPU_FEW_ROWS = 128
 
 

@@ -47,17 +47,15 @@ class ScheduledDrafts(Protocol):
     def draft_token_ids(self) -> tuple[int, ...]: ...
 
 
-# A step's verify tokens at most (running sequences x (1 + drafts each)). Measured on SmolLM2, 2 CPU cores, the
-# grounded workload (docs/engine.md): at batch 16 four drafts a row (80 verify tokens) did better than eight (144),
-# at batch 1 eight better than four, and at batch 64 four drafts a row (320) ran at 0.73x. So 80: with k = 8, eight
-# drafts a row up to batch 8, 4 at batch 16, 1 at batch 27-40, none from batch 41 on.
+# A step's verify tokens at most (running sequences x (1 + drafts each)): long drafts pay alone, short ones in
+# company, and none in a large batch (docs/benchmarks.md#speculative-decoding). With k = 8: eight drafts a row up to
+# batch 8, 4 at batch 16, 1 at batch 27-40, none from batch 41 on.
 DEFAULT_MAX_VERIFY_TOKENS = 80
 # A step that asked the proposer and got no draft for anyone gave up its overlap with the step before it for nothing:
 # the next 1, 2, 4, ... (at most this many) steps then run without drafts, pipelined; a step with drafts resets it.
-# That pays where the host's work a step is a real share of the step (a GPU); on the CPU it is 1-3 ms of an 80+ ms
-# step, and the skipped steps lose the drafts they would have found: batch 1 of the grounded workload ran 216 steps
-# with the back-off against 193 without (1.61x against 1.76x, 2026-12-03, docs/benchmarks.md), so the engine turns
-# it off there (max_backoff_steps 0).
+# That pays where the host's work a step is a real share of the step (a GPU); on the CPU the overlap is a small
+# share of a step and the skipped steps lose the drafts they would have found, so the engine turns it off there
+# (max_backoff_steps 0; docs/benchmarks.md#speculative-decoding).
 MAX_BACKOFF_STEPS = 8
 
 

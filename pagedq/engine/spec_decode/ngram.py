@@ -7,9 +7,9 @@ The earlier occurrence may overlap the suffix itself, and the drafts stop at the
 Which earlier occurrence: the latest (the nearest before the suffix). vLLM's ngram proposer takes the earliest
 (vllm/v1/spec_decode/ngram_proposer.py keeps the leftmost match of the longest n). On the grounded workload
 (pagedq/bench/engine/grounded.py: SmolLM2's greedy outputs for 16 prompts, replayed through greedy verification with no
-model) the latest gave more tokens per step for every config tried: 2.20 against 2.11 for k = 4, n in 2..4
-(acceptance 0.63 against 0.56), 2.41 against 2.27 for n in 1..4 (docs/benchmarks.md). A copying answer continues
-from where it last copied; the earliest occurrence is often an older, differently continued one.
+model) the latest gave more tokens per step for every config tried (docs/benchmarks-log.md, "Which earlier
+occurrence"). A copying answer continues from where it last copied; the earliest occurrence is often an older,
+differently continued one.
 
 Cost, incremental per request instead of a scan of the history each step:
 - append: O(max_n) per token: the polynomial hashes of the last 1..max_n tokens roll forward from the previous

@@ -38,7 +38,7 @@ class SequenceGrammar:
     @staticmethod
     def feed_all(states: list[SequenceGrammar], outputs: list[list[int]]) -> list[str | None]:
         """feed() for many sequences; those with one unseen token (a decode step's) in one xgrammar call: a call
-        per sequence gives up the GIL each time, which on busy cores cost about 0.1 ms a call."""
+        per sequence gives up the GIL each time (docs/benchmarks-log.md#why-the-mask-was-slow)."""
         errors: list[str | None] = [None] * len(states)
         single = [i for i, (state, tokens) in enumerate(zip(states, outputs)) if len(tokens) == state.num_accepted + 1]
         if len(single) < 2:

@@ -46,7 +46,7 @@ class StepMask:
         # xgrammar's allocate_token_bitmask layout. With a recycled `buffer` (StructuredOutputManager) only the
         # structured rows are written (fill, collect): the others are never applied (apply's indices). Without one
         # every row starts all-allowed. Never torch.full: it spreads the 4 MB of a 256 x 128k mask over its
-        # intra-op threads (17 ms a step on 2 busy cores), and a fresh 4 MB page-faults every step.
+        # intra-op threads, and a fresh 4 MB page-faults every step (docs/benchmarks-log.md#why-the-mask-was-slow).
         words = -(-vocab_size // 32)
         if buffer is None or buffer.shape[0] < num_draws or buffer.shape[1] != words:
             buffer = torch.from_numpy(np.full((num_draws, words), -1, dtype=np.int32))
@@ -80,7 +80,7 @@ class StepMask:
             if state is None:  # left, or stops now: all allowed (its draw is dropped)
                 self.bitmask[row] = -1
                 continue
-            if req_id in self.drafts:  # a verify row's draws, in position order (engine/spec/verify.draw_layout)
+            if req_id in self.drafts:  # a verify row's draws, in position order (engine/spec_decode/verify.draw_layout)
                 verify.setdefault(req_id, (state, []))[1].append(row)
                 continue
             if req_id in first_row:  # a fan-out's further draws (n, best_of): the same row, copied below
