@@ -233,7 +233,9 @@ def test_the_checker_sees_a_circle_and_an_upward_import(tmp_path: Path) -> None:
 # record here, up to the ceiling. A reason whose module is back under budget is dropped.
 SIZE_BUDGET = {"worker": 300, "engine": 400, "kernels": 400, "bench": 400}
 SIZE_CEILING = 600
-OVER_BUDGET: dict[str, str] = {}
+OVER_BUDGET: dict[str, str] = {
+    "pagedq/engine/llm_engine.py": "the whole story of a step, its structured-output hand-offs (four phases) included",
+}
 
 
 def test_modules_keep_to_their_size_budget() -> None:

@@ -78,7 +78,13 @@ class LLMEngine:
         # Steps launched and not yet finished: (scheduler's record, runner's preparation, device handle).
         self._in_flight: deque[InFlightStep] = deque()
         self._pipeline_depth = 2 if self.config.async_scheduling else 1
-        self.structured = StructuredOutputManager.for_model(self.tokenizer, self.model_config, self.config)
+        self.structured: StructuredOutputManager[Request] = StructuredOutputManager(
+            self.tokenizer,
+            self.model_config.vocab_size,
+            tuple(self.model_config.eos_token_ids),
+            self.config.structured_outputs_compile_timeout_s,
+            self.config.structured_outputs_cache_mib,
+        )
         self.speculation: Speculation | None = None
         if self.config.speculative_config is not None:
             vocab = self.model_config.vocab_size
@@ -258,9 +264,9 @@ class LLMEngine:
         one's tokens are appended, stop-checked and detokenized (one step late, as vLLM and SGLang do: a token
         drawn past a stop is dropped, never reported). Without it, the step launched is the one finished.
         """
+        compiled = self._admit_compiled()  # (idle, it may first wait a little for a compile: not a step's time)
         clock = self.step_seconds
         started = time.perf_counter()
-        compiled = self.structured.admit(self.scheduler, self.output_processor)  # grammars ready, or failed
         # Speculation: drafts need every token before them, so a step that proposes waits for the one in flight
         # and runs alone (docs/engine.md); a step the verify budget leaves without drafts pipelines as usual. A masked
         # step's sampling waits for its mask in the DeviceQueue, so structured steps need no drain.
@@ -271,21 +277,21 @@ class LLMEngine:
             self._in_flight.append(launched)
         depth = 1 if launched is not None and launched[0].num_drafts else self._pipeline_depth
         if not self._in_flight or (launched is not None and len(self._in_flight) < depth):
-            self.structured.wait(0.05, idle=not self._in_flight and not self.scheduler.has_unfinished())
             return compiled  # nothing to finish yet: the pipeline is filling (or the scheduler had nothing to run)
         prepared = time.perf_counter()
         scheduler_output, step, handle = self._in_flight.popleft()
         try:
             runner_output = self.model_runner.finish(step, handle)
         except BaseException:
-            self.structured.cancel_pending()  # a step waiting for its mask would wait forever
+            self.structured.failed(recompute=True)  # a step waiting for its mask would wait forever
             self._recover_from_failed_steps(scheduler_output)
             raise
         executed = time.perf_counter()
         try:
             outputs = self._process(scheduler_output, runner_output)
-        finally:
-            self.structured.fill_pending()  # the launched step's structured draws may sample now (even on failure)
+        except BaseException:
+            self.structured.failed(recompute=False)  # nor may the launched step wait for its mask
+            raise
         clock.add(prepared - started, executed - prepared, time.perf_counter() - executed)
         return compiled + outputs
 
@@ -304,20 +310,46 @@ class LLMEngine:
             return None
         self._record_step(scheduler_output)
         step = self.model_runner.prepare(scheduler_output.plan)
-        self.structured.attach(step, fill_now=not self._in_flight)
+        step.constrain = self.structured.launch(step, fill_now=not self._in_flight)  # its structured draws' mask
         return scheduler_output, step, self.model_runner.launch(step)
 
     def _process(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         """Tokens, fan-outs, token stops and beam selection; then stop strings; then the outputs."""
         if scheduler_output.num_drafts and self.speculation is not None:
             self.speculation.record_step(scheduler_output.scheduled, runner_output.sampled)
-        self.structured.advance_early(scheduler_output, runner_output.sampled)  # the next step's mask fills now
+        self.structured.take_early(scheduler_output, runner_output.sampled)  # the next step's mask fills now
         advanced, beam_outputs = self.post_step.run(scheduler_output, runner_output)
         for request, stop in self.output_processor.find_stop_strings(advanced):
             request.stop_reason = stop
             self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
-        self.structured.finish_advanced(advanced, self.scheduler)  # matchers take the new tokens
-        return self.structured.with_errors(self.output_processor.report(advanced)) + beam_outputs
+        grammar = self.structured.advance(advanced)  # matchers take the new tokens; the next step's mask may fill
+        for request, error in grammar.finishes:  # a completed grammar stops its sequence, a refused token aborts it
+            if error is None:
+                request.stop_reason = None
+            self.scheduler.finish_request(
+                request, RequestStatus.FINISHED_STOPPED if error is None else RequestStatus.FINISHED_ABORTED
+            )
+        outputs = self.output_processor.report(advanced)
+        for output in outputs if grammar.errors else ():
+            if output.finished and output.request_id in grammar.errors:
+                output.error = grammar.errors[output.request_id]
+        return outputs + beam_outputs
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Structured requests whose grammar compiled go to the scheduler; those whose compile failed or timed out
+        finish now, never scheduled, with the error in their final output."""
+        if not self.structured.has_compiling():
+            return []
+        idle = not self._in_flight and not self.scheduler.has_unfinished()  # then it waits a little for a compile
+        admission = self.structured.admit(idle)
+        for request in admission.ready:
+            self.scheduler.add_request(request)
+        outputs = []
+        for request, error in admission.failed:
+            request.status = RequestStatus.FINISHED_ABORTED
+            outputs.append(self.output_processor.final_output(request.group_id, cumulative=True))
+            outputs[-1].error = error
+        return outputs
 
     def _recover_from_failed_steps(self, failed: SchedulerOutput) -> None:
         """Leave the engine consistent after a step raised: nothing it (or a step launched after it) was to write

@@ -168,7 +168,7 @@ def test_the_launched_steps_mask_fills_before_the_batch_is_post_processed(tiny_l
     post_step, seen = engine.post_step.run, []
 
     def watching(output, result):
-        seen.append((len(manager._pending_masks), len(manager._filling)))
+        seen.append((len(manager.filler.pending), len(manager.filler.filling)))
         return post_step(output, result)
 
     engine.post_step.run = watching

@@ -6,20 +6,21 @@ filters. With async scheduling the step's forward is already running when the ho
 tokens: `apply` (device work) then waits for `ready`, so only the sampling of a step with structured draws waits,
 never its forward, and a step without any never waits at all (vLLM #26866). Such a mask is filled on a
 background thread (xgrammar's threads, the GIL released) while the engine thread schedules and prepares the next
-step; the matchers are touched again only once that fill is done (StructuredOutputManager.settle).
+step; the matchers are touched again only once that fill is done (MaskFiller.settle).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
 
 from pagedq.engine.structured_output.backend import xgrammar
+from pagedq.engine.structured_output.interfaces import BatchMatcher
+from pagedq.engine.structured_output.matcher import SequenceGrammar
 
 # A filled mask arrives within one host step; this only guards the device thread against a host that died.
 _READY_TIMEOUT_S = 300.0
@@ -43,7 +44,7 @@ class StepMask:
         self.req_ids = req_ids  # the sequence whose matcher fills each of them
         # speculative verify rows: request id -> its drafts; its 1 + d draws get the masks after drafts[:j]
         self.drafts = drafts or {}
-        # xgrammar's allocate_token_bitmask layout. With a recycled `buffer` (StructuredOutputManager) only the
+        # xgrammar's allocate_token_bitmask layout. With a recycled `buffer` (MaskFiller) only the
         # structured rows are written (fill, collect): the others are never applied (apply's indices). Without one
         # every row starts all-allowed. Never torch.full: it spreads the 4 MB of a 256 x 128k mask over its
         # intra-op threads, and a fresh 4 MB page-faults every step (docs/benchmarks-log.md#why-the-mask-was-slow).
@@ -64,17 +65,17 @@ class StepMask:
     def is_filled(self) -> bool:
         return self._ready.is_set()
 
-    def fill(self, matchers: dict[str, Any], batch: Any) -> None:
+    def fill(self, matchers: Mapping[str, SequenceGrammar], batch: BatchMatcher) -> None:
         """One row per structured draw from its sequence's matcher, filled by xgrammar's BatchGrammarMatcher on
         its own threads (`batch`); a sequence that left keeps all-allowed (its draw is dropped)."""
         self.collect(matchers)(batch)
 
-    def collect(self, matchers: dict[str, Any]) -> Callable[[Any], None]:
+    def collect(self, matchers: Mapping[str, SequenceGrammar]) -> Callable[[BatchMatcher], None]:
         """On the engine thread: which matcher fills which row. The returned job fills them (any thread: xgrammar
         releases the GIL) and marks the mask ready, or failed with the error the device work then raises."""
         rows, live, copies = [], [], []
         first_row: dict[str, int] = {}
-        verify: dict[str, tuple[Any, list[int]]] = {}  # request id -> (its SequenceGrammar, its draws' rows)
+        verify: dict[str, tuple[SequenceGrammar, list[int]]] = {}  # request id -> (its matcher, its draws' rows)
         for row, req_id in zip(self.draw_rows, self.req_ids):
             state = matchers.get(req_id)
             if state is None:  # left, or stops now: all allowed (its draw is dropped)
@@ -90,7 +91,7 @@ class StepMask:
             rows.append(row)
             live.append(state.matcher)
 
-        def job(batch: Any) -> None:
+        def job(batch: BatchMatcher) -> None:
             start = time.perf_counter()
             try:
                 if len(live) == 1:
