@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedq.engine.core.request import Request, RequestStatus
+from pagedq.engine.errors import RequestRejected
 from pagedq.engine.output.outputs import RequestOutput
 from pagedq.engine.structured_output.compiler import GrammarCompilerPool
 from pagedq.engine.structured_output.matcher import SequenceGrammar
@@ -94,8 +95,8 @@ class StructuredOutputManager:
         )
 
     def check_available(self, params: Any) -> None:
-        """For SamplingParams carrying structured_outputs: ValueError now, before the request is queued, if xgrammar
-        or the tokenizer is missing."""
+        """For SamplingParams carrying structured_outputs: RequestRejected now, before the request is queued, if
+        xgrammar or the tokenizer is missing."""
         if params.structured_outputs is not None:
             self.pool  # noqa: B018
 
@@ -103,7 +104,7 @@ class StructuredOutputManager:
     def pool(self) -> GrammarCompilerPool:
         if self._pool is None:
             if self.tokenizer is None:
-                raise ValueError("structured_outputs needs the checkpoint's tokenizer; this model folder has none")
+                raise RequestRejected("structured_outputs needs the checkpoint's tokenizer; this model folder has none")
             self._pool = GrammarCompilerPool(self.tokenizer, self.vocab_size, self.cache_bytes)
         return self._pool
 
