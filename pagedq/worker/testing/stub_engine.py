@@ -189,7 +189,7 @@ class StubEngine:
         return math.ceil(tokens / self.block_size)
 
     def _schedule(self) -> None:
-        self._waiting.sort(key=lambda r: (-r.priority, r.seq))
+        self._waiting.sort(key=lambda r: (r.priority, r.seq))  # vLLM's sense, as the engine: lower first
         while self._waiting and len(self._running) < self.max_num_seqs:
             req = self._waiting[0]
             need = self.blocks_needed(len(req.prompt_ids), req.params.max_tokens)
