@@ -12,6 +12,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what the names below are, for type checkers and editors (at run time: __getattr__)
+    from pagedq.engine.errors import RequestRejected as RequestRejected
     from pagedq.engine.llm import LLM as LLM
     from pagedq.engine.output.outputs import CompletionOutput as CompletionOutput
     from pagedq.engine.output.outputs import RequestOutput as RequestOutput
@@ -26,7 +27,7 @@ if TYPE_CHECKING:  # what the names below are, for type checkers and editors (at
 
 # name -> the part that exports it (each part's own __init__ says from which module)
 _EXPORTS = {
-    **dict.fromkeys(("LLM", "SamplingParams", "RequestOutput", "CompletionOutput"), "pagedq.engine"),
+    **dict.fromkeys(("LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestRejected"), "pagedq.engine"),
     **dict.fromkeys(
         ("Client", "AsyncClient", "PagedQError", "JobFailed", "JobRejected", "QueueFullError", "ResultTimeout"),
         "pagedq.worker",

@@ -45,6 +45,7 @@ WORKER_LAYERS: dict[str, int] = {
 ENGINE_LAYERS: dict[str, int] = {
     # foundations: the one table of limits, the engine's options, and leaves that import nothing of the engine
     "pagedq.engine.limits": 0,
+    "pagedq.engine.errors": 0,  # RequestRejected: a request is at fault
     "pagedq.engine.options": 0,
     "pagedq.engine.step_times": 0,
     "pagedq.engine.startup": 0,

@@ -12,6 +12,7 @@ import importlib
 _EXPORTS = {
     "LLM": "pagedq.engine.llm",
     "LLMEngine": "pagedq.engine.llm_engine",
+    "RequestRejected": "pagedq.engine.errors",
     "SamplingParams": "pagedq.engine.sample.sampling_params",
     "RequestOutputKind": "pagedq.engine.sample.sampling_params",
     "StructuredOutputsParams": "pagedq.engine.structured_output.params",

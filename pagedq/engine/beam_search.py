@@ -15,6 +15,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from pagedq.engine.core.request import Request, RequestStatus, SampledToken
+from pagedq.engine.errors import RequestRejected
 from pagedq.engine.output.outputs import CompletionOutput, RequestOutput
 from pagedq.engine.sample.sampling_params import RequestOutputKind, SamplingParams
 
@@ -29,11 +30,11 @@ class BeamSearchParams:
 
     def __post_init__(self) -> None:
         if not isinstance(self.beam_width, int) or self.beam_width < 1:
-            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+            raise RequestRejected(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise RequestRejected(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.early_stopping not in (True, False, "never"):
-            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+            raise RequestRejected(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
 
 
 @dataclass

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pagedq.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from pagedq.engine.errors import RequestRejected
 from pagedq.engine.llm_engine import LLMEngine
 from pagedq.engine.output.outputs import CompletionOutput, RequestOutput
 from pagedq.engine.sample.sampling_params import RequestOutputKind, SamplingParams
@@ -37,7 +38,7 @@ class LLM:
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
-                raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+                raise RequestRejected(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
         engine = self.llm_engine
         request_ids = []
         try:
@@ -69,15 +70,15 @@ class LLM:
         """
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
-            raise ValueError("chat needs a tokenizer: this engine was built without one")
+            raise RequestRejected("chat needs a tokenizer: this engine was built without one")
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
+            raise RequestRejected(
                 "the model has no chat template: pass chat_template=..., or format the prompt "
                 "yourself and call generate()"
             )
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if not conversations:
-            raise ValueError("chat needs at least one conversation")
+            raise RequestRejected("chat needs at least one conversation")
         prompts: list[str | list[int]] = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(

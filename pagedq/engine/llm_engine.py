@@ -22,6 +22,7 @@ from pagedq.engine.core.scheduler import Scheduler, SchedulerOutput
 from pagedq.engine.core.seats import SeatPolicy
 from pagedq.engine.core.step_plan import ModelRunnerOutput
 from pagedq.engine.core.swap import SwapSpace
+from pagedq.engine.errors import RequestRejected
 from pagedq.engine.output.output_processor import OutputProcessor
 from pagedq.engine.output.outputs import RequestOutput
 from pagedq.engine.runner.model_runner import ModelRunner, PreparedStep
@@ -112,12 +113,13 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0
     ) -> None:
-        """Queue a request. Raises ValueError naming the problem; a refused request leaves no trace."""
+        """Queue a request. priority: vLLM's sense, a lower value is served sooner and preempted later. Raises
+        RequestRejected naming the problem; a refused request leaves no trace."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise RequestRejected(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if params.num_samples > self.config.max_num_seqs:
-            raise ValueError(
+            raise RequestRejected(
                 f"n ({params.n}) / best_of ({params.best_of}) exceeds max_num_seqs "
                 f"({self.config.max_num_seqs}): all {params.best_of} samples run at once"
             )
@@ -125,8 +127,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         out_of_vocab = [t for t in (params.logit_bias or ()) if t >= vocab]
         if out_of_vocab:
-            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got {out_of_vocab[:5]}")
-        self.structured.check_available(params)  # a constraint needs xgrammar and a tokenizer: ValueError now
+            raise RequestRejected(f"logit_bias token ids must be in [0, {vocab}), got {out_of_vocab[:5]}")
+        self.structured.check_available(params)  # a constraint needs xgrammar and a tokenizer: RequestRejected now
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         request = Request(
             request_id=request_id,
@@ -145,11 +147,12 @@ class LLMEngine:
     def add_beam_search_request(
         self, request_id: str, prompt: str | list[int], params: BeamSearchParams, priority: int = 0
     ) -> None:
-        """Queue a beam search; its final output holds the beam_width best beams, best first."""
+        """Queue a beam search; its final output holds the beam_width best beams, best first (priority as
+        add_request's)."""
         if not isinstance(params, BeamSearchParams):
-            raise ValueError(f"beam search params must be a BeamSearchParams, got {type(params).__name__}")
+            raise RequestRejected(f"beam search params must be a BeamSearchParams, got {type(params).__name__}")
         if self.speculation is not None:  # as vLLM
-            raise ValueError("beam search is not supported with speculative decoding (speculative_config is set)")
+            raise RequestRejected("beam search is not supported with speculative decoding (speculative_config is set)")
         text, token_ids = self._validate_new(request_id, prompt, params.max_tokens)
         self._check_beam_group_fits(len(token_ids), params)
         root = Request(
@@ -164,7 +167,7 @@ class LLMEngine:
 
     def _validate_new(self, request_id: str, prompt: str | list[int], max_tokens: int) -> tuple[str | None, list[int]]:
         if request_id in self.output_processor.groups or request_id in self.beam_search.groups:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise RequestRejected(f"request_id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         self._check_fits(token_ids, max_tokens)
         return text, token_ids
@@ -172,32 +175,32 @@ class LLMEngine:
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
-                raise ValueError("prompt is empty")
+                raise RequestRejected("prompt is empty")
             if self.tokenizer is None:
-                raise ValueError(f"{self.model_dir} has no tokenizer: give the prompt as token ids")
+                raise RequestRejected(f"{self.model_dir} has no tokenizer: give the prompt as token ids")
             return prompt, self.tokenizer.encode(prompt)
         if not isinstance(prompt, (list, tuple)) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):
-            raise ValueError("prompt must be a string or a list of integer token ids")
+            raise RequestRejected("prompt must be a string or a list of integer token ids")
         if not prompt:
-            raise ValueError("prompt is empty")
+            raise RequestRejected("prompt is empty")
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
+            raise RequestRejected(f"prompt token ids must be in [0, {vocab}), got {bad[:5]}")
         return None, list(prompt)
 
     def _check_fits(self, token_ids: list[int], max_tokens: int) -> None:
         total = len(token_ids) + max_tokens
         if total > self.max_model_len:
-            raise ValueError(
+            raise RequestRejected(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) = {total} "
                 f"exceeds the model's max length {self.max_model_len}"
             )
         blocks = self.block_manager.blocks_for_tokens(total)
         if blocks > self.block_manager.num_total_blocks:
-            raise ValueError(
+            raise RequestRejected(
                 f"prompt + max_tokens needs {blocks} KV blocks but the whole cache has "
                 f"{self.block_manager.num_total_blocks}"
             )
@@ -207,21 +210,21 @@ class LLMEngine:
         generated block: the prompt's full blocks once (shared through the prefix cache, if on), the rest per beam."""
         config, manager, width = self.config, self.block_manager, params.beam_width
         if width > config.max_num_seqs or width > config.max_num_batched_tokens:
-            raise ValueError(
+            raise RequestRejected(
                 f"beam_width {width} exceeds max_num_seqs ({config.max_num_seqs}) or "
                 f"max_num_batched_tokens ({config.max_num_batched_tokens}): its beams run together"
             )
         shared = prompt_len // manager.block_size if config.enable_prefix_caching else 0
         needed = shared + width * (manager.blocks_for_tokens(prompt_len + params.max_tokens) - shared)
         if needed > manager.num_total_blocks:
-            raise ValueError(
+            raise RequestRejected(
                 f"beam search of width {width} over {prompt_len} + {params.max_tokens} tokens needs up "
                 f"to {needed} KV blocks at once but the whole cache has {manager.num_total_blocks}"
             )
 
     # ---- admission queries (a caller sizing what to hand over next, e.g. the queue worker) -----------
     def num_prompt_tokens(self, prompt: str | list[int]) -> int:
-        """How many tokens add_request makes of this prompt; ValueError for one add_request would refuse."""
+        """How many tokens add_request makes of this prompt; RequestRejected for one add_request would refuse."""
         return len(self._tokenize(prompt)[1])
 
     def blocks_needed(self, num_prompt_tokens: int, max_tokens: int, n: int = 1) -> int:

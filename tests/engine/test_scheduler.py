@@ -128,9 +128,10 @@ def test_preemption_takes_the_most_recently_admitted_and_requeues_it_first():
     assert not any(s.request is late for s in output.scheduled)  # nobody is admitted in a preempting step
 
 
-def test_waiting_queue_admits_higher_priority_first():
+def test_waiting_queue_admits_the_lowest_priority_value_first():
+    """vLLM's sense: a lower value is served sooner."""
     scheduler = Scheduler(BlockManager(16, BLOCK), max_num_seqs=1, max_num_batched_tokens=64)
-    for name, priority in (("low", -1), ("mid", 0), ("high", 5), ("mid2", 0)):
+    for name, priority in (("low", 1), ("mid", 0), ("high", -5), ("mid2", 0)):
         scheduler.add_request(make_request(name, 2, priority=priority))
     assert [r.request_id for r in scheduler.waiting] == ["high", "mid", "mid2", "low"]
 
@@ -138,7 +139,7 @@ def test_waiting_queue_admits_higher_priority_first():
 def test_lower_priority_is_preempted_before_a_later_higher_priority_one():
     manager = BlockManager(4, BLOCK)
     scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64)
-    low, high = make_request("low", 4, priority=-1), make_request("high", 4, priority=5)
+    low, high = make_request("low", 4, priority=1), make_request("high", 4, priority=-5)
     scheduler.add_request(low)
     run_step(scheduler)
     scheduler.add_request(high)
@@ -151,13 +152,35 @@ def test_lower_priority_is_preempted_before_a_later_higher_priority_one():
     assert [r.request_id for r in preempted] == ["low"]
 
 
+def test_the_lowest_priority_value_runs_first_and_is_preempted_last():
+    """vLLM's sense end to end in the scheduler: of three arrivals on a pool too small for all, the lowest value is
+    admitted first and never preempted, the highest is the first victim, and they finish in priority order."""
+    manager = BlockManager(5, BLOCK, enable_prefix_caching=False)
+    scheduler = Scheduler(manager, max_num_seqs=3, max_num_batched_tokens=64)
+    requests = [
+        make_request(name, 4, max_tokens=8, priority=p) for name, p in (("bulk", 5), ("mid", 0), ("urgent", -5))
+    ]
+    for request in requests:  # arrival order: the least urgent first
+        scheduler.add_request(request)
+    output, _ = run_step(scheduler)
+    assert [s.request.request_id for s in output.scheduled] == ["urgent", "mid", "bulk"]  # admitted in that order
+    preempted: list[str] = []
+    finished: list[str] = []
+    while scheduler.has_unfinished():
+        output, _ = run_step(scheduler)
+        preempted += [r.request_id for r in output.preempted]
+        finished += [r.request_id for r in requests if r.is_finished and r.request_id not in finished]
+    assert preempted == ["bulk", "mid"]  # the pool runs dry twice: the highest value goes first, urgent never
+    assert finished == ["urgent", "mid", "bulk"]
+
+
 @pytest.mark.parametrize("swap", [False, True], ids=["recompute", "swap"])
 def test_a_victim_scheduled_earlier_in_the_step_leaves_the_step(swap):
     """low (admitted first) is scheduled, then high needs a block and low, the lowest priority, is preempted:
     low's token must leave the step, else the model would write it into blocks high now owns."""
     manager = BlockManager(3, BLOCK, enable_prefix_caching=False)
     scheduler = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=64, swap_space=SwapSpace(8) if swap else None)
-    low, high = make_request("low", 5, priority=-1), make_request("high", 4, priority=5)
+    low, high = make_request("low", 5, priority=1), make_request("high", 4, priority=-5)
     scheduler.add_request(low)
     run_step(scheduler)  # low: 5 prompt tokens computed in 2 blocks, 1 output
     scheduler.add_request(high)

@@ -32,12 +32,12 @@ def _scheduler(seats: int, policy: SeatPolicy, swap: bool = False) -> Scheduler:
 @pytest.mark.parametrize("swap", [False, True], ids=["recompute", "swap"])
 def test_a_higher_priority_arrival_takes_the_lowest_most_recent_seat_in_the_same_step(swap):
     scheduler = _scheduler(3, SeatPolicy(interval=2, max_count=2), swap)
-    old_low, mid, new_low = _request("old_low", -1), _request("mid", 0), _request("new_low", -1)
+    old_low, mid, new_low = _request("old_low", 1), _request("mid", 0), _request("new_low", 1)
     for request in (old_low, mid, new_low):
         scheduler.add_request(request)
     for _ in range(3):
         run_step(scheduler)
-    urgent = _request("urgent", 5)
+    urgent = _request("urgent", -5)
     scheduler.add_request(urgent)
     output, _ = run_step(scheduler)
     assert [r.request_id for r in output.preempted] == ["new_low"]
@@ -53,7 +53,7 @@ def test_a_higher_priority_arrival_takes_the_lowest_most_recent_seat_in_the_same
 
 
 def test_equal_priority_and_a_disabled_policy_never_take_a_seat():
-    for policy, priority in ((SeatPolicy(interval=1), 0), (SeatPolicy(interval=0), 5), (SeatPolicy(max_count=0), 5)):
+    for policy, priority in ((SeatPolicy(interval=1), 0), (SeatPolicy(interval=0), -5), (SeatPolicy(max_count=0), -5)):
         scheduler = _scheduler(1, policy)
         scheduler.add_request(_request("running"))
         for _ in range(3):
@@ -67,7 +67,7 @@ def test_a_seat_taken_recently_is_kept_for_the_interval():
     scheduler = _scheduler(1, SeatPolicy(interval=4, max_count=9))
     scheduler.add_request(_request("bulk"))
     run_step(scheduler)  # admitted at step 1
-    scheduler.add_request(_request("urgent", 5))
+    scheduler.add_request(_request("urgent", -5))
     steps_waited = 0
     while scheduler.num_seat_preemptions == 0:
         run_step(scheduler)
@@ -76,7 +76,7 @@ def test_a_seat_taken_recently_is_kept_for_the_interval():
 
 
 def _random_mixed(seed: int, swap: bool, policy: SeatPolicy):
-    """Bulk (priority -1) and interactive (priority 1..3) arrivals at random on a few seats; yields the scheduler
+    """Bulk (priority 1) and interactive (priority -1..-3) arrivals at random on a few seats; yields the scheduler
     after every step and records, for each seat preemption, how many steps the victim had held its seat."""
     rng = random.Random(seed)
     scheduler = _scheduler(4, policy, swap)
@@ -84,7 +84,7 @@ def _random_mixed(seed: int, swap: bool, policy: SeatPolicy):
     held_for: list[int] = []
     for step in range(300):
         if rng.random() < 0.35 and step < 220:
-            priority = rng.choice([-1, -1, 1, 2, 3])
+            priority = rng.choice([1, 1, -1, -2, -3])
             request = _request(f"r{step}", priority, rng.randint(2, 9), rng.randint(1, 25))
             scheduler.add_request(request)
             requests.append(request)
@@ -119,14 +119,14 @@ def test_bad_policies_are_named():
 
 
 def _run(engine: LLMEngine, bulk: list[list[int]], urgent: list[list[int]], params: SamplingParams) -> dict:
-    """Bulk requests first; the urgent ones (priority 5) arrive while the bulk ones decode."""
+    """Bulk requests first; the urgent ones (priority -5) arrive while the bulk ones decode."""
     for i, prompt in enumerate(bulk):
-        engine.add_request(f"bulk{i}", prompt, params, priority=-1)
+        engine.add_request(f"bulk{i}", prompt, params, priority=1)
     outputs, steps = {}, 0
     while engine.has_unfinished_requests() or steps < 12:
         steps += 1
         if steps in (6, 9) and urgent:
-            engine.add_request(f"urgent{steps}", urgent.pop(), params, priority=5)
+            engine.add_request(f"urgent{steps}", urgent.pop(), params, priority=-5)
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out.outputs[0].token_ids

@@ -25,6 +25,17 @@ def test_penalties_and_min_tokens_of_an_openai_body_reach_the_job() -> None:
     assert (job.presence_penalty, job.frequency_penalty, job.repetition_penalty, job.min_tokens) == (0.5, 0.25, 1.1, 2)
 
 
+def test_a_bodys_priority_is_vllms_and_a_plain_lines_the_jobs() -> None:
+    """An OpenAI body's priority means what it means at the gateway (lower is sooner); a plain line's is the job
+    field (higher is sooner): both lines below ask for the same service order."""
+    _, body_fields, _, _ = parse_request(_openai_line(priority=-5))
+    _, plain_fields, _, _ = parse_request(json.dumps({"custom_id": "p", "prompt": "hi", "priority": 5}))
+    body_job, plain_job = make_job(job_id="j1", **body_fields), make_job(job_id="j2", **plain_fields)
+    assert body_job.priority == plain_job.priority == 5 and body_job.vllm_priority == -5
+    with pytest.raises(JobRejected, match="priority"):
+        make_job(job_id="j3", **parse_request(_openai_line(priority="high"))[1])
+
+
 def test_a_plain_line_takes_the_same_fields() -> None:
     _, fields, _, _ = parse_request(json.dumps({"custom_id": "p", "prompt": "hi", "frequency_penalty": 1.0}))
     assert make_job(job_id="j2", **fields).frequency_penalty == 1.0

@@ -137,7 +137,7 @@ class BudgetWatchingEngine(StubEngine):
 
     def step(self):
         free, over = self.num_free_blocks, 0
-        for req in sorted(self._waiting, key=lambda q: (-q.priority, q.seq)):
+        for req in sorted(self._waiting, key=lambda q: (q.priority, q.seq)):
             need = self.blocks_needed(len(req.prompt_ids), req.params.max_tokens)
             if need <= free:
                 free -= need

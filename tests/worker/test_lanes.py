@@ -12,6 +12,7 @@ import pytest
 
 from pagedq.engine import LLM, LLMEngine, SamplingParams
 from pagedq.worker import Client, QueueFullError
+from pagedq.worker.client.core import make_job
 from pagedq.worker.protocol.keys import band_for_priority
 from pagedq.worker.testing.faults import FaultyEngine
 from pagedq.worker.testing.stub_engine import StubEngine
@@ -30,7 +31,10 @@ def assert_bands_clean(r) -> None:
 
 
 def test_priority_maps_to_bands():
-    assert [band_for_priority(p) for p in (10, 1, 0, -1, -10)] == ["interactive"] * 2 + ["default"] + ["bulk"] * 2
+    """band_for_priority takes vLLM's sense (lower is sooner); the job field's is the opposite (higher is sooner)."""
+    assert [band_for_priority(p) for p in (-10, -1, 0, 1, 10)] == ["interactive"] * 2 + ["default"] + ["bulk"] * 2
+    jobs = [make_job(prompt="x", priority=p) for p in (10, 1, 0, -1, -10)]
+    assert [band_for_priority(job.vllm_priority) for job in jobs] == ["interactive"] * 2 + ["default"] + ["bulk"] * 2
 
 
 def test_interactive_jobs_go_ahead_of_a_bulk_backlog(redis_url, r):

@@ -52,7 +52,7 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     prompt: str | None = None
-    priority: int = 0
+    priority: int = 0  # vLLM's sense: a lower value is served sooner and preempted later
     sampling_seed: int = 0  # params.seed, or one the engine drew: every request samples from its own stream
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_index: int = 0  # admission order among equal priorities

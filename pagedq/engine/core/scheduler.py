@@ -3,7 +3,8 @@
 Each step has a token budget (max_num_batched_tokens) and a sequence cap (max_num_seqs: a request that will
 fork n / best_of samples takes a seat for each when admitted). Running sequences go first, in admission
 order: a decoding one needs one token, a half-prefilled one the rest of its prompt (chunked to what the
-budget allows). When the pool runs dry the lowest-priority, most recently admitted running sequence is
+budget allows). Priorities are vLLM's: a lower value is served sooner. When the pool runs dry the
+lowest-priority (highest value), most recently admitted running sequence is
 preempted: by recompute (its blocks are freed and it will be prefilled again, which prefix caching makes
 cheap) or by swap (its blocks are copied to a CPU pool and back). It then waits ahead of new arrivals of its
 priority. Waiting sequences are admitted only in steps that preempted nobody for blocks.
@@ -112,10 +113,10 @@ class Scheduler:
         self._push_waiting(request)
 
     def _push_waiting(self, request: Request) -> None:
-        # Higher priority first (a preempted low one must not block the one that took its seat); among equals
-        # preempted requests go ahead of new arrivals; then first come first served.
+        # The lowest value first (a preempted low-priority one must not block the one that took its seat); among
+        # equals preempted requests go ahead of new arrivals; then first come first served.
         resumed = request.status in (RequestStatus.PREEMPTED, RequestStatus.SWAPPED)
-        key = (-request.priority, 0 if resumed else 1, request.arrival_index)
+        key = (request.priority, 0 if resumed else 1, request.arrival_index)
         heapq.heappush(self._waiting, (key, next(self._push_counter), request))
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
@@ -194,7 +195,7 @@ class Scheduler:
             return 0
         head = self._waiting[0][-1]
         # The common case, checked cheaply: nobody waiting outranks anyone running, or the head has its seats.
-        if head.priority <= min(r.priority for r in self.running) or (
+        if head.priority >= max(r.priority for r in self.running) or (
             not head.is_beam and self._free_seats() >= seats_of([head])
         ):
             return 0
@@ -240,8 +241,8 @@ class Scheduler:
         return True
 
     def _pick_victim(self) -> Request:
-        """The lowest-priority running request; among equals the most recently admitted."""
-        lowest = min(r.priority for r in self.running)
+        """The lowest-priority (highest value) running request; among equals the most recently admitted."""
+        lowest = max(r.priority for r in self.running)
         return next(r for r in reversed(self.running) if r.priority == lowest)
 
     def requeue_for_recompute(self, request: Request) -> None:

@@ -9,8 +9,11 @@ Bounded, so the lower priorities are not thrashed:
   most once per `interval` steps, and every victim advanced that many steps since it was last admitted;
 - a sequence preempted for its seat `max_count` times keeps its seat from then on.
 
-Victims: the lowest priority first, among equals the most recently admitted (the least work thrown away). Never a
-beam (its group runs as a whole) nor a sequence still to fan out (its samples fork from its blocks).
+Priorities are vLLM's: a lower value is served sooner, so a waiting request takes the seat of one of a higher value.
+
+Victims: the lowest priority (the highest value) first, among equals the most recently admitted (the least work
+thrown away). Never a beam (its group runs as a whole) nor a sequence still to fan out (its samples fork from its
+blocks).
 """
 
 from __future__ import annotations
@@ -77,8 +80,9 @@ def seat_victims(
     ends the search: a lower-priority group must not overtake it (the admission queue's head-of-line rule)."""
     if not policy.enabled:
         return []
-    # Lowest priority first; among equals the most recently admitted (running is in admission order).
-    candidates = sorted((r for r in reversed(running) if policy.may_lose_seat(r, step)), key=lambda r: r.priority)
+    # Lowest priority (highest value) first; among equals the most recently admitted (running is in admission
+    # order, and the sort is stable).
+    candidates = sorted((r for r in reversed(running) if policy.may_lose_seat(r, step)), key=lambda r: -r.priority)
     chosen: list[Request] = []
     for group in waiting_groups:
         if len(chosen) == len(candidates):
@@ -87,7 +91,7 @@ def seat_victims(
         priority = group[0].priority
         taken = 0
         while free_seats + taken < need and len(chosen) + taken < len(candidates):
-            if candidates[len(chosen) + taken].priority >= priority:
+            if candidates[len(chosen) + taken].priority <= priority:  # it does not rank below the group
                 return chosen
             taken += 1
         if free_seats + taken < need:

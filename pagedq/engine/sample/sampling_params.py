@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TypeGuard
 
 from pagedq.engine import limits
+from pagedq.engine.errors import RequestRejected
 from pagedq.engine.structured_output.params import StructuredOutputsParams
 
 
@@ -53,7 +54,10 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        try:
+            self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        except (TypeError, ValueError):
+            raise RequestRejected(f"stop_token_ids must be token ids, got {self.stop_token_ids!r}") from None
         if self.top_k == 0:
             self.top_k = -1
         if self.logit_bias is not None:
@@ -67,7 +71,7 @@ class SamplingParams:
     def _validate(self) -> None:
         def check(ok: bool, name: str, message: str) -> None:
             if not ok:
-                raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
+                raise RequestRejected(f"{name} {message}, got {getattr(self, name)!r}")
 
         for name, limit in limits.SAMPLING_LIMITS.items():
             value = getattr(self, name)
@@ -93,12 +97,14 @@ class SamplingParams:
     def _validate_logit_bias(self) -> None:
         bias = self.logit_bias or {}
         if len(bias) > limits.LOGIT_BIAS_MAX_ENTRIES:
-            raise ValueError(f"logit_bias must hold at most {limits.LOGIT_BIAS_MAX_ENTRIES} tokens, got {len(bias)}")
+            raise RequestRejected(
+                f"logit_bias must hold at most {limits.LOGIT_BIAS_MAX_ENTRIES} tokens, got {len(bias)}"
+            )
         for token, value in bias.items():
             if not (_is_int(token) and 0 <= token <= limits.MAX_TOKEN_ID):
-                raise ValueError(f"logit_bias keys must be token ids in [0, {limits.MAX_TOKEN_ID}], got {token!r}")
+                raise RequestRejected(f"logit_bias keys must be token ids in [0, {limits.MAX_TOKEN_ID}], got {token!r}")
             if not limits.LOGIT_BIAS.contains(value):
-                raise ValueError(f"logit_bias values must be {limits.LOGIT_BIAS.describe()}, got {value!r}")
+                raise RequestRejected(f"logit_bias values must be {limits.LOGIT_BIAS.describe()}, got {value!r}")
 
     @property
     def num_samples(self) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from types import ModuleType
 
+from pagedq.engine.errors import RequestRejected
+
 INSTALL_HINT = "structured_outputs needs xgrammar: pip install 'xgrammar==0.2.8' (or pip install 'pagedq[structured]')"
 
 
@@ -12,5 +14,5 @@ def xgrammar() -> ModuleType:
     try:
         import xgrammar  # the project's one import of it (tests/test_layers.py checks)
     except ImportError as error:
-        raise ValueError(f"{INSTALL_HINT} ({error})") from None
+        raise RequestRejected(f"{INSTALL_HINT} ({error})") from None
     return xgrammar

@@ -8,6 +8,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from pagedq.engine.errors import RequestRejected
 from pagedq.engine.structured_output.backend import xgrammar
 from pagedq.engine.structured_output.params import StructuredOutputsParams
 
@@ -57,7 +58,7 @@ class GrammarCompilerPool:
                 return compiler.compile_grammar(choice_grammar(params.choice or []))
             return compiler.compile_grammar(params.grammar)
         except (RuntimeError, ValueError, TypeError) as error:  # xgrammar's parse errors
-            raise ValueError(f"structured_outputs {kind} does not compile: {_first_line(error)}") from None
+            raise RequestRejected(f"structured_outputs {kind} does not compile: {_first_line(error)}") from None
 
     @property
     def cache_size_bytes(self) -> int:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Generic
 
 import torch
 
+from pagedq.engine.errors import RequestRejected
 from pagedq.engine.structured_output.compiler import GrammarCompilerPool
 from pagedq.engine.structured_output.filler import MaskFiller
 from pagedq.engine.structured_output.interfaces import (
@@ -110,8 +111,8 @@ class StructuredOutputManager(Generic[R]):
         self.filler = MaskFiller(vocab_size)
 
     def check_available(self, params: GrammarParams) -> None:
-        """For SamplingParams carrying structured_outputs: ValueError now, before the request is queued, if xgrammar
-        or the tokenizer is missing."""
+        """For SamplingParams carrying structured_outputs: RequestRejected now, before the request is queued, if
+        xgrammar or the tokenizer is missing."""
         if params.structured_outputs is not None:
             self.pool  # noqa: B018
 
@@ -119,7 +120,7 @@ class StructuredOutputManager(Generic[R]):
     def pool(self) -> GrammarCompilerPool:
         if self._pool is None:
             if self.tokenizer is None:
-                raise ValueError("structured_outputs needs the checkpoint's tokenizer; this model folder has none")
+                raise RequestRejected("structured_outputs needs the checkpoint's tokenizer; this model folder has none")
             self._pool = GrammarCompilerPool(self.tokenizer, self.vocab_size, self.cache_bytes)
         return self._pool
 

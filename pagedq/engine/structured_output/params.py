@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedq.engine import limits
+from pagedq.engine.errors import RequestRejected
 from pagedq.engine.structured_output.schema import unsupported_features
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -28,11 +29,11 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
         if len(given) != 1:
-            raise ValueError(
+            raise RequestRejected(
                 f"structured_outputs needs exactly one of {', '.join(KINDS)}, got {', '.join(given) or 'none'}"
             )
         if not isinstance(self.disable_any_whitespace, bool):
-            raise ValueError(f"disable_any_whitespace must be a bool, got {self.disable_any_whitespace!r}")
+            raise RequestRejected(f"disable_any_whitespace must be a bool, got {self.disable_any_whitespace!r}")
         getattr(self, f"_check_{given[0]}")()
 
     @property
@@ -70,58 +71,58 @@ class StructuredOutputsParams:
             try:
                 schema = jsonlib.loads(self.json)
             except jsonlib.JSONDecodeError as error:
-                raise ValueError(f"json must be a JSON schema, not valid JSON: {error}") from None
+                raise RequestRejected(f"json must be a JSON schema, not valid JSON: {error}") from None
         elif isinstance(self.json, dict):
             schema = self.json
             try:
                 _check_size("json", jsonlib.dumps(schema))
             except (TypeError, ValueError) as error:
-                raise ValueError(f"json must be a JSON-serialisable schema: {error}") from None
+                raise RequestRejected(f"json must be a JSON-serialisable schema: {error}") from None
         else:
-            raise ValueError(f"json must be a schema (a dict or JSON text), got {type(self.json).__name__}")
+            raise RequestRejected(f"json must be a schema (a dict or JSON text), got {type(self.json).__name__}")
         if not isinstance(schema, dict):
-            raise ValueError(f"json must be a JSON schema object, got {type(schema).__name__}")
+            raise RequestRejected(f"json must be a JSON schema object, got {type(schema).__name__}")
         unsupported = unsupported_features(schema)
         if unsupported:
-            raise ValueError(f"json schema uses keywords the grammar cannot enforce: {', '.join(unsupported[:5])}")
+            raise RequestRejected(f"json schema uses keywords the grammar cannot enforce: {', '.join(unsupported[:5])}")
 
     def _check_json_object(self) -> None:
         if self.json_object is not True:
-            raise ValueError(f"json_object must be True when given, got {self.json_object!r}")
+            raise RequestRejected(f"json_object must be True when given, got {self.json_object!r}")
 
     def _check_regex(self) -> None:
         if not isinstance(self.regex, str) or not self.regex:
-            raise ValueError(f"regex must be a non-empty string, got {self.regex!r}")
+            raise RequestRejected(f"regex must be a non-empty string, got {self.regex!r}")
         _check_size("regex", self.regex)
 
     def _check_grammar(self) -> None:
         if not isinstance(self.grammar, str) or not self.grammar.strip():
-            raise ValueError(f"grammar must be a non-empty EBNF string, got {self.grammar!r}")
+            raise RequestRejected(f"grammar must be a non-empty EBNF string, got {self.grammar!r}")
         _check_size("grammar", self.grammar)
 
     def _check_choice(self) -> None:
         choice = self.choice
         if not isinstance(choice, (list, tuple)) or not choice:
-            raise ValueError(f"choice must be a non-empty list of strings, got {choice!r}")
+            raise RequestRejected(f"choice must be a non-empty list of strings, got {choice!r}")
         if not all(isinstance(c, str) and c for c in choice):
-            raise ValueError("choice must hold non-empty strings")
+            raise RequestRejected("choice must hold non-empty strings")
         self.choice = list(choice)
         _check_size("choice", jsonlib.dumps(self.choice))
 
     @classmethod
     def from_dict(cls, data: object) -> StructuredOutputsParams:
-        """From the wire form (a job's or an HTTP body's `structured_outputs`); ValueError naming the field."""
+        """From the wire form (a job's or an HTTP body's `structured_outputs`); RequestRejected naming the field."""
         if isinstance(data, StructuredOutputsParams):
             return data
         if not isinstance(data, dict):
-            raise ValueError(f"structured_outputs must be an object, got {type(data).__name__}")
+            raise RequestRejected(f"structured_outputs must be an object, got {type(data).__name__}")
         known = {*KINDS, "disable_any_whitespace"}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"structured_outputs has unknown fields {unknown}; known: {sorted(known)}")
+            raise RequestRejected(f"structured_outputs has unknown fields {unknown}; known: {sorted(known)}")
         return cls(**data)
 
 
 def _check_size(name: str, text: str) -> None:
     if len(text) > limits.STRUCTURED_SPEC_MAX_CHARS:
-        raise ValueError(f"{name} is {len(text)} characters; at most {limits.STRUCTURED_SPEC_MAX_CHARS}")
+        raise RequestRejected(f"{name} is {len(text)} characters; at most {limits.STRUCTURED_SPEC_MAX_CHARS}")

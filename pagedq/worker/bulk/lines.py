@@ -2,7 +2,9 @@
 fields out; an output or error line for each finished job; which lines a previous run already answered.
 
 A request line is the OpenAI Batch format (`{"custom_id", "method": "POST", "url", "body"}`) or a plain
-`{"custom_id", "prompt" | "messages" | "prompt_token_ids", <job fields>}`. Parsing raises LineError, whose code is
+`{"custom_id", "prompt" | "messages" | "prompt_token_ids", <job fields>}`. A body's `priority` is vLLM's (lower is
+sooner), as the gateway reads the same body; a plain line's is the job field's (higher is sooner). Parsing raises
+LineError, whose code is
 what the errors file records. A chat body's tools, tool_choice and OpenAI-shaped conversation become the job's
 fields as the gateway's chat endpoint makes them (pagedq/worker/protocol/tool_calls.py, the one implementation), and the
 line's ToolSpec is what its output line's answer is parsed for (tool_calls, finish_reason "tool_calls").
@@ -19,7 +21,7 @@ from typing import Any
 
 from pagedq.worker.protocol import tool_calls
 from pagedq.worker.protocol.chat import HERMES
-from pagedq.worker.protocol.job import SAMPLING_FIELDS
+from pagedq.worker.protocol.job import SAMPLING_FIELDS, from_vllm_priority
 from pagedq.worker.protocol.tool_calls import RequestFieldError, ToolSpec
 
 OPENAI_IGNORED = {"model", "user"}  # the worker serves one model (model is echoed in the output); user: informational
@@ -129,6 +131,9 @@ def _openai_fields(data: dict[str, Any]) -> tuple[dict[str, Any], ToolSpec | Non
             fields["prompt"] = prompt[0]
         else:
             raise LineError("invalid_request", "one prompt per request line")
+    priority = fields.get("priority")
+    if isinstance(priority, int) and not isinstance(priority, bool):  # anything else: the job refuses it, naming it
+        fields["priority"] = from_vllm_priority(priority)
     if isinstance(fields.get("logprobs"), bool):  # chat: logprobs true + top_logprobs k
         top = fields.pop("top_logprobs", 0)
         fields["logprobs"] = top if fields["logprobs"] else None

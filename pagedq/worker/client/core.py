@@ -88,7 +88,7 @@ def as_banded(item: Job | Mapping[str, Any]) -> tuple[Job, str]:
 def band_of(band: str | None, job: Job) -> str:
     """The band named, else the one the job's priority maps to (JobRejected for an unknown band)."""
     try:
-        return check_band(band) if band is not None else band_for_priority(job.priority)
+        return check_band(band) if band is not None else band_for_priority(job.vllm_priority)
     except ValueError as exc:
         raise JobRejected(str(exc)) from None
 

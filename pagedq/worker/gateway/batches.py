@@ -4,7 +4,8 @@
 A batch's state is a Redis hash, its output and error files are Redis lists, and the gateway that runs it
 holds a lease: if that gateway dies, the next GET of the batch (on any gateway) takes the run over. The
 rerun enqueues nothing twice (bulk's enqueue script) and writes no line twice (protocol/scripts.py's append_once).
-Batch jobs run at a low priority (settings.batch_priority), below interactive traffic.
+Batch jobs run at a low priority (settings.batch_priority, vLLM's sense as the requests' own), below interactive
+traffic.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pagedq.worker.gateway.settings import GatewaySettings
 from pagedq.worker.gateway.workers import LiveWorkers
 from pagedq.worker.protocol import scripts
 from pagedq.worker.protocol.errors import JobRejected
-from pagedq.worker.protocol.job import FinalRecord
+from pagedq.worker.protocol.job import FinalRecord, from_vllm_priority
 from pagedq.worker.protocol.keys import JOB_FIELD
 from pagedq.worker.protocol.replies import text as reply_text
 from pagedq.worker.protocol.tool_calls import ToolSpec
@@ -215,7 +216,7 @@ class BatchRun:
                     raise LineError("invalid_request", f"line {line_no} does not match the batch's endpoint {endpoint}")
                 if custom_id in answered:
                     continue
-                fields["priority"] = self.b.s.batch_priority
+                fields["priority"] = from_vllm_priority(self.b.s.batch_priority)
                 job = make_job(job_id=bulk_lines.job_id_for(self.batch_id, custom_id), **fields)
             except (LineError, JobRejected) as exc:
                 code = exc.code if isinstance(exc, LineError) else "invalid_request"

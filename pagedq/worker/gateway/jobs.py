@@ -13,7 +13,7 @@ from pagedq.worker.gateway.schemas import SamplingBody
 from pagedq.worker.gateway.settings import GatewaySettings
 from pagedq.worker.gateway.workers import LiveWorkers
 from pagedq.worker.protocol.errors import JobRejected, QueueFullError
-from pagedq.worker.protocol.job import SAMPLING_FIELDS, Job, new_job_id
+from pagedq.worker.protocol.job import SAMPLING_FIELDS, Job, from_vllm_priority, new_job_id
 
 # The job's sampling fields the shared body carries under their own names (max_tokens and logprobs are each
 # endpoint's: the caller passes the one, CompletionEndpoint/ChatEndpoint set the other)
@@ -27,7 +27,11 @@ def sampling_fields(body: SamplingBody, settings: GatewaySettings, max_tokens: i
     }
     if isinstance(body.stop, str):
         fields["stop"] = [body.stop]
-    fields.update(max_tokens=max_tokens or settings.default_max_tokens, stream=body.stream, priority=-body.priority)
+    fields.update(
+        max_tokens=max_tokens or settings.default_max_tokens,
+        stream=body.stream,
+        priority=from_vllm_priority(body.priority),
+    )
     if body.timeout is not None:
         if body.timeout > settings.max_timeout_s:
             raise OpenAIError(400, f"timeout must be at most {settings.max_timeout_s} s", param="timeout")

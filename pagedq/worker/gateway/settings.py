@@ -39,7 +39,10 @@ class GatewaySettings(QueueSettings):
     max_timeout_s: float = Field(default=3600.0, gt=0, le=86_400, description="bound on a request's `timeout` (s)")
     worker_cache_s: float = Field(default=1.0, ge=0, le=60, description="seconds the live-worker lookup is reused")
     batch_priority: int = Field(
-        default=-100, ge=-1_000_000, le=1_000_000, description="priority of Batch API jobs: below web traffic"
+        default=100,
+        ge=-1_000_000,
+        le=1_000_000,
+        description="priority of Batch API jobs, vLLM's sense as a request's (lower is sooner): after web traffic",
     )
     batch_window: int = Field(default=256, ge=1, le=100_000, description="jobs of one batch in flight at most")
     file_ttl_s: int = Field(

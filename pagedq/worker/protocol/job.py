@@ -83,6 +83,18 @@ def new_job_id() -> str:
     return uuid.uuid4().hex
 
 
+def to_vllm_priority(job_priority: int) -> int:
+    """A job's `priority` in vLLM's sense, the one the engine, the bands' order and the gateway take: a lower value
+    is served sooner. The job field keeps its wire sense (higher sooner), so the jobs existing producers send mean
+    what they meant; this and its inverse are the one place the two senses meet."""
+    return -job_priority
+
+
+def from_vllm_priority(vllm_priority: int) -> int:
+    """The job's `priority` field for a priority in vLLM's sense (to_vllm_priority's inverse)."""
+    return -vllm_priority
+
+
 class Job(BaseModel):
     """One generation job, as enqueued. JSON numbers may be ints where floats are expected, never the reverse."""
 
@@ -110,6 +122,7 @@ class Job(BaseModel):
     logprobs: int | None = bounded(sampling.LOGPROBS)
     prompt_logprobs: int | None = bounded(sampling.PROMPT_LOGPROBS)  # score the prompt (e.g. documents' perplexity)
     stream: bool = False
+    # Higher is served sooner (the wire's sense, unlike vLLM's): everything past the wire reads vllm_priority
     priority: int = Field(default=0, ge=-limits.MAX_PRIORITY, le=limits.MAX_PRIORITY)
     deadline: float | None = Field(default=None, ge=0.0, le=limits.MAX_DEADLINE, allow_inf_nan=False)  # unix time
     metadata: dict[str, Any] | None = None
@@ -171,6 +184,11 @@ class Job(BaseModel):
     def sampling_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for engine.SamplingParams."""
         return {name: getattr(self, name) for name in SAMPLING_FIELDS}
+
+    @property
+    def vllm_priority(self) -> int:
+        """The job's priority in vLLM's sense (lower is served sooner), as the bands and the engine take it."""
+        return to_vllm_priority(self.priority)
 
     @property
     def picks_best(self) -> bool:

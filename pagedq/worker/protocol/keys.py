@@ -25,9 +25,10 @@ BANDS = ("interactive", "default", "bulk")
 DEFAULT_BAND = "default"
 
 
-def band_for_priority(priority: int) -> str:
-    """The band a job's `priority` sends it to when no band is named: > 0 interactive, < 0 bulk."""
-    return "interactive" if priority > 0 else "bulk" if priority < 0 else DEFAULT_BAND
+def band_for_priority(vllm_priority: int) -> str:
+    """The band a priority in vLLM's sense (Job.vllm_priority) sends a job to when no band is named: < 0
+    interactive, > 0 bulk (in the job field's own sense: > 0 interactive, < 0 bulk)."""
+    return "interactive" if vllm_priority < 0 else "bulk" if vllm_priority > 0 else DEFAULT_BAND
 
 
 _RANKS = {band: rank for rank, band in enumerate(BANDS)}

@@ -135,17 +135,17 @@ class Intake:
         self.stats["failed"] += 1
 
 
-BAND_STRIDE = 2 * limits.MAX_PRIORITY + 1  # engine priority: every job of a band above every job below it
+BAND_STRIDE = 2 * limits.MAX_PRIORITY + 1  # engine priority: every job of a band ahead of every job below it
 
 
 def engine_priority(t: HeldJob) -> int:
-    """The engine's priority for a held job: its band first, then its own priority (higher is sooner; the
-    engine preempts the lowest when the KV cache runs dry, so an interactive job takes a bulk job's blocks).
-    A job let in by the starvation guard goes to the head of the engine's queue, or the engine's own priority
-    order would put it back behind the busy band."""
+    """The engine's priority for a held job, in vLLM's sense as the engine takes it (lower is sooner): its band
+    first, then its own (the engine preempts the highest value when the KV cache runs dry, so an interactive job
+    takes a bulk job's blocks). A job let in by the starvation guard goes to the head of the engine's queue, or
+    the engine's own priority order would put it back behind the busy band."""
     if t.guarded:
-        return len(BANDS) * BAND_STRIDE
-    return (len(BANDS) - 1 - band_rank(t.band)) * BAND_STRIDE + t.job.priority
+        return -BAND_STRIDE
+    return band_rank(t.band) * BAND_STRIDE + t.job.vllm_priority
 
 
 class Lanes:
@@ -176,7 +176,7 @@ class Lanes:
     def order(self, backlog: list[HeldJob], limit: int | None = None) -> list[HeldJob]:
         """The backlog in admission order; limit: at most this many can go in now (the tenants' round is worked out
         that far in each band, the rest left in read order)."""
-        backlog.sort(key=lambda t: (band_rank(t.band), -t.job.priority, t.seq))
+        backlog.sort(key=lambda t: (band_rank(t.band), t.job.vllm_priority, t.seq))
         by_band = [self.tenants.order(band, [t for t in backlog if t.band == band], limit) for band in BANDS]
         backlog[:] = [t for jobs in by_band for t in jobs]
         if self.min_share <= 0 or not backlog:

@@ -147,7 +147,7 @@ class HeldJob:
     @cached_property  # fixed (origin and job are), and read per held job several times a turn
     def band(self) -> str:
         """The priority band it is admitted in: its stream's, or for a Celery job the one its priority maps to."""
-        return self.origin if self.origin in BANDS else band_for_priority(self.job.priority)
+        return self.origin if self.origin in BANDS else band_for_priority(self.job.vllm_priority)
 
     @property
     def id(self) -> str:

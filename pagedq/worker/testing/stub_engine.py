@@ -15,6 +15,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from pagedq.engine.errors import RequestRejected
 from pagedq.worker.service.engine_api import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
 
 EOS_ID = 2
@@ -113,20 +114,20 @@ class StubEngine:
     # --- requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0) -> None:
         if request_id in self._ids:
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise RequestRejected(f"request_id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
-            raise ValueError("prompt must not be empty")
+            raise RequestRejected("prompt must not be empty")
         bad = [t for t in ids if not 0 <= t < self.tokenizer.vocab_size]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]} is out of vocabulary (size {self.tokenizer.vocab_size})")
+            raise RequestRejected(f"prompt token id {bad[0]} is out of vocabulary (size {self.tokenizer.vocab_size})")
         if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
+            raise RequestRejected(
                 f"prompt is too long: {len(ids)} tokens + max_tokens {params.max_tokens} "
                 f"> max_model_len {self.max_model_len}"
             )
         if self._blocks_for(len(ids) + params.max_tokens) > self.num_total_blocks:
-            raise ValueError("prompt + max_tokens needs more KV blocks than the cache holds")
+            raise RequestRejected("prompt + max_tokens needs more KV blocks than the cache holds")
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         self._ids.add(request_id)
         self._waiting.append(
@@ -188,7 +189,7 @@ class StubEngine:
         return math.ceil(tokens / self.block_size)
 
     def _schedule(self) -> None:
-        self._waiting.sort(key=lambda r: (-r.priority, r.seq))
+        self._waiting.sort(key=lambda r: (r.priority, r.seq))  # vLLM's sense, as the engine: lower first
         while self._waiting and len(self._running) < self.max_num_seqs:
             req = self._waiting[0]
             need = self.blocks_needed(len(req.prompt_ids), req.params.max_tokens)
