@@ -37,6 +37,8 @@ WORKER_LAYERS: dict[str, int] = {
     "pagedq.bench": 7,
     "pagedq.worker.cli": 8,
     "pagedq.worker.__main__": 9,
+    # `pagedq worker` with fault injection, for tests that crash worker processes: an entry point like __main__
+    "pagedq.worker.testing.faulty_worker": 9,
     "pagedq.worker": 9,
 }
 
