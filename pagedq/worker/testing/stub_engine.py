@@ -15,7 +15,13 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from pagedq.worker.service.engine_api import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
+from pagedq.worker.service.engine_api import (
+    CompletionOutput,
+    RequestOutput,
+    RequestOutputKind,
+    RequestRejected,
+    SamplingParams,
+)
 
 EOS_ID = 2
 FIRST_TEXT_ID = 3
@@ -112,21 +118,21 @@ class StubEngine:
 
     # --- requests
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0) -> None:
-        if request_id in self._ids:
+        if request_id in self._ids:  # the worker's own mistake, not the job's
             raise ValueError(f"request_id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not ids:
-            raise ValueError("prompt must not be empty")
+            raise RequestRejected("prompt must not be empty")
         bad = [t for t in ids if not 0 <= t < self.tokenizer.vocab_size]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]} is out of vocabulary (size {self.tokenizer.vocab_size})")
+            raise RequestRejected(f"prompt token id {bad[0]} is out of vocabulary (size {self.tokenizer.vocab_size})")
         if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
+            raise RequestRejected(
                 f"prompt is too long: {len(ids)} tokens + max_tokens {params.max_tokens} "
                 f"> max_model_len {self.max_model_len}"
             )
         if self._blocks_for(len(ids) + params.max_tokens) > self.num_total_blocks:
-            raise ValueError("prompt + max_tokens needs more KV blocks than the cache holds")
+            raise RequestRejected("prompt + max_tokens needs more KV blocks than the cache holds")
         seed = params.seed if params.seed is not None else random.getrandbits(32)
         self._ids.add(request_id)
         self._waiting.append(
