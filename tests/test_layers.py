@@ -37,6 +37,8 @@ WORKER_LAYERS: dict[str, int] = {
     "pagedq.bench": 7,
     "pagedq.worker.cli": 8,
     "pagedq.worker.__main__": 9,
+    # `pagedq worker` with fault injection, for tests that crash worker processes: an entry point like __main__
+    "pagedq.worker.testing.faulty_worker": 9,
     "pagedq.worker": 9,
 }
 
@@ -51,6 +53,7 @@ ENGINE_LAYERS: dict[str, int] = {
     "pagedq.engine.startup": 0,
     "pagedq.engine.demo_model": 0,
     "pagedq.engine.stats": 0,
+    "pagedq.engine.errors": 0,
     "pagedq.engine.config": 1,  # model, engine and speculative configuration; the architectures served
     "pagedq.engine.structured_output": 1,  # grammars: constraints, compilation, matchers, per-step masks
     "pagedq.engine.sample": 2,  # sampling parameters and the sampler

@@ -173,7 +173,7 @@ def test_a_line_makes_the_job_the_chat_endpoint_makes():
 def test_tokenize_renders_messages_and_tools_as_the_chat_job(served, chat_llama_dir, name):
     from transformers import AutoTokenizer
 
-    from pagedq.worker.service.admission import engine_prompt
+    from pagedq.worker.service.engine_input import engine_prompt
 
     body = BODIES[name]
     request = {"model": served.model, "messages": body["messages"]}

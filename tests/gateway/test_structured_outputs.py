@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from pagedq.worker.service.admission import engine_prompt
+from pagedq.worker.service.engine_input import engine_prompt
 
 from .conftest import served_model
 

@@ -99,11 +99,11 @@ def run_burst(engine: Any, redis_url: str, **overrides: Any) -> Worker:
     return worker
 
 
-def worker_cmd(redis_url: str, *args: str) -> list[str]:
+def worker_cmd(redis_url: str, *args: str, entry: str = "pagedq.worker") -> list[str]:
     return [
         sys.executable,
         "-m",
-        "pagedq.worker",
+        entry,
         "worker",
         "--redis",
         redis_url,
@@ -117,10 +117,15 @@ def worker_cmd(redis_url: str, *args: str) -> list[str]:
     ]
 
 
-def start_worker(redis_url: str, *args: str, log: Path, env: dict | None = None) -> subprocess.Popen:
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+def start_worker(
+    redis_url: str, *args: str, log: Path, env: dict | None = None, faults: dict | None = None
+) -> subprocess.Popen:
+    """`pagedq worker` in a subprocess; faults: PAGEDQ_FAULT_* variables, run through the test-only entry point
+    that injects them (pagedq/worker/testing/faulty_worker.py)."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {}), **(faults or {})}
+    entry = "pagedq.worker.testing.faulty_worker" if faults else "pagedq.worker"
     with open(log, "ab") as fh:
-        return subprocess.Popen(worker_cmd(redis_url, *args), cwd=REPO, env=full_env, stdout=fh, stderr=fh)
+        return subprocess.Popen(worker_cmd(redis_url, *args, entry=entry), cwd=REPO, env=full_env, stdout=fh, stderr=fh)
 
 
 def wait_for(condition: Callable[[], Any], timeout: float = 30.0, interval: float = 0.02, what: str = "") -> Any:

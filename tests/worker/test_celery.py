@@ -126,7 +126,7 @@ def test_killed_worker_messages_are_redelivered_and_answered_once(redis_url, r, 
     # gap between RPOP and its write to the unacked hash, where Celery on Redis loses the message whoever
     # consumes it: documented in docs/celery.md, and not what this test is about.)
     crash = {"PAGEDQ_FAULT_PROMPT": "celery crash 9", "PAGEDQ_FAULT_MODE": "exit"}
-    first = start_worker(redis_url, *stub, "--name", "a", log=tmp_path / "a.log", env=crash)
+    first = start_worker(redis_url, *stub, "--name", "a", log=tmp_path / "a.log", faults=crash)
     assert first.wait(timeout=60) == 86  # faults.FaultyEngine's exit status
     in_flight = r.hlen("unacked")
     assert in_flight > 0, "the killed worker should have held unacknowledged Celery messages"

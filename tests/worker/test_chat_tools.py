@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from pagedq.worker.protocol.chat import template_declares_tools
 from pagedq.worker.protocol.errors import JobRejected
 from pagedq.worker.protocol.job import build_job, parse_job
-from pagedq.worker.service.admission import engine_prompt
+from pagedq.worker.service.engine_input import engine_prompt
 
 # Qwen2.5's tool section, cut down: the tools in the system turn, calls as <tool_call> JSON, results in user turns
 HERMES_TOOLS_TEMPLATE = (

@@ -145,7 +145,7 @@ def test_a_job_that_kills_its_worker_sinks_only_itself(redis_url, r, tmp_path):
     codes = []
     while not codes or codes[-1] != 0:
         assert len(codes) < 8, f"the worker kept dying: exit codes {codes}"
-        proc = start_worker(redis_url, *stub, log=tmp_path / "a.log", env=env)
+        proc = start_worker(redis_url, *stub, log=tmp_path / "a.log", faults=env)
         codes.append(proc.wait(timeout=60))
     assert codes == [86, 86, 86, 0]  # in the batch, then alone twice; the 4th start dead-letters it unrun
     res = client.result(crasher, timeout=1)

@@ -31,7 +31,7 @@ from kombu.serialization import loads
 from pagedq.worker.celery.control import ControlListener
 from pagedq.worker.client.core import make_job
 from pagedq.worker.protocol.errors import GenerationFailed, JobRejected
-from pagedq.worker.protocol.job import FinalRecord, valid_job_id
+from pagedq.worker.protocol.job import valid_job_id
 from pagedq.worker.protocol.keys import QueueKeys
 from pagedq.worker.service.admission import Intake
 from pagedq.worker.service.config import WorkerSettings
@@ -131,10 +131,7 @@ class CeleryIntake:
             if final is not None:
                 self.settle([ctx.id])
             elif error is not None:
-                record = FinalRecord(id=ctx.id, status="rejected", error=error, worker=self.worker_name)
-                self.log.warning("job_rejected", job_id=ctx.id, error=error)
-                intake.publisher.final(record, CELERY_ORIGIN, None)
-                intake.stats["rejected"] += 1
+                intake.reject_delivery(ctx.id, CELERY_ORIGIN, error)
             elif old is None:
                 jobs.append(intake.track(CELERY_ORIGIN, None, job, recovered=deliveries > 1, enqueued_at=time.time()))
         return jobs

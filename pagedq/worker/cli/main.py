@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
+from typing import Any
 
 from pagedq.bench.cli import register_benches
 from pagedq.engine.cli import package_version, register_commands, run_command
@@ -124,13 +126,21 @@ def settings_from_args(args: argparse.Namespace, device: str, model: str) -> Wor
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    return run_worker(args, build_engine)
+
+
+EngineBuilder = Callable[[argparse.Namespace], tuple[Any, str]]  # the engine for the flags, and its model's name
+
+
+def run_worker(args: argparse.Namespace, engine_builder: EngineBuilder) -> int:
+    """`pagedq worker` with the engine engine_builder makes (the tests' fault-injecting entry point passes its own:
+    pagedq/worker/testing/faulty_worker.py)."""
     import structlog
 
     from pagedq.worker.assembly import Worker
     from pagedq.worker.ops.embedded_redis import EmbeddedRedis
     from pagedq.worker.protocol.connection import connect
     from pagedq.worker.protocol.settings import configured_redis_url
-    from pagedq.worker.testing import faults
 
     configure_logging(args.log_level)
     log = structlog.get_logger("pagedq.worker")
@@ -147,12 +157,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     try:
         redis_client = connect(args.redis)
         redis_client.ping()  # a wrong or unreachable Redis is reported now, not after a model load of minutes
-        engine, model = build_engine(args)
+        engine, model = engine_builder(args)
         device = engine_device(engine, args.device)
-        wrapped = faults.wrap_from_env(engine)  # test-only, switched on by its environment variables
-        if wrapped is not engine:
-            log.warning("fault_injection_on", **faults.requested_by())
-            engine = wrapped
         worker = Worker(engine, redis_client, settings_from_args(args, device, model))
         return worker.run()
     finally:

@@ -13,13 +13,14 @@ from collections import deque
 from typing import Any
 
 from pagedq.worker.protocol import limits
-from pagedq.worker.protocol.chat import render_conversation
 from pagedq.worker.protocol.errors import JobRejected
 from pagedq.worker.protocol.job import FinalRecord, Job, parse_job, salvage
-from pagedq.worker.protocol.keys import BANDS, DEFAULT_BAND, GROUP, JOB_FIELD, QueueKeys, band_rank
+from pagedq.worker.protocol.keys import BANDS, DEFAULT_BAND, JOB_FIELD, band_rank
 from pagedq.worker.protocol.replies import text
 from pagedq.worker.service.config import WorkerSettings
+from pagedq.worker.service.context import ServiceContext
 from pagedq.worker.service.engine_api import WorkerEngine
+from pagedq.worker.service.engine_input import engine_prompt
 from pagedq.worker.service.held import HeldJob, JobKey, JobState
 from pagedq.worker.service.publisher import Publisher
 from pagedq.worker.service.tenants import TenantShares, parse_weights
@@ -29,11 +30,9 @@ MAX_REASON_CHARS = 2000  # a rejection reason quotes the problem, never the whol
 
 
 class Intake:
-    def __init__(
-        self, keys: QueueKeys, settings: WorkerSettings, publisher: Publisher, log: Any, stats: dict[str, int]
-    ) -> None:
-        self.keys, self.settings, self.publisher, self.log = keys, settings, publisher, log
-        self.stats = stats  # the worker's per-status counters (heartbeat)
+    def __init__(self, ctx: ServiceContext, publisher: Publisher) -> None:
+        self.keys, self.settings, self.log, self.counters = ctx.keys, ctx.settings, ctx.log, ctx.counters
+        self.publisher = publisher
         self.seq = 0
 
     def parse(self, entries: list, recovered: bool = False, band: str = DEFAULT_BAND) -> list[HeldJob]:
@@ -45,7 +44,7 @@ class Intake:
         for entry_id, fields in entries:
             entry_id = text(entry_id)
             if not fields:  # deleted while pending (Redis 6.2 XAUTOCLAIM returns these with nil bodies)
-                self.publisher.ops.append(("XACK", self.keys.jobs_of(band), GROUP, entry_id))
+                self.publisher.ack(band, entry_id)
                 continue
             raw = fields.get(_JOB_FIELD_B, fields.get(JOB_FIELD))
             try:
@@ -84,7 +83,7 @@ class Intake:
             state=JobState.SUSPECT if recovered else JobState.BACKLOG,
             read_at=time.monotonic(),
         )
-        self.publisher.ops.append(("HSET", self.keys.ids, job.id, 1))  # now Client.cancel knows it
+        self.publisher.mark_known(job.id)  # now Client.cancel knows it
         return t
 
     def reject_raw(self, entry_id: str, raw: Any, reason: str, band: str = DEFAULT_BAND) -> None:
@@ -101,7 +100,7 @@ class Intake:
             )
             self.log.warning("job_rejected", job_id=record.id, entry_id=entry_id, error=record.error)
             self.publisher.final(record, band, entry_id)
-            self.stats["rejected"] += 1
+            self.counters.settled("rejected")
         except Exception as exc:
             self.log.error(
                 "job_rejection_failed",
@@ -116,7 +115,14 @@ class Intake:
     def reject(self, t: HeldJob, reason: str) -> None:
         self.log.warning("job_rejected", job_id=t.id, error=reason)
         self.publisher.final(self.publisher.record(t, "rejected", reason), t.origin, t.entry_id)
-        self.stats["rejected"] += 1
+        self.counters.settled("rejected")
+
+    def reject_delivery(self, job_id: str, origin: str, reason: str) -> None:
+        """The `rejected` final record of a front-door delivery that never became a held job (origin: its door)."""
+        record = FinalRecord(id=job_id, status="rejected", error=reason, worker=self.settings.name)
+        self.log.warning("job_rejected", job_id=job_id, error=reason)
+        self.publisher.final(record, origin, None)
+        self.counters.settled("rejected")
 
     def dead_letter(self, t: HeldJob, error: str) -> None:
         error = f"{error}; attempts {t.attempts}, max_attempts {self.settings.max_attempts}"
@@ -132,7 +138,7 @@ class Intake:
             "worker": self.settings.name,
         }
         self.publisher.final(self.publisher.record(t, "failed", error), t.origin, t.entry_id, dead=dead)
-        self.stats["failed"] += 1
+        self.counters.settled("failed")
 
 
 BAND_STRIDE = 2 * limits.MAX_PRIORITY + 1  # engine priority: every job of a band ahead of every job below it
@@ -200,8 +206,8 @@ class Lanes:
 
 def prepare(engine: WorkerEngine, t: HeldJob) -> None:
     """Once per held job: the prompt as the engine gets it, its SamplingParams (built here only: every run of the
-    job uses them) and the KV blocks it will take there, from the engine. Raises ValueError (the job is rejected)
-    for input the engine or its tokenizer refuses."""
+    job uses them) and the KV blocks it will take there, from the engine. Raises RequestRejected (the job is
+    rejected) for input the engine or its chat template refuses; any other exception is the engine's failure."""
     prompt = engine_prompt(engine, t.job)
     params = t.job.to_sampling_params()
     num_prompt_tokens = engine.num_prompt_tokens(prompt)
@@ -268,27 +274,3 @@ def _waiting_behind(in_engine: list[HeldJob]) -> list[tuple[int, int]]:
         )
         for rank in range(len(BANDS))
     ]
-
-
-def engine_prompt(engine: WorkerEngine, job: Job) -> str | list[int]:
-    """What the engine gets: the prompt, the token ids, or the messages rendered with the model's chat template
-    (`apply_chat_template(..., add_generation_prompt=True)`, tools natively or in the Hermes form: protocol/chat.py)
-    and tokenized without special tokens, as transformers does: the template writes BOS itself where the model
-    wants one, so encoding the text with special tokens would double it. Raises ValueError (the job is rejected)
-    when the model has no chat template or the template refuses."""
-    if job.messages is None:
-        if job.prompt is not None:
-            return job.prompt
-        if job.prompt_token_ids is not None:
-            return job.prompt_token_ids
-        raise ValueError("the job has none of prompt, prompt_token_ids and messages")
-    tokenizer = getattr(engine, "tokenizer", None)
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            "the model has no chat template: send the conversation as a formatted `prompt` instead of `messages`"
-        )
-    try:
-        text = render_conversation(tokenizer, job.messages, job.tools, job.tool_call_parser)
-        return tokenizer.encode(text, add_special_tokens=False)
-    except Exception as exc:  # jinja raises for e.g. roles that do not alternate: the job's fault
-        raise ValueError(f"the chat template refused the messages: {exc}") from None

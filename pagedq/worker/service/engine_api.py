@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from pagedq.engine.errors import RequestRejected  # noqa: F401
 from pagedq.engine.output.outputs import CompletionOutput, RequestOutput  # noqa: F401
 from pagedq.engine.sample.sampling_params import RequestOutputKind, SamplingParams  # noqa: F401
 

@@ -8,9 +8,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pagedq.worker.protocol.keys import BANDS, GROUP, QueueKeys
+from pagedq.worker.protocol.keys import BANDS, GROUP
 from pagedq.worker.protocol.replies import text
-from pagedq.worker.service.config import WorkerSettings
+from pagedq.worker.service.context import ServiceContext
 from pagedq.worker.service.front_door import FrontDoor
 from pagedq.worker.service.publisher import Publisher
 from pagedq.worker.service.recovery import REDIS_DOWN
@@ -28,15 +28,8 @@ class TurnReplies:
 
 
 class Exchange:
-    def __init__(
-        self,
-        redis_client: Any,
-        keys: QueueKeys,
-        settings: WorkerSettings,
-        publisher: Publisher,
-        front_doors: Sequence[FrontDoor],
-    ) -> None:
-        self.r, self.keys, self.s = redis_client, keys, settings
+    def __init__(self, ctx: ServiceContext, publisher: Publisher, front_doors: Sequence[FrontDoor]) -> None:
+        self.r, self.keys, self.s = ctx.redis, ctx.keys, ctx.settings
         self.publisher, self.front_doors = publisher, front_doors
 
     def turn(self, job_ids: list[str], idle: bool, stopping: bool, room: Callable[[str], int]) -> TurnReplies:
@@ -57,7 +50,7 @@ class Exchange:
         except REDIS_DOWN:
             self.publisher.restore(ops)  # not known to be written: send again after the outage
             raise
-        self.publisher.check(self.r, ops, results)
+        self.publisher.check(ops, results)
         self.settle()
         trip.raise_read_error()
         return TurnReplies(
@@ -101,13 +94,13 @@ class Exchange:
         if ops:
             trip = RoundTrip(self.r)
             trip.write(ops)
-            self.publisher.check(self.r, ops, trip.execute())
+            self.publisher.check(ops, trip.execute())
         self.settle()
 
     def settle(self) -> None:
         """Front-door jobs whose final records were just written: each door reports and acknowledges its own."""
-        if self.publisher.settling:
-            done, self.publisher.settling = self.publisher.settling, []
+        done = self.publisher.take_settled()
+        if done:
             for door in self.front_doors:
                 door.settle(done)
 

@@ -1,13 +1,13 @@
 """How a held job ends: cancelled or expired early (a running one keeps its partial output), or settled with its
-final record, which is counted in the stats, observed by the metrics and logged (event `job_finished`)."""
+final record, which is counted (service/counters.py), observed by the metrics and logged (event `job_finished`)."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from pagedq.worker.service.absorb import absorb_abort
-from pagedq.worker.service.held import HeldJob, HeldJobs
+from pagedq.worker.service.context import ServiceContext
+from pagedq.worker.service.held import HeldJob
 from pagedq.worker.service.publisher import Publisher
 from pagedq.worker.service.recovery import Recovery
 from pagedq.worker.service.snapshot import MetricsSink
@@ -15,16 +15,10 @@ from pagedq.worker.service.snapshot import MetricsSink
 
 class Finisher:
     def __init__(
-        self,
-        held: HeldJobs,
-        publisher: Publisher,
-        recovery: Recovery,
-        stats: dict[str, int],
-        metrics: MetricsSink | None,
-        log: Any,
+        self, ctx: ServiceContext, publisher: Publisher, recovery: Recovery, metrics: MetricsSink | None
     ) -> None:
-        self.held, self.publisher, self.recovery = held, publisher, recovery
-        self.stats, self.metrics, self.log = stats, metrics, log
+        self.held, self.counters, self.log = ctx.held, ctx.counters, ctx.log
+        self.publisher, self.recovery, self.metrics = publisher, recovery, metrics
 
     def cancel(self, job_ids: list[str]) -> None:
         """The held jobs of these ids (found in the cancel set), whatever their state."""
@@ -48,7 +42,7 @@ class Finisher:
     def finalize(self, t: HeldJob, status: str, error: str | None = None) -> None:
         record = self.publisher.record(t, status, error)
         self.publisher.final(record, t.origin, t.entry_id)
-        self.stats[status] += 1
+        self.counters.settled(status)
         if self.metrics is not None:
             self.metrics.observe(record, t.band)
         self.held.finish(t)

@@ -8,32 +8,27 @@ import os
 import socket
 import time
 from collections.abc import Sequence
-from typing import Any
 
-from pagedq.worker.protocol.keys import QueueKeys
-from pagedq.worker.service.config import WorkerSettings
+from pagedq.worker.service.context import ServiceContext
 from pagedq.worker.service.front_door import FrontDoor
 from pagedq.worker.service.snapshot import WorkerSnapshot
 
 
 class Heartbeat:
-    def __init__(self, redis_client: Any, keys: QueueKeys, name: str, interval_s: float, info: dict) -> None:
-        self.r, self.keys, self.name, self.interval = redis_client, keys, name, interval_s
+    def __init__(self, ctx: ServiceContext, doors: Sequence[FrontDoor]) -> None:
+        s = ctx.settings
+        self.r, self.keys, self.name, self.interval = ctx.redis, ctx.keys, s.name, s.heartbeat_every_s
         self.info = {
-            "worker": name,
+            "worker": s.name,
             "host": socket.gethostname(),
             "pid": os.getpid(),
-            "queue": keys.queue,
+            "queue": ctx.keys.queue,
             "started_at": time.time(),
-            **info,
+            "device": s.device,
+            "model": s.model,
+            # the key `pagedq status` shows the front doors' queues under (Celery's is the only door)
+            "celery_queue": ",".join(door.name for door in doors) or None,
         }
-
-    @classmethod
-    def of(cls, redis_client: Any, keys: QueueKeys, settings: WorkerSettings, doors: Sequence[FrontDoor]) -> Heartbeat:
-        # `celery_queue` is the key `pagedq status` shows the front doors' queues under (Celery's is the only door)
-        doors_served = ",".join(door.name for door in doors) or None
-        info = {"device": settings.device, "model": settings.model, "celery_queue": doors_served}
-        return cls(redis_client, keys, settings.name, settings.heartbeat_every_s, info)
 
     def beat(self, snapshot: WorkerSnapshot) -> None:
         now = time.time()

@@ -4,32 +4,22 @@ is checked against the cancel set. Also how much room there is to read ahead."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from pagedq.worker.protocol.keys import BANDS, GROUP, QueueKeys, band_rank
-from pagedq.worker.service.config import WorkerSettings
+from pagedq.worker.protocol.keys import BANDS, band_rank
+from pagedq.worker.service.admission import Intake
+from pagedq.worker.service.context import ServiceContext
 from pagedq.worker.service.engine_api import WorkerEngine
 from pagedq.worker.service.finish import Finisher
-from pagedq.worker.service.held import HeldJob, HeldJobs, JobState
+from pagedq.worker.service.held import HeldJob, JobState
 from pagedq.worker.service.publisher import Publisher
-from pagedq.worker.service.recovery import Stop
 
 
 class Holding:
     def __init__(
-        self,
-        redis_client: Any,
-        keys: QueueKeys,
-        settings: WorkerSettings,
-        engine: WorkerEngine,
-        held: HeldJobs,
-        publisher: Publisher,
-        finisher: Finisher,
-        stop: Stop,
-        log: Any,
+        self, ctx: ServiceContext, engine: WorkerEngine, publisher: Publisher, intake: Intake, finisher: Finisher
     ) -> None:
-        self.r, self.keys, self.s, self.engine, self.held = redis_client, keys, settings, engine, held
-        self.publisher, self.finisher, self.stop, self.log = publisher, finisher, stop, log
+        self.r, self.keys, self.s, self.log = ctx.redis, ctx.keys, ctx.settings, ctx.log
+        self.held, self.stop = ctx.held, ctx.stop
+        self.engine, self.publisher, self.intake, self.finisher = engine, publisher, intake, finisher
 
     def room(self, band: str | None = None) -> int:
         """Room to read ahead: max_waiting minus the jobs held and not yet running, of this band and the
@@ -42,6 +32,10 @@ class Holding:
         queued = sum(1 for t in self.held if t.band in above and (t.state is not JobState.IN_ENGINE or not t.started))
         # tenant_read_ahead: deeper, so the tenants' round (service/tenants.py) sees past one tenant's backlog
         return self.s.max_waiting + self.s.tenant_read_ahead - queued
+
+    def take_in(self, entries: list, band: str, recovered: bool = False, check_cancel: bool = False) -> None:
+        """Stream entries of a band, read or claimed: parsed by the intake (rejections settled there), then held."""
+        self.hold(self.intake.parse(entries, recovered=recovered, band=band), check_cancel=check_cancel)
 
     def hold(self, jobs: list[HeldJob], check_cancel: bool = False) -> None:
         new = []
@@ -71,6 +65,5 @@ class Holding:
             self.log.warning(
                 "duplicate_job_entry", job_id=t.id, band=t.origin, entry_id=t.entry_id, held_entry_id=held.entry_id
             )
-            stream = self.keys.jobs_of(t.origin)
-            self.publisher.ops += [("XACK", stream, GROUP, t.entry_id), ("XDEL", stream, t.entry_id)]
+            self.publisher.ack(t.origin, t.entry_id, delete=True)
         return False

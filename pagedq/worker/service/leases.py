@@ -8,16 +8,16 @@ run alone, each run alone recorded in Redis first, so a job that kills its worke
 
 from __future__ import annotations
 
-from typing import Any
-
 from pagedq.worker.protocol import scripts
-from pagedq.worker.protocol.keys import BANDS, GROUP, QueueKeys
+from pagedq.worker.protocol.keys import BANDS, GROUP
 from pagedq.worker.protocol.replies import text
+from pagedq.worker.service.context import ServiceContext
 
 
 class Leases:
-    def __init__(self, redis_client: Any, keys: QueueKeys, name: str, lease_ms: int) -> None:
-        self.r, self.keys, self.name, self.lease_ms = redis_client, keys, name, int(lease_ms)
+    def __init__(self, ctx: ServiceContext) -> None:
+        self.r, self.keys, self.name, self.lease_ms = ctx.redis, ctx.keys, ctx.settings.name, int(ctx.settings.lease_ms)
+        self.held, self.log = ctx.held, ctx.log
         self.cursors = {band: "0-0" for band in BANDS}  # XAUTOCLAIM walks each band's pending list
 
     def ensure_group(self) -> None:
@@ -39,6 +39,14 @@ class Leases:
                 return entries
             entries.extend(batch)
             last = text(batch[-1][0])
+
+    def renew_held(self) -> None:
+        """Renew the leases of every entry this worker holds."""
+        for band in BANDS:
+            ids = self.held.entry_ids(band)
+            lost = self.renew(band, ids) if ids else []
+            if lost:
+                self.log.warning("lease_lost", band=band, entries=lost)  # keep going: the first final wins
 
     def renew(self, band: str, entry_ids: list[str]) -> list[str]:
         """Renew our leases on entries of a band; return those another worker has claimed meanwhile."""

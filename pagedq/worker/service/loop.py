@@ -17,24 +17,23 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pagedq.worker.logs import worker_logger
 from pagedq.worker.protocol import scripts
-from pagedq.worker.protocol.job import STATUSES
-from pagedq.worker.protocol.keys import BANDS, QueueKeys
+from pagedq.worker.protocol.keys import BANDS
 from pagedq.worker.service.absorb import absorb
 from pagedq.worker.service.admission import Intake, Lanes, engine_priority, pick, prepare
 from pagedq.worker.service.admit_delay import AdmitDelays
 from pagedq.worker.service.config import WorkerSettings
-from pagedq.worker.service.engine_api import WorkerEngine, require_engine
+from pagedq.worker.service.context import ServiceContext
+from pagedq.worker.service.engine_api import RequestRejected, WorkerEngine, require_engine
 from pagedq.worker.service.exchange import Exchange
 from pagedq.worker.service.finish import Finisher
 from pagedq.worker.service.front_door import FrontDoor
 from pagedq.worker.service.heartbeat import Heartbeat
-from pagedq.worker.service.held import HeldJob, HeldJobs, JobState
+from pagedq.worker.service.held import HeldJob, JobState
 from pagedq.worker.service.holding import Holding
 from pagedq.worker.service.leases import Leases
 from pagedq.worker.service.publisher import Publisher
-from pagedq.worker.service.recovery import REDIS_DOWN, Recovery, Stop
+from pagedq.worker.service.recovery import REDIS_DOWN, Recovery
 from pagedq.worker.service.snapshot import EngineFigures, MetricsSink, WorkerSnapshot, costly_figures
 from pagedq.worker.service.timers import Timers
 from pagedq.worker.service.tokenizer_files import publish_tokenizer
@@ -51,42 +50,22 @@ class ServiceLoop:
         metrics: MetricsSink | None = None,
     ) -> None:
         require_engine(engine)
-        self.engine, self.r, self.s = engine, redis_client, settings
+        self.ctx = ctx = ServiceContext.build(redis_client, settings)
+        self.engine, self.r, self.s, self.keys, self.log = engine, redis_client, settings, ctx.keys, ctx.log
+        self.held, self.stop, self.counters = ctx.held, ctx.stop, ctx.counters
         self.front_doors, self.metrics = tuple(front_doors), metrics
-        self.keys = keys = QueueKeys(settings.queue)
-        self.log = log = worker_logger(settings.name)
-        self.publisher = Publisher(
-            keys, settings.name, settings.result_ttl_s, settings.completions_maxlen, getattr(engine, "tokenizer", None)
-        )
-        self.stats: dict[str, int] = {status: 0 for status in STATUSES}
-        self.intake = Intake(keys, settings, self.publisher, log, self.stats)
+        self.publisher = Publisher(ctx, getattr(engine, "tokenizer", None))
+        self.intake = Intake(ctx, self.publisher)
         self.lanes = Lanes.from_settings(settings)
-        self.leases = Leases(redis_client, keys, settings.name, settings.lease_ms)
-        self.exchange = Exchange(redis_client, keys, settings, self.publisher, self.front_doors)
-        self.heartbeat = Heartbeat.of(redis_client, keys, settings, self.front_doors)
-        self.held = held = HeldJobs()  # every job this worker holds, by JobKey, each with its JobState
-        self.stop = stop = Stop()  # set by a signal or request_stop() (drain), or by recovery (at once, with a status)
-        self.recovery = Recovery(engine, redis_client, settings, held, self.intake, self.leases, stop, log)
-        self.finisher = Finisher(held, self.publisher, self.recovery, self.stats, metrics, log)
-        self.holding = Holding(redis_client, keys, settings, engine, held, self.publisher, self.finisher, stop, log)
-        self.timers = Timers(
-            redis_client,
-            keys,
-            settings,
-            held,
-            self.holding,
-            self.intake,
-            self.leases,
-            self.heartbeat,
-            self.front_doors,
-            metrics,
-            self.snapshot,
-            stop,
-            log,
-        )
+        self.leases = Leases(ctx)
+        self.exchange = Exchange(ctx, self.publisher, self.front_doors)
+        self.recovery = Recovery(ctx, engine, self.intake, self.leases)
+        self.finisher = Finisher(ctx, self.publisher, self.recovery, metrics)
+        self.holding = Holding(ctx, engine, self.publisher, self.intake, self.finisher)
+        self.heartbeat = Heartbeat(ctx, self.front_doors)
+        self.timers = Timers(ctx, self.leases, self.holding, self.heartbeat, self.front_doors, metrics, self.snapshot)
         self.admit_delays = AdmitDelays()  # read-to-admit, per band
         self.turn_clock = TurnClock()  # where the turns' time goes (bench worker reports it)
-        self.tokens_generated = 0  # counted per step; the metrics timer exports it
         self.cancel_possible = True  # the cancel set was non-empty at the last look
         self._burst_done = False
 
@@ -101,7 +80,16 @@ class ServiceLoop:
 
     @property
     def num_redis_outages(self) -> int:
-        return self.recovery.redis_outages
+        return self.counters.redis_outages
+
+    @property
+    def tokens_generated(self) -> int:
+        return self.counters.tokens_generated
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Final records written so far, by status."""
+        return self.counters.by_status()
 
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> int:
@@ -141,7 +129,7 @@ class ServiceLoop:
         for band in BANDS:
             entries = self.leases.read_own_pending(band)
             recovered += len(entries)
-            self.holding.hold(self.intake.parse(entries, recovered=True, band=band))
+            self.holding.take_in(entries, band, recovered=True)
         self.log.info(
             "worker_started",
             queue=self.s.queue,
@@ -169,7 +157,7 @@ class ServiceLoop:
             door.close()  # requeues the messages of jobs left unfinished
         if self.metrics is not None:
             self.metrics.close()
-        self.log.info("worker_stopped", unacknowledged=len(self.held), **self.stats)
+        self.log.info("worker_stopped", unacknowledged=len(self.held), **self.counters.by_status())
 
     # ------------------------------------------------------------------ one turn
     def _turn(self) -> None:
@@ -206,7 +194,7 @@ class ServiceLoop:
         entries = 0
         for band, batch in replies.batches:
             entries += len(batch)
-            self.holding.hold(self.intake.parse(batch, band=band), check_cancel=self.cancel_possible)
+            self.holding.take_in(batch, band, check_cancel=self.cancel_possible)
         if replies.burst_pending is not None and not entries and not len(self.publisher) and not self.held:
             if replies.burst_pending:
                 time.sleep(0.05)  # jobs held by other (maybe dead) workers: wait for them or their leases
@@ -238,13 +226,13 @@ class ServiceLoop:
         return False
 
     def _engine_refused(self, t: HeldJob, exc: Exception) -> None:
-        """A ValueError is the engine's verdict on bad input (too long, token out of vocab, ...): rejected;
-        anything else is a failed run of the job (recovery decides)."""
-        if isinstance(exc, ValueError):
+        """RequestRejected is the engine's verdict on the caller's input (too long, token out of vocab, ...): the
+        job is rejected. Anything else, a ValueError included, is the engine's failure: retried (recovery)."""
+        if isinstance(exc, RequestRejected):
             self.intake.reject(t, str(exc))
             self.held.finish(t)
         else:
-            self.recovery.job_error(t, exc)
+            self.recovery.admission_failed(t, exc)
 
     def _add_to_engine(self, t: HeldJob, alone: bool) -> None:
         if t.engine_input is None or t.sampling_params is None:  # admission prepares every job before it reaches here
@@ -271,7 +259,7 @@ class ServiceLoop:
         self.recovery.step_succeeded()
         now = time.time()
         for out in outputs:
-            self.tokens_generated += sum(len(c.token_ids) for c in out.outputs)
+            self.counters.generated(sum(len(c.token_ids) for c in out.outputs))
             t = self.held.by_request_id(out.request_id)
             if t is not None and t.in_engine:
                 settled = absorb(t, out, now, self.publisher)
@@ -286,10 +274,10 @@ class ServiceLoop:
         return WorkerSnapshot(
             state="draining" if self.stopping else "running",
             held_jobs=len(self.held),
-            stats=dict(self.stats),
+            stats=self.counters.by_status(),
             engine=EngineFigures.of(self.engine),
-            tokens_generated=self.tokens_generated,
-            redis_outages=self.recovery.redis_outages,
+            tokens_generated=self.counters.tokens_generated,
+            redis_outages=self.counters.redis_outages,
             preemptions=preemptions,
             seat_preemptions=seats,
             tenants=self.lanes.tenants.figures(self.held),

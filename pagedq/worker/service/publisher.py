@@ -15,7 +15,8 @@ from redis.exceptions import NoScriptError
 
 from pagedq.worker.protocol import scripts
 from pagedq.worker.protocol.job import Choice, FinalRecord, Timings, Usage
-from pagedq.worker.protocol.keys import BANDS, DATA_FIELD, DEFAULT_BAND, GROUP, TYPE_FIELD, QueueKeys
+from pagedq.worker.protocol.keys import BANDS, DATA_FIELD, DEFAULT_BAND, GROUP, TYPE_FIELD
+from pagedq.worker.service.context import ServiceContext
 from pagedq.worker.service.held import CELERY_ORIGIN, HeldJob, Sample
 from pagedq.worker.service.token_texts import TokenTexts, ids_named
 
@@ -25,31 +26,35 @@ MAX_DEAD_RAW_BYTES = 1024 * 1024  # of a raw dead letter: enough to see what it 
 
 
 class Publisher:
-    def __init__(
-        self,
-        keys: QueueKeys,
-        worker_name: str,
-        result_ttl_s: int,
-        completions_maxlen: int,
-        tokenizer: Any = None,
-    ) -> None:
-        self.keys, self.worker_name = keys, worker_name
+    def __init__(self, ctx: ServiceContext, tokenizer: Any = None) -> None:
+        self.keys, self.worker_name, self.redis = ctx.keys, ctx.settings.name, ctx.redis
         # None without a tokenizer (a stub engine): records then name no token texts
         self.token_texts = TokenTexts(tokenizer) if tokenizer is not None else None
-        self.ttl, self.maxlen = int(result_ttl_s), int(completions_maxlen)
-        self.ops: list[tuple[Any, ...]] = []
-        self.finals: list[tuple[str, str, str, str, str]] = []  # job_id, entry_id, final_json, dead_json, band
-        self.expiring: set[str] = set()  # result streams that already got their TTL
+        self.ttl, self.maxlen = int(ctx.settings.result_ttl_s), int(ctx.settings.completions_maxlen)
+        self._ops: list[tuple[Any, ...]] = []
+        self._finals: list[tuple[str, str, str, str, str]] = []  # job_id, entry_id, final_json, dead_json, band
+        self._expiring: set[str] = set()  # result streams that already got their TTL
         self.finals_written = 0
         self.duplicates = 0
-        # Celery-delivered jobs finalised but not yet reported to Celery's result backend and acked:
-        # their job ids. take() moves them to `settling`; the worker settles them once the FINALIZE calls
+        # Front-door jobs finalised but not yet reported to their door (Celery's result backend) and acked: their
+        # job ids. take() moves them to `_settling`; the worker settles them (take_settled) once the FINALIZE calls
         # of the same take() have succeeded.
-        self.celery_done: list[str] = []
-        self.settling: list[str] = []
+        self._door_done: list[str] = []
+        self._settling: list[str] = []
 
     def __len__(self) -> int:
-        return len(self.ops) + len(self.finals) + len(self.celery_done)
+        return len(self._ops) + len(self._finals) + len(self._door_done)
+
+    def ack(self, band: str, entry_id: str, delete: bool = False) -> None:
+        """Acknowledge an entry of a band's stream without a final record (delete: and remove it from the stream)."""
+        stream = self.keys.jobs_of(band)
+        self._ops.append(("XACK", stream, GROUP, entry_id))
+        if delete:
+            self._ops.append(("XDEL", stream, entry_id))
+
+    def mark_known(self, job_id: str) -> None:
+        """Record that a job id is held by a worker (Client.cancel checks it)."""
+        self._ops.append(("HSET", self.keys.ids, job_id, 1))
 
     def delta(
         self, t: HeldJob, text: str, token_ids: list[int], pos: int, logprobs: list | None, index: int | None = None
@@ -70,21 +75,21 @@ class Publisher:
             named = ids_named([*prompt_ids, *token_ids], [*(payload.get("prompt_logprobs") or ()), *(logprobs or ())])
             payload["token_texts"] = self.token_texts.of(named) if self.token_texts else None
         key = self.keys.result(t.id)
-        self.ops.append(("XADD", key, "*", TYPE_FIELD, "delta", DATA_FIELD, json.dumps(payload)))
-        if key not in self.expiring:  # one EXPIRE per stream, not per delta; FINALIZE sets it again
-            self.expiring.add(key)
-            self.ops.append(("EXPIRE", key, self.ttl))
+        self._ops.append(("XADD", key, "*", TYPE_FIELD, "delta", DATA_FIELD, json.dumps(payload)))
+        if key not in self._expiring:  # one EXPIRE per stream, not per delta; FINALIZE sets it again
+            self._expiring.add(key)
+            self._ops.append(("EXPIRE", key, self.ttl))
 
     def final(self, record: FinalRecord, origin: str, entry_id: str | None, dead: dict | None = None) -> None:
         """Queue a final record. A stream job's entry (in its band's stream) is acknowledged with it; a Celery
         job is acknowledged on the Celery side once FINALIZE has run."""
-        self.expiring.discard(self.keys.result(record.id))
+        self._expiring.discard(self.keys.result(record.id))
         if origin == CELERY_ORIGIN:
-            self.celery_done.append(record.id)
+            self._door_done.append(record.id)
             entry_id = None
         elif origin not in BANDS:
             raise ValueError(f"unknown origin {origin!r}")
-        self.finals.append(
+        self._finals.append(
             (
                 record.id,
                 entry_id or "",
@@ -109,7 +114,7 @@ class Publisher:
             }
         )
         k = self.keys
-        self.ops.append(
+        self._ops.append(
             (
                 "EVALSHA",
                 scripts.SHA["dead_raw"],
@@ -186,9 +191,9 @@ class Publisher:
 
     def take(self) -> list[tuple[Any, ...]]:
         """Every queued write as commands: the deltas, then one FINALIZE call per FINALIZE_CHUNK jobs."""
-        ops, self.ops = self.ops, []
-        finals, self.finals = self.finals, []
-        self.settling, self.celery_done = self.celery_done, []
+        ops, self._ops = self._ops, []
+        finals, self._finals = self._finals, []
+        self._settling, self._door_done = self._door_done, []
         k = self.keys
         for i in range(0, len(finals), FINALIZE_CHUNK):
             chunk = finals[i : i + FINALIZE_CHUNK]
@@ -201,11 +206,16 @@ class Publisher:
 
     def restore(self, ops: list[tuple[Any, ...]]) -> None:
         """Put back what take() returned when its pipeline failed to reach Redis: sent first next time."""
-        self.ops = ops + self.ops
-        self.celery_done = self.settling + self.celery_done
-        self.settling = []
+        self._ops = ops + self._ops
+        self._door_done = self._settling + self._door_done
+        self._settling = []
 
-    def check(self, redis_client, ops: list[tuple[Any, ...]], results: list[Any]) -> None:
+    def take_settled(self) -> list[str]:
+        """The front-door job ids whose final records the last take()'s pipeline wrote: theirs to settle now."""
+        done, self._settling = self._settling, []
+        return done
+
+    def check(self, ops: list[tuple[Any, ...]], results: list[Any]) -> None:
         """Inspect the results of ops sent in a pipeline; re-send finalize calls that hit NOSCRIPT."""
         retry = []
         for op, res in zip(ops, results):
@@ -214,7 +224,7 @@ class Publisher:
             elif isinstance(res, Exception) and op[1] == scripts.SHA["dead_raw"]:
                 # not even the raw copy could be stored: acknowledge anyway, the log keeps the evidence
                 log.error("dead_letter_failed", entry_id=op[6], error=repr(res))
-                self.ops += [("XACK", op[3], GROUP, op[6]), ("XDEL", op[3], op[6])]
+                self._ops += [("XACK", op[3], GROUP, op[6]), ("XDEL", op[3], op[6])]
             elif isinstance(res, Exception):
                 raise res
             elif op[0] == "EVALSHA" and op[1] == scripts.SHA["finalize"]:
@@ -222,11 +232,11 @@ class Publisher:
                 self.finals_written += written
                 self.duplicates += len(res) - written
         if retry:
-            scripts.load_all(redis_client)
-            pipe = redis_client.pipeline(transaction=False)
+            scripts.load_all(self.redis)
+            pipe = self.redis.pipeline(transaction=False)
             for op in retry:
                 pipe.execute_command(*op)
-            self.check(redis_client, retry, pipe.execute(raise_on_error=False))
+            self.check(retry, pipe.execute(raise_on_error=False))
 
 
 def _dt(start: float, end: float | None) -> float | None:

@@ -14,6 +14,9 @@
   (several at once) and isolation goes on; if not, the fault is the worker's: it stops without settling
   anything (exit status 3) and its unacknowledged jobs go to healthy workers, or to it restarted, after the
   lease.
+- The engine raises taking a job in (preparing its prompt, add_request) with anything but RequestRejected (the
+  caller's fault: the job is rejected): the engine's failure. It is a failed run of that job: retried as a suspect,
+  dead-lettered after max_attempts.
 - Redis is unreachable (a restart, a failover): the worker keeps stepping the jobs it holds; their deltas and
   final records wait in the publisher's buffer and go out with the first round trip once Redis answers. Past
   `redis_outage_s` it exits (status 4) and, nothing being acknowledged, the jobs are redelivered. A pipeline
@@ -25,10 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -36,9 +37,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pagedq.worker.protocol import scripts
 from pagedq.worker.service.admission import Intake
-from pagedq.worker.service.config import WorkerSettings
+from pagedq.worker.service.context import ServiceContext
 from pagedq.worker.service.engine_api import RequestOutput, SamplingParams, WorkerEngine
-from pagedq.worker.service.held import HeldJob, HeldJobs, JobState
+from pagedq.worker.service.held import HeldJob, JobState
 from pagedq.worker.service.leases import Leases
 
 EXIT_ENGINE_BROKEN = 3  # process status when the breaker stopped the worker: restart it
@@ -90,39 +91,14 @@ def wait_for_redis(redis_client: Any, step: Callable[[], bool], give_up_at: Call
             time.sleep(max(0.0, min(next_ping, give_up_at()) - time.monotonic()))
 
 
-@dataclass
-class Stop:
-    """Whether and when the loop stops, and with what status: shared by the loop (signals, drain) and Recovery
-    (which stops it at once)."""
-
-    requested: bool = False
-    by: float = math.inf  # time.monotonic() past which in-flight jobs are left unacknowledged
-    exit_code: int = 0
-
-    def now(self, exit_code: int) -> None:
-        self.exit_code = self.exit_code or exit_code
-        self.requested, self.by = True, 0.0
-
-
 class Recovery:
     """The loop's failure handling, called by the loop with the jobs at hand; it holds what it acts on."""
 
-    def __init__(
-        self,
-        engine: WorkerEngine,
-        redis_client: Any,
-        settings: WorkerSettings,
-        held: HeldJobs,
-        intake: Intake,
-        leases: Leases,
-        stop: Stop,
-        log: Any,
-    ) -> None:
-        self.engine, self.r, self.s, self.keys = engine, redis_client, settings, intake.keys
-        self.held, self.intake, self.publisher, self.leases = held, intake, intake.publisher, leases
-        self.stop, self.log = stop, log
-        self.breaker = EngineBreaker(settings.engine_failure_limit)
-        self.redis_outages = 0  # outages ridden out (a metrics counter)
+    def __init__(self, ctx: ServiceContext, engine: WorkerEngine, intake: Intake, leases: Leases) -> None:
+        self.r, self.s, self.keys, self.log, self.counters = ctx.redis, ctx.settings, ctx.keys, ctx.log, ctx.counters
+        self.held, self.stop = ctx.held, ctx.stop
+        self.engine, self.intake, self.publisher, self.leases = engine, intake, intake.publisher, leases
+        self.breaker = EngineBreaker(ctx.settings.engine_failure_limit)
 
     def step_succeeded(self) -> None:
         self.breaker.step_succeeded()
@@ -148,10 +124,20 @@ class Recovery:
             t.move(JobState.SUSPECT)
             t.reset_output()
 
-    def job_error(self, t: HeldJob, exc: Exception) -> None:
+    def admission_failed(self, t: HeldJob, exc: Exception) -> None:
+        """The engine raised taking t in (preparing it or adding it) with anything but RequestRejected: the
+        engine's failure, not the job's verdict. It counts as a failed run of t (else an engine that always fails
+        there would retry t forever) and goes where any failed run goes (job_error); it counts towards the breaker
+        only when nothing else is in the engine (a failure alone, and the canary's steps would eat other outputs)."""
+        t.attempts += 1
+        self.job_error(t, exc, alone=not self.engine.has_unfinished_requests())
+
+    def job_error(self, t: HeldJob, exc: Exception, alone: bool = True) -> None:
+        """A run of t failed (alone: with nothing else in the engine): t is retried as a suspect, or dead-lettered
+        once it has used max_attempts runs."""
         t.last_error = f"{type(exc).__name__}: {exc}"
         self.log.warning("job_attempt_failed", job_id=t.id, attempts=t.attempts, error=t.last_error)
-        if self.breaker.job_failed_alone(t.id) and not self._engine_answers_canary():
+        if alone and self.breaker.job_failed_alone(t.id) and not self._engine_answers_canary():
             self._stop_now("engine_broken", EXIT_ENGINE_BROKEN, exc, failed_alone=self.breaker.num_failed_alone)
         elif t.attempts >= self.s.max_attempts:
             self.intake.dead_letter(t, "the job failed in the engine")
@@ -209,7 +195,7 @@ class Recovery:
             return
         self.leases.ensure_group()  # a Redis that came back empty has neither the group nor the scripts
         scripts.load_all(self.r)
-        self.redis_outages += 1
+        self.counters.outage_ridden_out()
         self.log.info("redis_reconnected", seconds=round(time.monotonic() - started, 3), buffered=len(self.publisher))
 
     def _stop_now(self, event: str, exit_code: int, exc: Exception, **fields: Any) -> None:

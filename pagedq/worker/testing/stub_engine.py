@@ -15,8 +15,13 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from pagedq.engine.errors import RequestRejected
-from pagedq.worker.service.engine_api import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
+from pagedq.worker.service.engine_api import (
+    CompletionOutput,
+    RequestOutput,
+    RequestOutputKind,
+    RequestRejected,
+    SamplingParams,
+)
 
 EOS_ID = 2
 FIRST_TEXT_ID = 3
