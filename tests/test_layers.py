@@ -53,7 +53,6 @@ ENGINE_LAYERS: dict[str, int] = {
     "pagedq.engine.startup": 0,
     "pagedq.engine.demo_model": 0,
     "pagedq.engine.stats": 0,
-    "pagedq.engine.errors": 0,
     "pagedq.engine.config": 1,  # model, engine and speculative configuration; the architectures served
     "pagedq.engine.structured_output": 1,  # grammars: constraints, compilation, matchers, per-step masks
     "pagedq.engine.sample": 2,  # sampling parameters and the sampler

@@ -21,7 +21,6 @@ _EXPORTS = {
     "BeamSearchParams": "pagedq.engine.beam_search",
     "BeamSearchOutput": "pagedq.engine.beam_search",
     "BeamSearchSequence": "pagedq.engine.beam_search",
-    "RequestRejected": "pagedq.engine.errors",
 }
 __all__ = list(_EXPORTS)
 

@@ -1,5 +1,6 @@
 """`pagedq bench structured` runs through on a tiny checkpoint: every schema compiles (cold and cached), the mask
-rows fill from matchers spread through a valid document, and the end-to-end runs generate (figures: docs/benchmarks.md#structured-outputs)."""
+rows fill from matchers spread through a valid document, and the end-to-end runs generate (figures:
+docs/benchmarks.md#structured-outputs)."""
 
 from __future__ import annotations
 
