@@ -25,7 +25,8 @@ def schedule_decodes(
 ) -> int:
     """Schedule one decode token for each of running[index:] in turn while it is the steady case (see the module
     doc) and the budget lasts; returns the index of the first not scheduled (left unchanged: the general path takes
-    it). Same effects per request as the general path: slot fill, blocks hashed, `Request.begin_chunk`."""
+    it). Same effects per request as the general path: slot fill, blocks hashed, and `Request.begin_chunk` (its steady
+    case, `Request.begin_decode`)."""
     end = min(len(running), index + budget)
     append_slot, append = manager.append_slot, scheduled.append
     while index < end:
@@ -41,6 +42,6 @@ def schedule_decodes(
         # As Scheduler._scheduled: blocks of known tokens filled by now are hashed too (most steps: none).
         if not append_slot(request.request_id, start, token_ids, start + 1 if start < num_tokens else num_tokens):
             return index
-        append(request.begin_chunk(1))
+        append(request.begin_decode())
         index += 1
     return index

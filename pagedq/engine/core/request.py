@@ -81,10 +81,10 @@ class Request:
         runner_num_blocks    block-table entries the runner holds that are still right (lowered when an entry
                              changes: copy-on-write, blocks trimmed after verification)
 
-    Only the methods under "progress" below change them (and the constructor, which `fork` goes through): begin_chunk /
-    cancel_chunk / land_chunk for a chunk's life, keep_verified after verification, start_computed_at /
-    reset_computed / reset_for_recompute for admission and preemption, sent_to_runner / runner_blocks_changed_from /
-    leave_runner for what the runner holds.
+    Only the methods under "progress" below change them (and the constructor, which `fork` goes through):
+    begin_chunk (or begin_decode, its steady case) / cancel_chunk / land_chunk for a chunk's life, keep_verified
+    after verification, start_computed_at / reset_computed / reset_for_recompute for admission and preemption,
+    sent_to_runner / runner_blocks_changed_from / leave_runner for what the runner holds.
     """
 
     request_id: str
@@ -198,6 +198,15 @@ class Request:
         if needs_sample and not self.is_beam:
             self.num_placeholders += 1
         return _new_scheduled(ScheduledRequest, (self, num_new + len(drafts), start, needs_sample, self.epoch, drafts))
+
+    def begin_decode(self) -> ScheduledRequest:
+        """`begin_chunk(1)` where the scheduler's fast path has checked the steady decode (one token, which samples,
+        not a beam): the same transition without the general case's tests (it runs per sequence per step)."""
+        start = self.num_computed_tokens
+        self.num_computed_tokens = start + 1
+        self.num_in_flight += 1
+        self.num_placeholders += 1
+        return _new_scheduled(ScheduledRequest, (self, 1, start, True, self.epoch, ()))
 
     def cancel_chunk(self, item: ScheduledRequest) -> None:
         """Take back `item`, scheduled in the step being built (the request is preempted before the step runs)."""
