@@ -4,6 +4,10 @@ The single mechanism for prefill and decode (vLLM v1): a request has `num_tokens
 outputs so far) of which `num_computed_tokens` already have K/V in the cache. Each step the scheduler
 lets the computed count catch up; when it reaches `num_tokens` the model's last logits are sampled and
 one more token is appended. Chunked prefill and recompute preemption are just different catch-up paths.
+
+A request's progress (how far it is computed, what is in flight, what the model runner holds of it) changes only
+through `Request`'s own transitions, below its fields: the scheduler, its fast path, the plan builder and the
+post-step call them, and nobody assigns those fields.
 """
 
 from __future__ import annotations
@@ -45,8 +49,44 @@ class SampledToken(NamedTuple):
     top_logprobs: dict[int, float] | None = None
 
 
+class ScheduledRequest(NamedTuple):
+    """One sequence's share of a step, the scheduler's own record of it (the runner gets `SchedulerOutput.plan`).
+
+    A NamedTuple rather than a frozen dataclass: one is built per sequence per step, and it is 3x cheaper.
+    """
+
+    request: Request
+    num_new_tokens: int
+    start_position: int  # the request's num_computed_tokens when scheduled
+    needs_sample: bool  # this chunk reaches the request's last token, so its logits yield the next token
+    epoch: int  # the request's epoch when scheduled: a result from before a recompute preemption is stale
+    draft_token_ids: tuple[int, ...] = ()  # speculative drafts after its last token (counted in num_new_tokens)
+
+
+_new_scheduled = tuple.__new__  # builds a ScheduledRequest without the NamedTuple's Python-level __new__
+
+
 @dataclass(slots=True)
 class Request:
+    """A sequence and its progress. The progress fields, and the one owner of their transitions:
+
+        num_computed_tokens  positions whose K/V is in the cache or being written by a step in flight (it advances
+                             when a chunk is scheduled, vLLM v1, so the next step can be scheduled while this one
+                             runs; a verify row's drafts count until verification cuts it back)
+        num_placeholders     tokens sampled by steps in flight, not appended yet (async scheduling)
+        num_in_flight        steps in flight that hold a chunk of it
+        epoch                bumped when its computed state is thrown away (recompute): results of older steps
+                             are stale and dropped
+        runner_num_tokens    tokens the model runner holds of it (0: no row there, it is sent in full next time)
+        runner_num_blocks    block-table entries the runner holds that are still right (lowered when an entry
+                             changes: copy-on-write, blocks trimmed after verification)
+
+    Only the methods under "progress" below change them (and the constructor, which `fork` goes through):
+    begin_chunk (or begin_decode, its steady case) / cancel_chunk / land_chunk for a chunk's life, keep_verified
+    after verification, start_computed_at / reset_computed / reset_for_recompute for admission and preemption,
+    sent_to_runner / runner_blocks_changed_from / leave_runner for what the runner holds.
+    """
+
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
@@ -73,13 +113,12 @@ class Request:
     fan_out: int = 0  # extra samples to fork from this sequence when its first token is drawn
     is_beam: bool = False  # beam sequences report candidates instead of appending a token
     beam_candidates: dict[int, float] | None = None  # token -> logprob, set by the step, taken by selection
-    # What the model runner holds of this request (0 tokens: no row there; it is sent in full next time).
+    # Progress (the class doc: what each means; only the methods under "progress" change them)
     runner_num_tokens: int = 0
     runner_num_blocks: int = 0
-    # Async scheduling: tokens sampled by steps still in flight (not yet appended), and those steps' count.
     num_placeholders: int = 0
     num_in_flight: int = 0
-    epoch: int = 0  # bumped when its computed state is thrown away (recompute): older step results are stale
+    epoch: int = 0
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -146,6 +185,92 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    # ---- progress: the only writers of the fields the class doc lists -------------------------------------------
+    def begin_chunk(self, num_new: int, drafts: tuple[int, ...] = ()) -> ScheduledRequest:
+        """Schedule the next `num_new` positions (and `drafts` after them, a verify row): they count as computed
+        from now on, the step is in flight, and a token it samples is a placeholder until its result lands."""
+        start = self.num_computed_tokens
+        end = start + num_new
+        needs_sample = end == len(self.all_token_ids) + self.num_placeholders
+        self.num_computed_tokens = end + len(drafts)
+        self.num_in_flight += 1
+        if needs_sample and not self.is_beam:
+            self.num_placeholders += 1
+        return _new_scheduled(ScheduledRequest, (self, num_new + len(drafts), start, needs_sample, self.epoch, drafts))
+
+    def begin_decode(self) -> ScheduledRequest:
+        """`begin_chunk(1)` where the scheduler's fast path has checked the steady decode (one token, which samples,
+        not a beam): the same transition without the general case's tests (it runs per sequence per step)."""
+        start = self.num_computed_tokens
+        self.num_computed_tokens = start + 1
+        self.num_in_flight += 1
+        self.num_placeholders += 1
+        return _new_scheduled(ScheduledRequest, (self, 1, start, True, self.epoch, ()))
+
+    def cancel_chunk(self, item: ScheduledRequest) -> None:
+        """Take back `item`, scheduled in the step being built (the request is preempted before the step runs)."""
+        self.num_computed_tokens = item.start_position
+        self.num_in_flight -= 1
+        if item.needs_sample and not self.is_beam:
+            self.num_placeholders -= 1
+
+    def land_chunk(self, item: ScheduledRequest) -> None:
+        """`item`'s step is back (its result is current: same epoch): it is no longer in flight, nor its sample a
+        placeholder (the caller appends the token)."""
+        self.num_in_flight -= 1
+        if item.needs_sample and not self.is_beam:
+            self.num_placeholders -= 1
+
+    def keep_verified(self) -> None:
+        """After a verify row's tokens are appended: computed up to its last token (the rejected drafts' slots hold
+        nothing; the last token is computed next step)."""
+        self.num_computed_tokens = len(self.all_token_ids) - 1
+
+    def start_computed_at(self, num_computed: int) -> None:
+        """Admission: the first `num_computed` tokens' K/V is already there (the prefix cache's blocks)."""
+        self.num_computed_tokens = num_computed
+
+    def reset_computed(self) -> None:
+        """Nothing computed, nothing in flight to disown: a waiting request whose admission fell through."""
+        self.num_computed_tokens = 0
+
+    def reset_for_recompute(self) -> None:
+        """Its K/V is thrown away (recompute preemption, a failed step): nothing computed, and the results of
+        steps still in flight for it are stale (a new epoch), so they neither land nor count as placeholders."""
+        self.num_computed_tokens = self.num_placeholders = self.num_in_flight = 0
+        self.epoch += 1
+
+    def sent_to_runner(self, num_blocks: int) -> None:
+        """A step's plan carries it: the runner now holds all its tokens and `num_blocks` table entries."""
+        self.runner_num_tokens, self.runner_num_blocks = len(self.all_token_ids), num_blocks
+
+    def runner_blocks_changed_from(self, index: int) -> None:
+        """Its block table changed from entry `index` on (copy-on-write, trimmed): the runner's copy is right only
+        below it, the next plan sends the rest."""
+        if index < self.runner_num_blocks:
+            self.runner_num_blocks = index
+
+    def leave_runner(self) -> bool:
+        """Its runner row goes (finished, preempted): whether the runner held one (the plan must name it then); it
+        is sent in full if it comes back."""
+        if not self.runner_num_tokens:
+            return False
+        self.runner_num_tokens = self.runner_num_blocks = 0
+        return True
+
+    def waits_for_its_token(self, max_model_len: int) -> bool:
+        """Whether a request whose last sample is still in flight (async scheduling) must not run again yet: it
+        has reached its length limit by that token (vLLM's guard: no wasted step), or that token fans out into
+        siblings, which must fork from the state before the next position is computed."""
+        if not self.num_placeholders:
+            return False
+        num_tokens = len(self.all_token_ids) + self.num_placeholders
+        return (
+            self.fan_out > 0
+            or num_tokens - len(self.prompt_token_ids) >= self.sampling_params.max_tokens
+            or num_tokens >= max_model_len
+        )
 
     def append_output_token(self, sampled: SampledToken) -> None:
         if self.first_token_time is None:

@@ -23,8 +23,8 @@ from operator import attrgetter
 from typing import Protocol
 
 from pagedq.engine.core.block_manager import BlockManager
-from pagedq.engine.core.decode_fast_path import ScheduledRequest, schedule_decodes, waits_for_its_token
-from pagedq.engine.core.request import Request, RequestStatus
+from pagedq.engine.core.decode_fast_path import schedule_decodes
+from pagedq.engine.core.request import Request, RequestStatus, ScheduledRequest
 from pagedq.engine.core.seats import SeatPolicy, seat_victims, seats_of, waiting_groups
 from pagedq.engine.core.step_plan import StepPlan, build_plan
 from pagedq.engine.core.swap import SwapSpace
@@ -133,9 +133,8 @@ class Scheduler:
         self._forget_in_runner(request)
 
     def _forget_in_runner(self, request: Request) -> None:
-        if request.runner_num_tokens:
+        if request.leave_runner():
             self._left_runner.append(request.request_id)
-            request.runner_num_tokens = request.runner_num_blocks = 0
 
     def fork(self, parent: Request, child: Request) -> None:
         """Run `child` (a fork of running `parent`) from now on, sharing the parent's blocks."""
@@ -163,8 +162,8 @@ class Scheduler:
             request = running[index]
             placeholders = request.num_placeholders
             num_new = min(len(request.all_token_ids) + placeholders - request.num_computed_tokens, budget)
-            if num_new == 0 or (placeholders and waits_for_its_token(request, self.max_model_len)):
-                index += 1  # a beam waiting for its siblings' candidates, or see waits_for_its_token
+            if num_new == 0 or (placeholders and request.waits_for_its_token(self.max_model_len)):
+                index += 1  # a beam waiting for its siblings' candidates, or see Request.waits_for_its_token
                 continue
             num_preempted = len(output.preempted)
             if not self._allocate_or_preempt(request, num_new, output):
@@ -236,7 +235,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 return False
         if copies:  # copy-on-write replaced the entry of the block being written: the runner must hear of it
-            request.runner_num_blocks = min(request.runner_num_blocks, start // self.block_manager.block_size)
+            request.runner_blocks_changed_from(start // self.block_manager.block_size)
         output.blocks_to_copy += copies
         return True
 
@@ -250,16 +249,9 @@ class Scheduler:
         self.running.remove(request)
         self.block_manager.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
+        request.reset_for_recompute()
         self._forget_in_runner(request)
-        self._forget_in_flight(request)
         self._push_waiting(request)
-
-    @staticmethod
-    def _forget_in_flight(request: Request) -> None:
-        """Results of steps in flight for a request sent back to recompute will be dropped (their epoch is stale)."""
-        request.num_placeholders = request.num_in_flight = 0
-        request.epoch += 1
 
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         already_scheduled = self._unschedule(request, output)
@@ -283,8 +275,7 @@ class Scheduler:
             request.status = RequestStatus.SWAPPED
         else:  # recompute (also the fallback when the CPU pool is full)
             request.status = RequestStatus.PREEMPTED
-            request.num_computed_tokens = 0
-            self._forget_in_flight(request)
+            request.reset_for_recompute()
         request.num_preemptions += 1
         self.num_preemptions += 1
         output.preempted.append(request)
@@ -295,9 +286,7 @@ class Scheduler:
         for position, item in enumerate(output.scheduled):
             if item.request is request:
                 del output.scheduled[position]
-                request.num_computed_tokens = item.start_position
-                request.num_in_flight -= 1
-                request.num_placeholders -= item.needs_sample and not request.is_beam
+                request.cancel_chunk(item)
                 self.block_manager.uncache_uncomputed(request.request_id, item.start_position)
                 own = set(self.block_manager.block_table(request.request_id))
                 output.blocks_to_copy = [(src, dst) for src, dst in output.blocks_to_copy if dst not in own]
@@ -324,7 +313,7 @@ class Scheduler:
                 for request in reversed(admitted):
                     self._unschedule(request, output)
                     self.block_manager.free(request.request_id)
-                    request.num_computed_tokens = 0
+                    request.reset_computed()
                 break
             self._leave_waiting(group)
             free_seats -= seats
@@ -350,7 +339,7 @@ class Scheduler:
         manager = self.block_manager
         swapped = request.status is RequestStatus.SWAPPED
         if not swapped and not request.needs_prompt_logprobs:  # cached prompt blocks would skip their logits
-            request.num_computed_tokens = manager.match_prefix(request.request_id, request.all_token_ids)
+            request.start_computed_at(manager.match_prefix(request.request_id, request.all_token_ids))
         start = request.num_computed_tokens
         num_new = min(request.num_tokens - start, budget)
         # A swapped request needs device blocks for what it had computed too: allocate from position 0.
@@ -358,7 +347,7 @@ class Scheduler:
         if copies is None:
             if not swapped:
                 manager.free(request.request_id)  # give back the prefix blocks it took
-                request.num_computed_tokens = 0
+                request.reset_computed()
             return False
         output.blocks_to_copy += copies
         if swapped:
@@ -370,19 +359,11 @@ class Scheduler:
         return True
 
     def _scheduled(self, request: Request, num_new: int, drafts: tuple[int, ...] = ()) -> ScheduledRequest:
-        """Record a request's chunk; its computed count advances now (vLLM v1), so the next step can be scheduled
-        while this one runs, and a token this chunk samples counts as a placeholder until its result is in. Its
-        drafts count as computed until verification cuts the count back (pagedq/engine/step/post_step.py)."""
-        start = request.num_computed_tokens
-        end = start + num_new
-        num_tokens = len(request.all_token_ids)
+        """Record a request's chunk (`Request.begin_chunk`: it counts as computed from now on, vLLM v1, so the next
+        step can be scheduled while this one runs)."""
         # Blocks this step fills are cached now, not after the step: a request admitted later in this same
         # step may then reuse them, since every layer stores the whole batch's K/V before attending. Only blocks
         # of known tokens: one holding a placeholder is hashed once its token is in.
-        self.block_manager.cache_full_blocks(request.request_id, request.all_token_ids, min(end, num_tokens))
-        needs_sample = end == num_tokens + request.num_placeholders
-        request.num_computed_tokens = end + len(drafts)
-        request.num_in_flight += 1
-        if needs_sample and not request.is_beam:
-            request.num_placeholders += 1
-        return ScheduledRequest(request, num_new + len(drafts), start, needs_sample, request.epoch, drafts)
+        end = min(request.num_computed_tokens + num_new, len(request.all_token_ids))
+        self.block_manager.cache_full_blocks(request.request_id, request.all_token_ids, end)
+        return request.begin_chunk(num_new, drafts)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from pagedq.engine.core.block_manager import BlockManager
-from pagedq.engine.core.request import Request, SampledToken
+from pagedq.engine.core.request import Request, SampledToken, ScheduledRequest
 from pagedq.engine.sample.sampling_params import SamplingParams
 
 
@@ -84,13 +84,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
 
 
-# scheduler.ScheduledRequest: request, num_new, start, sample, epoch, drafts
-Scheduled = tuple[Request, int, int, bool, int, tuple[int, ...]]
-
-
 def build_plan(
     manager: BlockManager,
-    scheduled: Iterable[Scheduled],
+    scheduled: Iterable[ScheduledRequest],
     blocks: tuple[Sequence[tuple[int, int]], Sequence[tuple[int, int]], Sequence[tuple[int, int]]],
     departed: tuple[str, ...],
 ) -> StepPlan:
@@ -104,7 +100,7 @@ def build_plan(
         if not request.runner_num_tokens:
             append(_new_request_data(request, table, num_new, start, needs_sample, drafts))
         else:
-            # Only appended entries, or one copy-on-write replaced (runner_num_blocks was lowered then): every
+            # Only appended entries, or those changed since (runner_num_blocks was lowered then): every
             # other entry of a running request's table is fixed. Most decode steps send none. Built with
             # tuple.__new__: a NamedTuple's own __new__ is a Python call, and this runs per sequence per step.
             first = request.runner_num_blocks
@@ -116,7 +112,7 @@ def build_plan(
                     (request.request_id, new_tokens, first, new_blocks, num_new, start, needs_sample, drafts),
                 )
             )
-        request.runner_num_tokens, request.runner_num_blocks = len(token_ids), num_blocks
+        request.sent_to_runner(num_blocks)
     copies, swap_out, swap_in = blocks
     return StepPlan(tuple(chunks), departed, tuple(copies), tuple(swap_out), tuple(swap_in))
 

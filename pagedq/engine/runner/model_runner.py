@@ -21,9 +21,10 @@ from pagedq.engine.layers import AttentionMetadata
 from pagedq.engine.models.loader import load_model
 from pagedq.engine.runner.cuda_graphs import DecodeGraphRunner
 from pagedq.engine.sample.sampler import sample
-from pagedq.engine.spec_decode.verify import draw_layout, record_verified
+from pagedq.engine.spec_decode.verify import record_verified
 from pagedq.engine.step.async_step import DeviceQueue, DeviceResult, StepHandle
 from pagedq.engine.step.batch_state import BatchState, RowInfo, SamplingPlan
+from pagedq.engine.step.draws import draw_layout
 from pagedq.engine.step.runner_outputs import prompt_logprobs, sampled_tokens
 from pagedq.engine.step.step_inputs import StepInputs, build_step_inputs, decodes_first
 
@@ -134,19 +135,13 @@ class ModelRunner:
         draws = draw_layout(ordered, infos, rows, inputs.lengths)
         if draws is None:
             return PreparedStep(plan, device_ops, ordered, infos, inputs)
-        last_index, draw_rows, draw_index, positions, verify, draw_chunks = draws
+        for i in draws.forking.tolist():
+            infos[i].fan_out = 0  # spent: a row forks once, at the draws laid out now
         # every chunk draws once, in order (most steps), or each draw takes its chunk's row info
-        once_each = np.array_equal(draw_chunks, np.arange(len(infos)))
-        draw_infos = infos if once_each else [infos[i] for i in draw_chunks.tolist()]
-        return PreparedStep(
-            plan,
-            device_ops,
-            ordered,
-            infos,
-            inputs,
-            self.state.sampling_plan(draw_rows, draw_index, positions, verify, draw_infos),
-            last_index,
-        )
+        once_each = np.array_equal(draws.draw_chunk, np.arange(len(infos)))
+        draw_infos = infos if once_each else [infos[i] for i in draws.draw_chunk.tolist()]
+        sampling = self.state.sampling_plan(draws.rows, draws.draw_index, draws.positions, draws.verify, draw_infos)
+        return PreparedStep(plan, device_ops, ordered, infos, inputs, sampling, draws.last_index)
 
     def launch(self, step: PreparedStep) -> StepHandle:
         """Queue the step's device work: it runs after every step launched before it (a step whose sampling waits

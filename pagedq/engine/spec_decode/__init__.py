@@ -3,7 +3,7 @@
     config.py   SpeculativeConfig: vLLM's `speculative_config` (method "ngram", num_speculative_tokens, ...)
     ngram.py    NgramProposer: prompt lookup, incremental per request
     drafts.py   Speculation: the engine's side (which rows draft, how many, lookahead KV blocks, the figures)
-    verify.py   the runner's side: draws at every verify position, acceptance on the device
+    verify.py   the runner's side: acceptance on the device (where verify rows draw: engine/step/draws.py)
 
 The design and its exactness argument: docs/engine.md, "Speculative decoding".
 """

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from pagedq.engine.core.block_manager import BlockManager
-from pagedq.engine.core.request import Request, SampledToken
+from pagedq.engine.core.request import Request, SampledToken, ScheduledRequest
 from pagedq.engine.spec_decode import Proposer
 
 if TYPE_CHECKING:
@@ -35,16 +35,6 @@ class DraftGrammar(Protocol):
     """What cuts a structured sequence's drafts to those its grammar accepts (the StructuredOutputManager)."""
 
     def cut_drafts(self, request: Request, drafts: tuple[int, ...]) -> tuple[int, ...]: ...
-
-
-class ScheduledDrafts(Protocol):
-    """What record_step reads of the scheduler's ScheduledRequest (a Protocol: the scheduler imports this module)."""
-
-    @property
-    def request(self) -> Request: ...
-
-    @property
-    def draft_token_ids(self) -> tuple[int, ...]: ...
 
 
 # A step's verify tokens at most (running sequences x (1 + drafts each)): long drafts pay alone, short ones in
@@ -246,8 +236,8 @@ class Speculation:
             for group_id in [g for g in self._groups if g not in groups]:
                 self.proposer.remove(self._groups.pop(group_id))
 
-    def record_step(self, scheduled: Sequence[ScheduledDrafts], sampled: dict[str, list[SampledToken]]) -> None:
-        """Count a step's verify rows (scheduler.ScheduledRequest) and what verification kept of their drafts."""
+    def record_step(self, scheduled: Sequence[ScheduledRequest], sampled: dict[str, list[SampledToken]]) -> None:
+        """Count a step's verify rows and what verification kept of their drafts."""
         for item in scheduled:
             if item.draft_token_ids and (draws := sampled.get(item.request.request_id)):
                 self.num_verify_rows += 1

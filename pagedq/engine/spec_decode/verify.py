@@ -1,4 +1,5 @@
-"""The runner's side of speculative decoding: where a step draws, and which draws verification keeps.
+"""The runner's side of speculative decoding: which draws verification keeps (where a step draws, verify rows
+included: pagedq/engine/step/draws.py).
 
 A verify row brings its last token and d drafts x_1..x_d (d + 1 query tokens over its paged context: the prefill
 kernel's path). The sampler then draws at each of its d + 1 positions exactly as an ordinary step would draw the
@@ -16,83 +17,14 @@ drops them. The row's latest token and, with penalties, its output-token counts 
 
 from __future__ import annotations
 
-from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from pagedq.engine.step.verify_plan import VerifyPlan
-
 if TYPE_CHECKING:
-    from pagedq.engine.core.step_plan import ScheduledChunk
-    from pagedq.engine.step.batch_state import BatchState, RowInfo
-
-
-_NEEDS_SAMPLE, _FAN_OUT = attrgetter("needs_sample"), attrgetter("fan_out")
-_START, _NUM_PROMPT, _DRAFTS = (
-    attrgetter("start_position"),
-    attrgetter("num_prompt_tokens"),
-    attrgetter("draft_token_ids"),
-)
-
-
-def draw_layout(ordered: list[ScheduledChunk], infos: list[RowInfo], rows: np.ndarray, lengths: np.ndarray):
-    """(flat token index whose logits are sampled, batch-state row, fan-out draw number, output position, the
-    verify plan or None, the chunk each draw is of) per draw, as arrays; None when nothing samples. A request about
-    to fork into several samples draws them all from its one row of logits (and forks only once: its fan-out is
-    spent here); a verify row draws at each of its 1 + d positions. Fields are read with map(attrgetter) (C loops:
-    this runs every step for every sequence while the device waits)."""
-    count = len(ordered)
-    chunks = np.flatnonzero(np.fromiter(map(_NEEDS_SAMPLE, ordered), dtype=bool, count=count))
-    if not len(chunks):
-        return None
-    fan_out = np.fromiter(map(_FAN_OUT, infos), dtype=np.int64, count=count)[chunks]
-    num_drafts = np.fromiter(map(len, map(_DRAFTS, ordered)), dtype=np.int64, count=count)[chunks]
-    starts = np.fromiter(map(_START, ordered), dtype=np.int64, count=count)
-    num_prompt = np.fromiter(map(_NUM_PROMPT, infos), dtype=np.int64, count=count)
-    ends = np.cumsum(lengths)
-    if not fan_out.any() and not num_drafts.any():  # one draw per sampling chunk: most steps
-        positions = (starts + lengths - num_prompt)[chunks]
-        return ends[chunks] - 1, rows[chunks], np.zeros(len(chunks), dtype=np.int64), positions, None, chunks
-    repeats = 1 + fan_out + num_drafts  # a row forks or verifies, never both (forks come with the first token)
-    draw_chunk = np.repeat(chunks, repeats)
-    offset = np.arange(len(draw_chunk)) - np.repeat(np.cumsum(repeats) - repeats, repeats)
-    drafts_of_draw = np.repeat(num_drafts, repeats)
-    verifying = drafts_of_draw > 0
-    step = np.where(verifying, offset, 0)  # j: how many of the row's drafts precede this draw's position
-    draw_index = np.where(verifying, 0, offset)
-    for i in chunks[fan_out > 0].tolist():
-        infos[i].fan_out = 0
-    back = drafts_of_draw - step  # positions before the row's last
-    last_index = ends[draw_chunk] - 1 - back
-    positions = (starts + lengths - num_prompt)[draw_chunk] - back
-    verify = _verify_plan(ordered, chunks, num_drafts, rows, repeats, verifying, step) if verifying.any() else None
-    return last_index, rows[draw_chunk], draw_index, positions, verify, draw_chunk
-
-
-def _verify_plan(ordered, chunks, num_drafts, rows, repeats, verifying, step) -> VerifyPlan:
-    row_chunks = chunks[num_drafts > 0]
-    counts = num_drafts[num_drafts > 0]
-    first = (np.cumsum(repeats) - repeats)[num_drafts > 0]
-    draws = np.flatnonzero(verifying)
-    drafts = np.fromiter(
-        (t for i in row_chunks.tolist() for t in ordered[i].draft_token_ids), dtype=np.int64, count=int(counts.sum())
-    )
-    draft_row = np.repeat(np.arange(len(counts)), counts)
-    draft_step = np.arange(len(drafts)) - np.repeat(np.cumsum(counts) - counts, counts)
-    width = int(counts.max())
-    return VerifyPlan(
-        rows=rows[row_chunks],
-        first=first,
-        draws=draws,
-        draw_row=np.repeat(np.arange(len(counts)), counts + 1),
-        draw_step=step[draws],
-        drafts=drafts,
-        draft_draws=first[draft_row] + draft_step,
-        pad_index=draft_row * width + draft_step,
-        width=width,
-    )
+    from pagedq.engine.step.batch_state import BatchState
+    from pagedq.engine.step.draws import VerifyPlan
 
 
 def accept(token_ids: torch.Tensor, plan: VerifyPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -28,7 +28,7 @@ from pagedq.engine.sample.sampler import SamplingBatch
 from pagedq.engine.sample.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pagedq.engine.step.verify_plan import VerifyPlan
+    from pagedq.engine.step.draws import VerifyPlan
 
 _WANTS_LOGPROBS = attrgetter("wants_logprobs")
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -49,7 +49,7 @@ class SamplingPlan:
     max_num_logprobs: int | None = None
     # logit_bias of the draws whose rows have one, sparse: (draw, token id, bias) triples; None when none
     logit_bias: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-    verify: VerifyPlan | None = None  # speculative decoding's verify rows (pagedq/engine/spec_decode/verify.py)
+    verify: VerifyPlan | None = None  # speculative decoding's verify rows (pagedq/engine/step/draws.py)
 
 
 @dataclass

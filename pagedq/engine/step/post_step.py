@@ -38,10 +38,8 @@ def advance_sequences(
         status = request.status
         if (status is not running and status.is_finished) or request.epoch != item.epoch:
             continue  # finished, aborted or sent back to recompute while the step ran (async): drop its result
-        request.num_in_flight -= 1
+        request.land_chunk(item)
         is_beam = request.is_beam
-        if item.needs_sample and not is_beam:
-            request.num_placeholders -= 1
         if prompt_logprobs and request.request_id in prompt_logprobs:
             request.prompt_logprobs.extend(prompt_logprobs[request.request_id])
         draws = sampled.get(request.request_id)
@@ -89,10 +87,10 @@ def _advance_verified(
             scheduler.finish_request(sequence, RequestStatus.FINISHED_STOPPED)
         if request.is_finished:
             return
-    request.num_computed_tokens = request.num_tokens - 1
+    request.keep_verified()
     manager = scheduler.block_manager
     manager.trim(request.request_id, request.num_computed_tokens)
-    request.runner_num_blocks = min(request.runner_num_blocks, len(manager.block_table(request.request_id)))
+    request.runner_blocks_changed_from(len(manager.block_table(request.request_id)))
 
 
 def _fan_out(scheduler: Scheduler, request: Request, num_draws: int) -> list[Request]:
