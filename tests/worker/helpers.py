@@ -99,11 +99,13 @@ def run_burst(engine: Any, redis_url: str, **overrides: Any) -> Worker:
     return worker
 
 
-def worker_cmd(redis_url: str, *args: str, entry: str = "pagedq.worker") -> list[str]:
+def worker_cmd(redis_url: str, *args: str, faulty: bool = False) -> list[str]:
+    """faulty: through the test-only entry point that injects PAGEDQ_FAULT_* faults (pagedq/worker/testing/)."""
+    python = [sys.executable, "-m", "pagedq.worker"]
+    if faulty:
+        python = [sys.executable, "-m", "pagedq.worker.testing.faulty_worker"]
     return [
-        sys.executable,
-        "-m",
-        entry,
+        *python,
         "worker",
         "--redis",
         redis_url,
@@ -123,9 +125,9 @@ def start_worker(
     """`pagedq worker` in a subprocess; faults: PAGEDQ_FAULT_* variables, run through the test-only entry point
     that injects them (pagedq/worker/testing/faulty_worker.py)."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {}), **(faults or {})}
-    entry = "pagedq.worker.testing.faulty_worker" if faults else "pagedq.worker"
+    command = worker_cmd(redis_url, *args, faulty=bool(faults))
     with open(log, "ab") as fh:
-        return subprocess.Popen(worker_cmd(redis_url, *args, entry=entry), cwd=REPO, env=full_env, stdout=fh, stderr=fh)
+        return subprocess.Popen(command, cwd=REPO, env=full_env, stdout=fh, stderr=fh)
 
 
 def wait_for(condition: Callable[[], Any], timeout: float = 30.0, interval: float = 0.02, what: str = "") -> Any:

@@ -5,7 +5,9 @@
     backend.py    the lazy xgrammar import, with the error that says how to install it
     compiler.py   grammars compiled on a small thread pool, cached by spec in a byte-bounded cache
     step_mask.py  one step's bitmask over its structured draws: filled by the host, applied before sampling
-    manager.py    what the engine drives: compiles waiting, one matcher per sequence, the per-step masks
+    interfaces.py what the manager reads of the engine's objects (Protocols: it sits below core/ and output/)
+    filler.py     who fills the masks and when: the filler thread, its barrier (settle), the recycled buffers
+    manager.py    what the engine drives, in four phases: compiles waiting, one matcher per sequence, the masks
 
 Only params.py and schema.py are imported by producers (SamplingParams); everything that needs xgrammar imports it
 when the first request carrying structured_outputs arrives.
