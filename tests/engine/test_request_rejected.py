@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-import pagedq
+from pagedq import RequestRejected as RootRequestRejected
 from pagedq.engine import LLM, BeamSearchParams, LLMEngine, RequestRejected, SamplingParams, StructuredOutputsParams
 from pagedq.engine.config.engine import EngineConfig
 from pagedq.engine.structured_output.backend import xgrammar
@@ -24,7 +24,7 @@ def rejected(call, *args, **kwargs) -> RequestRejected:
 
 
 def test_the_root_package_and_the_engine_export_one_type():
-    assert pagedq.RequestRejected is RequestRejected
+    assert RootRequestRejected is RequestRejected
 
 
 @pytest.mark.parametrize(

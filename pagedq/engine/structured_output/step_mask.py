@@ -81,7 +81,7 @@ class StepMask:
             if state is None:  # left, or stops now: all allowed (its draw is dropped)
                 self.bitmask[row] = -1
                 continue
-            if req_id in self.drafts:  # a verify row's draws, in position order (engine/spec_decode/verify.draw_layout)
+            if req_id in self.drafts:  # a verify row's draws, in position order (engine/step/draws.draw_layout)
                 verify.setdefault(req_id, (state, []))[1].append(row)
                 continue
             if req_id in first_row:  # a fan-out's further draws (n, best_of): the same row, copied below
