@@ -251,7 +251,7 @@ def test_modules_keep_to_their_size_budget() -> None:
 
 
 # What engine/ and kernels/ may import beyond the standard library and the project (pyproject's core dependencies;
-# tqdm comes with transformers). xgrammar is optional (the `structured` extra): only engine/structured/backend.py
+# tqdm comes with transformers). xgrammar is optional (the `structured` extra): only engine/structured_output/backend.py
 # imports it, inside a function, so the engine loads and serves everything else on a box without it.
 ENGINE_THIRD_PARTY = {"torch", "triton", "transformers", "safetensors", "tokenizers", "numpy", "tqdm"}
 LAZY_ONLY = {"xgrammar": "pagedq.engine.structured_output.backend"}
