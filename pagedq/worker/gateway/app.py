@@ -23,6 +23,7 @@ from pagedq.worker.gateway.files import FileStore
 from pagedq.worker.gateway.files import router as file_router
 from pagedq.worker.gateway.jobs import build, check_model, submit, wait_timeout
 from pagedq.worker.gateway.metrics import GatewayMetrics, ObserveRequests
+from pagedq.worker.gateway.owners import owner_of
 from pagedq.worker.gateway.render import now
 from pagedq.worker.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from pagedq.worker.gateway.settings import GatewaySettings
@@ -189,7 +190,8 @@ def create_app(settings: GatewaySettings | None = None, redis: AsyncRedis | None
 
 
 def _authenticate(keys: list[str], tenants: dict[str, str]):
-    """Checks the Bearer key; the tenant it maps to (settings.api_key_tenants) goes on request.state."""
+    """Checks the Bearer key; the tenant it maps to (settings.api_key_tenants) and the owner of the files and batches
+    it makes (owners.py) go on request.state."""
     encoded = [(k.encode(), tenants.get(k)) for k in keys]
 
     async def check(request: Request) -> None:
@@ -203,5 +205,6 @@ def _authenticate(keys: list[str], tenants: dict[str, str]):
         if scheme.lower() != "bearer" or not matches:
             raise OpenAIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
         request.state.tenant = matches[0]
+        request.state.owner = owner_of(token.strip(), matches[0])
 
     return check
