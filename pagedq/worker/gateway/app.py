@@ -14,8 +14,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedq.worker.client.async_client import AsyncClient
 from pagedq.worker.gateway import errors
+from pagedq.worker.gateway.batch_routes import router as batch_router
 from pagedq.worker.gateway.batches import Batches
-from pagedq.worker.gateway.batches import router as batch_router
 from pagedq.worker.gateway.chat import ChatEndpoint
 from pagedq.worker.gateway.completions import CompletionEndpoint
 from pagedq.worker.gateway.errors import OpenAIError, record_error
@@ -49,7 +49,7 @@ class Gateway:
         )
         self.live = LiveWorkers(self.client.r, self.client.keys, settings.worker_cache_s)
         self.streams = StreamTracker()
-        self.files = FileStore(self.client.r, self.client.keys, settings.file_ttl_s)
+        self.files = FileStore(self.client.r, self.client.keys, settings)
         self.batches = Batches(self.client, self.files, self.live, settings)
         self.tokenizers = Tokenizers(self.client.r, self.client.keys, self.live, settings.queue)
 

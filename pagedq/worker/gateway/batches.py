@@ -15,11 +15,9 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any
 
 import structlog
-from fastapi import APIRouter
-from pydantic import Field
 
 from pagedq.worker.bulk import lines as bulk_lines
 from pagedq.worker.bulk.lines import LineError
@@ -29,7 +27,9 @@ from pagedq.worker.gateway.chat import ChatEndpoint
 from pagedq.worker.gateway.completions import CompletionEndpoint
 from pagedq.worker.gateway.errors import OpenAIError, record_error
 from pagedq.worker.gateway.files import FileStore
-from pagedq.worker.gateway.schemas import Strict
+from pagedq.worker.gateway.object_ids import is_batch_id, new_batch_id, new_file_id
+from pagedq.worker.gateway.owners import owns
+from pagedq.worker.gateway.schemas import BatchCreate
 from pagedq.worker.gateway.settings import GatewaySettings
 from pagedq.worker.gateway.workers import LiveWorkers
 from pagedq.worker.protocol import scripts
@@ -45,13 +45,6 @@ ACTIVE = ("validating", "in_progress", "cancelling")
 ENDPOINT_KIND = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 
 
-class BatchCreate(Strict):
-    input_file_id: str = Field(min_length=1, max_length=200)
-    endpoint: Literal["/v1/completions", "/v1/chat/completions"]
-    completion_window: Literal["24h"]
-    metadata: dict[str, str] | None = Field(default=None, max_length=16)
-
-
 class Batches:
     def __init__(self, client: AsyncClient, files: FileStore, live: LiveWorkers, settings: GatewaySettings) -> None:
         self.client, self.files, self.live, self.s = client, files, live, settings
@@ -59,11 +52,10 @@ class Batches:
         self.tasks: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------------ the batch object
-    async def create(self, req: BatchCreate) -> dict[str, Any]:
-        content = await self.files.content(req.input_file_id)
-        batch_id = f"batch_{uuid.uuid4().hex}"
+    async def create(self, req: BatchCreate, owner: str) -> dict[str, Any]:
+        content = await self.files.owned_content(req.input_file_id, owner)
+        batch_id, output_file_id, error_file_id = new_batch_id(), new_file_id(), new_file_id()
         now = int(time.time())
-        output_file_id, error_file_id = f"file-{batch_id}-output", f"file-{batch_id}-errors"
         obj = {
             "id": batch_id,
             "object": "batch",
@@ -87,9 +79,11 @@ class Batches:
             "total": sum(1 for line in content.splitlines() if line.strip()),
         }
         for kind, file_id in (("output", output_file_id), ("errors", error_file_id)):
-            await self.files.declare_lines(file_id, f"{batch_id}_{kind}.jsonl", "batch_output")
-        await self.r.hset(self.keys.batch(batch_id), mapping={k: json.dumps(v) for k, v in obj.items()})
-        await self.r.expire(self.keys.batch(batch_id), self.s.file_ttl_s)
+            await self.files.declare_lines(file_id, f"{batch_id}_{kind}.jsonl", "batch_output", owner)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(self.keys.batch(batch_id), mapping={**{k: json.dumps(v) for k, v in obj.items()}, "owner": owner})
+        pipe.expire(self.keys.batch(batch_id), self.s.file_ttl_s)
+        await pipe.execute()
         self._start(batch_id)
         return await self.get(batch_id)
 
@@ -97,6 +91,7 @@ class Batches:
         raw = await self.r.hgetall(self.keys.batch(batch_id))
         if not raw:
             raise OpenAIError(404, f"no batch {batch_id!r}", param="batch_id", code="batch_not_found")
+        raw.pop(b"owner", None)  # not part of the object (and kept as text)
         obj = {reply_text(k): json.loads(v) for k, v in raw.items()}
         completed = await self.r.llen(self.keys.file_lines(obj["output_file_id"]))
         failed = await self.r.llen(self.keys.file_lines(obj["error_file_id"]))
@@ -104,6 +99,14 @@ class Batches:
         if obj["status"] in ACTIVE and not await self.r.exists(self.keys.batch_runner(batch_id)):
             self._start(batch_id)  # its gateway went away: run it here (nothing is enqueued or written twice)
         return obj
+
+    async def owned(self, batch_id: str, owner: str) -> str:
+        """The batch's id if it exists and `owner` owns it; else the 404 of a missing batch."""
+        if is_batch_id(batch_id):
+            status, stored = await self.r.hmget(self.keys.batch(batch_id), ["status", "owner"])
+            if status is not None and owns(stored, owner):
+                return batch_id
+        raise OpenAIError(404, f"no batch {batch_id!r}", param="batch_id", code="batch_not_found")
 
     async def cancel(self, batch_id: str) -> dict[str, Any]:
         obj = await self.get(batch_id)
@@ -263,10 +266,12 @@ class BatchRun:
 
     async def _write(self, which: str, key: str, line: dict[str, Any]) -> None:
         file_id = self.obj["output_file_id" if which == "output" else "error_file_id"]
+        keys = self.b.keys
+        answered, lines = keys.batch_answered(self.batch_id), keys.file_lines(file_id)
         await scripts.acall(
             self.b.r,
             "append_once",
-            [self.b.keys.batch_answered(self.batch_id), self.b.keys.file_lines(file_id)],
+            [answered, keys.batch(self.batch_id), lines, keys.file(file_id)],
             [key, json.dumps(line)],
         )
 
@@ -280,21 +285,3 @@ def _error_line(
     )
     entry.pop("line")
     return entry
-
-
-def router(batches: Batches, auth: Any) -> APIRouter:
-    api = APIRouter(dependencies=[auth])
-
-    @api.post("/v1/batches")
-    async def create(body: BatchCreate) -> dict[str, Any]:
-        return await batches.create(body)
-
-    @api.get("/v1/batches/{batch_id}")
-    async def retrieve(batch_id: str) -> dict[str, Any]:
-        return await batches.get(batch_id)
-
-    @api.post("/v1/batches/{batch_id}/cancel")
-    async def cancel(batch_id: str) -> dict[str, Any]:
-        return await batches.cancel(batch_id)
-
-    return api

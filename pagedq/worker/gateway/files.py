@@ -1,21 +1,30 @@
 """The Files API the Batch API needs: POST /v1/files (purpose "batch"), GET /v1/files/{id},
-GET /v1/files/{id}/content. Files live in Redis (any gateway serves any file); a batch's output and error
-files are Redis lists the batch appends lines to as its jobs finish."""
+GET /v1/files/{id}/content, DELETE /v1/files/{id}. Files live in Redis (any gateway serves any file); a batch's output
+and error files are Redis lists the batch appends lines to as its jobs finish.
+
+Each file has an owner (owners.py): to anyone else it is missing (404). Uploads count against their owner's quota of
+files and bytes (settings.max_files_per_owner, max_file_bytes_per_owner), freed as they expire or are deleted."""
 
 from __future__ import annotations
 
 import json
 import time
-import uuid
 from typing import Any
 
-from fastapi import APIRouter, Form, UploadFile
+from fastapi import APIRouter, Form, Request, UploadFile
 from fastapi.responses import Response
 
 from pagedq.worker.gateway.errors import OpenAIError
+from pagedq.worker.gateway.object_ids import is_file_id, new_file_id
+from pagedq.worker.gateway.owners import owns, request_owner
+from pagedq.worker.gateway.settings import GatewaySettings
+from pagedq.worker.protocol import scripts
 from pagedq.worker.protocol.keys import QueueKeys
+from pagedq.worker.protocol.replies import text as reply_text
 
 MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's batch input limit
+# a full quota frees only as files expire or are deleted: the openai SDK's automatic retries would not help
+NO_RETRY = {"x-should-retry": "false"}
 
 
 def file_object(file_id: str, filename: str, size: int, purpose: str, created: int) -> dict[str, Any]:
@@ -32,50 +41,108 @@ def file_object(file_id: str, filename: str, size: int, purpose: str, created: i
     }
 
 
+def not_found(file_id: str) -> OpenAIError:
+    return OpenAIError(404, f"no file {file_id!r}", param="file_id", code="file_not_found")
+
+
 class FileStore:
-    def __init__(self, redis_client: Any, keys: QueueKeys, ttl_s: int) -> None:
-        self.r, self.keys, self.ttl_s = redis_client, keys, ttl_s
+    def __init__(self, redis_client: Any, keys: QueueKeys, settings: GatewaySettings) -> None:
+        self.r, self.keys, self.s = redis_client, keys, settings
 
-    async def create(self, content: bytes, filename: str, purpose: str) -> dict[str, Any]:
-        file_id = f"file-{uuid.uuid4().hex}"
+    async def create(self, content: bytes, filename: str, purpose: str, owner: str) -> dict[str, Any]:
+        file_id = new_file_id()
         meta = file_object(file_id, filename, len(content), purpose, int(time.time()))
+        await self._reserve(file_id, len(content), owner)
         pipe = self.r.pipeline(transaction=True)
-        pipe.hset(self.keys.file(file_id), mapping={"meta": json.dumps(meta), "content": content})
-        pipe.expire(self.keys.file(file_id), self.ttl_s)
+        pipe.hset(self.keys.file(file_id), mapping={"meta": json.dumps(meta), "owner": owner, "content": content})
+        pipe.expire(self.keys.file(file_id), self.s.file_ttl_s)
+        try:
+            await pipe.execute()
+        except BaseException:
+            await self._release(file_id, owner)
+            raise
+        return meta
+
+    async def _reserve(self, file_id: str, size: int, owner: str) -> None:
+        """Room for the upload in its owner's quota, or a 429 naming the quota that is full."""
+        quota = [self.keys.owner_files(owner), self.keys.owner_file_bytes(owner)]
+        limits = (self.s.max_files_per_owner, self.s.max_file_bytes_per_owner)
+        args = [int(time.time() * 1000), self.s.file_ttl_s * 1000, file_id, size, *limits]
+        verdict, *used = [reply_text(v) for v in await scripts.acall(self.r, "reserve_file", quota, args)]
+        if verdict == "files":
+            name, state = "max_files_per_owner", f"{used[0]} files kept, at most {limits[0]}"
+        elif verdict == "bytes":
+            name, state = "max_file_bytes_per_owner", f"{used[0]} bytes kept, {size} more asked, at most {limits[1]}"
+        else:
+            return
+        raise OpenAIError(
+            429,
+            f"file quota {name} reached: {state}; delete files (DELETE /v1/files/{{id}}) or wait for them to expire",
+            param="file",
+            code="file_quota_exceeded",
+            headers=NO_RETRY,
+        )
+
+    async def _release(self, file_id: str, owner: str) -> None:
+        pipe = self.r.pipeline(transaction=True)
+        pipe.zrem(self.keys.owner_files(owner), file_id)
+        pipe.hdel(self.keys.owner_file_bytes(owner), file_id)
         await pipe.execute()
-        return meta
 
-    async def declare_lines(self, file_id: str, filename: str, purpose: str) -> None:
-        """A file whose content is the list of lines a batch appends (its output or error file)."""
+    async def declare_lines(self, file_id: str, filename: str, purpose: str, owner: str) -> None:
+        """A file whose content is the list of lines a batch appends (its output or error file). Its line list,
+        running size (bytes) and expiry are kept by protocol/scripts.py's APPEND_ONCE."""
         meta = file_object(file_id, filename, 0, purpose, int(time.time()))
-        await self.r.hset(self.keys.file(file_id), mapping={"meta": json.dumps(meta), "lines": 1})
-        await self.r.expire(self.keys.file(file_id), self.ttl_s)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(self.keys.file(file_id), mapping={"meta": json.dumps(meta), "owner": owner, "lines": 1, "bytes": 0})
+        pipe.expire(self.keys.file(file_id), self.s.file_ttl_s)
+        await pipe.execute()
 
-    async def meta(self, file_id: str) -> dict[str, Any]:
-        raw = await self.r.hget(self.keys.file(file_id), "meta")
-        if raw is None:
-            raise OpenAIError(404, f"no file {file_id!r}", param="file_id", code="file_not_found")
-        meta = json.loads(raw)
-        if await self.r.hexists(self.keys.file(file_id), "lines"):
-            meta["bytes"] = len(await self.content(file_id))
+    async def _owned(self, file_id: str, owner: str, *fields: str) -> list[bytes | None]:
+        """The file's meta and `fields`, if it exists and `owner` owns it; else the 404 of a missing file."""
+        if is_file_id(file_id):
+            stored_owner, meta, *values = await self.r.hmget(self.keys.file(file_id), ["owner", "meta", *fields])
+            if meta is not None and owns(stored_owner, owner):
+                return [meta, *values]
+        raise not_found(file_id)
+
+    async def meta(self, file_id: str, owner: str) -> dict[str, Any]:
+        raw, lines, size = await self._owned(file_id, owner, "lines", "bytes")
+        meta = json.loads(raw or b"")
+        if lines is not None:  # a line file declared before the running size was kept is measured
+            meta["bytes"] = int(size) if size is not None else len(await self.content(file_id))
         return meta
+
+    async def owned_content(self, file_id: str, owner: str) -> bytes:
+        await self._owned(file_id, owner)
+        return await self.content(file_id)
 
     async def content(self, file_id: str) -> bytes:
+        """A file's content, whoever owns it (a batch's run reads its input file with it)."""
         key = self.keys.file(file_id)
         if await self.r.hexists(key, "lines"):
             lines = await self.r.lrange(self.keys.file_lines(file_id), 0, -1)
             return b"".join(line + b"\n" for line in lines)
         raw = await self.r.hget(key, "content")
         if raw is None:
-            raise OpenAIError(404, f"no file {file_id!r}", param="file_id", code="file_not_found")
+            raise not_found(file_id)
         return raw
+
+    async def delete(self, file_id: str, owner: str) -> dict[str, Any]:
+        await self._owned(file_id, owner)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.delete(self.keys.file(file_id), self.keys.file_lines(file_id))
+        pipe.zrem(self.keys.owner_files(owner), file_id)
+        pipe.hdel(self.keys.owner_file_bytes(owner), file_id)
+        await pipe.execute()
+        return {"id": file_id, "object": "file", "deleted": True}
 
 
 def router(store: FileStore, auth: Any) -> APIRouter:
     api = APIRouter(dependencies=[auth])
 
     @api.post("/v1/files")
-    async def upload(file: UploadFile, purpose: str = Form(...)) -> dict[str, Any]:
+    async def upload(request: Request, file: UploadFile, purpose: str = Form(...)) -> dict[str, Any]:
         if purpose != "batch":
             raise OpenAIError(
                 400, f"purpose must be 'batch' (the only one served here), got {purpose!r}", param="purpose"
@@ -83,14 +150,18 @@ def router(store: FileStore, auth: Any) -> APIRouter:
         content = await file.read(MAX_FILE_BYTES + 1)
         if len(content) > MAX_FILE_BYTES:
             raise OpenAIError(413, f"files are limited to {MAX_FILE_BYTES} bytes", param="file")
-        return await store.create(content, file.filename or "upload.jsonl", purpose)
+        return await store.create(content, file.filename or "upload.jsonl", purpose, request_owner(request))
 
     @api.get("/v1/files/{file_id}")
-    async def retrieve(file_id: str) -> dict[str, Any]:
-        return await store.meta(file_id)
+    async def retrieve(file_id: str, request: Request) -> dict[str, Any]:
+        return await store.meta(file_id, request_owner(request))
 
     @api.get("/v1/files/{file_id}/content")
-    async def content(file_id: str) -> Response:
-        return Response(await store.content(file_id), media_type="application/jsonl")
+    async def content(file_id: str, request: Request) -> Response:
+        return Response(await store.owned_content(file_id, request_owner(request)), media_type="application/jsonl")
+
+    @api.delete("/v1/files/{file_id}")
+    async def delete(file_id: str, request: Request) -> dict[str, Any]:
+        return await store.delete(file_id, request_owner(request))
 
     return api

@@ -1,4 +1,4 @@
-"""OpenAI request bodies (POST /v1/completions, /v1/chat/completions) as strict pydantic models.
+"""OpenAI request bodies (POST /v1/completions, /v1/chat/completions, /v1/batches) as strict pydantic models.
 
 Unknown fields are refused (400 naming them), never dropped. vLLM's extra sampling parameters that the
 engine has are accepted (the SDK sends them through `extra_body`). Every number is bounded; the sampling
@@ -181,3 +181,10 @@ class ChatCompletionRequest(SamplingBody):
     max_completion_tokens: int | None = optional(sampling.MAX_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = optional(sampling.LOGPROBS)
+
+
+class BatchCreate(Strict):
+    input_file_id: str = Field(min_length=1, max_length=200)
+    endpoint: Literal["/v1/completions", "/v1/chat/completions"]
+    completion_window: Literal["24h"]
+    metadata: dict[str, str] | None = Field(default=None, max_length=16)

@@ -48,6 +48,18 @@ class GatewaySettings(QueueSettings):
     file_ttl_s: int = Field(
         default=7 * 86_400, ge=60, le=365 * 86_400, description="seconds Files and batches are kept"
     )
+    max_files_per_owner: int = Field(
+        default=1000,
+        ge=1,
+        le=1_000_000,
+        description="uploaded files one owner (a tenant, or a plain API key) keeps at once (429 beyond)",
+    )
+    max_file_bytes_per_owner: int = Field(
+        default=2**30,
+        ge=1,
+        le=2**40,
+        description="bytes of uploaded files one owner (a tenant, or a plain API key) keeps at once (429 beyond)",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="log level")
 
     @field_validator("api_keys", mode="before")

@@ -121,19 +121,30 @@ class QueueKeys:
         return f"{self.base}:bulk:{run_id}:enqueued"
 
     def file(self, file_id: str) -> str:
-        """Hash of one file of the gateway's Files API: fields meta (JSON) and content (its bytes)."""
+        """Hash of one file of the gateway's Files API: fields meta (JSON), owner (gateway/owners.py), and content (its
+        bytes) or, for a batch's output and error files, lines and bytes (the running size of its line list)."""
         return f"{self.base}:file:{file_id}"
 
     def file_lines(self, file_id: str) -> str:
-        """List of the lines of a file a batch writes as it goes (its output or error file)."""
+        """List of the lines of a file a batch writes as it goes (its output or error file); expires with its file."""
         return f"{self.base}:file:{file_id}:lines"
 
+    def owner_files(self, owner: str) -> str:
+        """Sorted set of an owner's uploaded files (member: file id, score: its expiry in unix ms): the count of
+        its file quota. The owner comes last (it may hold colons), so no two owners share a key."""
+        return f"{self.base}:files-of:{owner}"
+
+    def owner_file_bytes(self, owner: str) -> str:
+        """Hash of an owner's uploaded files' sizes (field: file id): the bytes of its file quota."""
+        return f"{self.base}:file-bytes-of:{owner}"
+
     def batch(self, batch_id: str) -> str:
-        """Hash of one batch of the gateway's Batch API (its OpenAI batch object's fields, JSON-encoded)."""
+        """Hash of one batch of the gateway's Batch API: its OpenAI batch object's fields (JSON-encoded) and owner."""
         return f"{self.base}:batch:{batch_id}"
 
     def batch_answered(self, batch_id: str) -> str:
-        """Set of the custom_ids (or "line:<n>" for lines without one) a batch has written a line for."""
+        """Set of the custom_ids (or "line:<n>" for lines without one) a batch has written a line for; expires with
+        its batch."""
         return f"{self.base}:batch:{batch_id}:answered"
 
     def batch_runner(self, batch_id: str) -> str:

@@ -158,14 +158,46 @@ redis.call('XADD', KEYS[2], '*', ARGV[3], ARGV[2])
 return 1
 """
 
-# The gateway's Batch API output files. KEYS: the batch's answered set, the file's line list; ARGV: answer key, line.
-# Writes each answer once.
+# The gateway's Batch API output files: write each answer once, and nothing once the batch or the file is gone
+# (expired or deleted). The answered set and the line list expire with their batch and file, and the file keeps
+# the running size of its lines (GET /v1/files/{id} reads it) unless it was declared before it had one.
+# KEYS: the batch's answered set, the batch, the file's line list, the file; ARGV: answer key, line.
+# Returns 1 (written), 0 (answered before) or -1 (its batch or file is gone).
 APPEND_ONCE = """
-if redis.call('SADD', KEYS[1], ARGV[1]) == 1 then
-  redis.call('RPUSH', KEYS[2], ARGV[2])
-  return 1
+local batch_ttl, file_ttl = redis.call('PTTL', KEYS[2]), redis.call('PTTL', KEYS[4])
+if batch_ttl == -2 or file_ttl == -2 then return -1 end
+if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('RPUSH', KEYS[3], ARGV[2])
+if redis.call('HEXISTS', KEYS[4], 'bytes') == 1 then redis.call('HINCRBY', KEYS[4], 'bytes', #ARGV[2] + 1) end
+if batch_ttl > 0 then redis.call('PEXPIRE', KEYS[1], batch_ttl) end
+if file_ttl > 0 then redis.call('PEXPIRE', KEYS[3], file_ttl) end
+return 1
+"""
+
+# Reserve room in an owner's file quota for an upload: prune the owner's expired files, then add this one unless
+# the owner would keep more than max_files files or max_bytes bytes. The owner's set and hash live as long as
+# its longest-lived file. The upload itself is written next (a gateway dying in between leaves a reservation
+# that expires with the ttl: the quota errs on the side of counting).
+# KEYS: the owner's files (sorted by expiry), the owner's file sizes
+# ARGV: now_ms, ttl_ms, file_id, size, max_files, max_bytes
+# Returns {'OK'}, or {'files' or 'bytes', what the owner keeps now}.
+RESERVE_FILE = """
+local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do
+  redis.call('ZREM', KEYS[1], id)
+  redis.call('HDEL', KEYS[2], id)
 end
-return 0
+local count = redis.call('ZCARD', KEYS[1])
+if count + 1 > tonumber(ARGV[5]) then return {'files', tostring(count)} end
+local used = 0
+for _, size in ipairs(redis.call('HVALS', KEYS[2])) do used = used + tonumber(size) end
+if used + tonumber(ARGV[4]) > tonumber(ARGV[6]) then return {'bytes', tostring(used)} end
+redis.call('ZADD', KEYS[1], now + ttl, ARGV[3])
+redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
+for i = 1, 2 do
+  if redis.call('PTTL', KEYS[i]) < ttl then redis.call('PEXPIRE', KEYS[i], ttl) end
+end
+return {'OK'}
 """
 
 ALL = {
@@ -177,6 +209,7 @@ ALL = {
     "bulk_enqueue": BULK_ENQUEUE,
     "dlq_retry": DLQ_RETRY,
     "append_once": APPEND_ONCE,
+    "reserve_file": RESERVE_FILE,
 }
 SHA = {name: hashlib.sha1(src.encode()).hexdigest() for name, src in ALL.items()}
 

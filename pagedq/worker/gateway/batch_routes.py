@@ -1,0 +1,31 @@
+"""The Batch API's routes: POST /v1/batches, GET /v1/batches/{id}, POST /v1/batches/{id}/cancel (batches.py does the
+work). Each batch, and each file it is made from or writes, belongs to the caller that made it (owners.py): to any
+other caller it is missing (404)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from pagedq.worker.gateway.batches import Batches
+from pagedq.worker.gateway.owners import request_owner
+from pagedq.worker.gateway.schemas import BatchCreate
+
+
+def router(batches: Batches, auth: Any) -> APIRouter:
+    api = APIRouter(dependencies=[auth])
+
+    @api.post("/v1/batches")
+    async def create(body: BatchCreate, request: Request) -> dict[str, Any]:
+        return await batches.create(body, request_owner(request))
+
+    @api.get("/v1/batches/{batch_id}")
+    async def retrieve(batch_id: str, request: Request) -> dict[str, Any]:
+        return await batches.get(await batches.owned(batch_id, request_owner(request)))
+
+    @api.post("/v1/batches/{batch_id}/cancel")
+    async def cancel(batch_id: str, request: Request) -> dict[str, Any]:
+        return await batches.cancel(await batches.owned(batch_id, request_owner(request)))
+
+    return api
