@@ -84,10 +84,8 @@ class FileStore:
         )
 
     async def _release(self, file_id: str, owner: str) -> None:
-        pipe = self.r.pipeline(transaction=True)
-        pipe.zrem(self.keys.owner_files(owner), file_id)
-        pipe.hdel(self.keys.owner_file_bytes(owner), file_id)
-        await pipe.execute()
+        quota = [self.keys.owner_files(owner), self.keys.owner_file_bytes(owner)]
+        await scripts.acall(self.r, "release_file", quota, [file_id])
 
     async def declare_lines(self, file_id: str, filename: str, purpose: str, owner: str) -> None:
         """A file whose content is the list of lines a batch appends (its output or error file). Its line list,
@@ -130,11 +128,8 @@ class FileStore:
 
     async def delete(self, file_id: str, owner: str) -> dict[str, Any]:
         await self._owned(file_id, owner)
-        pipe = self.r.pipeline(transaction=True)
-        pipe.delete(self.keys.file(file_id), self.keys.file_lines(file_id))
-        pipe.zrem(self.keys.owner_files(owner), file_id)
-        pipe.hdel(self.keys.owner_file_bytes(owner), file_id)
-        await pipe.execute()
+        await self.r.delete(self.keys.file(file_id), self.keys.file_lines(file_id))
+        await self._release(file_id, owner)  # after: a gateway dying in between leaves the quota counting it
         return {"id": file_id, "object": "file", "deleted": True}
 
 

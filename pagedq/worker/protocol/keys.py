@@ -135,7 +135,8 @@ class QueueKeys:
         return f"{self.base}:files-of:{owner}"
 
     def owner_file_bytes(self, owner: str) -> str:
-        """Hash of an owner's uploaded files' sizes (field: file id): the bytes of its file quota."""
+        """Hash of an owner's uploaded files' sizes (field: file id) and their sum (field: total): the bytes of its
+        file quota."""
         return f"{self.base}:file-bytes-of:{owner}"
 
     def batch(self, batch_id: str) -> str:

@@ -174,31 +174,53 @@ if file_ttl > 0 then redis.call('PEXPIRE', KEYS[3], file_ttl) end
 return 1
 """
 
-# Reserve room in an owner's file quota for an upload: prune the owner's expired files, then add this one unless
-# the owner would keep more than max_files files or max_bytes bytes. The owner's set and hash live as long as
-# its longest-lived file. The upload itself is written next (a gateway dying in between leaves a reservation
-# that expires with the ttl: the quota errs on the side of counting).
-# KEYS: the owner's files (sorted by expiry), the owner's file sizes
-# ARGV: now_ms, ttl_ms, file_id, size, max_files, max_bytes
-# Returns {'OK'}, or {'files' or 'bytes', what the owner keeps now}.
-RESERVE_FILE = """
-local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do
+# Lua: take a file out of its owner's quota. KEYS[1]: the owner's files (sorted by expiry), KEYS[2]: their sizes
+# by file id and the running sum of them, field 'total' (a sum kept as files come and go, never recounted).
+_FORGET_FILE = """
+local function forget(id)
+  local size = redis.call('HGET', KEYS[2], id)
+  if size then
+    redis.call('HDEL', KEYS[2], id)
+    redis.call('HINCRBY', KEYS[2], 'total', -tonumber(size))
+  end
   redis.call('ZREM', KEYS[1], id)
-  redis.call('HDEL', KEYS[2], id)
 end
+"""
+
+# Reserve room in an owner's file quota for an upload: forget the owner's expired files, then add this one unless
+# the owner would keep more than max_files files or max_bytes bytes. The owner's keys live as long as its
+# longest-lived file. The upload itself is written next (a gateway dying in between leaves a reservation that
+# expires with the ttl: the quota errs on the side of counting).
+# KEYS: the owner's files, the owner's file sizes; ARGV: now_ms, ttl_ms, file_id, size, max_files, max_bytes
+# Returns {'OK'}, or {'files' or 'bytes', what the owner keeps now}.
+RESERVE_FILE = (
+    _FORGET_FILE
+    + """
+local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do forget(id) end
 local count = redis.call('ZCARD', KEYS[1])
 if count + 1 > tonumber(ARGV[5]) then return {'files', tostring(count)} end
-local used = 0
-for _, size in ipairs(redis.call('HVALS', KEYS[2])) do used = used + tonumber(size) end
+local used = tonumber(redis.call('HGET', KEYS[2], 'total') or '0')
 if used + tonumber(ARGV[4]) > tonumber(ARGV[6]) then return {'bytes', tostring(used)} end
 redis.call('ZADD', KEYS[1], now + ttl, ARGV[3])
 redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
+redis.call('HINCRBY', KEYS[2], 'total', ARGV[4])
 for i = 1, 2 do
   if redis.call('PTTL', KEYS[i]) < ttl then redis.call('PEXPIRE', KEYS[i], ttl) end
 end
 return {'OK'}
 """
+)
+
+# Free a deleted (or never written) upload's room in its owner's quota.
+# KEYS: the owner's files, the owner's file sizes; ARGV: file_id
+RELEASE_FILE = (
+    _FORGET_FILE
+    + """
+forget(ARGV[1])
+return 1
+"""
+)
 
 ALL = {
     "finalize": FINALIZE,
@@ -210,6 +232,7 @@ ALL = {
     "dlq_retry": DLQ_RETRY,
     "append_once": APPEND_ONCE,
     "reserve_file": RESERVE_FILE,
+    "release_file": RELEASE_FILE,
 }
 SHA = {name: hashlib.sha1(src.encode()).hexdigest() for name, src in ALL.items()}
 
