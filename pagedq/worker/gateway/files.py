@@ -96,17 +96,17 @@ class FileStore:
         pipe.expire(self.keys.file(file_id), self.s.file_ttl_s)
         await pipe.execute()
 
-    async def _owned(self, file_id: str, owner: str, *fields: str) -> list[bytes | None]:
+    async def _owned(self, file_id: str, owner: str, *fields: str) -> tuple[bytes, list[bytes | None]]:
         """The file's meta and `fields`, if it exists and `owner` owns it; else the 404 of a missing file."""
         if is_file_id(file_id):
             stored_owner, meta, *values = await self.r.hmget(self.keys.file(file_id), ["owner", "meta", *fields])
             if meta is not None and owns(stored_owner, owner):
-                return [meta, *values]
+                return meta, values
         raise not_found(file_id)
 
     async def meta(self, file_id: str, owner: str) -> dict[str, Any]:
-        raw, lines, size = await self._owned(file_id, owner, "lines", "bytes")
-        meta = json.loads(raw or b"")
+        raw, (lines, size) = await self._owned(file_id, owner, "lines", "bytes")
+        meta = json.loads(raw)
         if lines is not None:  # a line file declared before the running size was kept is measured
             meta["bytes"] = int(size) if size is not None else len(await self.content(file_id))
         return meta
