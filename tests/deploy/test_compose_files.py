@@ -186,6 +186,8 @@ def test_lint_checks_every_dockerfile_and_the_context_keeps_what_they_copy() -> 
     lint = (ROOT / ".ci/lint").read_text()
     (hadolint,) = [line for line in lint.splitlines() if line.startswith('check "hadolint"')]
     assert all(path in hadolint for path in dockerfiles), (dockerfiles, hadolint)
+    (shellcheck,) = [line for line in lint.splitlines() if line.startswith('check "shellcheck"')]
+    assert "deploy/redis/start.sh" in shellcheck.split()  # compose's redis runs it
     project = compose.load(PASSWORD)
     built = {svc["build"]["dockerfile"] for svc in project["services"].values() if "build" in svc}
     assert built <= set(dockerfiles) and built >= WORKER_DOCKERFILES
