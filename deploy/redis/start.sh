@@ -27,5 +27,6 @@ while IFS= read -r line || [ -n "$line" ]; do
     printf '%s\n' "$line" >>"$acl"
 done <"$template"
 for var in $used; do unset "$var"; done
-unset password
+# REDISCLI_AUTH: the healthcheck's redis-cli reads it from the container's configuration, not from this process
+unset password REDISCLI_AUTH
 exec "${REDIS_SERVER:-redis-server}" "$@" --aclfile "$acl"

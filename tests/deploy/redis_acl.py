@@ -36,6 +36,12 @@ def _user_lines() -> list[str]:
     return [line for line in TEMPLATE.read_text().splitlines() if line.strip() and not line.startswith("#")]
 
 
+def key_patterns(user: str) -> list[str]:
+    """The key patterns (~PATTERN) of one user's line, selectors included."""
+    (line,) = [line for line in _user_lines() if line.split()[1] == user]
+    return re.findall(r"~(\S+?)\)?(?=\s|$)", line)
+
+
 def producer_prefix() -> str:
     """The job-id prefix the producer user's key patterns name (…:result:PREFIX*)."""
     (prefix,) = set(re.findall(r"~pagedq:\{[^}]+\}:result:([^ *]+)\*", "\n".join(_user_lines())))
@@ -75,6 +81,7 @@ def acl_redis(workdir: Path, *args: str) -> Iterator[AclRedis]:
     env = {
         "PATH": "/usr/bin:/bin",
         **passwords,
+        "REDISCLI_AUTH": passwords["REDIS_PASSWORD"],  # as compose sets it, for the healthcheck
         "REDIS_ACL_FILE": str(workdir / "users.acl"),
         "REDIS_SERVER": redis7_server(),
     }

@@ -5,6 +5,7 @@ producer reads only the results of its own jobs (issue 34, finding 14)."""
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import json
 import subprocess
 from pathlib import Path
@@ -21,7 +22,7 @@ from pagedq.worker.protocol.errors import JobRejected
 from pagedq.worker.protocol.keys import QueueKeys
 from pagedq.worker.testing.stub_engine import StubEngine
 from tests.deploy import compose
-from tests.deploy.redis_acl import START, AclRedis, acl_redis, password_variables, producer_prefix
+from tests.deploy.redis_acl import START, AclRedis, acl_redis, key_patterns, password_variables, producer_prefix
 from tests.gateway.conftest import CHAT_TEMPLATE, gateway_thread, wait_live
 from tests.worker.helpers import worker_thread
 
@@ -116,6 +117,26 @@ def test_start_renders_hashes_and_puts_no_password_on_a_command_line(server: Acl
         users = {line.split()[1] for line in operator.acl_list()}
         assert operator.config_get("aclfile") == {"aclfile": str(tmp_path / "users.acl")}
     assert users == {"default", "worker", "gateway", "producer"}
+
+
+def test_the_producer_patterns_name_the_queue_by_its_hash_tag() -> None:
+    """On a Redis Cluster each queue lives in the slot of its {tag}: the patterns spell the tag as the keys do (an
+    ACL glob takes braces literally), so one pattern set serves a single Redis and a cluster alike."""
+    prefix = producer_prefix()
+    patterns = key_patterns("producer")
+    assert patterns and all(p.startswith(KEYS.base + ":") for p in patterns), patterns
+    mine = [
+        KEYS.jobs,
+        KEYS.jobs_of("bulk"),
+        KEYS.ids,
+        KEYS.cancelled,
+        KEYS.result(prefix + "1"),
+        KEYS.final(prefix + "1"),
+    ]
+    assert all(any(fnmatch.fnmatchcase(key, p) for p in patterns) for key in mine)
+    theirs = [KEYS.result("other.1"), KEYS.final("other.1"), KEYS.completions, KEYS.dead, KEYS.file("f"), KEYS.workers]
+    assert not any(fnmatch.fnmatchcase(key, p) for key in theirs for p in patterns)
+    assert key_patterns("worker") == key_patterns("gateway") == ["pagedq:*"]
 
 
 def test_start_refuses_a_missing_password_naming_it(tmp_path: Path) -> None:
