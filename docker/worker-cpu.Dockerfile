@@ -60,4 +60,5 @@ HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
     CMD ["python3", "-c", "import os, urllib.request as u; u.urlopen('http://127.0.0.1:%s/health' % os.environ['PAGEDQ_METRICS_PORT'], timeout=4)"]
 
 ENTRYPOINT ["/usr/bin/tini", "--"]
-CMD ["sh", "-c", "exec pagedq worker --redis \"$PAGEDQ_REDIS_URL\" --model \"$PAGEDQ_MODEL\" --device cpu --name \"${PAGEDQ_WORKER_NAME:-$(hostname)}\" --metrics-port \"$PAGEDQ_METRICS_PORT\" --metrics-addr \"$PAGEDQ_METRICS_ADDR\""]
+# No --redis: the URL holds a password and arguments are visible in ps; the worker reads PAGEDQ_REDIS_URL.
+CMD ["sh", "-c", "exec pagedq worker --model \"$PAGEDQ_MODEL\" --device cpu --name \"${PAGEDQ_WORKER_NAME:-$(hostname)}\" --metrics-port \"$PAGEDQ_METRICS_PORT\" --metrics-addr \"$PAGEDQ_METRICS_ADDR\""]

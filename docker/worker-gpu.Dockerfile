@@ -49,6 +49,7 @@ HEALTHCHECK --interval=15s --timeout=5s --start-period=600s --retries=3 \
     CMD ["python3", "-c", "import os, urllib.request as u; u.urlopen('http://127.0.0.1:%s/health' % os.environ['PAGEDQ_METRICS_PORT'], timeout=4)"]
 
 # tini forwards SIGTERM to the worker, which drains in-flight jobs and exits 0
-# (compose's stop_grace_period must exceed --drain-timeout). The flags are spelled out on the command line.
+# (compose's stop_grace_period must exceed --drain-timeout). The flags are spelled out on the command line, except the
+# Redis URL: it holds a password, and a process's arguments are visible in ps, so the worker reads PAGEDQ_REDIS_URL.
 ENTRYPOINT ["/usr/bin/tini", "--"]
-CMD ["sh", "-c", "exec pagedq worker --redis \"$PAGEDQ_REDIS_URL\" --model \"$PAGEDQ_MODEL\" --device cuda --name \"${PAGEDQ_WORKER_NAME:-$(hostname)}\" --metrics-port \"$PAGEDQ_METRICS_PORT\" --metrics-addr \"$PAGEDQ_METRICS_ADDR\""]
+CMD ["sh", "-c", "exec pagedq worker --model \"$PAGEDQ_MODEL\" --device cuda --name \"${PAGEDQ_WORKER_NAME:-$(hostname)}\" --metrics-port \"$PAGEDQ_METRICS_PORT\" --metrics-addr \"$PAGEDQ_METRICS_ADDR\""]

@@ -169,13 +169,14 @@ class LocalStack:
         return [self.addresses.rewrite(word, svc, self.paths) for word in words]
 
     # ---- running -------------------------------------------------------------------------------------
-    def start(self, name: str, argv: list[str] | None = None) -> subprocess.Popen:
+    def start(self, name: str, argv: list[str] | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Starts a service: its own command, or `argv`; `env` adds to its environment (what the test maps)."""
         svc = self.services[name]
         log = open(self.log_path(name), "ab")  # noqa: SIM115  (the child keeps it; closed in stop())
         proc = subprocess.Popen(
             argv or self.argv(svc, svc.argv),
             cwd=self.workdir,
-            env=self.env(svc),
+            env={**self.env(svc), **(env or {})},
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,

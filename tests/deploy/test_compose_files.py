@@ -15,11 +15,12 @@ import yaml
 from pagedq.worker.cli.main import build_parser
 from tests.deploy import compose
 from tests.deploy.images import image_requirements
+from tests.deploy.redis_acl import MOUNTED_AT, password_variables
 
 ROOT = compose.ROOT
 
 REQUIREMENTS = image_requirements()
-PASSWORD = {"REDIS_PASSWORD": "pw"}
+PASSWORD = {name: f"pw-{name.lower()}" for name in password_variables()}
 WORKER_DOCKERFILES = {"docker/worker-gpu.Dockerfile", "docker/worker-cpu.Dockerfile"}
 
 
@@ -37,13 +38,74 @@ def _as_shell_runs_it(svc: compose.Service) -> list[str]:
     return out.stdout.splitlines()
 
 
-def test_redis_password_is_required_and_nothing_else_is() -> None:
-    with pytest.raises(compose.InterpolationError, match="set REDIS_PASSWORD"):
-        compose.load({})
+def test_redis_passwords_are_required_and_nothing_else_is() -> None:
+    """Every ACL user's password (deploy/redis/users.acl names them), and only those."""
+    assert PASSWORD.keys() == {
+        "REDIS_PASSWORD",
+        "REDIS_WORKER_PASSWORD",
+        "REDIS_GATEWAY_PASSWORD",
+        "REDIS_PRODUCER_PASSWORD",
+    }
+    for name in PASSWORD:
+        with pytest.raises(compose.InterpolationError, match=f"set {name} "):
+            compose.load({k: v for k, v in PASSWORD.items() if k != name})
     project = compose.load(PASSWORD)  # no PAGEDQ_MODEL_DIR: the laptop's case must interpolate
     assert project["services"]["worker"]["volumes"][0]["source"].endswith(
         "set-PAGEDQ_MODEL_DIR-to-a-Hugging-Face-checkpoint-folder"
     )
+
+
+def test_each_service_has_its_own_redis_user_and_no_password_on_a_command_line() -> None:
+    project = compose.load({**PASSWORD, "PAGEDQ_MODEL_DIR": "/m"})
+    users = {"worker-cpu": "worker", "worker": "worker", "worker-2": "worker", "gateway": "gateway"}
+    for name, user in users.items():
+        svc = compose.resolve(project, name)
+        password = PASSWORD[f"REDIS_{user.upper()}_PASSWORD"]
+        assert svc.env["PAGEDQ_REDIS_URL"] == f"redis://{user}:{password}@redis:6379/0", name
+        words = _as_shell_runs_it(svc) if name != "gateway" else svc.argv
+        assert not any(p in w for p in PASSWORD.values() for w in words), (name, words)  # ps shows argv
+    redis = compose.resolve(project, "redis")
+    assert redis.argv[:2] == ["sh", f"{MOUNTED_AT}/start.sh"] and "--requirepass" not in redis.argv
+    assert not any(p in w for p in PASSWORD.values() for w in redis.argv)
+    assert f"./deploy/redis:{MOUNTED_AT}:ro" in project["services"]["redis"]["volumes"]
+    assert {k: redis.env[k] for k in PASSWORD} == PASSWORD  # start.sh hashes them into the ACL file
+    producer = compose.resolve(project, "producer")
+    assert producer.env["REDISCLI_AUTH"] == PASSWORD["REDIS_PRODUCER_PASSWORD"]
+    script = producer.argv[-1]
+    assert script.count("redis-cli -h redis --user producer ") == 3 and 'job_id="producer.' in script
+
+
+def test_redis_has_a_memory_limit_and_never_evicts() -> None:
+    argv = compose.resolve(compose.load(PASSWORD), "redis").argv
+    assert argv[argv.index("--maxmemory-policy") + 1] == "noeviction"
+    assert argv[argv.index("--maxmemory") + 1] == "1gb"
+    custom = compose.resolve(compose.load({**PASSWORD, "REDIS_MAXMEMORY": "8gb"}), "redis").argv
+    assert custom[custom.index("--maxmemory") + 1] == "8gb"
+
+
+def test_every_container_is_unprivileged() -> None:
+    """No capability, no privilege escalation, a read-only root file system, and a user other than root."""
+    project = compose.load(PASSWORD)
+    for name, svc in project["services"].items():
+        assert svc.get("cap_drop") == ["ALL"] and not svc.get("cap_add"), name
+        assert "no-new-privileges:true" in svc.get("security_opt", []), name
+        assert svc.get("read_only") is True, name
+        image = compose.resolve(project, name).image
+        user = str(svc.get("user") or (image.user if image else ""))
+        assert user and user.split(":")[0] not in ("root", "0"), name
+
+
+def test_grafana_needs_a_password_and_has_no_anonymous_access() -> None:
+    env = compose.load(PASSWORD)["services"]["grafana"]["environment"]
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "false" and env["GF_USERS_ALLOW_SIGN_UP"] == "false"
+    assert env["GF_SECURITY_ADMIN_PASSWORD"] == ""  # unset: not Grafana's default "admin"
+    svc = compose.resolve(compose.load(PASSWORD), "grafana")
+    unset = subprocess.run(svc.argv, env={**svc.env, "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+    assert unset.returncode == 1 and "set GRAFANA_ADMIN_PASSWORD" in unset.stderr
+    given = compose.resolve(compose.load({**PASSWORD, "GRAFANA_ADMIN_PASSWORD": "s3cret"}), "grafana")
+    assert given.env["GF_SECURITY_ADMIN_PASSWORD"] == "s3cret"
+    started = subprocess.run(given.argv, env={**given.env, "PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+    assert "set GRAFANA_ADMIN_PASSWORD" not in started.stderr and "/run.sh" in started.stderr  # on to Grafana's start
 
 
 def test_interpolation_follows_compose() -> None:
@@ -124,6 +186,8 @@ def test_lint_checks_every_dockerfile_and_the_context_keeps_what_they_copy() -> 
     lint = (ROOT / ".ci/lint").read_text()
     (hadolint,) = [line for line in lint.splitlines() if line.startswith('check "hadolint"')]
     assert all(path in hadolint for path in dockerfiles), (dockerfiles, hadolint)
+    (shellcheck,) = [line for line in lint.splitlines() if line.startswith('check "shellcheck"')]
+    assert "deploy/redis/start.sh" in shellcheck.split()  # compose's redis runs it
     project = compose.load(PASSWORD)
     built = {svc["build"]["dockerfile"] for svc in project["services"].values() if "build" in svc}
     assert built <= set(dockerfiles) and built >= WORKER_DOCKERFILES

