@@ -131,20 +131,58 @@ redis.call('XDEL', KEYS[1], ARGV[2])
 return 1
 """
 
-# `pagedq bulk`: enqueue jobs unless an earlier (interrupted) run of the same input already did; a job id
-# already in the run's set is awaited, not re-sent.
-# KEYS: jobs, the run's enqueued set, ids; ARGV: ttl_s, job field, then (job_id, job_json) pairs
+# `pagedq bulk` and the Batch API: enqueue a run's jobs in order unless an earlier (interrupted) run of it already
+# did (a job id already in the run's set is awaited, not re-sent), while the band's stream is below max_depth and
+# the tenant's set of unfinished jobs below tenant_limit (the limits of SUBMIT, counted the same way, so a batch
+# waits for room instead of crowding out requests). 0 as a limit: no limit.
+# KEYS: jobs, the run's enqueued set, ids, the tenant's set (ids when the jobs are not counted for a tenant)
+# ARGV: ttl_s, job field, max_depth, tenant_limit, then (job_id, job_json) pairs
+# Returns {taken, sent}: the first `taken` jobs are the run's now (`sent` of them enqueued here); the rest wait.
 BULK_ENQUEUE = """
-local n = 0
-for i = 3, #ARGV, 2 do
-  if redis.call('SADD', KEYS[2], ARGV[i]) == 1 then
+local limit, tenant_limit = tonumber(ARGV[3]), tonumber(ARGV[4])
+local counted = tenant_limit > 0 and KEYS[4] ~= KEYS[3]
+local depth = limit > 0 and redis.call('XLEN', KEYS[1]) or 0
+local owned = counted and redis.call('SCARD', KEYS[4]) or 0
+local pruned = false
+local taken, sent = 0, 0
+for i = 5, #ARGV, 2 do
+  if redis.call('SISMEMBER', KEYS[2], ARGV[i]) == 0 then
+    if limit > 0 and depth >= limit then break end
+    if counted and owned >= tenant_limit and not pruned then
+      for _, id in ipairs(redis.call('SMEMBERS', KEYS[4])) do
+        if redis.call('HEXISTS', KEYS[3], id) == 0 then redis.call('SREM', KEYS[4], id) end
+      end
+      owned, pruned = redis.call('SCARD', KEYS[4]), true
+    end
+    if counted and owned >= tenant_limit then break end
+    redis.call('SADD', KEYS[2], ARGV[i])
     redis.call('HSET', KEYS[3], ARGV[i], 1)
     redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[i + 1])
-    n = n + 1
+    if counted then
+      redis.call('SADD', KEYS[4], ARGV[i])
+      owned = owned + 1
+    end
+    depth, sent = depth + 1, sent + 1
   end
+  taken = taken + 1
 end
 redis.call('EXPIRE', KEYS[2], ARGV[1])
-return n
+return {taken, sent}
+"""
+
+# A run's jobs whose result expired before the run collected it (the worker's result TTL is shorter than a resume
+# may come): no final record and no longer unfinished (the ids hash, which FINALIZE clears with the record's
+# write). They leave the run's enqueued set, so the run enqueues them again.
+# KEYS: the run's enqueued set, ids, then each job's final key; ARGV: the job ids. Returns the ids it forgot.
+FORGET_EXPIRED = """
+local gone = {}
+for i = 1, #ARGV do
+  if redis.call('EXISTS', KEYS[2 + i]) == 0 and redis.call('HEXISTS', KEYS[2], ARGV[i]) == 0 then
+    redis.call('SREM', KEYS[1], ARGV[i])
+    gone[#gone + 1] = ARGV[i]
+  end
+end
+return gone
 """
 
 # `pagedq dlq retry`: re-enqueue a dead job as a fresh attempt under its id. Only the caller that removes the
@@ -175,6 +213,7 @@ ALL = {
     "cancel": CANCEL,
     "dead_raw": DEAD_RAW,
     "bulk_enqueue": BULK_ENQUEUE,
+    "forget_expired": FORGET_EXPIRED,
     "dlq_retry": DLQ_RETRY,
     "append_once": APPEND_ONCE,
 }
