@@ -153,12 +153,12 @@ class BulkRun:
                         continue
                     job = make_job(job_id=self.job_id(custom_id), **request.fields)
                 except (LineError, JobRejected) as exc:
-                    if line_no in done.lines:
-                        self.counts["skipped"] += 1  # answered (in the errors file) before a restart
-                    elif isinstance(exc, LineError):
-                        self._write_error(error_line(custom_id_of(text, exc), line_no, exc.code, str(exc)))
-                    else:
-                        self._write_error(error_line(custom_id, line_no, "invalid_request", str(exc)))
+                    code = exc.code if isinstance(exc, LineError) else "invalid_request"
+                    cid = custom_id_of(text, exc) if isinstance(exc, LineError) else custom_id
+                    if line_no not in done.lines:
+                        self._write_error(error_line(cid, line_no, code, str(exc)))
+                    elif cid is not None and code != "duplicate_custom_id":
+                        self.counts["skipped"] += 1  # a request answered (in the errors file) before a restart
                     continue
                 yield line_no, job, request
 
