@@ -7,9 +7,10 @@ batch output shape (`{"id", "custom_id", "response": {"status_code", "request_id
 written as each job finishes (not in input order); everything that did not complete (bad JSON, invalid
 request, duplicate custom_id, rejected/failed/cancelled/expired) goes to the errors file instead.
 
-Idempotent by custom_id: the job id is derived from the input file's content hash (or --run-id) and the
-custom_id, and jobs are enqueued by a script that adds each id to a per-run set first, so a rerun after an
-interruption skips custom_ids already in OUTPUT/errors, awaits jobs already enqueued and enqueues the rest.
+Idempotent by custom_id: the job id is derived from the input file's content hash (or --run-id, bound to that
+hash) and the custom_id, and jobs are enqueued by a script that adds each id to a per-run set first, so a rerun
+after an interruption skips custom_ids already in OUTPUT/errors, awaits jobs already enqueued and enqueues the
+rest. What a run may touch (never its input, never another file's last line) is bulk/resume.py's to say.
 """
 
 from __future__ import annotations
