@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     r = connect(redis_url(args.redis))
     # An unreachable Redis fails here, before any output file exists (pagedq/worker/cli/startup_errors.py words it).
     r.ping()
+    runner: BulkRun | None = None
     try:
         runner = BulkRun(
             r,
@@ -76,10 +77,10 @@ def run(args: argparse.Namespace) -> int:
     except BulkRefused as refused:  # the same words and status as a start-up mistake (cli/startup_errors.py)
         print(f"pagedq bulk: error: {refused}", file=sys.stderr, flush=True)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # while reading the input's hash too: no job in flight yet
         print(
-            f"\ninterrupted with {len(runner.pending)} jobs in flight: they keep running; run the same "
-            f"command again to collect them (nothing is enqueued twice)",
+            f"\ninterrupted with {len(runner.pending) if runner else 0} jobs in flight: they keep running; run the "
+            f"same command again to collect them (nothing is enqueued twice)",
             file=sys.stderr,
         )
         return 130
