@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from pagedq.worker.bulk.run import job_id_for
+from pagedq.worker.bulk.lines import job_id_for
 from pagedq.worker.testing.stub_engine import StubEngine
 
 from .helpers import KEYS, REPO, assert_clean_queue, finals_by_id, offline, wait_for, worker_thread

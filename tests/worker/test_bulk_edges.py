@@ -12,7 +12,8 @@ import sys
 import pytest
 from redis import Redis
 
-from pagedq.worker.bulk.run import BulkRun, job_id_for
+from pagedq.worker.bulk.lines import job_id_for
+from pagedq.worker.bulk.runner import BulkRun
 from pagedq.worker.testing.stub_engine import StubEngine
 
 from .helpers import KEYS, REPO, offline, run_burst, wait_for, worker_thread

@@ -174,8 +174,20 @@ def _response_format(form: Any) -> list[tuple[str, Any]]:
     raise LineError("invalid_request", "response_format must be text, json_object or json_schema with a schema")
 
 
-def job_id_for(run_id: str, custom_id: str) -> str:
-    return f"bulk.{run_id}.{hashlib.sha256(custom_id.encode()).hexdigest()[:32]}"
+def job_id_for(run_id: str, custom_id: str, input_digest: str = "") -> str:
+    """The job id of a line: the run's namespace and a hash of its custom_id, and of the input's content hash when
+    given (a run id chosen by hand is bound to its input, so reusing it on another input never meets its jobs)."""
+    named = f"{input_digest}\0{custom_id}" if input_digest else custom_id
+    return f"bulk.{run_id}.{hashlib.sha256(named.encode()).hexdigest()[:32]}"
+
+
+JSON_WHITESPACE = " \t\r\n"
+
+
+def split_lines(text: str) -> list[str]:
+    """The lines of a JSONL text, split on "\\n" only (a "\\r" before it goes too). str.splitlines would also split
+    on U+2028, U+0085 and \\x1c-\\x1e, which a JSON string may hold unescaped (json.dumps(ensure_ascii=False))."""
+    return [line.removesuffix("\r") for line in text.split("\n")]
 
 
 def file_digest(path: Path) -> tuple[str, int]:
@@ -259,29 +271,6 @@ def error_line(
         "response": response,
         "error": {"code": code, "message": message},
     }
-
-
-def read_done(path: Path) -> tuple[set[str], set[int]]:
-    """custom_ids already answered in a results/errors file, and line numbers answered without one.
-    A partly written last line (interrupted mid-write) is cut off first."""
-    ids: set[str] = set()
-    lines: set[int] = set()
-    if not path.exists():
-        return ids, lines
-    raw = path.read_bytes()
-    if raw and not raw.endswith(b"\n"):
-        raw = raw[: raw.rfind(b"\n") + 1]
-        path.write_bytes(raw)
-    for text in raw.decode().splitlines():
-        entry = json.loads(text)
-        if entry.get("custom_id") is not None and (entry.get("error") or {}).get("code") != "duplicate_custom_id":
-            ids.add(entry["custom_id"])
-        elif entry.get("line") is not None:
-            lines.add(entry["line"])
-    return ids, lines
-
-
-# ---------------------------------------------------------------------------------------------- the run
 
 
 def custom_id_of(text: str, exc: LineError) -> str | None:

@@ -18,7 +18,7 @@ def router(batches: Batches, auth: Any) -> APIRouter:
 
     @api.post("/v1/batches")
     async def create(body: BatchCreate, request: Request) -> dict[str, Any]:
-        return await batches.create(body, request_owner(request))
+        return await batches.create(body, request_owner(request), getattr(request.state, "tenant", None))
 
     @api.get("/v1/batches/{batch_id}")
     async def retrieve(batch_id: str, request: Request) -> dict[str, Any]:

@@ -120,6 +120,11 @@ class QueueKeys:
         """Set of job ids a `pagedq bulk` run has enqueued (makes its enqueue idempotent across restarts)."""
         return f"{self.base}:bulk:{run_id}:enqueued"
 
+    def bulk_run(self, run_id: str) -> str:
+        """Hash of a `pagedq bulk` run's state: the input it is bound to (field `input`: its content hash) and the
+        output files it created (field `owns:<device>:<inode>`), the only ones a resume may trim."""
+        return f"{self.base}:bulk:{run_id}:state"
+
     def file(self, file_id: str) -> str:
         """Hash of one file of the gateway's Files API: fields meta (JSON), owner (gateway/owners.py), and content (its
         bytes) or, for a batch's output and error files, lines and bytes (the running size of its line list)."""

@@ -1,6 +1,7 @@
 """Lua scripts: the operations that must be atomic (Redis 6.2+ commands only).
 
-Every Lua script of pagedq is here. Loaded once with SCRIPT LOAD and called by sha: single calls through
+Every Lua script of pagedq is registered here (ALL); those of bulk runs and the Batch API's files are written in
+bulk_scripts.py. Loaded once with SCRIPT LOAD and called by sha: single calls through
 call()/acall(), which reload on NOSCRIPT (e.g. after a Redis restart); the worker's pipelined FINALIZE and
 DEAD_RAW calls are re-sent on NOSCRIPT by Publisher.check (redis-py's Script objects would add a SCRIPT
 EXISTS round trip to every pipeline).
@@ -12,6 +13,8 @@ import hashlib
 from typing import Any
 
 from redis.exceptions import NoScriptError
+
+from pagedq.worker.protocol.bulk_scripts import APPEND_ONCE, BULK_ENQUEUE, FORGET_EXPIRED, RELEASE_FILE, RESERVE_FILE
 
 # Write each job's final record only if it has none, and acknowledge (and delete) its job entry in the
 # same atomic step: a job is done exactly when its final record exists, and a redelivered copy is just
@@ -131,22 +134,6 @@ redis.call('XDEL', KEYS[1], ARGV[2])
 return 1
 """
 
-# `pagedq bulk`: enqueue jobs unless an earlier (interrupted) run of the same input already did; a job id
-# already in the run's set is awaited, not re-sent.
-# KEYS: jobs, the run's enqueued set, ids; ARGV: ttl_s, job field, then (job_id, job_json) pairs
-BULK_ENQUEUE = """
-local n = 0
-for i = 3, #ARGV, 2 do
-  if redis.call('SADD', KEYS[2], ARGV[i]) == 1 then
-    redis.call('HSET', KEYS[3], ARGV[i], 1)
-    redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[i + 1])
-    n = n + 1
-  end
-end
-redis.call('EXPIRE', KEYS[2], ARGV[1])
-return n
-"""
-
 # `pagedq dlq retry`: re-enqueue a dead job as a fresh attempt under its id. Only the caller that removes the
 # dead entry re-enqueues, so two concurrent retries of one letter enqueue it once.
 # KEYS: dead, jobs, final, result, ids; ARGV: dead entry id, job json, job field, job id
@@ -158,70 +145,6 @@ redis.call('XADD', KEYS[2], '*', ARGV[3], ARGV[2])
 return 1
 """
 
-# The gateway's Batch API output files: write each answer once, and nothing once the batch or the file is gone
-# (expired or deleted). The answered set and the line list expire with their batch and file, and the file keeps
-# the running size of its lines (GET /v1/files/{id} reads it) unless it was declared before it had one.
-# KEYS: the batch's answered set, the batch, the file's line list, the file; ARGV: answer key, line.
-# Returns 1 (written), 0 (answered before) or -1 (its batch or file is gone).
-APPEND_ONCE = """
-local batch_ttl, file_ttl = redis.call('PTTL', KEYS[2]), redis.call('PTTL', KEYS[4])
-if batch_ttl == -2 or file_ttl == -2 then return -1 end
-if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then return 0 end
-redis.call('RPUSH', KEYS[3], ARGV[2])
-if redis.call('HEXISTS', KEYS[4], 'bytes') == 1 then redis.call('HINCRBY', KEYS[4], 'bytes', #ARGV[2] + 1) end
-if batch_ttl > 0 then redis.call('PEXPIRE', KEYS[1], batch_ttl) end
-if file_ttl > 0 then redis.call('PEXPIRE', KEYS[3], file_ttl) end
-return 1
-"""
-
-# Lua: take a file out of its owner's quota. KEYS[1]: the owner's files (sorted by expiry), KEYS[2]: their sizes
-# by file id and the running sum of them, field 'total' (a sum kept as files come and go, never recounted).
-_FORGET_FILE = """
-local function forget(id)
-  local size = redis.call('HGET', KEYS[2], id)
-  if size then
-    redis.call('HDEL', KEYS[2], id)
-    redis.call('HINCRBY', KEYS[2], 'total', -tonumber(size))
-  end
-  redis.call('ZREM', KEYS[1], id)
-end
-"""
-
-# Reserve room in an owner's file quota for an upload: forget the owner's expired files, then add this one unless
-# the owner would keep more than max_files files or max_bytes bytes. The owner's keys live as long as its
-# longest-lived file. The upload itself is written next (a gateway dying in between leaves a reservation that
-# expires with the ttl: the quota errs on the side of counting).
-# KEYS: the owner's files, the owner's file sizes; ARGV: now_ms, ttl_ms, file_id, size, max_files, max_bytes
-# Returns {'OK'}, or {'files' or 'bytes', what the owner keeps now}.
-RESERVE_FILE = (
-    _FORGET_FILE
-    + """
-local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
-for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do forget(id) end
-local count = redis.call('ZCARD', KEYS[1])
-if count + 1 > tonumber(ARGV[5]) then return {'files', tostring(count)} end
-local used = tonumber(redis.call('HGET', KEYS[2], 'total') or '0')
-if used + tonumber(ARGV[4]) > tonumber(ARGV[6]) then return {'bytes', tostring(used)} end
-redis.call('ZADD', KEYS[1], now + ttl, ARGV[3])
-redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
-redis.call('HINCRBY', KEYS[2], 'total', ARGV[4])
-for i = 1, 2 do
-  if redis.call('PTTL', KEYS[i]) < ttl then redis.call('PEXPIRE', KEYS[i], ttl) end
-end
-return {'OK'}
-"""
-)
-
-# Free a deleted (or never written) upload's room in its owner's quota.
-# KEYS: the owner's files, the owner's file sizes; ARGV: file_id
-RELEASE_FILE = (
-    _FORGET_FILE
-    + """
-forget(ARGV[1])
-return 1
-"""
-)
-
 ALL = {
     "finalize": FINALIZE,
     "submit": SUBMIT,
@@ -229,6 +152,7 @@ ALL = {
     "cancel": CANCEL,
     "dead_raw": DEAD_RAW,
     "bulk_enqueue": BULK_ENQUEUE,
+    "forget_expired": FORGET_EXPIRED,
     "dlq_retry": DLQ_RETRY,
     "append_once": APPEND_ONCE,
     "reserve_file": RESERVE_FILE,
