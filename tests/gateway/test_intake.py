@@ -89,7 +89,7 @@ def test_a_deep_body_is_401_without_a_key_and_a_400_naming_the_nesting_with_one(
         )
     assert keyless.status_code == 401 and keyless.json()["error"]["code"] == "invalid_api_key"
     assert keyed.status_code == 400, keyed.text
-    assert "nested too deeply" in keyed.json()["error"]["message"] and len(keyed.text) < 1000
+    assert keyed.json()["error"]["message"] == "the JSON body is nested too deeply"
 
 
 def test_a_body_over_its_route_cap_is_413_before_it_is_read_or_once_it_streams_past(redis_url):

@@ -10,8 +10,9 @@ Then, while the route reads the body: the bytes are counted (a chunked body gets
 keep coming (408 past body_timeout_s plus a second per body_min_rate bytes, as Apache's mod_reqtimeout).
 Every answer given here closes the connection, so the rest of a refused body is never read.
 
-FastAPI's own max_body_size is not used: its limit applies to a route only, after FastAPI has matched it (the key
-is checked before), and a Content-Length over it with a route that reads no body gets Starlette's plain-text 413.
+FastAPI's own max_body_size (Starlette's RequestBodyLimitMiddleware) is not used: the body's deadline needs the same
+`receive` wrapper anyway, and its answer to a Content-Length over the cap, on a route that reads no body, is a
+plain-text 413 rather than OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
+import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -209,21 +211,25 @@ async def _answer(error: OpenAIError, scope: Scope, receive: Receive, send: Send
 
 
 async def parse_body(request: Request, model: type[Model]) -> Model:
-    """The request's JSON body as `model`, parsed and validated in one pass by pydantic-core (FastAPI's json.loads
-    then validation costs more, and answers a deep body with "There was an error parsing the body"). It runs on
-    the event loop: pydantic-core holds the GIL while it parses, so a thread would not let the loop run meanwhile;
-    max_json_bytes bounds how long one body can take (docs/gateway.md). Errors are 400s (errors.py)."""
+    """The request's JSON body as `model`, validated as FastAPI did (json.loads, then `model_validate`: measured
+    faster than pydantic-core's `model_validate_json` on token-id prompts, whose union errors it copies), but a body
+    nested past Python's recursion limit is a 400 that says so (FastAPI's: "There was an error parsing the body").
+    It runs on the event loop: both parsers hold the GIL, so a thread would not let the loop run meanwhile;
+    max_json_bytes bounds how long one body can take (docs/gateway.md)."""
     content_type = request.headers.get("content-type", "")
     if content_type.split(";")[0].strip().lower() != "application/json":
         raise OpenAIError(400, "the body must be JSON (Content-Type: application/json)", code="invalid_request")
     raw = await request.body()
     try:
-        return model.model_validate_json(raw)
+        data = json.loads(raw)
+    except RecursionError:
+        raise OpenAIError(400, "the JSON body is nested too deeply", param="body", code="invalid_request") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise OpenAIError(400, f"the body is not valid JSON: {exc}", param="body", code="invalid_request") from None
+    try:
+        return model.model_validate(data)
     except ValidationError as exc:
         errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False, include_input=False)]
-        for error in errors:
-            if error["type"] == "json_invalid" and "recursion limit" in str(error["msg"]):
-                error["msg"] = f"the JSON body is nested too deeply ({error['msg']})"
         raise RequestValidationError(errors) from None
 
 

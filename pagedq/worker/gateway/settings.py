@@ -39,8 +39,10 @@ class GatewaySettings(QueueSettings):
         description="Host names accepted besides localhost, IP literals and --host; checked with no API keys, or "
         "when set; also the origins a keyless gateway accepts; * accepts any",
     )
+    # Parsing holds the event loop (docs/gateway.md, "Before a route runs"): the default fits 256 prompts of 32 KiB
+    # of text, or 128 tools with 16 KiB schemas and a long conversation, and bounds the time one body can take.
     max_json_bytes: int = Field(
-        default=32 * 1024 * 1024,
+        default=8 * 1024 * 1024,
         ge=1024,
         le=1024**3,
         description="largest JSON request body (413 beyond; /v1/files takes a 200 MB file)",
