@@ -169,6 +169,25 @@ def test_slow_clients_are_closed_after_their_deadline_while_others_are_served(re
         assert b" 408 " in answers[conn] and b'"code":"timeout"' in answers[conn], answers[conn]
 
 
+def test_headers_past_their_cap_are_431_and_the_connection_closed(redis_url):
+    """Headers sent at full speed are cut at max_header_bytes (httptools has no cap of its own)."""
+    with serving(redis_url, max_header_bytes=4096) as port:
+        conn = socket.create_connection(("127.0.0.1", port), timeout=5)
+        # one write, all read at once: the server then closes with nothing unread (no reset)
+        conn.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n" + (b"X-Big: " + b"a" * 1024 + b"\r\n") * 6)
+        answer = b""
+        with contextlib.suppress(OSError):
+            while chunk := conn.recv(65536):
+                answer += chunk
+        conn.close()
+        fine = httpx.get(f"http://127.0.0.1:{port}/health", headers={"x-small": "a" * 1024})
+    status_line, _, rest = answer.partition(b"\r\n")
+    assert status_line == b"HTTP/1.1 431 Request Header Fields Too Large", answer[:200]
+    error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+    assert error["code"] == "headers_too_large" and "4096 bytes" in error["message"]
+    assert fine.status_code == 200
+
+
 def test_connections_are_capped(redis_url):
     """max_connections is uvicorn's limit_concurrency: past it a request gets 503; once the idle connections
     are closed by the header deadline, requests are served again."""

@@ -2,20 +2,24 @@
 
 uvicorn has no timeout on a request's headers (its issue #157, "--timeout-request-start", open since 2018):
 `timeout_keep_alive` runs only between requests and any byte cancels it, so a connection that trickles its
-headers, or never sends one, is held for ever. HeaderDeadline closes a connection whose request headers are not
-complete header_timeout_s after it opened or after its previous response (nginx's client_header_timeout). A body's
-arrival is timed in intake.py, where the route reads it; the number of open connections and of requests in
-progress is uvicorn's own `limit_concurrency` (max_connections: its plain-text 503 beyond).
+headers, or never sends one, is held for ever. Nor does its httptools protocol bound their size (h11's does):
+headers sent at full speed pile up in memory. HeaderDeadline closes a connection whose request headers are not
+complete header_timeout_s after it opened or after its previous response (nginx's client_header_timeout), and
+answers 431 to headers past max_header_bytes. A body's arrival is timed in intake.py, where the route reads it;
+the number of open connections and of requests in progress is uvicorn's own `limit_concurrency`
+(max_connections: its plain-text 503 beyond).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import TYPE_CHECKING
 
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from pagedq.worker.gateway.errors import OpenAIError
 from pagedq.worker.gateway.settings import GatewaySettings
 
 if TYPE_CHECKING:  # the attributes HeaderDeadline uses, which uvicorn's two HTTP protocols share
@@ -25,10 +29,13 @@ else:
 
 
 class HeaderDeadline(_Protocol):
-    """Mixed into uvicorn's HTTP protocol (httptools, else h11): a deadline on each request's headers."""
+    """Mixed into uvicorn's HTTP protocol (httptools, else h11): a deadline and a size cap on each request's
+    headers. The timer is armed exactly while a request's headers are awaited."""
 
     header_timeout_s = 10.0
+    max_header_bytes = 64 * 1024
     _header_timer: asyncio.TimerHandle | None = None
+    _header_bytes = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -38,6 +45,12 @@ class HeaderDeadline(_Protocol):
         super().data_received(data)
         if self.cycle is not None and not self.cycle.response_complete:  # this data completed a request's headers
             self._disarm()
+        elif self._header_timer is not None:  # all of it belongs to headers still incomplete
+            self._header_bytes += len(data)
+            if self._header_bytes > self.max_header_bytes and not self.transport.is_closing():
+                self._disarm()
+                self.transport.write(_headers_too_large(self.max_header_bytes))
+                self.transport.close()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -51,6 +64,7 @@ class HeaderDeadline(_Protocol):
 
     def _arm(self) -> None:
         self._disarm()
+        self._header_bytes = 0
         self._header_timer = self.loop.call_later(self.header_timeout_s, self._expire)
 
     def _disarm(self) -> None:
@@ -64,9 +78,20 @@ class HeaderDeadline(_Protocol):
             self.transport.close()
 
 
-def protocol_class(header_timeout_s: float) -> type[asyncio.Protocol]:
-    """uvicorn's default HTTP protocol with a header deadline of `header_timeout_s`."""
-    return type("GatewayHTTPProtocol", (HeaderDeadline, AutoHTTPProtocol), {"header_timeout_s": header_timeout_s})
+def _headers_too_large(limit: int) -> bytes:
+    error = OpenAIError(431, f"the request's headers are larger than {limit} bytes", code="headers_too_large")
+    body = json.dumps(error.body()).encode()
+    head = (
+        "HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def protocol_class(settings: GatewaySettings) -> type[asyncio.Protocol]:
+    """uvicorn's default HTTP protocol with the settings' header deadline and size cap."""
+    limits = {"header_timeout_s": settings.header_timeout_s, "max_header_bytes": settings.max_header_bytes}
+    return type("GatewayHTTPProtocol", (HeaderDeadline, AutoHTTPProtocol), limits)
 
 
 def server_config(app: object, settings: GatewaySettings) -> uvicorn.Config:
@@ -75,7 +100,7 @@ def server_config(app: object, settings: GatewaySettings) -> uvicorn.Config:
         app,  # type: ignore[arg-type]
         host=settings.host,
         port=settings.port,
-        http=protocol_class(settings.header_timeout_s),
+        http=protocol_class(settings),
         ws="none",  # no WebSocket route: an upgrade would leave the header deadline armed on a finished protocol
         limit_concurrency=settings.max_connections,
         log_level="warning",

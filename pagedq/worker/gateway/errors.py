@@ -19,6 +19,7 @@ ERROR_TYPES = {
     409: "conflict_error",
     413: "invalid_request_error",
     429: "rate_limit_exceeded",
+    431: "invalid_request_error",
     499: "client_closed_request",
     500: "server_error",
     503: "service_unavailable",

@@ -50,6 +50,9 @@ class GatewaySettings(QueueSettings):
     header_timeout_s: float = Field(
         default=10.0, ge=0.1, le=3600, description="seconds a connection has to send a request's headers"
     )
+    max_header_bytes: int = Field(
+        default=64 * 1024, ge=1024, le=16 * 1024 * 1024, description="largest request line and headers (431 beyond)"
+    )
     body_timeout_s: float = Field(
         default=30.0, ge=0.1, le=3600, description="seconds a request has to send its body, plus body_min_rate's share"
     )
