@@ -114,16 +114,15 @@ class Intake:
             await self.app(scope, receive, send)
             return
         self._name_route(scope)
-        headers = Headers(scope=scope)
+        cap = self._cap(scope)
         try:
-            self._admit(scope, headers)
+            self._admit(scope, Headers(scope=scope), cap)
         except OpenAIError as error:
             await _answer(error, scope, receive, send)
             return
-        cap = self._cap(scope)
         await self.app(scope, _BodyReader(receive, cap, self.settings).receive, _closing_on_refusal(send))
 
-    def _admit(self, scope: Scope, headers: Headers) -> None:
+    def _admit(self, scope: Scope, headers: Headers, cap: int) -> None:
         if self.check_hosts and (why := self.hosts.refusal(headers)):
             raise OpenAIError(403, why, code="forbidden_host")
         path = scope["path"]
@@ -133,9 +132,8 @@ class Intake:
                 raise _unauthenticated()
             state = scope.setdefault("state", {})
             state["tenant"], state["owner"] = identity
-        length = headers.get("content-length")
-        cap = self._cap(scope)
-        if length is not None and (not length.isdigit() or int(length) > cap):
+        length = headers.get("content-length", "")  # uvicorn's parser refuses a malformed one
+        if length.isdigit() and int(length) > cap:
             raise _too_large(cap)
 
     def _cap(self, scope: Scope) -> int:
@@ -171,7 +169,12 @@ class _BodyReader:
             message = await asyncio.wait_for(self.inner(), timeout=max(allowed, 0.0))
         except TimeoutError:
             raise RaisedOpenAIError(
-                OpenAIError(408, f"the request body did not arrive in time ({self.received} bytes)", code="timeout")
+                OpenAIError(
+                    408,
+                    f"the request body did not arrive in time ({self.received} bytes; PAGEDQ_BODY_TIMEOUT_S, "
+                    "PAGEDQ_BODY_MIN_RATE)",
+                    code="timeout",
+                )
             ) from None
         if message["type"] != "http.request":
             self.complete = True
