@@ -193,6 +193,7 @@ def test_connections_are_capped(redis_url):
     are closed by the header deadline, requests are served again."""
     with serving(redis_url, max_connections=5, header_timeout_s=1.0) as port:
         idle = _trickle(port, 5, b"")
+        time.sleep(0.2)  # accepted by the server before the next one
         crowded = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code
         for conn in idle:
             wait_for(lambda conn=conn: _closed(conn, b""), timeout=5, what="the idle connection closed")
