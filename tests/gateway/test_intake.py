@@ -32,6 +32,7 @@ pytestmark = pytest.mark.abuse
 
 KEYS = {"key-a": "acme", "key-b": "globex"}
 JSON = b"Content-Type: application/json\r\n"
+KEYED_JSON = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/v1/batches")
 
 
 @contextlib.contextmanager
@@ -84,12 +85,12 @@ def test_a_deep_body_is_401_without_a_key_and_a_400_naming_the_nesting_with_one(
     with serving(redis_url, api_key_tenants=KEYS) as port:
         base = f"http://127.0.0.1:{port}/v1/chat/completions"
         keyless = httpx.post(base, content=deep, headers={"content-type": "application/json"})
-        keyed = httpx.post(
-            base, content=deep, headers={"content-type": "application/json", "authorization": "Bearer key-a"}
-        )
+        keyed = {"content-type": "application/json", "authorization": "Bearer key-a"}
+        answers = [httpx.post(f"http://127.0.0.1:{port}{path}", content=deep, headers=keyed) for path in KEYED_JSON]
     assert keyless.status_code == 401 and keyless.json()["error"]["code"] == "invalid_api_key"
-    assert keyed.status_code == 400, keyed.text
-    assert keyed.json()["error"]["message"] == "the JSON body is nested too deeply"
+    for answer in answers:  # parse_body on the completion routes, FastAPI's parsing on the others
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["message"] == "the JSON body is nested too deeply"
 
 
 def test_a_body_over_its_route_cap_is_413_before_it_is_read_or_once_it_streams_past(redis_url):

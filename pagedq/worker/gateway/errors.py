@@ -52,6 +52,9 @@ class OpenAIError(Exception):
         }
 
 
+DEEP_JSON = "the JSON body is nested too deeply"
+
+
 class RaisedOpenAIError(StarletteHTTPException):
     """An OpenAIError raised from `receive` (the body's cap and deadline, intake.py): FastAPI passes only
     HTTPExceptions through its body reading (anything else becomes "There was an error parsing the body")."""
@@ -91,6 +94,8 @@ def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
 def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     if isinstance(exc, RaisedOpenAIError):
         return _openai_error(_, exc.error)
+    if isinstance(exc.__cause__, RecursionError):  # FastAPI's "There was an error parsing the body"
+        return _openai_error(_, OpenAIError(400, DEEP_JSON, param="body", code="invalid_request"))
     return JSONResponse(OpenAIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
 
 

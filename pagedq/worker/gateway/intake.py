@@ -34,7 +34,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedq.worker.gateway.errors import OpenAIError, RaisedOpenAIError
+from pagedq.worker.gateway.errors import DEEP_JSON, OpenAIError, RaisedOpenAIError
 from pagedq.worker.gateway.files import MAX_FILE_BYTES
 from pagedq.worker.gateway.owners import owner_of
 from pagedq.worker.gateway.settings import GatewaySettings
@@ -226,7 +226,7 @@ async def parse_body(request: Request, model: type[Model]) -> Model:
     try:
         data = json.loads(raw)
     except RecursionError:
-        raise OpenAIError(400, "the JSON body is nested too deeply", param="body", code="invalid_request") from None
+        raise OpenAIError(400, DEEP_JSON, param="body", code="invalid_request") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
         raise OpenAIError(400, f"the body is not valid JSON: {exc}", param="body", code="invalid_request") from None
     try:
