@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -21,9 +20,9 @@ from pagedq.worker.gateway.completions import CompletionEndpoint
 from pagedq.worker.gateway.errors import OpenAIError, record_error
 from pagedq.worker.gateway.files import FileStore
 from pagedq.worker.gateway.files import router as file_router
+from pagedq.worker.gateway.intake import Intake, KeyRing, parse_body, require_key
 from pagedq.worker.gateway.jobs import build, check_model, submit, wait_timeout
 from pagedq.worker.gateway.metrics import GatewayMetrics, ObserveRequests
-from pagedq.worker.gateway.owners import owner_of
 from pagedq.worker.gateway.render import now
 from pagedq.worker.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from pagedq.worker.gateway.settings import GatewaySettings
@@ -159,18 +158,24 @@ def create_app(settings: GatewaySettings | None = None, redis: AsyncRedis | None
     app.state.gateway = gateway
     errors.install(app)
     metrics = GatewayMetrics(lambda: gateway.streams.open)
+    # Intake authenticates and bounds every request before its body is read; ObserveRequests (added last: outside)
+    # counts what Intake refuses too
+    app.add_middleware(Intake, settings=settings, routes=app.router.routes)
     app.add_middleware(ObserveRequests, metrics=metrics)
-    auth = Depends(_authenticate(settings.accepted_keys, settings.api_key_tenants))
+    auth = Depends(require_key(KeyRing(settings.accepted_keys, settings.api_key_tenants)))
     app.include_router(file_router(gateway.files, auth))
     app.include_router(batch_router(gateway.batches, auth))
     app.include_router(tokenize_router(gateway.tokenizers, auth))
 
+    # the bodies are parsed by parse_body, off the event loop when large
     @app.post("/v1/completions", dependencies=[auth])
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(request: Request) -> Response:
+        body = await parse_body(request, CompletionRequest)
         return await gateway.generate(CompletionEndpoint(body, body.model, now()), request)
 
     @app.post("/v1/chat/completions", dependencies=[auth])
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(request: Request) -> Response:
+        body = await parse_body(request, ChatCompletionRequest)
         return await gateway.generate(ChatEndpoint(body, body.model, now()), request)
 
     @app.get("/v1/models", dependencies=[auth])
@@ -187,24 +192,3 @@ def create_app(settings: GatewaySettings | None = None, redis: AsyncRedis | None
         return await gateway.health()
 
     return app
-
-
-def _authenticate(keys: list[str], tenants: dict[str, str]):
-    """Checks the Bearer key; the tenant it maps to (settings.api_key_tenants) and the owner of the files and batches
-    it makes (owners.py) go on request.state."""
-    encoded = [(k.encode(), tenants.get(k)) for k in keys]
-
-    async def check(request: Request) -> None:
-        if not encoded:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        given = token.strip().encode()
-        # every key compared (constant time per key), so the match's position does not leak through timing
-        matches = [tenant for key, tenant in encoded if hmac.compare_digest(given, key)]
-        if scheme.lower() != "bearer" or not matches:
-            raise OpenAIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
-        request.state.tenant = matches[0]
-        request.state.owner = owner_of(token.strip(), matches[0])
-
-    return check

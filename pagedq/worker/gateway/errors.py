@@ -13,10 +13,13 @@ from pagedq.worker.protocol.job import FinalRecord
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
+    408: "timeout",
     409: "conflict_error",
     413: "invalid_request_error",
     429: "rate_limit_exceeded",
+    431: "invalid_request_error",
     499: "client_closed_request",
     500: "server_error",
     503: "service_unavailable",
@@ -49,6 +52,18 @@ class OpenAIError(Exception):
         }
 
 
+DEEP_JSON = "the JSON body is nested too deeply"
+
+
+class RaisedOpenAIError(StarletteHTTPException):
+    """An OpenAIError raised from `receive` (the body's cap and deadline, intake.py): FastAPI passes only
+    HTTPExceptions through its body reading (anything else becomes "There was an error parsing the body")."""
+
+    def __init__(self, error: OpenAIError) -> None:
+        super().__init__(error.status, error.message)
+        self.error = error
+
+
 def record_error(record: FinalRecord) -> OpenAIError:
     """The HTTP error for a job that did not complete (its final record's status and reason)."""
     status = {"rejected": 400, "expired": 504, "cancelled": 409}.get(record.status, 500)
@@ -77,6 +92,10 @@ def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
 
 
 def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    if isinstance(exc, RaisedOpenAIError):
+        return _openai_error(_, exc.error)
+    if isinstance(exc.__cause__, RecursionError):  # FastAPI's "There was an error parsing the body"
+        return _openai_error(_, OpenAIError(400, DEEP_JSON, param="body", code="invalid_request"))
     return JSONResponse(OpenAIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
 
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
-from pydantic_settings import NoDecode
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import NoDecode, SettingsConfigDict
 
 from pagedq.worker.protocol.limits import MAX_TENANT_QUEUED, TENANT_PATTERN
 from pagedq.worker.protocol.settings import QueueSettings
@@ -15,10 +16,14 @@ from pagedq.worker.protocol.settings import QueueSettings
 class GatewaySettings(QueueSettings):
     """`pagedq serve`: the OpenAI-compatible HTTP gateway (pagedq/worker/gateway/)."""
 
+    # a rejected value is never echoed: API keys are values here
+    model_config = SettingsConfigDict(hide_input_in_errors=True)
+
     # an open gateway (no API keys) is only reachable from this machine by default
     host: str = Field(default="127.0.0.1", description="bind address")
     port: int = Field(default=8000, ge=0, le=65535, description="port")
-    # Bearer tokens accepted; empty: no authentication. PAGEDQ_API_KEYS takes a comma-separated list.
+    # Bearer tokens accepted; empty: no authentication. PAGEDQ_API_KEYS takes a comma-separated list; keys are
+    # never flags (a command line is visible to every user of the machine): see also api_key_file.
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
     max_queue_depth: int = Field(
         default=10_000, ge=1, le=10_000_000, description="429 beyond this many unfinished jobs"
@@ -26,6 +31,40 @@ class GatewaySettings(QueueSettings):
     # Tenants (pagedq/worker/service/tenants.py): API key -> tenant, each key also accepted as an API key.
     # PAGEDQ_API_KEY_TENANTS takes KEY=TENANT pairs, comma-separated.
     api_key_tenants: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
+    api_key_file: Path | None = Field(
+        default=None, description="file of API keys, one KEY or KEY=TENANT a line (# comments), added to the others"
+    )
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Host names accepted besides localhost, IP literals and --host; checked with no API keys, or "
+        "when set; also the origins a keyless gateway accepts; * accepts any",
+    )
+    # Parsing holds the event loop (docs/gateway.md, "Before a route runs"): the default fits 256 prompts of 32 KiB
+    # of text, or 128 tools with 16 KiB schemas and a long conversation, and bounds the time one body can take.
+    max_json_bytes: int = Field(
+        default=8 * 1024 * 1024,
+        ge=1024,
+        le=1024**3,
+        description="largest JSON request body (413 beyond; /v1/files takes a 200 MB file)",
+    )
+    header_timeout_s: float = Field(
+        default=10.0, ge=0.1, le=3600, description="seconds a connection has to send a request's headers"
+    )
+    max_header_bytes: int = Field(
+        default=64 * 1024, ge=1024, le=16 * 1024 * 1024, description="largest request line and headers (431 beyond)"
+    )
+    body_timeout_s: float = Field(
+        default=30.0, ge=0.1, le=3600, description="seconds a request has to send its body, plus body_min_rate's share"
+    )
+    body_min_rate: int = Field(
+        default=64 * 1024,
+        ge=1,
+        le=1024**3,
+        description="bytes a second a body must arrive at beyond body_timeout_s (each such many bytes earn a second)",
+    )
+    max_connections: int = Field(
+        default=1000, ge=1, le=1_000_000, description="open connections (and requests) at most; 503 beyond"
+    )
     max_tenant_queued: int | None = Field(
         default=None, ge=1, le=MAX_TENANT_QUEUED, description="429 beyond this many unfinished jobs of one tenant"
     )
@@ -76,30 +115,65 @@ class GatewaySettings(QueueSettings):
             raise ValueError("API keys must be non-empty")
         return value
 
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _split_hosts(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [h.strip().lower() for h in value.split(",") if h.strip()]
+        return value
+
     @field_validator("api_key_tenants", mode="before")
     @classmethod
     def _split_key_tenants(cls, value: object) -> object:
         if not isinstance(value, str):
             return value
         pairs = {}
-        for part in filter(None, (p.strip() for p in value.split(","))):
+        for number, part in enumerate(filter(None, (p.strip() for p in value.split(","))), 1):
             key, sep, tenant = part.rpartition("=")
-            if not sep or not key:
-                raise ValueError("api_key_tenants takes KEY=TENANT pairs, comma-separated")
+            if not sep or not key.strip():
+                # the pair's position only: the text is a key
+                raise ValueError(f"api_key_tenants takes KEY=TENANT pairs, comma-separated (pair {number} is not)")
             pairs[key.strip()] = tenant.strip()
         return pairs
 
     @field_validator("api_key_tenants")
     @classmethod
     def _tenants_valid(cls, value: dict[str, str]) -> dict[str, str]:
-        for key, tenant in value.items():
+        for number, (key, tenant) in enumerate(value.items(), 1):
             if not key:
                 raise ValueError("API keys must be non-empty")
-            if not re.fullmatch(TENANT_PATTERN, tenant):
-                raise ValueError(f"tenant {tenant!r} (of an API key) must match {TENANT_PATTERN}")
+            _check_tenant(tenant, f"api_key_tenants pair {number}")
         return value
+
+    @model_validator(mode="after")
+    def _read_key_file(self) -> GatewaySettings:
+        if self.api_key_file is None:
+            return self
+        try:
+            text = self.api_key_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"api_key_file {str(self.api_key_file)!r}: {exc.__class__.__name__}") from None
+        for number, line in enumerate(text.splitlines(), 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, sep, tenant = line.rpartition("=")
+            if not sep:
+                self.api_keys.append(line)
+                continue
+            if not key.strip():
+                raise ValueError(f"api_key_file {str(self.api_key_file)!r} line {number}: takes KEY or KEY=TENANT")
+            _check_tenant(tenant.strip(), f"api_key_file {str(self.api_key_file)!r} line {number}")
+            self.api_key_tenants[key.strip()] = tenant.strip()
+        return self
 
     @property
     def accepted_keys(self) -> list[str]:
         """Every API key: those of api_keys and those mapped to a tenant."""
         return list(dict.fromkeys([*self.api_keys, *self.api_key_tenants]))
+
+
+def _check_tenant(tenant: str, where: str) -> None:
+    """The tenant is not echoed: in a malformed pair it may be part of a key."""
+    if not re.fullmatch(TENANT_PATTERN, tenant):
+        raise ValueError(f"{where}: the tenant after the last = must match {TENANT_PATTERN}")
