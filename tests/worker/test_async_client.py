@@ -13,9 +13,10 @@ from pagedq.worker.testing.stub_engine import StubEngine
 from .helpers import worker_thread
 
 
-def test_async_client_end_to_end(redis_url):
+@pytest.mark.parametrize("shared_reads", [False, True], ids=["own-reads", "shared-reads"])
+def test_async_client_end_to_end(redis_url, shared_reads):
     async def scenario() -> None:
-        async with AsyncClient(redis_url) as client:
+        async with AsyncClient(redis_url, shared_reads=shared_reads, read_buffer=2) as client:
             with pytest.raises(JobRejected, match="top_k"):
                 await client.submit(prompt="x", top_k=-5)
             streamed = await client.submit(prompt="async stream", max_tokens=6, temperature=0.0, stream=True)

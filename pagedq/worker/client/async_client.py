@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
 from pagedq.worker.client.core import ClientCore, DeltaFilter, Entry
+from pagedq.worker.client.shared_reads import SharedReads
 from pagedq.worker.protocol import scripts
 from pagedq.worker.protocol.connection import AsyncRedis, connect_async
 from pagedq.worker.protocol.job import Delta, FinalRecord, Job
@@ -22,13 +23,21 @@ class AsyncClient(ClientCore):
         max_queue_depth: int | None = None,
         max_tenant_queued: int | None = None,
         redis: AsyncRedis | None = None,
+        shared_reads: bool = False,
+        read_buffer: int = 64,
     ) -> None:
+        """shared_reads: result() and stream() wait on one blocking read shared by every wait of this client
+        (client/shared_reads.py), each holding at most about 2 x read_buffer entries, instead of a blocking read
+        (a pooled connection) each: for a process with many waits at once, such as the gateway."""
         super().__init__(queue, max_queue_depth, max_tenant_queued)
         # url None: PAGEDQ_REDIS_URL, else a local Redis (pagedq/worker/protocol/settings.py);
         # redis+cluster:// a cluster
         self.r = redis if redis is not None else connect_async(redis_url(url))
+        self.shared = SharedReads(self.r, self.keys, read_buffer) if shared_reads else None
 
     async def aclose(self) -> None:
+        if self.shared is not None:
+            await self.shared.aclose()
         await self.r.aclose()
 
     async def __aenter__(self) -> AsyncClient:
@@ -76,6 +85,10 @@ class AsyncClient(ClientCore):
     async def _entries(
         self, job_id: str, offset: str, timeout: float | None, per_item: bool = False
     ) -> AsyncIterator[Entry]:
+        if self.shared is not None:
+            async for entry in self.shared.entries(job_id, offset, timeout, per_item):
+                yield entry
+            return
         reader = self._reader(job_id, offset, timeout, per_item)
         while True:
             reply = await self.r.xread(**reader.xread_kwargs())
