@@ -2,13 +2,15 @@
 blocking read (150 concurrent requests and a 256-prompt request on a pool of 8 connections), a failure after
 submission answers in OpenAI's shape and cancels what was submitted, a stream whose client does not read stops
 being read from Redis and is ended (its job cancelled) once its client has taken nothing for the send timeout,
-and an unreachable Redis (a closed port, a listener that never answers) is a quick JSON 503."""
+and an unreachable Redis (a closed port, a listener that never answers) is a quick JSON 503. Last, the load test:
+300 concurrent requests, half of them streamed, some never read."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import os
 import socket
 import threading
 import time
@@ -274,3 +276,72 @@ def test_an_unreachable_redis_is_a_quick_json_503(server):
         error = answer.json()["error"]
         assert set(error) == SHAPE and error["code"] == "redis_unavailable"
     assert routes_s < 6, routes_s
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_load_300_concurrent_requests_half_streamed_some_never_read(redis_url):
+    """150 plain and 150 streamed requests at once, 20 of the streamed ones never read (each 4 prompts of 200
+    tokens, on a small send buffer): every read one is a 200 that adds up, nothing is a 500, the results the
+    gateway holds stay bounded, and once the unread clients leave no job is left unfinished."""
+    r = Redis.from_url(redis_url)
+    buffer, unread = 8, 20
+    engine = StubEngine(max_model_len=4096)
+    with (
+        worker_thread(engine, redis_url, model="stub"),
+        gateway(redis_url, send_buffer=4096, stream_buffer=buffer) as (base, gw),
+    ):
+        wait_live(base)
+        rss_before, peaks = _rss_bytes(), {"buffered": 0, "rss": 0}
+
+        async def scenario() -> list[tuple[bool, int, str]]:
+            limits = httpx.Limits(max_connections=400)
+            async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as h:
+
+                async def one(i: int) -> tuple[bool, int, str]:
+                    body = {"model": "stub", "prompt": f"p{i}", "max_tokens": 8, "ignore_eos": True}
+                    if i % 2 == 0:
+                        answer = await h.post("/completions", json=body)
+                        return False, answer.status_code, answer.text
+                    async with h.stream("POST", "/completions", json={**body, "stream": True}) as response:
+                        return True, response.status_code, (await response.aread()).decode()
+
+                async def watch() -> None:
+                    while True:
+                        health = (await h.get(base.removesuffix("/v1") + "/health")).json()
+                        peaks["buffered"] = max(peaks["buffered"], health["buffered_results"])
+                        peaks["rss"] = max(peaks["rss"], _rss_bytes() - rss_before)
+                        await asyncio.sleep(0.05)
+
+                watcher = asyncio.ensure_future(watch())
+                try:
+                    return await asyncio.gather(*(one(i) for i in range(300 - unread)))
+                finally:
+                    watcher.cancel()
+
+        long_stream = {"model": "stub", "prompt": list("abcd"), "max_tokens": 200, "ignore_eos": True, "stream": True}
+        never_read = [unread_stream(base, long_stream) for _ in range(unread)]
+        try:
+            answers = asyncio.run(scenario())
+            wait_for(lambda: r.xlen(KEYS.completions) >= 300 - unread + 4 * unread, timeout=30, what="every job ran")
+            held = gw.client.shared.buffered
+        finally:
+            for sock in never_read:
+                sock.close()
+        wait_for(lambda: gw.streams.open == 0 and not gw.client.shared.waiters, what="every stream closed")
+        wait_for(lambda: r.hlen(KEYS.ids) == 0, what="no unfinished job")
+    assert Counter(status for _, status, _ in answers) == {200: 300 - unread}
+    for streamed, _, text in answers:
+        if streamed:
+            events = sse_events(text)
+            assert events[-1] == "[DONE]" and not any('"error"' in e for e in events)
+            assert "".join(c["text"] for e in events[:-1] for c in json.loads(e)["choices"]) != ""
+        else:
+            assert json.loads(text)["usage"]["completion_tokens"] == 8
+    # each prompt of an unread stream holds at most 2 x stream_buffer - 1 entries (and its stream its hand-off)
+    assert held <= 4 * unread * (2 * buffer - 1), held
+    assert peaks["buffered"] <= 4 * unread * (2 * buffer - 1) + (300 - unread) * (2 * buffer - 1), peaks
+    assert peaks["rss"] < 300 * 2**20, peaks

@@ -113,7 +113,13 @@ class Gateway:
             reason = "no answer in time" if isinstance(exc, asyncio.TimeoutError) else repr(exc)
             return JSONResponse({"status": "unavailable", "redis": reason}, status_code=503)
         return JSONResponse(
-            {"status": "ok", "redis": "ok", "live_workers": len(live), "open_streams": self.streams.open}
+            {
+                "status": "ok",
+                "redis": "ok",
+                "live_workers": len(live),
+                "open_streams": self.streams.open,
+                "buffered_results": self.client.shared.buffered if self.client.shared is not None else 0,
+            }
         )
 
     async def _probe(self) -> list[dict]:
