@@ -3,7 +3,8 @@ same core (pagedq/worker/client/core.py): only the round trips differ."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Mapping
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
 from typing import Any
 
 from pagedq.worker.client.core import ClientCore, DeltaFilter, Entry
@@ -69,25 +70,28 @@ class AsyncClient(ClientCore):
         return self._parse_final(await self.r.get(self.keys.final(job_id)))
 
     async def result(self, job_id: str, timeout: float | None = None) -> FinalRecord:
-        async for _kind, item in self._entries(job_id, "0-0", timeout):
-            if isinstance(item, FinalRecord):
-                return item
+        async with contextlib.aclosing(self._entries(job_id, "0-0", timeout)) as entries:
+            async for _kind, item in entries:
+                if isinstance(item, FinalRecord):
+                    return item
         raise AssertionError("unreachable")
 
     async def stream(self, job_id: str, offset: str = "0-0", timeout: float | None = None) -> AsyncIterator[Delta]:
         seen = DeltaFilter()
-        async for _kind, item in self._entries(job_id, offset, timeout, per_item=True):
-            if isinstance(item, FinalRecord):
-                return
-            if seen.keep(item):
-                yield item
+        async with contextlib.aclosing(self._entries(job_id, offset, timeout, per_item=True)) as entries:
+            async for _kind, item in entries:
+                if isinstance(item, FinalRecord):
+                    return
+                if seen.keep(item):
+                    yield item
 
     async def _entries(
         self, job_id: str, offset: str, timeout: float | None, per_item: bool = False
-    ) -> AsyncIterator[Entry]:
-        if self.shared is not None:
-            async for entry in self.shared.entries(job_id, offset, timeout, per_item):
-                yield entry
+    ) -> AsyncGenerator[Entry, None]:
+        if self.shared is not None:  # closed at once when its caller is done: the shared read drops the wait
+            async with contextlib.aclosing(self.shared.entries(job_id, offset, timeout, per_item)) as shared:
+                async for entry in shared:
+                    yield entry
             return
         reader = self._reader(job_id, offset, timeout, per_item)
         while True:

@@ -15,7 +15,7 @@ import contextlib
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import structlog
@@ -84,7 +84,9 @@ class SharedReads:
         with contextlib.suppress(Exception):  # Redis may be gone; the key expires by itself
             await self.r.delete(self.wake_key)
 
-    async def entries(self, job_id: str, offset: str, timeout: float | None, per_item: bool) -> AsyncIterator[Entry]:
+    async def entries(
+        self, job_id: str, offset: str, timeout: float | None, per_item: bool
+    ) -> AsyncGenerator[Entry, None]:
         """The job's entries after offset up to its final record: AsyncClient._entries' contract (ResultTimeout
         when none comes within timeout; with per_item, within timeout of the previous one)."""
         waiter = _Waiter(self.keys.result(job_id), self.keys.final(job_id), offset)
