@@ -44,7 +44,7 @@ def test_metrics_count_routes_statuses_latency_and_open_streams(redis_url):
     assert after[("pagedq_gateway_requests_total", (("route", route), ("status", "400")))] == 1
     assert after[("pagedq_gateway_request_seconds_count", (("route", route),))] == 4
     assert during[("pagedq_gateway_open_streams", ())] == 1 and after[("pagedq_gateway_open_streams", ())] == 0
-    assert health == {"status": "ok", "redis": "ok", "live_workers": 1, "open_streams": 0}
+    assert health == {"status": "ok", "redis": "ok", "live_workers": 1, "open_streams": 0, "buffered_results": 0}
 
 
 @pytest.mark.slow

@@ -13,9 +13,10 @@ from pagedq.worker.testing.stub_engine import StubEngine
 from .helpers import worker_thread
 
 
-def test_async_client_end_to_end(redis_url):
+@pytest.mark.parametrize("shared_reads", [False, True], ids=["own-reads", "shared-reads"])
+def test_async_client_end_to_end(redis_url, shared_reads):
     async def scenario() -> None:
-        async with AsyncClient(redis_url) as client:
+        async with AsyncClient(redis_url, shared_reads=shared_reads, read_buffer=2) as client:
             with pytest.raises(JobRejected, match="top_k"):
                 await client.submit(prompt="x", top_k=-5)
             streamed = await client.submit(prompt="async stream", max_tokens=6, temperature=0.0, stream=True)
@@ -138,3 +139,28 @@ def test_both_clients_answer_every_call_the_same(redis_url, r):
     ]
     assert via_async[13][1] == [("ab", 0, "10"), ("c", 2, "12"), ("d", 3, "13")]  # the rerun's repeat skipped
     assert via_async[14][1] == ["d"] and via_async[15][1].text == "abcd"  # resumed after "c"; the record
+
+
+def test_shared_reads_serve_concurrent_waits_a_final_without_its_stream_and_timeouts(redis_url):
+    from pagedq.worker.protocol.errors import ResultTimeout
+
+    async def scenario() -> None:
+        async with AsyncClient(redis_url, shared_reads=True, read_buffer=1) as client:
+            job_id = await client.submit(prompt="shared", max_tokens=6, temperature=0.0, stream=True)
+            texts = await asyncio.gather(
+                *(_joined(client.stream(job_id, timeout=10)) for _ in range(3)), client.result(job_id, timeout=10)
+            )
+            record = texts[-1]
+            assert texts[:3] == [record.text] * 3 and len(record.token_ids) == 6
+            await client.r.delete(client.keys.result(job_id))  # trimmed or expired: the record by its own key
+            assert (await client.result(job_id, timeout=5)).text == record.text
+            with pytest.raises(ResultTimeout):
+                await client.result("nobody-runs-this", timeout=0.3)
+            assert not client.shared.waiters
+
+    with worker_thread(StubEngine(step_delay_s=0.01), redis_url):
+        asyncio.run(scenario())
+
+
+async def _joined(deltas) -> str:
+    return "".join([d.text async for d in deltas])

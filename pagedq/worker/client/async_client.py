@@ -3,10 +3,12 @@ same core (pagedq/worker/client/core.py): only the round trips differ."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Mapping
+import contextlib
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
 from typing import Any
 
 from pagedq.worker.client.core import ClientCore, DeltaFilter, Entry
+from pagedq.worker.client.shared_reads import SharedReads
 from pagedq.worker.protocol import scripts
 from pagedq.worker.protocol.connection import AsyncRedis, connect_async
 from pagedq.worker.protocol.job import Delta, FinalRecord, Job
@@ -23,13 +25,21 @@ class AsyncClient(ClientCore):
         max_tenant_queued: int | None = None,
         job_id_prefix: str | None = None,
         redis: AsyncRedis | None = None,
+        shared_reads: bool = False,
+        read_buffer: int = 64,
     ) -> None:
+        """shared_reads: result() and stream() wait on one blocking read shared by every wait of this client
+        (client/shared_reads.py), each holding at most about 2 x read_buffer entries, instead of a blocking read
+        (a pooled connection) each: for a process with many waits at once, such as the gateway."""
         super().__init__(queue, max_queue_depth, max_tenant_queued, job_id_prefix)
         # url None: PAGEDQ_REDIS_URL, else a local Redis (pagedq/worker/protocol/settings.py);
         # redis+cluster:// a cluster
         self.r = redis if redis is not None else connect_async(redis_url(url))
+        self.shared = SharedReads(self.r, self.keys, read_buffer) if shared_reads else None
 
     async def aclose(self) -> None:
+        if self.shared is not None:
+            await self.shared.aclose()
         await self.r.aclose()
 
     async def __aenter__(self) -> AsyncClient:
@@ -61,22 +71,29 @@ class AsyncClient(ClientCore):
         return self._parse_final(await self.r.get(self.keys.final(job_id)))
 
     async def result(self, job_id: str, timeout: float | None = None) -> FinalRecord:
-        async for _kind, item in self._entries(job_id, "0-0", timeout):
-            if isinstance(item, FinalRecord):
-                return item
+        async with contextlib.aclosing(self._entries(job_id, "0-0", timeout)) as entries:
+            async for _kind, item in entries:
+                if isinstance(item, FinalRecord):
+                    return item
         raise AssertionError("unreachable")
 
     async def stream(self, job_id: str, offset: str = "0-0", timeout: float | None = None) -> AsyncIterator[Delta]:
         seen = DeltaFilter()
-        async for _kind, item in self._entries(job_id, offset, timeout, per_item=True):
-            if isinstance(item, FinalRecord):
-                return
-            if seen.keep(item):
-                yield item
+        async with contextlib.aclosing(self._entries(job_id, offset, timeout, per_item=True)) as entries:
+            async for _kind, item in entries:
+                if isinstance(item, FinalRecord):
+                    return
+                if seen.keep(item):
+                    yield item
 
     async def _entries(
         self, job_id: str, offset: str, timeout: float | None, per_item: bool = False
-    ) -> AsyncIterator[Entry]:
+    ) -> AsyncGenerator[Entry, None]:
+        if self.shared is not None:  # closed at once when its caller is done: the shared read drops the wait
+            async with contextlib.aclosing(self.shared.entries(job_id, offset, timeout, per_item)) as shared:
+                async for entry in shared:
+                    yield entry
+            return
         reader = self._reader(job_id, offset, timeout, per_item)
         while True:
             reply = await self.r.xread(**reader.xread_kwargs())

@@ -9,7 +9,7 @@ from typing import Any
 
 import structlog
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from pagedq.worker.client.async_client import AsyncClient
 from pagedq.worker.gateway import errors
@@ -17,7 +17,7 @@ from pagedq.worker.gateway.batch_routes import router as batch_router
 from pagedq.worker.gateway.batches import Batches
 from pagedq.worker.gateway.chat import ChatEndpoint
 from pagedq.worker.gateway.completions import CompletionEndpoint
-from pagedq.worker.gateway.errors import OpenAIError, record_error
+from pagedq.worker.gateway.errors import OpenAIError, failure_after_submission, record_error
 from pagedq.worker.gateway.files import FileStore
 from pagedq.worker.gateway.files import router as file_router
 from pagedq.worker.gateway.intake import Intake, KeyRing, parse_body, require_key
@@ -26,11 +26,11 @@ from pagedq.worker.gateway.metrics import GatewayMetrics, ObserveRequests
 from pagedq.worker.gateway.render import now
 from pagedq.worker.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from pagedq.worker.gateway.settings import GatewaySettings
-from pagedq.worker.gateway.streaming import StreamTracker, sse
+from pagedq.worker.gateway.streaming import SSEResponse, StreamTracker, sse
 from pagedq.worker.gateway.tokenize import Tokenizers
 from pagedq.worker.gateway.tokenize import router as tokenize_router
 from pagedq.worker.gateway.workers import LiveWorkers
-from pagedq.worker.protocol.connection import AsyncRedis
+from pagedq.worker.protocol.connection import AsyncRedis, ConnectionLimits, connect_async
 from pagedq.worker.protocol.errors import ResultTimeout
 
 
@@ -39,12 +39,17 @@ class Gateway:
 
     def __init__(self, settings: GatewaySettings, redis: AsyncRedis | None = None) -> None:
         self.settings = settings
+        limits = ConnectionLimits(
+            settings.redis_max_connections, settings.redis_connect_timeout_s, settings.redis_socket_timeout_s
+        )
         self.client = AsyncClient(
             settings.redis_url,
             settings.queue,
             max_queue_depth=settings.max_queue_depth,
             max_tenant_queued=settings.max_tenant_queued,
-            redis=redis,
+            redis=redis if redis is not None else connect_async(settings.redis_url, limits),
+            shared_reads=True,  # every wait on one blocking read: open requests hold no connection each
+            read_buffer=settings.stream_buffer,
         )
         self.live = LiveWorkers(self.client.r, self.client.keys, settings.worker_cache_s)
         self.streams = StreamTracker()
@@ -64,17 +69,19 @@ class Gateway:
         timeout = wait_timeout(body, self.settings)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(
-                sse(self.client, endpoint, job_ids, include_usage, timeout, self.streams),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
+            retry_after_s = self.settings.retry_after_s
+            events = sse(self.client, endpoint, job_ids, include_usage, timeout, self.streams, retry_after_s)
+            return SSEResponse(events, self.settings.stream_send_timeout_s)
         try:
             records = await self._results_while_connected(request, job_ids, timeout)
-        except ResultTimeout:
+        except Exception as exc:  # whatever ends the wait, nobody will read these jobs: they are cancelled
             for job_id in job_ids:
                 self.streams.cancel_later(self.client, job_id)
-            raise OpenAIError(504, f"job {job_ids[0]}: no result within {timeout} s", code="timeout") from None
+            if isinstance(exc, OpenAIError):  # the client left (499)
+                raise
+            if isinstance(exc, ResultTimeout):
+                raise OpenAIError(504, f"job {job_ids[0]}: no result within {timeout} s", code="timeout") from None
+            raise failure_after_submission(exc, job_ids, self.settings.retry_after_s) from exc
         for record in records:
             if record.status != "completed":
                 raise record_error(record)
@@ -99,14 +106,24 @@ class Gateway:
 
     async def health(self) -> JSONResponse:
         """GET /health: 503 while Redis is unreachable (the gateway can take nothing in)."""
-        try:
-            await self.client.r.ping()
+        try:  # bounded as a whole: a silent server fails the probe within the connect timeout
+            live = await asyncio.wait_for(self._probe(), self.settings.redis_connect_timeout_s)
         except Exception as exc:
-            return JSONResponse({"status": "unavailable", "redis": repr(exc)}, status_code=503)
-        live = await self.live.heartbeats()
+            reason = "no answer in time" if isinstance(exc, asyncio.TimeoutError) else repr(exc)
+            return JSONResponse({"status": "unavailable", "redis": reason}, status_code=503)
         return JSONResponse(
-            {"status": "ok", "redis": "ok", "live_workers": len(live), "open_streams": self.streams.open}
+            {
+                "status": "ok",
+                "redis": "ok",
+                "live_workers": len(live),
+                "open_streams": self.streams.open,
+                "buffered_results": self.client.shared.buffered if self.client.shared is not None else 0,
+            }
         )
+
+    async def _probe(self) -> list[dict]:
+        await self.client.r.ping()
+        return await self.live.heartbeats()
 
     async def _results_while_connected(self, request: Request, job_ids: list[str], timeout: float):
         """The jobs' final records; if the client goes away first, every job is cancelled (nobody will read them)."""
@@ -123,8 +140,6 @@ class Gateway:
         if answered:
             return waiter.result()
         waiter.cancel()
-        for job_id in job_ids:
-            self.streams.cancel_later(self.client, job_id)
         raise OpenAIError(
             499, f"job {job_ids[0]}: the client closed the connection; its jobs were cancelled", code="client_closed"
         )
@@ -156,7 +171,7 @@ def create_app(settings: GatewaySettings | None = None, redis: AsyncRedis | None
 
     app = FastAPI(title="pagedq gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gateway
-    errors.install(app)
+    errors.install(app, settings.retry_after_s)
     metrics = GatewayMetrics(lambda: gateway.streams.open)
     # Intake authenticates and bounds every request before its body is read; ObserveRequests (added last: outside)
     # counts what Intake refuses too

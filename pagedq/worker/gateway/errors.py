@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from functools import partial
+
+import redis.exceptions
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -70,6 +73,33 @@ def record_error(record: FinalRecord) -> OpenAIError:
     return OpenAIError(status, f"job {record.id} {record.status}: {record.error or record.status}", code=record.status)
 
 
+# Redis unreachable, refusing, silent past the socket timeout, or no free connection in time: the gateway can take
+# nothing in or give nothing out; the client may retry (Retry-After)
+REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+
+def redis_unavailable(exc: Exception, retry_after_s: int) -> OpenAIError:
+    return OpenAIError(
+        503,
+        f"the queue's Redis is unavailable ({type(exc).__name__}); retry later",
+        code="redis_unavailable",
+        headers={"Retry-After": str(retry_after_s)},
+    )
+
+
+def failure_after_submission(exc: Exception, job_ids: list[str], retry_after_s: int) -> OpenAIError:
+    """The answer to a request whose wait for its submitted jobs failed (the caller cancels them)."""
+    if isinstance(exc, REDIS_DOWN):
+        return redis_unavailable(exc, retry_after_s)
+    return OpenAIError(
+        500, f"job {job_ids[0]}: reading its results failed ({type(exc).__name__}); its jobs were cancelled"
+    )
+
+
+def _redis_error(retry_after_s: int, _: Request, exc: Exception) -> JSONResponse:
+    return _openai_error(_, redis_unavailable(exc, retry_after_s))
+
+
 def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     parts, param = [], None
@@ -99,9 +129,11 @@ def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return JSONResponse(OpenAIError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
 
 
-def install(app: FastAPI) -> None:
+def install(app: FastAPI, retry_after_s: int = 1) -> None:
     # Starlette types every handler as taking Exception, though it calls each only with the class it is
     # registered for: a handler typed with that class is right, and mypy cannot see it.
     app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(OpenAIError, _openai_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    for redis_error in REDIS_DOWN:
+        app.add_exception_handler(redis_error, partial(_redis_error, retry_after_s))

@@ -99,6 +99,36 @@ class GatewaySettings(QueueSettings):
         le=2**40,
         description="bytes of uploaded files one owner (a tenant, or a plain API key) keeps at once (429 beyond)",
     )
+    redis_max_connections: int = Field(
+        default=64,
+        ge=4,
+        le=10_000,
+        description="connections to Redis at most (a request waits for a free one, up to redis_socket_timeout_s); "
+        "waits share one blocking read, so open requests need no connection each",
+    )
+    redis_connect_timeout_s: float = Field(
+        default=2.0, gt=0, le=60, description="a Redis connection not made within this is an error (503)"
+    )
+    redis_socket_timeout_s: float = Field(
+        default=5.0,
+        ge=2,
+        le=300,
+        description="a Redis reply (or a free connection) not come within this is an error (503); more than the "
+        "shared read's 1 s block",
+    )
+    stream_buffer: int = Field(
+        default=64,
+        ge=1,
+        le=10_000,
+        description="result entries read ahead per prompt of a stream at most; past it the gateway stops reading "
+        "that job's results (they stay in Redis) until its client reads",
+    )
+    stream_send_timeout_s: float = Field(
+        default=60.0,
+        ge=1,
+        le=3600,
+        description="a stream whose client takes no data for this long is ended and its unfinished jobs cancelled",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="log level")
 
     @field_validator("api_keys", mode="before")

@@ -10,17 +10,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
+
+import structlog
+from fastapi.responses import StreamingResponse
+from starlette.types import Message, Send
 
 from pagedq.worker.client.async_client import AsyncClient
 from pagedq.worker.gateway.completions import CompletionEndpoint
-from pagedq.worker.gateway.errors import OpenAIError, record_error
+from pagedq.worker.gateway.errors import OpenAIError, failure_after_submission, record_error
 from pagedq.worker.gateway.render import usage
 from pagedq.worker.protocol.errors import ResultTimeout
 from pagedq.worker.protocol.job import Delta, FinalRecord
 
 DONE = b"data: [DONE]\n\n"
+HANDOFF = 8  # items a stream's followers hand over ahead of its consumer
 _LOST = object()  # a job whose final record expired between its stream's end and the read
 
 
@@ -36,9 +41,43 @@ class StreamTracker:
         self.cancels: set[asyncio.Task] = set()
 
     def cancel_later(self, client: AsyncClient, job_id: str) -> None:
-        task = asyncio.get_running_loop().create_task(client.cancel(job_id))
+        task = asyncio.get_running_loop().create_task(_cancel(client, job_id))
         self.cancels.add(task)
         task.add_done_callback(self.cancels.discard)
+
+
+async def _cancel(client: AsyncClient, job_id: str) -> None:
+    try:
+        await client.cancel(job_id)
+    except Exception as exc:  # Redis gone: the job runs to its end (or deadline), its record stays readable
+        structlog.get_logger("pagedq.gateway").warning("cancel_failed", job_id=job_id, error=repr(exc))
+
+
+class ClientStalled(Exception):
+    """The client took no data for the stream's send timeout."""
+
+
+class SSEResponse(StreamingResponse):
+    """A stream of events whose client must keep reading: a send that waits send_timeout_s for the client to take
+    data ends the stream, and closing its events cancels its unfinished jobs. While the client does not read,
+    each send waits (uvicorn's flow control), so nothing more is read from Redis for it than its buffers hold."""
+
+    def __init__(self, events: AsyncGenerator[bytes, None], send_timeout_s: float) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.events, self.send_timeout_s = events, send_timeout_s
+
+    async def stream_response(self, send: Send) -> None:
+        async def send_in_time(message: Message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.send_timeout_s)
+            except asyncio.TimeoutError:
+                raise ClientStalled from None
+
+        try:
+            await super().stream_response(send_in_time)
+        except ClientStalled:  # the connection is left to the server to close: nothing more is sent on it
+            structlog.get_logger("pagedq.gateway").warning("stream_stalled", send_timeout_s=self.send_timeout_s)
+            await self.events.aclose()
 
 
 async def _follow(client: AsyncClient, index: int, job_id: str, timeout: float, out: asyncio.Queue) -> None:
@@ -54,7 +93,7 @@ async def _follow(client: AsyncClient, index: int, job_id: str, timeout: float, 
 
 async def interleaved(client: AsyncClient, job_ids: list[str], timeout: float) -> AsyncGenerator[tuple[int, Any], None]:
     """(prompt index, Delta | FinalRecord | _LOST) from every job as it comes; each job ends with its record."""
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue = asyncio.Queue(HANDOFF)  # bounded: a stream not read stops its followers
     tasks = [asyncio.ensure_future(_follow(client, i, job_id, timeout, queue)) for i, job_id in enumerate(job_ids)]
     try:
         remaining = len(job_ids)
@@ -79,7 +118,8 @@ async def sse(
     include_usage: bool,
     timeout: float,
     tracker: StreamTracker,
-) -> AsyncIterator[bytes]:
+    retry_after_s: int,
+) -> AsyncGenerator[bytes, None]:
     response_id, settled, records = job_ids[0], set(), []
     tracker.open += 1
     try:
@@ -109,6 +149,9 @@ async def sse(
         yield DONE
     except ResultTimeout:
         yield event(OpenAIError(504, f"job {response_id}: no output within {timeout} s", code="timeout").body())
+        yield DONE
+    except Exception as exc:  # e.g. Redis lost mid-stream: an error event, then a clean end (its jobs are cancelled)
+        yield event(failure_after_submission(exc, job_ids, retry_after_s).body())
         yield DONE
     finally:
         tracker.open -= 1

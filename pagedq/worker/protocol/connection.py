@@ -14,6 +14,7 @@ Redis Cluster, so the Celery front door refuses a cluster URL (refuse_cluster).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -73,12 +74,32 @@ def connect(url: str) -> SyncRedis:
     return redis.Redis.from_url(plain)
 
 
-def connect_async(url: str) -> AsyncRedis:
-    """connect() for asyncio: redis.asyncio.cluster.RedisCluster or redis.asyncio.Redis."""
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """How many connections a client opens at most and how long it waits, for a server that is unreachable or
+    silent (an error, not a hang). None: redis-py's default (no timeouts, a pool that fails past 100)."""
+
+    max_connections: int | None = None
+    connect_timeout_s: float | None = None
+    socket_timeout_s: float | None = None  # also how long a call waits for a free connection of a full pool
+
+
+def connect_async(url: str, limits: ConnectionLimits | None = None) -> AsyncRedis:
+    """connect() for asyncio: redis.asyncio.cluster.RedisCluster or redis.asyncio.Redis. With limits, a full pool
+    makes a call wait (up to socket_timeout_s) for a free connection rather than fail at once."""
     cluster, plain = _split(url)
-    if cluster:
-        return redis.asyncio.cluster.RedisCluster.from_url(plain)
-    return redis.asyncio.Redis.from_url(plain)
+    if limits is None:
+        if cluster:
+            return redis.asyncio.cluster.RedisCluster.from_url(plain)
+        return redis.asyncio.Redis.from_url(plain)
+    timeouts = {"socket_timeout": limits.socket_timeout_s, "socket_connect_timeout": limits.connect_timeout_s}
+    if cluster:  # one pool per node, each of max_connections
+        sized = {} if limits.max_connections is None else {"max_connections": limits.max_connections}
+        return redis.asyncio.cluster.RedisCluster.from_url(plain, **sized, **timeouts)
+    pool = redis.asyncio.BlockingConnectionPool.from_url(
+        plain, max_connections=limits.max_connections or 100, timeout=limits.socket_timeout_s, **timeouts
+    )
+    return redis.asyncio.Redis.from_pool(pool)
 
 
 def refuse_cluster(what: str, *urls: str | None) -> None:

@@ -161,6 +161,11 @@ class QueueKeys:
         """Per-job result stream: delta records (if streamed), then exactly one final record."""
         return f"{self.base}:result:{job_id}"
 
+    def reader_wake(self, reader_id: str) -> str:
+        """A stream one gateway's shared result reader blocks on with the result streams it waits for: an entry
+        added here ends its blocking read, so a new waiter joins the next read (expires with its gateway)."""
+        return f"{self.base}:reader:{reader_id}:wake"
+
     def final(self, job_id: str) -> str:
         """The job's final record as a JSON string; its existence means "finished" (set once, atomically)."""
         return f"{self.base}:final:{job_id}"
