@@ -68,8 +68,8 @@ def unread_stream(base: str, body: dict) -> socket.socket:
     sock.connect((host, int(port)))
     payload = json.dumps(body).encode()
     sock.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        b"POST /v1/completions HTTP/1.1\r\nContent-Type: application/json\r\n"
+        + f"Host: {host}:{port}\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
         + payload
     )
     return sock
