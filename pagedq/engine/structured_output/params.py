@@ -9,7 +9,8 @@ from typing import Any
 
 from pagedq.engine import limits
 from pagedq.engine.errors import RequestRejected
-from pagedq.engine.structured_output.schema import unsupported_features
+from pagedq.engine.structured_output.backend import json_schema_conversion_error
+from pagedq.engine.structured_output.schema import nesting_depth, unmatchable, unsupported_features
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -72,12 +73,17 @@ class StructuredOutputsParams:
                 schema = jsonlib.loads(self.json)
             except jsonlib.JSONDecodeError as error:
                 raise RequestRejected(f"json must be a JSON schema, not valid JSON: {error}") from None
+            except RecursionError:  # the parser's own limit, far past ours: the text is nested too deep
+                raise RequestRejected(_too_deep(None)) from None
+            _check_depth(schema)
         elif isinstance(self.json, dict):
             schema = self.json
+            _check_depth(schema)  # first: serialising a schema nested thousands deep would recurse
             try:
-                _check_size("json", jsonlib.dumps(schema))
+                text = jsonlib.dumps(schema)
             except (TypeError, ValueError) as error:
                 raise RequestRejected(f"json must be a JSON-serialisable schema: {error}") from None
+            _check_size("json", text)
         else:
             raise RequestRejected(f"json must be a schema (a dict or JSON text), got {type(self.json).__name__}")
         if not isinstance(schema, dict):
@@ -85,6 +91,12 @@ class StructuredOutputsParams:
         unsupported = unsupported_features(schema)
         if unsupported:
             raise RequestRejected(f"json schema uses keywords the grammar cannot enforce: {', '.join(unsupported[:5])}")
+        empty_at = unmatchable(schema)
+        if empty_at is not None:
+            raise RequestRejected(f"json schema matches no finite JSON value: {empty_at}")
+        converter_error = json_schema_conversion_error(schema)
+        if converter_error is not None:
+            raise RequestRejected(f"json schema does not convert to a grammar: {converter_error}")
 
     def _check_json_object(self) -> None:
         if self.json_object is not True:
@@ -121,6 +133,18 @@ class StructuredOutputsParams:
         if unknown:
             raise RequestRejected(f"structured_outputs has unknown fields {unknown}; known: {sorted(known)}")
         return cls(**data)
+
+
+def _check_depth(schema: object) -> None:
+    depth = nesting_depth(schema)
+    if depth > limits.STRUCTURED_SCHEMA_MAX_DEPTH:
+        raise RequestRejected(_too_deep(depth))
+
+
+def _too_deep(depth: int | None) -> str:
+    limit = limits.STRUCTURED_SCHEMA_MAX_DEPTH
+    how = f"{depth} levels deep, more than the limit of {limit}" if depth else f"more than {limit} levels deep"
+    return f"json schema is nested {how} (objects and arrays)"
 
 
 def _check_size(name: str, text: str) -> None:
