@@ -4,7 +4,7 @@ without xgrammar, so producers (the queue client, the gateway) refuse a bad cons
 from __future__ import annotations
 
 import json as jsonlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedq.engine import limits
@@ -26,6 +26,9 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    # Whom its compile is charged to: an opaque key (the worker sets the job's tenant) whose compiles share the
+    # compile threads with other keys' (compiler.py). Not on the wire: a producer cannot choose it.
+    compile_source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
