@@ -64,7 +64,7 @@ def test_a_schema_too_deep_for_the_parser_is_a_400_in_openais_shape(served):
     response = httpx.post(f"{served.base}/chat/completions", json=body, timeout=30)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert "json schema is nested more than 32 levels deep" in error["message"]
+    assert "json schema is nested more than 30 levels deep" in error["message"]
     assert error["type"] == "invalid_request_error"
 
 
