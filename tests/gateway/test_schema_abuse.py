@@ -51,6 +51,8 @@ CYCLE_WORDS = "json schema matches no finite JSON value: # ($ref '#' never reach
             },
             "($ref '#' never reaches a value)",
         ),
+        # what only xgrammar's converter refuses: the worker's compile, a 400 with its message (no log prefix)
+        ({"response_format": json_schema({"type": "strin"})}, 'json does not compile: Unsupported type "strin"'),
     ],
 )
 def test_deep_and_endless_schemas_are_400_naming_the_problem(served, extra, words):

@@ -3,11 +3,8 @@ engine runs on a box without it (structured requests are then refused with this 
 
 from __future__ import annotations
 
-import json
 import re
-import sys
 from types import ModuleType
-from typing import Any
 
 from pagedq.engine.errors import RequestRejected
 
@@ -20,21 +17,6 @@ def xgrammar() -> ModuleType:
     except ImportError as error:
         raise RequestRejected(f"{INSTALL_HINT} ({error})") from None
     return xgrammar
-
-
-def json_schema_conversion_error(schema: dict[str, Any]) -> str | None:
-    """What xgrammar's own converter says is wrong with a schema (None: it converts), so a schema that passes the
-    worker's check compiles. It needs no tokenizer and takes milliseconds. Only where xgrammar is loaded already (the
-    worker, once it compiles): a producer (the gateway, a client) does not load it for this, since it brings torch
-    (seconds and hundreds of MB); there the worker's check answers, and the job is rejected naming the problem."""
-    xgr = sys.modules.get("xgrammar")
-    if xgr is None:
-        return None
-    try:
-        xgr.Grammar.from_json_schema(json.dumps(schema))
-    except (RuntimeError, ValueError, TypeError) as error:
-        return backend_message(error)
-    return None
 
 
 def backend_message(error: BaseException) -> str:

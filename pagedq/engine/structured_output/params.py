@@ -9,7 +9,6 @@ from typing import Any
 
 from pagedq.engine import limits
 from pagedq.engine.errors import RequestRejected
-from pagedq.engine.structured_output.backend import json_schema_conversion_error
 from pagedq.engine.structured_output.schema import nesting_depth, unmatchable, unsupported_features
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -97,9 +96,6 @@ class StructuredOutputsParams:
         empty_at = unmatchable(schema)
         if empty_at is not None:
             raise RequestRejected(f"json schema matches no finite JSON value: {empty_at}")
-        converter_error = json_schema_conversion_error(schema)
-        if converter_error is not None:
-            raise RequestRejected(f"json schema does not convert to a grammar: {converter_error}")
 
     def _check_json_object(self) -> None:
         if self.json_object is not True:
