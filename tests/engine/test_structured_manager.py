@@ -125,4 +125,5 @@ def test_a_sources_compiles_past_their_time_limit_hold_up_that_source_alone(toke
     manager.submit(request("other", "b", choice=["yes", "no"]))
     ready, failed = admitted(manager, 2)
     assert [r.request_id for r in ready] == ["other"] and [r.request_id for r, _ in failed] == ["again"]
+    assert manager.pool.waiting("a") == 0 and manager.pool.running("a") == 2  # "again" left the queue at its limit
     manager.close()

@@ -92,8 +92,12 @@ def test_a_schema_given_as_a_dict_is_bounded_without_recursing():
     schema: dict = {"type": "string"}
     for _ in range(5000):
         schema = {"items": schema}
-    with pytest.raises(ValueError, match="json schema is nested 5001 levels deep, more than the limit of 30"):
+    with pytest.raises(ValueError, match=re.escape("json schema is nested more than 30 levels deep")):
         StructuredOutputsParams(json=schema)
+    loop: dict = {"type": "array"}
+    loop["items"] = loop  # a Python schema that contains itself: the count stops, as serialising it would
+    with pytest.raises(ValueError, match=re.escape("json schema is nested more than 30 levels deep")):
+        StructuredOutputsParams(json=loop)
 
 
 @pytest.mark.abuse

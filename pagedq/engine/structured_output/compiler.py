@@ -15,6 +15,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 from pagedq.engine.errors import RequestRejected
@@ -52,12 +53,34 @@ class GrammarCompilerPool:
         with self._lock:
             self._waiting.setdefault(source, deque()).append((next(self._order), future, params))
             self._start_what_fits()
+        # (after the lock: a future cancelled meanwhile runs its callback at once, and that takes the lock)
+        future.add_done_callback(partial(self._forget_if_cancelled, source))
         return future
 
     def running(self, source: str) -> int:
         """How many of `source`'s compiles hold a thread now."""
         with self._lock:
             return self._running.get(source, 0)
+
+    def waiting(self, source: str) -> int:
+        """How many of `source`'s compiles wait for a thread."""
+        with self._lock:
+            return len(self._waiting.get(source, ()))
+
+    def _forget_if_cancelled(self, source: str, future: Future) -> None:
+        """A compile cancelled while it waits leaves its source's queue now, not when it comes up: a source whose
+        compiles are stuck past their limit would otherwise pile up its requests' schemas there."""
+        if not future.cancelled():
+            return
+        with self._lock:
+            queue = self._waiting.get(source)
+            if queue is None:
+                return
+            kept = deque(entry for entry in queue if entry[1] is not future)
+            if kept:
+                self._waiting[source] = kept
+            else:
+                del self._waiting[source]
 
     def _start_what_fits(self) -> None:
         """Under the lock: start waiting compiles while threads are free, the source with the fewest running first."""

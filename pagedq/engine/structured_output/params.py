@@ -37,6 +37,8 @@ class StructuredOutputsParams:
             )
         if not isinstance(self.disable_any_whitespace, bool):
             raise RequestRejected(f"disable_any_whitespace must be a bool, got {self.disable_any_whitespace!r}")
+        if not isinstance(self.compile_source, str):
+            raise RequestRejected(f"compile_source must be a string, got {type(self.compile_source).__name__}")
         getattr(self, f"_check_{given[0]}")()
 
     @property
@@ -77,10 +79,11 @@ class StructuredOutputsParams:
                 raise RequestRejected(f"json must be a JSON schema, not valid JSON: {error}") from None
             except RecursionError:  # the parser's own limit, far past ours: the text is nested too deep
                 raise RequestRejected(_too_deep(None)) from None
-            _check_depth(schema)
+            _check_depth(schema, exact=True)  # parsed JSON: no cycles, and no deeper than the parser goes
         elif isinstance(self.json, dict):
             schema = self.json
-            _check_depth(schema)  # first: serialising a schema nested thousands deep would recurse
+            # first: serialising a schema nested thousands deep would recurse (and a dict may contain itself)
+            _check_depth(schema, exact=False)
             try:
                 text = jsonlib.dumps(schema)
             except (TypeError, ValueError) as error:
@@ -134,10 +137,12 @@ class StructuredOutputsParams:
         return cls(**data)
 
 
-def _check_depth(schema: object) -> None:
-    depth = nesting_depth(schema)
-    if depth > limits.STRUCTURED_SCHEMA_MAX_DEPTH:
-        raise RequestRejected(_too_deep(depth))
+def _check_depth(schema: object, exact: bool) -> None:
+    """Refuse a schema nested past the limit, naming its depth when `exact` (else counting stops past the limit)."""
+    limit = limits.STRUCTURED_SCHEMA_MAX_DEPTH
+    depth = nesting_depth(schema, cap=None if exact else limit)
+    if depth > limit:
+        raise RequestRejected(_too_deep(depth if exact else None))
 
 
 def _too_deep(depth: int | None) -> str:

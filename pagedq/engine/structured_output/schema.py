@@ -87,9 +87,10 @@ def _walk(schema: object, path: str) -> Iterator[str]:
                 yield from _walk(sub, f"{path}/{keyword}/{name}")
 
 
-def nesting_depth(value: object) -> int:
+def nesting_depth(value: object, cap: int | None = None) -> int:
     """JSON levels of objects and arrays in `value` (the schema object itself is level 1), counted without
-    recursion: a schema nested thousands of levels deep must not exhaust the stack here either."""
+    recursion: a schema nested thousands of levels deep must not exhaust the stack here either. With a `cap`, the
+    count stops at cap + 1, so a Python object that contains itself ends the count too."""
     deepest, stack = 0, [(value, 1)]
     while stack:
         item, level = stack.pop()
@@ -100,7 +101,8 @@ def nesting_depth(value: object) -> int:
         else:
             continue
         deepest = max(deepest, level)
-        stack.extend((child, level + 1) for child in children)
+        if cap is None or level <= cap:
+            stack.extend((child, level + 1) for child in children)
     return deepest
 
 
