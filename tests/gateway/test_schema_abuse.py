@@ -41,7 +41,10 @@ CYCLE_WORDS = "json schema matches no finite JSON value: # ($ref '#' never reach
     "extra, words",
     [
         ({"extra_body": {"structured_outputs": {"json": nested_items(940)}}}, "nested 940 levels deep"),
-        ({"response_format": json_schema(json.loads(nested_items(40)))}, "nested 40 levels deep"),
+        (
+            {"response_format": json_schema(json.loads(nested_items(40)))},
+            "response_format: json schema is nested more than 30",
+        ),
         ({"extra_body": {"structured_outputs": {"json": CYCLE}}}, CYCLE_WORDS),
         ({"response_format": json_schema(CYCLE)}, CYCLE_WORDS),
         (
