@@ -1,5 +1,6 @@
-"""JSON-schema keywords xgrammar 0.2.8 cannot enforce: refused up front (vLLM does the same), never silently
-ignored, so a schema that compiles is one every output honours."""
+"""What a JSON schema may not be, found up front without xgrammar: keywords xgrammar 0.2.8 cannot enforce (refused,
+as vLLM does, never silently ignored, so a schema that compiles is one every output honours), nested too deep to
+compile in good time (counted without recursion), or matched by no finite value (it would compile, then stall)."""
 
 from __future__ import annotations
 
