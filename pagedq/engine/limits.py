@@ -113,6 +113,10 @@ LOGIT_BIAS: Limit[float, float] = Limit("logit_bias", float, 0.0, -100.0, 100.0)
 LOGIT_BIAS_MAX_ENTRIES = 300  # at most this many tokens biased per request
 # structured_outputs: the longest schema / regex / grammar / choice list (as JSON text) a request may carry
 STRUCTURED_SPEC_MAX_CHARS = 64 * 1024
+# JSON levels of a schema's objects and arrays, the schema itself level 1, whether it comes as a dict or as text: as
+# deep as a dict schema fits in a job (whose JSON nests at most 32 levels, the job and its structured_outputs taking
+# 2), which a schema sent as text escapes; compile cost grows steeply with depth (docs/structured-outputs.md)
+STRUCTURED_SCHEMA_MAX_DEPTH = 30
 
 AnyLimit = Limit[int, int] | Limit[int, int | None] | Limit[float, float]
 SAMPLING_LIMITS: dict[str, AnyLimit] = {

@@ -98,3 +98,32 @@ def test_advance_hands_back_finishes_and_the_groups_error(tokenizer):
     going.is_finished = True  # finished by the engine (a stop string, max_tokens): the manager lets it go
     assert manager.advance([going]).finishes == [] and not manager.sequences and not manager.grammars
     manager.close()
+
+
+def slow_grammar(tag: str) -> str:
+    """A grammar xgrammar takes over a second to compile for this tokenizer (2,000 optional literals)."""
+    return "root ::= " + " ".join(f'"{tag}{i}"?' for i in range(2000))
+
+
+@pytest.mark.abuse
+def test_a_sources_compiles_past_their_time_limit_hold_up_that_source_alone(tokenizer):
+    """Two slow compiles of source "a" time out but keep running (xgrammar cannot be stopped): a later compile of
+    "a" waits behind them and times out too, while a `choice` of source "b" compiles at once and is admitted."""
+    manager = StructuredOutputManager(tokenizer, len(tokenizer), (tokenizer.eos_token_id,), 0.3, 16.0)
+
+    def request(name: str, source: str, **kind: object) -> Sequence:
+        return Sequence(name, Params(StructuredOutputsParams(**kind, compile_source=source)))  # type: ignore[arg-type]
+
+    for i in range(2):
+        manager.submit(request(f"slow{i}", "a", grammar=slow_grammar(f"s{i}_")))
+    ready, failed = admitted(manager, 2)
+    assert not ready and [(r.request_id, error) for r, error in failed] == [
+        (f"slow{i}", "structured_outputs grammar did not compile within 0.3 s") for i in range(2)
+    ]
+    assert manager.pool.running("a") == 2  # past their limit, still compiling
+    manager.submit(request("again", "a", choice=["yes", "no"]))
+    manager.submit(request("other", "b", choice=["yes", "no"]))
+    ready, failed = admitted(manager, 2)
+    assert [r.request_id for r in ready] == ["other"] and [r.request_id for r, _ in failed] == ["again"]
+    assert manager.pool.waiting("a") == 0 and manager.pool.running("a") == 2  # "again" left the queue at its limit
+    manager.close()

@@ -67,3 +67,87 @@ def test_wire_form_round_trips_and_sampling_params_takes_a_dict():
         StructuredOutputsParams.from_dict({"guided_json": {}})
     with pytest.raises(ValueError, match="structured_outputs must be a StructuredOutputsParams"):
         SamplingParams(structured_outputs=["regex"])  # type: ignore[arg-type]
+
+
+def nested_items(depth: int) -> str:
+    """A schema as text nested `depth` JSON levels deep (arrays of arrays ... of strings), 10 characters a level."""
+    return '{"items":' * (depth - 1) + '{"type":"string"}' + "}" * (depth - 1)
+
+
+@pytest.mark.abuse
+@pytest.mark.parametrize("depth", [31, 940, 4000])
+def test_a_schema_sent_as_text_is_bounded_in_depth_once_parsed(depth):
+    """Brackets inside a JSON string escape the job's depth count: the parsed schema is counted itself, and one too
+    deep for the parser (which would raise RecursionError) is refused just the same."""
+    how = f"{depth} levels deep, more than the limit of 30" if depth < 1000 else "more than 30 levels deep"
+    with pytest.raises(ValueError, match=re.escape(f"json schema is nested {how} (objects and arrays)")):
+        StructuredOutputsParams(json=nested_items(depth))
+    with pytest.raises(ValueError, match=re.escape("json schema is nested")):
+        SamplingParams(structured_outputs={"json": nested_items(depth)})
+    assert StructuredOutputsParams(json=nested_items(30)).schema is not None
+
+
+@pytest.mark.abuse
+def test_a_schema_given_as_a_dict_is_bounded_without_recursing():
+    schema: dict = {"type": "string"}
+    for _ in range(5000):
+        schema = {"items": schema}
+    with pytest.raises(ValueError, match=re.escape("json schema is nested more than 30 levels deep")):
+        StructuredOutputsParams(json=schema)
+    loop: dict = {"type": "array"}
+    loop["items"] = loop  # a Python schema that contains itself: the count stops, as serialising it would
+    with pytest.raises(ValueError, match=re.escape("json schema is nested more than 30 levels deep")):
+        StructuredOutputsParams(json=loop)
+
+
+@pytest.mark.abuse
+@pytest.mark.parametrize(
+    "schema, where",
+    [
+        ({"$ref": "#"}, "# ($ref '#' never reaches a value)"),
+        ({"anyOf": [{"$ref": "#"}]}, "#/anyOf/0 ($ref '#' never reaches a value)"),
+        (
+            {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+            "# ($ref '#/$defs/a' never reaches a value)",
+        ),
+        (
+            {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]},
+            "#/properties/next ($ref '#' never reaches a value)",
+        ),
+        (
+            {"type": "object", "properties": {"a": {"$ref": "#/properties/a"}}},
+            "#/properties/a ($ref '#/properties/a' never reaches a value)",
+        ),
+        ({"type": "object", "required": ["x"], "additionalProperties": False}, "#"),
+    ],
+)
+def test_a_schema_no_finite_value_matches_is_refused_naming_where(schema, where):
+    """xgrammar compiles {"$ref": "#"} into `root ::= root`, whose mask allows no token: refused up front."""
+    with pytest.raises(ValueError, match=re.escape(f"json schema matches no finite JSON value: {where}") + "$"):
+        StructuredOutputsParams(json=schema)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "array", "items": {"$ref": "#"}},  # the empty array ends it
+        {"anyOf": [{"$ref": "#"}, {"type": "integer"}]},
+        {"type": "object", "properties": {"next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}, "required": ["next"]},
+        {"type": ["object", "null"], "properties": {"a": {"$ref": "#"}}, "required": ["a"]},
+        {
+            "$defs": {
+                "tree": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/tree"}}}}
+            },
+            "$ref": "#/$defs/tree",
+        },
+    ],
+)
+def test_recursive_schemas_with_a_way_out_pass(schema):
+    assert StructuredOutputsParams(json=schema).schema == schema
+
+
+def test_a_long_chain_of_references_is_followed_to_its_cycle():
+    chain = {f"a{i}": {"$ref": f"#/$defs/a{i + 1}"} for i in range(1500)}  # 52 KB, under the 64 KB limit
+    closed = {"$defs": {**chain, "a1500": {"$ref": "#/$defs/a0"}}, "$ref": "#/$defs/a0"}
+    with pytest.raises(ValueError, match="matches no finite JSON value"):
+        StructuredOutputsParams(json=closed)

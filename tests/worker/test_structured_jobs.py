@@ -7,8 +7,11 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
 from pagedq.engine import LLMEngine
 from pagedq.worker import Client, JobRejected
+from pagedq.worker.protocol.job import Job
 
 from .helpers import KEYS, worker_thread
 
@@ -62,3 +65,38 @@ def test_a_compile_past_its_time_limit_is_rejected(redis_url, tiny_llama_dir):
         record, served = client.result(slow, timeout=60), client.result(after, timeout=60)
     assert record.status == "rejected" and "did not compile within 1e-06 s" in record.error
     assert served.status == "completed" and len(served.token_ids) == 3
+
+
+def slow_grammar(tag: str) -> str:
+    """A grammar xgrammar takes seconds to compile for this tokenizer (3,000 optional literals, 30 KB)."""
+    return "root ::= " + " ".join(f'"{tag}{i}"?' for i in range(3000))
+
+
+@pytest.mark.abuse
+def test_a_tenants_timed_out_compiles_do_not_fail_another_tenants_choice(redis_url, tiny_llama_dir):
+    """Issue 34, finding 5: two slow grammars of tenant "a" pass their time limit and keep compiling (xgrammar
+    cannot be stopped); tenant "b"'s `choice` job, sent then, compiles on a thread of its own and completes, where it
+    used to wait behind them and fail with "did not compile within"."""
+    client = Client(redis_url)
+    slow = [
+        client.submit(prompt="x", max_tokens=4, tenant="a", structured_outputs={"grammar": slow_grammar(f"s{i}_")})
+        for i in range(2)
+    ]
+    engine = LLMEngine(str(tiny_llama_dir), device="cpu", num_kv_blocks=64, structured_outputs_compile_timeout_s=0.5)
+    with worker_thread(engine, redis_url):
+        for job in slow:
+            record = client.result(job, timeout=60)
+            assert record.status == "rejected" and "did not compile within 0.5 s" in record.error
+        choice = client.submit(prompt="x", max_tokens=4, tenant="b", structured_outputs={"choice": ["yes", "no"]})
+        served = client.result(choice, timeout=60)
+    assert served.status == "completed" and served.text in ("yes", "no"), served
+
+
+def test_the_job_tenant_is_its_compiles_source_and_no_producer_picks_one():
+    job = Job(prompt="x", tenant="acme", structured_outputs={"choice": ["yes"]})
+    constraint = job.to_sampling_params().structured_outputs
+    assert constraint is not None and constraint.compile_source == "acme"
+    keyless = Job(prompt="x", structured_outputs={"choice": ["yes"]}).to_sampling_params().structured_outputs
+    assert keyless is not None and keyless.compile_source == ""
+    with pytest.raises(ValueError, match="unknown fields"):
+        Job(prompt="x", tenant="acme", structured_outputs={"choice": ["yes"], "compile_source": "other"})

@@ -3,6 +3,7 @@ engine runs on a box without it (structured requests are then refused with this 
 
 from __future__ import annotations
 
+import re
 from types import ModuleType
 
 from pagedq.engine.errors import RequestRejected
@@ -16,3 +17,13 @@ def xgrammar() -> ModuleType:
     except ImportError as error:
         raise RequestRejected(f"{INSTALL_HINT} ({error})") from None
     return xgrammar
+
+
+def backend_message(error: BaseException) -> str:
+    """xgrammar's error without its log prefix ("[12:00:00] /project/cpp/json_schema_converter.cc:4944: "), first
+    line only, bounded."""
+    text = _LOG_PREFIX.sub("", str(error).strip())
+    return text.splitlines()[0][:500] if text else type(error).__name__
+
+
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")

@@ -126,10 +126,11 @@ class StructuredOutputManager(Generic[R]):
 
     # ---- compiles --------------------------------------------------------------------------------
     def submit(self, request: R) -> None:
-        """The request's grammar starts compiling; the request waits here, not in the scheduler."""
+        """The request's grammar starts compiling, behind its source's other compiles (compiler.py); the request
+        waits here, not in the scheduler."""
         params = request.sampling_params.structured_outputs
         assert params is not None
-        future = self.pool.submit(params)
+        future = self.pool.submit(params, params.compile_source)
         self.compiling[request.group_id] = _Compiling(request, future, time.monotonic() + self.compile_timeout_s)
 
     def has_compiling(self) -> bool:
@@ -169,7 +170,7 @@ class StructuredOutputManager(Generic[R]):
                 admission.ready.append(item.request)
             elif now >= item.deadline:
                 del self.compiling[group_id]
-                item.future.cancel()  # a compile already running finishes in the background (its result is cached)
+                item.future.cancel()  # one already running goes on, counted against its source (compiler.py)
                 admission.failed.append((item.request, too_slow))
         return admission
 

@@ -4,12 +4,12 @@ without xgrammar, so producers (the queue client, the gateway) refuse a bad cons
 from __future__ import annotations
 
 import json as jsonlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedq.engine import limits
 from pagedq.engine.errors import RequestRejected
-from pagedq.engine.structured_output.schema import unsupported_features
+from pagedq.engine.structured_output.schema import nesting_depth, unmatchable, unsupported_features
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -25,6 +25,9 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False
+    # Whom its compile is charged to: an opaque key (the worker sets the job's tenant) whose compiles share the
+    # compile threads with other keys' (compiler.py). Not on the wire: a producer cannot choose it.
+    compile_source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
@@ -34,6 +37,8 @@ class StructuredOutputsParams:
             )
         if not isinstance(self.disable_any_whitespace, bool):
             raise RequestRejected(f"disable_any_whitespace must be a bool, got {self.disable_any_whitespace!r}")
+        if not isinstance(self.compile_source, str):
+            raise RequestRejected(f"compile_source must be a string, got {type(self.compile_source).__name__}")
         getattr(self, f"_check_{given[0]}")()
 
     @property
@@ -72,12 +77,18 @@ class StructuredOutputsParams:
                 schema = jsonlib.loads(self.json)
             except jsonlib.JSONDecodeError as error:
                 raise RequestRejected(f"json must be a JSON schema, not valid JSON: {error}") from None
+            except RecursionError:  # the parser's own limit, far past ours: the text is nested too deep
+                raise RequestRejected(_too_deep(None)) from None
+            _check_depth(schema, exact=True)  # parsed JSON: no cycles, and no deeper than the parser goes
         elif isinstance(self.json, dict):
             schema = self.json
+            # first: serialising a schema nested thousands deep would recurse (and a dict may contain itself)
+            _check_depth(schema, exact=False)
             try:
-                _check_size("json", jsonlib.dumps(schema))
+                text = jsonlib.dumps(schema)
             except (TypeError, ValueError) as error:
                 raise RequestRejected(f"json must be a JSON-serialisable schema: {error}") from None
+            _check_size("json", text)
         else:
             raise RequestRejected(f"json must be a schema (a dict or JSON text), got {type(self.json).__name__}")
         if not isinstance(schema, dict):
@@ -85,6 +96,9 @@ class StructuredOutputsParams:
         unsupported = unsupported_features(schema)
         if unsupported:
             raise RequestRejected(f"json schema uses keywords the grammar cannot enforce: {', '.join(unsupported[:5])}")
+        empty_at = unmatchable(schema)
+        if empty_at is not None:
+            raise RequestRejected(f"json schema matches no finite JSON value: {empty_at}")
 
     def _check_json_object(self) -> None:
         if self.json_object is not True:
@@ -121,6 +135,20 @@ class StructuredOutputsParams:
         if unknown:
             raise RequestRejected(f"structured_outputs has unknown fields {unknown}; known: {sorted(known)}")
         return cls(**data)
+
+
+def _check_depth(schema: object, exact: bool) -> None:
+    """Refuse a schema nested past the limit, naming its depth when `exact` (else counting stops past the limit)."""
+    limit = limits.STRUCTURED_SCHEMA_MAX_DEPTH
+    depth = nesting_depth(schema, cap=None if exact else limit)
+    if depth > limit:
+        raise RequestRejected(_too_deep(depth if exact else None))
+
+
+def _too_deep(depth: int | None) -> str:
+    limit = limits.STRUCTURED_SCHEMA_MAX_DEPTH
+    how = f"{depth} levels deep, more than the limit of {limit}" if depth else f"more than {limit} levels deep"
+    return f"json schema is nested {how} (objects and arrays)"
 
 
 def _check_size(name: str, text: str) -> None:

@@ -201,7 +201,10 @@ class Job(BaseModel):
         job never meets: both check the same table."""
         if self.picks_best:
             output_kind = RequestOutputKind.FINAL_ONLY
-        return SamplingParams(**self.sampling_kwargs(), output_kind=output_kind)
+        params = SamplingParams(**self.sampling_kwargs(), output_kind=output_kind)
+        if params.structured_outputs is not None:  # its compile shares the threads by tenant, not first come
+            params.structured_outputs.compile_source = self.tenant or ""
+        return params
 
     def chat(self) -> list[dict[str, Any]] | None:
         """The messages as dicts (what tokenizer.apply_chat_template takes), only the fields each one has."""
