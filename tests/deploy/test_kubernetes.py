@@ -45,8 +45,8 @@ def env(c: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {e["name"]: e for e in c.get("env", [])}
 
 
-def drain_timeout_default() -> float:
-    (field,) = [f for f in dataclasses.fields(WorkerSettings) if f.name == "drain_timeout_s"]
+def default_of(setting: str) -> float:
+    (field,) = [f for f in dataclasses.fields(WorkerSettings) if f.name == setting]
     return float(field.default)
 
 
@@ -144,8 +144,11 @@ def test_worker_names_probes_and_grace_period_match_the_worker():
     assert int(variables["PAGEDQ_METRICS_PORT"]["value"]) == metrics_port
     assert variables["PAGEDQ_METRICS_ADDR"]["value"] == "0.0.0.0"  # else the kubelet's probes cannot reach it
     drain = float(variables["PAGEDQ_DRAIN_TIMEOUT"]["value"]) if "PAGEDQ_DRAIN_TIMEOUT" in variables else None
-    assert pod["terminationGracePeriodSeconds"] > (drain or drain_timeout_default())
+    assert pod["terminationGracePeriodSeconds"] > (drain or default_of("drain_timeout_s"))
     assert c["livenessProbe"]["httpGet"]["path"] == "/health" and c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    # a Redis outage the worker rides out (it exits by itself after redis_outage_s) is no reason to restart it
+    liveness = c["livenessProbe"]
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] >= default_of("redis_outage_s")
 
     # The probe paths are ones the worker's metrics server answers (200 or 503 with a reason, never 404)
     metrics = Metrics(0, "default", Redis(port=1))
