@@ -100,10 +100,12 @@ def test_structure_kubernetes_requires(overlay):
             assert len(selected) == 1, name
             port_names = {p["name"] for p in container(selected[0])["ports"]}
             assert {p["targetPort"] for p in obj["spec"]["ports"]} <= port_names
-        if kind == "PodDisruptionBudget":
-            assert (kind == "PodDisruptionBudget") and [
-                o for o in found.values() if o["kind"] in WORKLOADS and o["metadata"]["name"] == name
-            ]
+        if kind == "PodDisruptionBudget":  # it guards the pods of the workload of its name
+            workload = next(o for o in found.values() if o["kind"] in WORKLOADS and o["metadata"]["name"] == name)
+            assert (
+                obj["spec"]["selector"]["matchLabels"].items()
+                <= workload["spec"]["template"]["metadata"]["labels"].items()
+            )
         if kind == "ServiceMonitor":
             service = found[("Service", name)]
             assert obj["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
@@ -196,6 +198,7 @@ def test_keda_triggers_name_the_queues_streams_and_group(overlay):
     scaled = found[("ScaledObject", "pagedq-worker")]["spec"]
     target = scaled["scaleTargetRef"]
     assert (target["kind"], target["name"]) in found and target["kind"] == "StatefulSet"
+    assert "replicas" not in found[(target["kind"], target["name"])]["spec"]  # KEDA's HPA owns the count
     assert scaled["minReplicaCount"] == 0  # a fleet with nothing to do scales to zero
     keys = QueueKeys("default")
     streams = {keys.jobs_of(band) for band in BANDS}
