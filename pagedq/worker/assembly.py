@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedq.worker.logs import worker_logger
 from pagedq.worker.protocol.connection import refuse_cluster
+from pagedq.worker.protocol.keys import model_id
 from pagedq.worker.service.config import WorkerSettings
 from pagedq.worker.service.engine_api import WorkerEngine, require_engine
 from pagedq.worker.service.front_door import FrontDoor
@@ -43,5 +44,7 @@ class Worker(ServiceLoop):
                 redis_client,
                 addr=settings.metrics_addr,
                 every_s=settings.metrics_every_s,
+                compat=settings.metrics_compat,
+                model_name=model_id(settings.model),
             )
         super().__init__(engine, redis_client, settings, front_doors=doors, metrics=metrics)

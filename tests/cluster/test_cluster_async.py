@@ -19,6 +19,7 @@ from pagedq.worker.assembly import Worker
 from pagedq.worker.client.async_client import AsyncClient
 from pagedq.worker.client.sync_client import Client
 from pagedq.worker.protocol.connection import connect
+from pagedq.worker.protocol.keys import QueueKeys
 from pagedq.worker.testing.stub_engine import StubEngine
 
 from ..gateway.conftest import gateway_thread, wait_for
@@ -128,3 +129,8 @@ def test_worker_metrics_and_readiness_on_the_cluster(cluster) -> None:
         done = f'pagedq_jobs_finished_total{{queue="{queue}",status="completed"}} 1.0'
         empty = f'pagedq_queue_depth{{band="bulk",queue="{queue}"}} 0.0'  # read from the slot's owner
         wait_for(lambda: all(x in http_get(port, "/metrics")[1] for x in (done, empty)), what="job counted, band empty")
+        # KEDA's figure, XINFO GROUPS, is asked of the slot's owner too (Redis 7: 6.2 reports no lag)
+        groups = connect(url).xinfo_groups(QueueKeys(queue).jobs_of("bulk"))
+        if "lag" in groups[0]:
+            lag = f'pagedq_queue_group_lag{{band="bulk",queue="{queue}"}} 0.0'
+            wait_for(lambda: lag in http_get(port, "/metrics")[1], what="the group's lag from the cluster")

@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from pagedq.worker.ops.tenant_metrics import BandsAndTenantsMetrics
+from pagedq.worker.ops.vllm_metrics import VllmMetrics
 from pagedq.worker.protocol.connection import SyncRedis, probe_client
 from pagedq.worker.protocol.errors import MetricsPortError
 from pagedq.worker.protocol.job import FinalRecord
@@ -39,9 +40,19 @@ READY_PING_TIMEOUT_S = 1.0
 
 
 class Metrics:
-    def __init__(self, port: int, queue: str, redis_client: Any, addr: str = "127.0.0.1", every_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        port: int,
+        queue: str,
+        redis_client: Any,
+        addr: str = "127.0.0.1",
+        every_s: float = 1.0,
+        compat: str = "none",
+        model_name: str = "",
+    ) -> None:
         """redis_client: the worker's (the queue's state; the readiness probe is a short-timeout copy of it);
-        every_s: how often the worker calls update() (liveness allows ten of those)."""
+        every_s: how often the worker calls update() (liveness allows ten of those); compat "vllm": vLLM's names
+        too (vllm_metrics.py), labelled with model_name."""
         self.keys = QueueKeys(queue)
         self.r, self.every_s = redis_client, every_s
         self.registry = reg = CollectorRegistry()
@@ -55,6 +66,14 @@ class Metrics:
 
         self.depth = per_band("pagedq_queue_depth", "Unfinished jobs in the band's stream (waiting + in flight)")
         self.lag = per_band("pagedq_queue_lag", "Jobs in the band's stream not yet delivered to any worker")
+        # What KEDA's redis-streams lagCount reads (docs/deployment.md, Kubernetes): Redis 7's own count, absent on 6.2
+        self.group_lag = per_band(
+            "pagedq_queue_group_lag",
+            "XINFO GROUPS lag of the workers' group on the band's stream, as KEDA's lagCount reads it (NULL as 0)",
+        )
+        self.group_lag_unknown = per_band(
+            "pagedq_queue_group_lag_unknown", "1 while Redis reports the group's lag as NULL (KEDA then reads 0)"
+        )
         self.oldest_age = per_band("pagedq_queue_oldest_job_age_seconds", "Age of the band's oldest unfinished job")
         self.pending = per_band("pagedq_pending_jobs", "Jobs of the band delivered and not yet acknowledged")
         self.dead = per_band("pagedq_dead_letters", "Entries in the band's dead-letter stream")
@@ -98,6 +117,7 @@ class Metrics:
             self.ttft.labels(queue, band)
             self.e2e.labels(queue, band)
         self.bands_and_tenants = BandsAndTenantsMetrics(reg, queue)  # seat preemptions, admit delay, tenants
+        self.vllm = VllmMetrics(reg, model_name, LATENCY_BUCKETS) if compat == "vllm" else None
         self._beating: set[str] = set()  # the workers exported last time (a worker that left is removed)
         self._seen = {"tokens": 0, "preemptions": 0, "outages": 0}
         self._seen_status: dict[str, int] = {}
@@ -162,6 +182,8 @@ class Metrics:
             self.ttft.labels(q, band).observe(timings.ttft)
         if record.status == "completed" and timings.total is not None:
             self.e2e.labels(q, band).observe(timings.total)
+        if self.vllm is not None:
+            self.vllm.observe(record)
 
     def update(self, snapshot: WorkerSnapshot) -> None:
         """On the metrics timer: engine gauges, counter deltas, and the queue's state from Redis."""
@@ -178,6 +200,8 @@ class Metrics:
         self._advance(self.preemptions, "preemptions", snapshot.preemptions)
         self._advance(self.outages, "outages", snapshot.redis_outages)
         self.bands_and_tenants.update(snapshot)
+        if self.vllm is not None:
+            self.vllm.update(snapshot)
         for status, count in snapshot.stats.items():
             seen = self._seen_status.get(status, 0)
             self.jobs.labels(self.keys.queue, status).inc(count - seen)
@@ -199,11 +223,12 @@ class Metrics:
             pipe.xpending(k.jobs_of(band), GROUP)
             pipe.xlen(k.dead_of(band))
             pipe.xrange(k.jobs_of(band), "-", "+", count=1)
+            pipe.xinfo_groups(k.jobs_of(band))
         pipe.zrangebyscore(k.workers, time.time() - WORKER_SET_WINDOW_S, "+inf", withscores=True, start=0, num=100)
         replies = pipe.execute(raise_on_error=False)
         self._heartbeats(replies[-1])
         for i, band in enumerate(BANDS):
-            depth, summary, dead, first = replies[4 * i : 4 * i + 4]
+            depth, summary, dead, first, groups = replies[5 * i : 5 * i + 5]
             pending = 0 if isinstance(summary, Exception) else int(summary["pending"])  # NOGROUP before any worker
             self.depth.labels(q, band).set(int(depth))
             self.dead.labels(q, band).set(int(dead))
@@ -215,6 +240,18 @@ class Metrics:
             if first and not isinstance(first, Exception):
                 age = max(time.time() - int(text(first[0][0]).split("-")[0]) / 1000.0, 0.0)
             self.oldest_age.labels(q, band).set(age)
+            self._group_lag(band, groups)
+
+    def _group_lag(self, band: str, groups: Any) -> None:
+        """The workers' group's lag from an XINFO GROUPS reply: NULL (Redis cannot count past a deleted entry newer
+        than the oldest one left) is exported as 0, as KEDA reads it; Redis 6.2 reports no lag: no series."""
+        if isinstance(groups, Exception):  # no stream yet
+            return
+        for group in groups:
+            if text(group["name"]) == GROUP and "lag" in group:
+                lag = group["lag"]
+                self.group_lag.labels(self.keys.queue, band).set(0 if lag is None else int(lag))
+                self.group_lag_unknown.labels(self.keys.queue, band).set(1 if lag is None else 0)
 
     def _heartbeats(self, reply: Any) -> None:
         """The queue's workers scored by their last heartbeat; those gone from the set lose their series."""

@@ -23,12 +23,13 @@ def _flag(
     help: str,
     name: str | None = None,
     pattern: str | None = None,
+    choices: tuple[str, ...] | None = None,
     factory: Callable[[], object] | None = None,
     **bounds: float,
 ) -> Any:
     """A field that is also a `pagedq worker` flag and PAGEDQ_* variable (pagedq/worker/flags.py reads this); `name`
     when the flag is not the field's name, `factory` for a default computed per instance (the flag's is None)."""
-    metadata = {"option": {"help": help, "name": name, "bounds": bounds, "pattern": pattern}}
+    metadata = {"option": {"help": help, "name": name, "bounds": bounds, "pattern": pattern, "choices": choices}}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -123,6 +124,13 @@ class WorkerSettings:
     # no authentication: expose it on purpose (--metrics-addr 0.0.0.0)
     metrics_addr: str = _flag("127.0.0.1", "address the metrics endpoint binds (it has no authentication)")
     metrics_every_s: float = 1.0
+    # pagedq/worker/ops/vllm_metrics.py: what dashboards and autoscalers written for vLLM read
+    metrics_compat: str = _flag(
+        "none",
+        "also export the metrics under another server's names: vllm (vllm:num_requests_waiting, "
+        "vllm:kv_cache_usage_perc, ... labelled model_name)",
+        choices=("none", "vllm"),
+    )
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
