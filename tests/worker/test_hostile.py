@@ -6,12 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 
 import pytest
 
 from pagedq.engine import SamplingParams
 from pagedq.worker import AsyncClient, Client, JobRejected
-from pagedq.worker.protocol.limits import MAX_ENTRY_BYTES, MAX_JSON_DEPTH, MAX_METADATA_BYTES
+from pagedq.worker.protocol.limits import (
+    MAX_ENTRY_BYTES,
+    MAX_JSON_DEPTH,
+    MAX_METADATA_BYTES,
+    entry_problem,
+    json_depth,
+)
 from pagedq.worker.testing.stub_engine import StubEngine
 
 from .helpers import KEYS, assert_clean_queue, finals_by_id, offline, run_burst
@@ -205,3 +212,29 @@ def test_cancel_of_an_unknown_id_is_false_and_leaves_nothing(redis_url, r):
 async def _acancel(url: str, job_id: str) -> bool:
     async with AsyncClient(url) as client:
         return await client.cancel(job_id)
+
+
+def _parsed_depth(value: object) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(_parsed_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_parsed_depth, value), default=0)
+    return 0
+
+
+@pytest.mark.timeout(60)
+def test_the_entry_depth_scan_agrees_with_the_parser_and_stays_linear_on_unterminated_strings():
+    """json_depth against json.loads on documents whose strings hold brackets, quotes and escapes (exact past
+    MAX_JSON_DEPTH brackets; below, their count is the bound it gives); then an entry of escaped quotes after an
+    unclosed one, which a backtracking scan takes hours over (the test's timeout)."""
+    texts = ["[", "]", "{", "}", '\\"', "\\\\", "a", '"']
+    rng = random.Random(0)
+    for _ in range(300):
+        doc = {"s": "".join(rng.choice(texts) for _ in range(rng.randrange(40))), "v": [[["x"]] * rng.randrange(3)]}
+        for _ in range(rng.randrange(2 * MAX_JSON_DEPTH)):
+            doc = {"k": [doc, "]]}"]}
+        raw = json.dumps(doc).encode()
+        depth, brackets = _parsed_depth(doc), raw.count(b"[") + raw.count(b"{")
+        assert json_depth(raw) == (depth if brackets > MAX_JSON_DEPTH else brackets), raw
+    hostile = b'{"id": "x", "metadata": ' + b"[" * (MAX_JSON_DEPTH + 1) + b'"' + b'\\"' * 1_000_000
+    assert f"nested {MAX_JSON_DEPTH + 2} levels" in (entry_problem(hostile) or "")

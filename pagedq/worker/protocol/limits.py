@@ -34,7 +34,9 @@ DEFAULT_TENANT_BURST = 8  # rounds of catch-up credit a tenant back from idle ma
 MAX_TENANT_BURST = 1_000
 MAX_TENANT_QUEUED = 1_000_000  # a tenant's unfinished jobs under a per-tenant limit (the SUBMIT script scans them)
 
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+# A string literal; one never closed runs to the end (the document is invalid JSON then, its brackets no matter), so
+# the scan never backtracks: without that, each quote of an unterminated string restarts it, quadratic in the entry.
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*(?:"|\\?\Z)', re.DOTALL)
 _DEPTH_DELTA = np.zeros(256, dtype=np.int8)
 _DEPTH_DELTA[[ord("["), ord("{")]] = 1
 _DEPTH_DELTA[[ord("]"), ord("}")]] = -1
