@@ -278,6 +278,23 @@ def test_an_unreachable_redis_is_a_quick_json_503(server):
     assert routes_s < 6, routes_s
 
 
+def test_a_full_redis_is_a_json_503_and_nothing_is_stored(redis_url):
+    """Compose's Redis never evicts (maxmemory, noeviction): when full it refuses every write, which the gateway
+    answers as OpenAI's 503 with Retry-After, as an unreachable Redis."""
+    r = Redis.from_url(redis_url)
+    with gateway(redis_url, retry_after_s=3) as (base, _), httpx.Client(timeout=15) as h:
+        r.config_set("maxmemory", 1)  # below what it holds already: every write is refused
+        try:
+            answer = h.post(base + "/files", data={"purpose": "batch"}, files={"file": ("a.jsonl", b"{}\n")})
+        finally:
+            r.config_set("maxmemory", 0)
+    assert answer.status_code == 503, answer.text
+    assert answer.headers["retry-after"] == "3"
+    error = answer.json()["error"]
+    assert set(error) == SHAPE and error["code"] == "redis_unavailable" and "full" in error["message"]
+    assert r.keys("pagedq:*file*") == []
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as fh:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -78,10 +78,20 @@ def record_error(record: FinalRecord) -> OpenAIError:
 REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 
+def redis_full(exc: Exception) -> bool:
+    """Whether Redis refused a write for want of memory (maxmemory with noeviction, docs/security.md): a plain
+    command's OOM error, or the same inside a script's error (Redis 6.2 wraps it)."""
+    return isinstance(exc, redis.exceptions.OutOfMemoryError) or (
+        isinstance(exc, redis.exceptions.ResponseError) and "OOM command not allowed" in str(exc)
+    )
+
+
 def redis_unavailable(exc: Exception, retry_after_s: int) -> OpenAIError:
+    """A Redis that is lost, silent or full takes no work in until it recovers (a full one: as results expire)."""
+    state = "full (maxmemory)" if redis_full(exc) else "unavailable"
     return OpenAIError(
         503,
-        f"the queue's Redis is unavailable ({type(exc).__name__}); retry later",
+        f"the queue's Redis is {state} ({type(exc).__name__}); retry later",
         code="redis_unavailable",
         headers={"Retry-After": str(retry_after_s)},
     )
@@ -89,7 +99,7 @@ def redis_unavailable(exc: Exception, retry_after_s: int) -> OpenAIError:
 
 def failure_after_submission(exc: Exception, job_ids: list[str], retry_after_s: int) -> OpenAIError:
     """The answer to a request whose wait for its submitted jobs failed (the caller cancels them)."""
-    if isinstance(exc, REDIS_DOWN):
+    if isinstance(exc, REDIS_DOWN) or redis_full(exc):
         return redis_unavailable(exc, retry_after_s)
     return OpenAIError(
         500, f"job {job_ids[0]}: reading its results failed ({type(exc).__name__}); its jobs were cancelled"
@@ -98,6 +108,13 @@ def failure_after_submission(exc: Exception, job_ids: list[str], retry_after_s: 
 
 def _redis_error(retry_after_s: int, _: Request, exc: Exception) -> JSONResponse:
     return _openai_error(_, redis_unavailable(exc, retry_after_s))
+
+
+def _redis_refusal(retry_after_s: int, request: Request, exc: Exception) -> JSONResponse:
+    """A command Redis refused: for want of memory, as unavailable; anything else is the gateway's fault (500)."""
+    if redis_full(exc):
+        return _redis_error(retry_after_s, request, exc)
+    return _openai_error(request, OpenAIError(500, f"the queue's Redis refused a command ({type(exc).__name__})"))
 
 
 def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -137,3 +154,4 @@ def install(app: FastAPI, retry_after_s: int = 1) -> None:
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
     for redis_error in REDIS_DOWN:
         app.add_exception_handler(redis_error, partial(_redis_error, retry_after_s))
+    app.add_exception_handler(redis.exceptions.ResponseError, partial(_redis_refusal, retry_after_s))
