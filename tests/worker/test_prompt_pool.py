@@ -6,7 +6,8 @@ thread, which must answer token for token alike."""
 
 from __future__ import annotations
 
-import threading
+import time
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -26,16 +27,19 @@ MARKER = "HOLD-THE-TEMPLATE"
 
 
 class GatedTokenizer(StubTokenizer):
-    """Renders a conversation holding MARKER only once the test releases it (or after 30 s, not to hang a test)."""
+    """Renders a conversation holding MARKER only once the test releases it (or after 30 s, not to hang a test).
+    Its gate is files, so that it holds in a prompt process too (the pool's processes get a copy of it)."""
 
-    def __init__(self, chat_template: str) -> None:
+    def __init__(self, chat_template: str, folder: Path) -> None:
         super().__init__(chat_template)
-        self.entered, self.release = threading.Event(), threading.Event()
+        self.entered, self.release = folder / "entered", folder / "release"
 
     def apply_chat_template(self, messages: list[dict], **options: bool) -> str | list[int]:
         if any(MARKER in (m.get("content") or "") for m in messages):
-            self.entered.set()
-            self.release.wait(30)
+            self.entered.touch()
+            end = time.monotonic() + 30
+            while not self.release.exists() and time.monotonic() < end:
+                time.sleep(0.01)
         return super().apply_chat_template(messages, **options)
 
 
@@ -52,21 +56,22 @@ class CountingTokenizer(StubTokenizer):
 
 
 @pytest.mark.abuse
-def test_small_jobs_run_while_a_large_prompt_is_made(redis_url, r):
+@pytest.mark.parametrize("pool", ["process", "thread"])
+def test_small_jobs_run_while_a_large_prompt_is_made(redis_url, r, tmp_path, pool):
     engine = StubEngine(chat_template=TEMPLATE)
-    tokenizer = engine.tokenizer = GatedTokenizer(TEMPLATE)
+    tokenizer = engine.tokenizer = GatedTokenizer(TEMPLATE, tmp_path)
     client = Client(redis_url)
     big = client.submit(messages=[{"role": "user", "content": MARKER + "x" * 5000}], max_tokens=4, tenant="a")
     try:
-        with worker_thread(engine, redis_url, prompt_inline_chars=1000):
-            wait_for(tokenizer.entered.is_set, timeout=10, what="the large prompt's rendering")
+        with worker_thread(engine, redis_url, prompt_inline_chars=1000, prompt_pool=pool):
+            wait_for(tokenizer.entered.exists, timeout=30, what="the large prompt's rendering")
             small = [client.submit(prompt=f"hi {i}", max_tokens=2, tenant="b") for i in range(4)]
             answers = [client.result(job_id, timeout=20) for job_id in small]
-            held_meanwhile = not tokenizer.release.is_set()
-            tokenizer.release.set()
+            held_meanwhile = not tokenizer.release.exists()
+            tokenizer.release.touch()
             refused = client.result(big, timeout=20)
     finally:
-        tokenizer.release.set()
+        tokenizer.release.touch()
     assert held_meanwhile and [a.status for a in answers] == ["completed"] * 4
     # the rendered conversation cannot fit the stub's 2048 tokens: refused by its characters, once
     assert refused.status == "rejected" and "too long" in refused.error and "characters" in refused.error
@@ -83,7 +88,7 @@ def test_a_prompt_too_long_by_its_characters_is_refused_before_tokenising(redis_
     long_chat = client.submit(messages=[{"role": "user", "content": "z" * 500_000}], max_tokens=4)
     many_turns = client.submit(messages=[{"role": "user", "content": "m"}] * 10_000, max_tokens=4)
     fits = client.submit(prompt="y" * 2000, max_tokens=48)  # 2000 + 48 = the stub's max length: it fits
-    run_burst(engine, redis_url)
+    run_burst(engine, redis_url, prompt_pool="thread")  # the counts are taken in this process
     results = {job_id: client.result(job_id, timeout=5) for job_id in (long_text, long_chat, many_turns)}
     for result in results.values():
         assert result.status == "rejected" and "too long" in result.error, result.error
@@ -109,15 +114,16 @@ def test_prompts_made_in_the_pool_answer_as_those_made_on_the_loop(redis_url, ti
     ]
     engine = LLMEngine(str(tiny_llama_dir), device="cpu", num_kv_blocks=64)
     on_loop = _answers(engine, redis_url, jobs)
-    in_pool = _answers(engine, redis_url, jobs, prompt_inline_chars=0)  # every text prompt goes to the pool
+    in_pool = _answers(engine, redis_url, jobs, prompt_inline_chars=0, prompt_pool="thread")  # every text prompt
     assert on_loop == in_pool and all(answer[0] == "completed" for answer in on_loop)
 
 
-def test_chat_made_in_the_pool_answers_as_on_the_loop(redis_url):
+@pytest.mark.parametrize("pool", ["process", "thread"])
+def test_chat_made_in_the_pool_answers_as_on_the_loop(redis_url, pool):
     chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
     jobs = [{"messages": chat, "max_tokens": 8, "seed": 7}, {"prompt": "plain text", "max_tokens": 8, "seed": 7}]
     on_loop = _answers(StubEngine(chat_template=TEMPLATE), redis_url, jobs)
-    in_pool = _answers(StubEngine(chat_template=TEMPLATE), redis_url, jobs, prompt_inline_chars=0)
+    in_pool = _answers(StubEngine(chat_template=TEMPLATE), redis_url, jobs, prompt_inline_chars=0, prompt_pool=pool)
     assert on_loop == in_pool and all(answer[0] == "completed" for answer in on_loop)
 
 

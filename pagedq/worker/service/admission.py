@@ -65,10 +65,16 @@ class Intake:
         job = parse_job(raw)
         if "id" not in job.model_fields_set:  # a raw XADD without an id: the entry id is its id
             job = job.model_copy(update={"id": entry_id})
-        return self.track(band, entry_id, job, recovered)
+        return self.track(band, entry_id, job, recovered, size=len(raw))
 
     def track(
-        self, origin: str, entry_id: str | None, job: Job, recovered: bool = False, enqueued_at: float = 0.0
+        self,
+        origin: str,
+        entry_id: str | None,
+        job: Job,
+        recovered: bool = False,
+        enqueued_at: float = 0.0,
+        size: int = 0,
     ) -> HeldJob:
         """A held job in read order. A recovered one (its worker died holding it) is a suspect: the worker
         charges it its lost run and its runs alone (service/holding.py) and runs it alone."""
@@ -78,6 +84,7 @@ class Intake:
             job,
             entry_id=entry_id,
             seq=self.seq,
+            size=size,
             enqueued_at=enqueued_at,
             recovered=recovered,
             state=JobState.SUSPECT if recovered else JobState.BACKLOG,

@@ -100,6 +100,12 @@ class WorkerSettings:
         ge=0,
         le=100_000_000,
     )
+    prompt_pool: str = _flag(
+        "process",
+        "where large prompts are made: process (each with a copy of the tokenizer; a chat template's rendering holds "
+        "Python's GIL) or thread",
+        pattern=r"^(process|thread)$",
+    )
     prompt_wait_s: float = 0.05  # with nothing to step, the loop waits this long at most for a prompt being made
     drain_timeout_s: float = _flag(30.0, "seconds to finish in-flight jobs after SIGTERM", "drain_timeout", ge=0)
     redis_outage_s: float = _flag(

@@ -43,25 +43,35 @@ class MadePrompt:
 
 
 def make_prompt(engine: WorkerEngine, job: Job, bound: PromptBound, as_ids: bool = False) -> MadePrompt:
-    """The job's prompt as the engine gets it, and its token count. A text too long to fit by its characters alone
-    is rejected before it is tokenised, and token ids longer than the model's length before they are checked.
+    """The job's prompt as the engine gets it (prompt_input), and the engine's count of its tokens."""
+    prompt = prompt_input(engine, job, bound, as_ids)
+    return MadePrompt(prompt, engine.num_prompt_tokens(prompt))
+
+
+def prompt_input(source: object, job: Job, bound: PromptBound, as_ids: bool = False) -> str | list[int]:
+    """The job's prompt as the engine gets it (engine_prompt). source: the engine, or anything holding its tokenizer
+    (a prompt process's copy, service/prompt_pool.py). A text too long to fit by its characters alone is rejected
+    before it is tokenised, and token ids longer than the model's length as soon as they are counted.
     as_ids: a text prompt is tokenised here, as the engine would (its tokenizer's encode, special tokens added),
     and handed over as token ids, so the engine does not tokenise it again on the loop thread."""
     if job.prompt_token_ids is not None and job.messages is None and job.prompt is None:
         bound.check_tokens(len(job.prompt_token_ids), job)
-        return MadePrompt(job.prompt_token_ids, engine.num_prompt_tokens(job.prompt_token_ids))
-    prompt = engine_prompt(engine, job, bound)
-    tokenizer = getattr(engine, "tokenizer", None)
+        return job.prompt_token_ids
+    prompt = engine_prompt(source, job, bound)
+    tokenizer = getattr(source, "tokenizer", None)
     if isinstance(prompt, str) and prompt and as_ids and tokenizer is not None:
         prompt = list(tokenizer.encode(prompt))
-    return MadePrompt(prompt, engine.num_prompt_tokens(prompt))
+    if isinstance(prompt, list):
+        bound.check_tokens(len(prompt), job)
+    return prompt
 
 
-def engine_prompt(engine: WorkerEngine, job: Job, bound: PromptBound | None = None) -> str | list[int]:
+def engine_prompt(source: object, job: Job, bound: PromptBound | None = None) -> str | list[int]:
     """What the engine gets: the prompt, the token ids, or the messages rendered with the model's chat template
     (`apply_chat_template(..., add_generation_prompt=True)`, tools natively or in the Hermes form: protocol/chat.py)
     and tokenized without special tokens, as transformers does: the template writes BOS itself where the model
-    wants one, so encoding the text with special tokens would double it. A text prompt, or the rendered
+    wants one, so encoding the text with special tokens would double it (source: the engine, or what holds its
+    tokenizer). A text prompt, or the rendered
     conversation, is checked against the bound by its characters before it is tokenised.
 
     Raises RequestRejected (the job is rejected) for what the caller owns: a conversation sent to a model without a
@@ -78,7 +88,7 @@ def engine_prompt(engine: WorkerEngine, job: Job, bound: PromptBound | None = No
         if job.prompt_token_ids is not None:
             return job.prompt_token_ids
         raise RequestRejected("the job has none of prompt, prompt_token_ids and messages")
-    tokenizer = getattr(engine, "tokenizer", None)
+    tokenizer = getattr(source, "tokenizer", None)
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise RequestRejected(
             "the model has no chat template: send the conversation as a formatted `prompt` instead of `messages`"

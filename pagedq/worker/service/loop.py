@@ -65,7 +65,7 @@ class ServiceLoop:
         self.holding = Holding(ctx, engine, self.publisher, self.intake, self.finisher)
         self.heartbeat = Heartbeat(ctx, self.front_doors)
         self.timers = Timers(ctx, self.leases, self.holding, self.heartbeat, self.front_doors, metrics, self.snapshot)
-        self.prompts = Prompts(engine, settings)  # prompt-making, on the loop thread or in its pool
+        self.prompts = Prompts(engine, settings, self.log)  # prompt-making, on the loop thread or in its pool
         self.admit_delays = AdmitDelays()  # read-to-admit, per band
         self.turn_clock = TurnClock()  # where the turns' time goes (bench worker reports it)
         self.cancel_possible = True  # the cancel set was non-empty at the last look
