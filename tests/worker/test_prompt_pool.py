@@ -24,6 +24,8 @@ TEMPLATE = (
     "{% endif %}"
 )
 MARKER = "HOLD-THE-TEMPLATE"
+SCHEMA = {"type": "object", "properties": {"x": {"type": "string", "description": "d" * 2000}}}
+TOOLS = [{"type": "function", "function": {"name": f"f{i}", "parameters": SCHEMA}} for i in range(20)]
 
 
 class GatedTokenizer(StubTokenizer):
@@ -44,11 +46,16 @@ class GatedTokenizer(StubTokenizer):
 
 
 class CountingTokenizer(StubTokenizer):
-    """Records the length of every text it encodes."""
+    """Records the length of every text it encodes, and the conversations it renders."""
 
     def __init__(self, chat_template: str) -> None:
         super().__init__(chat_template)
         self.encoded: list[int] = []
+        self.rendered: list[int] = []
+
+    def apply_chat_template(self, messages: list[dict], **options: bool) -> str | list[int]:
+        self.rendered.append(len(messages))
+        return super().apply_chat_template(messages, **options)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         self.encoded.append(len(text))
@@ -61,7 +68,9 @@ def test_small_jobs_run_while_a_large_prompt_is_made(redis_url, r, tmp_path, poo
     engine = StubEngine(chat_template=TEMPLATE)
     tokenizer = engine.tokenizer = GatedTokenizer(TEMPLATE, tmp_path)
     client = Client(redis_url)
-    big = client.submit(messages=[{"role": "user", "content": MARKER + "x" * 5000}], max_tokens=4, tenant="a")
+    # an earlier answer is not counted before rendering (a template may drop it): it is rendered, then refused
+    turns = [{"role": "user", "content": MARKER}, {"role": "assistant", "content": "x" * 5000}]
+    big = client.submit(messages=[*turns, {"role": "user", "content": "go on"}], max_tokens=4, tenant="a")
     try:
         with worker_thread(engine, redis_url, prompt_inline_chars=1000, prompt_pool=pool):
             wait_for(tokenizer.entered.exists, timeout=30, what="the large prompt's rendering")
@@ -87,14 +96,16 @@ def test_a_prompt_too_long_by_its_characters_is_refused_before_tokenising(redis_
     long_text = client.submit(prompt="y" * 1_000_000, max_tokens=4)
     long_chat = client.submit(messages=[{"role": "user", "content": "z" * 500_000}], max_tokens=4)
     many_turns = client.submit(messages=[{"role": "user", "content": "m"}] * 10_000, max_tokens=4)
+    many_tools = client.submit(messages=[{"role": "user", "content": "hi"}], tools=TOOLS, max_tokens=4)
     fits = client.submit(prompt="y" * 2000, max_tokens=48)  # 2000 + 48 = the stub's max length: it fits
     run_burst(engine, redis_url, prompt_pool="thread")  # the counts are taken in this process
-    results = {job_id: client.result(job_id, timeout=5) for job_id in (long_text, long_chat, many_turns)}
+    results = {job_id: client.result(job_id, timeout=5) for job_id in (long_text, long_chat, many_turns, many_tools)}
     for result in results.values():
         assert result.status == "rejected" and "too long" in result.error, result.error
     assert "1000000 characters" in results[long_text].error
     assert client.result(fits, timeout=5).status == "completed"
     assert max(tokenizer.encoded) == 2000  # only the prompt that fits was tokenised
+    assert tokenizer.rendered == []  # each conversation is too long by what any template writes of it: not rendered
     assert all(len(records) == 1 for records in finals_by_id(r).values())
 
 
@@ -145,7 +156,7 @@ def test_the_characters_per_token_bound_is_a_lower_bound_on_the_count(tiny_llama
     assert len(tokenizer.encode(text, add_special_tokens=False)) * bound >= len(text)
 
 
-def test_no_bound_for_a_tokenizer_that_drops_or_fuses_characters():
+def test_a_bound_only_for_a_tokenizer_that_keeps_every_character():
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -155,6 +166,12 @@ def test_no_bound_for_a_tokenizer_that_drops_or_fuses_characters():
     stripping = Tokenizer(models.BPE({"a": 0}, []))
     stripping.normalizer = normalizers.Strip()
     assert max_chars_per_token(PreTrainedTokenizerFast(tokenizer_object=stripping)) is None
+    removing = Tokenizer(models.BPE({"a": 0}, []))
+    removing.normalizer = normalizers.Replace(" ", "")
+    assert max_chars_per_token(PreTrainedTokenizerFast(tokenizer_object=removing)) is None
     composing = Tokenizer(models.BPE({"a": 0, "ab": 1, "b": 2}, [("a", "b")]))
     composing.normalizer = normalizers.NFC()
     assert max_chars_per_token(PreTrainedTokenizerFast(tokenizer_object=composing)) == 2 * COMPOSITION_FACTOR
+    sentencepiece = Tokenizer(models.BPE({"▁": 0, "a": 1, "▁a": 2}, [("▁", "a")], byte_fallback=True))
+    sentencepiece.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    assert max_chars_per_token(PreTrainedTokenizerFast(tokenizer_object=sentencepiece)) == 2

@@ -5,23 +5,18 @@ The bound is the one the worker applies (protocol/prompt_size.py): the model's m
 one token of its tokenizer stands for, published by its workers beside the tokenizer files (a model without a
 provable bound is not checked here; its workers still count every prompt). A text prompt is measured exactly; token
 ids by their count. A conversation is measured before its chat template writes it, so only by what every template
-writes in full: the contents of the system, developer, user and tool turns (a template may shorten earlier assistant
-turns, e.g. drop their reasoning) and the tools' definitions, counted at half their compact JSON (a template may write
-a schema more tersely, as TypeScript types say). The worker checks the rendered text exactly."""
+writes in full (prompt_size.conversation_chars: the contents of the system, developer, user and tool turns, and the
+tools' definitions at half their compact JSON). The worker checks the rendered text exactly."""
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
 from pagedq.worker.gateway.errors import OpenAIError
 from pagedq.worker.protocol.job import Job
 from pagedq.worker.protocol.keys import QueueKeys
-from pagedq.worker.protocol.prompt_size import too_many_chars, too_many_tokens
-
-WRITTEN_ROLES = ("system", "developer", "user", "tool")  # turns every chat template writes in full
-TOOL_JSON_SHARE = 2  # a tool's definition counts for 1/TOOL_JSON_SHARE of its compact JSON's characters
+from pagedq.worker.protocol.prompt_size import conversation_chars, too_many_chars, too_many_tokens
 
 
 class PromptLimits:
@@ -58,11 +53,7 @@ def prompt_too_long(job: Job, max_model_len: int, chars_per_token: int | None) -
         return too_many_chars(len(job.prompt), budget, chars_per_token), "prompt"
     if job.messages is None:
         return None, "messages"
-    chars = sum(len(m.content or "") for m in job.messages if m.role in WRITTEN_ROLES)
-    for tool in job.tools or ():
-        compact = json.dumps(tool.model_dump(exclude_none=True), separators=(",", ":"), ensure_ascii=False)
-        chars += len(compact) // TOOL_JSON_SHARE
-    return too_many_chars(chars, budget, chars_per_token), "messages"
+    return too_many_chars(conversation_chars(job), budget, chars_per_token), "messages"
 
 
 def _int(raw: bytes | str | None) -> int | None:

@@ -6,19 +6,27 @@ gateway, gateway/prompt_limits.py, both ask this).
 The bound must never refuse a prompt that would fit, so it is given only for tokenizers where it is provably a
 lower bound on the count: a BPE model that never merges unknown characters into one token (byte-level, byte
 fallback, or no fused unknowns), no pre-tokenizer or normalizer that removes characters (whitespace splitting,
-stripping, SentencePiece's charsmap, replacements), and no added token that swallows the whitespace beside it.
-A composing Unicode normalizer (NFC, NFKC) may fold a few characters into one before tokenising: the bound allows
-for it. Any other tokenizer gets no bound (None), and prompts are only counted by tokenising them."""
+stripping, SentencePiece's charsmap, a regular expression's replacement), and no added token that swallows the
+whitespace beside it. A composing Unicode normalizer (NFC, NFKC) may fold a few characters into one before
+tokenising, and a fixed replacement (SentencePiece's " " to "▁") may shorten the text by its ratio: the bound allows
+for both. Any other tokenizer gets no bound (None), and prompts are only counted by tokenising them."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+from pagedq.worker.protocol.job import Job
+
 # Pre-tokenizers and normalizers that keep every character of the text (each one maps to at least one character)
 _KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "Punctuation", "UnicodeScripts", "Sequence", "Split"}
 _KEEPING_NORMALIZERS = {"NFD", "NFKD", "NFC", "NFKC", "Lowercase", "Prepend", "Sequence"}
 _COMPOSING_NORMALIZERS = {"NFC", "NFKC"}
+# A conversation measured before a chat template writes it (conversation_chars): only what every template writes in
+# full counts, the turns below (a template may shorten earlier assistant turns, e.g. drop their reasoning) and the
+# tools' definitions at 1/TOOL_JSON_SHARE of their compact JSON (a template may write a schema more tersely)
+WRITTEN_ROLES = ("system", "developer", "user", "tool")
+TOOL_JSON_SHARE = 2
 # Canonical composition folds a base and its combining marks, or a Hangul syllable's jamo, into one character: a
 # generous factor for how many characters can become one
 COMPOSITION_FACTOR = 4
@@ -56,12 +64,21 @@ def _factor(spec: dict[str, Any]) -> int | None:
     for part in _parts(spec.get("pre_tokenizer")):
         if part.get("type") not in _KEEPING_PRE_TOKENIZERS or part.get("behavior") == "Removed":
             return None
-    normalizers = _parts(spec.get("normalizer"))
-    if any(part.get("type") not in _KEEPING_NORMALIZERS for part in normalizers):
-        return None
     if any(token.get("lstrip") or token.get("rstrip") for token in spec.get("added_tokens") or []):
         return None  # such a token takes in the whitespace beside it
-    return COMPOSITION_FACTOR if any(part.get("type") in _COMPOSING_NORMALIZERS for part in normalizers) else 1
+    factor = 1
+    for part in _parts(spec.get("normalizer")):
+        kind = part.get("type")
+        if kind in _COMPOSING_NORMALIZERS:
+            factor *= COMPOSITION_FACTOR
+        elif kind == "Replace":  # SentencePiece's " " -> "▁": a fixed string for a non-empty one shrinks by its ratio
+            pattern, content = (part.get("pattern") or {}).get("String"), part.get("content")
+            if not pattern or not content:
+                return None  # a regular expression, or a removal
+            factor *= -(-len(pattern) // len(content))
+        elif kind not in _KEEPING_NORMALIZERS:
+            return None
+    return factor
 
 
 def _parts(component: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -93,3 +110,12 @@ def too_many_tokens(count: int, max_tokens: int, max_model_len: int) -> str | No
         f"the prompt is too long: prompt ({count} tokens) + max_tokens ({max_tokens}) exceeds the model's max "
         f"length {max_model_len}"
     )
+
+
+def conversation_chars(job: Job) -> int:
+    """The characters every chat template writes of a job's conversation at least (0 for a job without one)."""
+    chars = sum(len(m.content or "") for m in job.messages or () if m.role in WRITTEN_ROLES)
+    for tool in job.tools or ():
+        compact = json.dumps(tool.model_dump(exclude_none=True), separators=(",", ":"), ensure_ascii=False)
+        chars += len(compact) // TOOL_JSON_SHARE
+    return chars

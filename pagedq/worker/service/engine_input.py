@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from pagedq.worker.protocol.chat import render_conversation
 from pagedq.worker.protocol.job import Job
-from pagedq.worker.protocol.prompt_size import too_many_chars, too_many_tokens
+from pagedq.worker.protocol.prompt_size import conversation_chars, too_many_chars, too_many_tokens
 from pagedq.worker.service.engine_api import RequestRejected, WorkerEngine
 
 
@@ -71,8 +71,8 @@ def engine_prompt(source: object, job: Job, bound: PromptBound | None = None) ->
     (`apply_chat_template(..., add_generation_prompt=True)`, tools natively or in the Hermes form: protocol/chat.py)
     and tokenized without special tokens, as transformers does: the template writes BOS itself where the model
     wants one, so encoding the text with special tokens would double it (source: the engine, or what holds its
-    tokenizer). A text prompt, or the rendered
-    conversation, is checked against the bound by its characters before it is tokenised.
+    tokenizer). A text prompt, or the rendered conversation, is checked against the bound by its characters before
+    it is tokenised, and a conversation by what every template writes of it before it is rendered.
 
     Raises RequestRejected (the job is rejected) for what the caller owns: a conversation sent to a model without a
     chat template, or one the template refuses (jinja's TemplateError, raised by a template's raise_exception for
@@ -93,6 +93,7 @@ def engine_prompt(source: object, job: Job, bound: PromptBound | None = None) ->
         raise RequestRejected(
             "the model has no chat template: send the conversation as a formatted `prompt` instead of `messages`"
         )
+    bound.check_chars(conversation_chars(job), job)  # what any template writes of it: before rendering it
     try:
         text = render_conversation(tokenizer, job.messages, job.tools, job.tool_call_parser)
     except Exception as exc:
