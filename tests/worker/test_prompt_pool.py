@@ -6,13 +6,12 @@ thread, which must answer token for token alike."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
-from pagedq.engine import LLMEngine
 from pagedq.worker import Client
 from pagedq.worker.protocol.prompt_size import COMPOSITION_FACTOR, max_chars_per_token
 from pagedq.worker.testing.stub_engine import StubEngine, StubTokenizer
@@ -43,6 +42,19 @@ class GatedTokenizer(StubTokenizer):
             while not self.release.exists() and time.monotonic() < end:
                 time.sleep(0.01)
         return super().apply_chat_template(messages, **options)
+
+
+class ParentOnlyTokenizer(StubTokenizer):
+    """Cannot be loaded in any process but the one that made it (a prompt process's start fails)."""
+
+    def __init__(self, chat_template: str) -> None:
+        super().__init__(chat_template)
+        self.parent = os.getpid()
+
+    def __setstate__(self, state: dict) -> None:
+        if state["parent"] != os.getpid():
+            raise RuntimeError("this tokenizer loads only where it was made")
+        self.__dict__.update(state)
 
 
 class CountingTokenizer(StubTokenizer):
@@ -109,6 +121,17 @@ def test_a_prompt_too_long_by_its_characters_is_refused_before_tokenising(redis_
     assert all(len(records) == 1 for records in finals_by_id(r).values())
 
 
+def test_prompt_processes_that_cannot_start_give_way_to_threads(redis_url, r):
+    engine = StubEngine(chat_template=TEMPLATE)
+    engine.tokenizer = ParentOnlyTokenizer(TEMPLATE)
+    client = Client(redis_url)
+    job_id = client.submit(messages=[{"role": "user", "content": "a long question " * 100}], max_tokens=4)
+    run_burst(engine, redis_url, prompt_inline_chars=100)  # made in the pool: two process pools break, then threads
+    result = client.result(job_id, timeout=5)
+    assert result.status == "completed", result.error
+    assert [record["status"] for record in finals_by_id(r)[job_id]] == ["completed"]
+
+
 def _answers(engine, redis_url: str, jobs: list[dict], **settings) -> list[tuple]:
     client = Client(redis_url)
     ids = client.submit_many(jobs)
@@ -123,6 +146,8 @@ def test_prompts_made_in_the_pool_answer_as_those_made_on_the_loop(redis_url, ti
         {"prompt": "hello", "max_tokens": 6, "temperature": 0.0, "logprobs": 2},
         {"prompt_token_ids": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0.0},
     ]
+    from pagedq.engine import LLMEngine  # here: a prompt process imports this module, and needs no torch
+
     engine = LLMEngine(str(tiny_llama_dir), device="cpu", num_kv_blocks=64)
     on_loop = _answers(engine, redis_url, jobs)
     in_pool = _answers(engine, redis_url, jobs, prompt_inline_chars=0, prompt_pool="thread")  # every text prompt
@@ -150,6 +175,8 @@ def test_chat_made_in_the_pool_answers_as_on_the_loop(redis_url, pool):
     ],
 )
 def test_the_characters_per_token_bound_is_a_lower_bound_on_the_count(tiny_llama_dir, text):
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
     bound = max_chars_per_token(tokenizer)
     assert bound is not None and bound >= 1

@@ -45,6 +45,7 @@ from pagedq.worker.service.held import WAITING, HeldJob, JobKey
 
 MESSAGE_CHARS = 64  # what one message adds to a rendering's work beyond its content (its turn's markup), in chars
 PROMPT_POOLS = ("process", "thread")
+MAX_BROKEN_POOLS = 2  # process pools that may break (a process died, or could not load the tokenizer): then threads
 
 _IN_PROCESS = SimpleNamespace(tokenizer=None)  # in a prompt process: its copy of the engine's tokenizer
 
@@ -74,6 +75,7 @@ class Prompts:
         self._pool: Executor | None = None  # started with the first large prompt
         self._folder: tempfile.TemporaryDirectory[str] | None = None  # the tokenizer the prompt processes load
         self._making: dict[JobKey, tuple[HeldJob, Future[Any]]] = {}
+        self._broken = 0  # process pools that broke
 
     @property
     def busy(self) -> bool:
@@ -170,7 +172,13 @@ class Prompts:
         try:
             result = future.result()
         except BrokenProcessPool:
-            self._pool = None  # a prompt process died: the next large prompt starts a new pool
+            if self._pool is not None:  # a prompt process died (or could not start): the next large prompt starts a
+                self._pool.shutdown(wait=False, cancel_futures=True)  # new pool; after a few, a pool of threads
+                self._pool, self._broken = None, self._broken + 1
+                if self._broken >= MAX_BROKEN_POOLS and self.kind == "process":
+                    self.kind = "thread"
+                    if self.log is not None:
+                        self.log.warning("prompt_pool_threads", reason=f"{self._broken} prompt process pools broke")
             raise
         if isinstance(result, MadePrompt):
             return result
