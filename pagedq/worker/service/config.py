@@ -91,12 +91,14 @@ class WorkerSettings:
         le=MAX_TENANT_BURST,
     )
     # Prompt-making (chat template, tokenising: service/prompt_pool.py): small prompts on the loop thread, large ones
-    # in a thread pool, so one large prompt never stops the engine stepping for everyone else
-    prompt_workers: int = _flag(2, "threads making large prompts (chat template, tokenising) off the loop", ge=1, le=64)
+    # in a pool, so one large prompt never stops the engine stepping for everyone else
+    prompt_workers: int = _flag(
+        2, "processes (or threads) making large prompts (chat template, tokenising) off the loop", ge=1, le=64
+    )
     prompt_inline_chars: int = _flag(
         65_536,
-        "characters of prompt-making the loop thread does itself per turn; a prompt larger than this, or with tools, "
-        "is made by the prompt threads while the engine keeps stepping",
+        "characters of prompt-making the loop thread does itself per turn; a larger prompt is made by the prompt "
+        "workers while the engine keeps stepping",
         ge=0,
         le=100_000_000,
     )

@@ -31,7 +31,7 @@ from concurrent.futures.process import BrokenProcessPool
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedq.worker.protocol.chat import uses_tools
 from pagedq.worker.protocol.job import Job
@@ -42,6 +42,9 @@ from pagedq.worker.service.config import WorkerSettings
 from pagedq.worker.service.engine_api import WorkerEngine
 from pagedq.worker.service.engine_input import MadePrompt, PromptBound, make_prompt, prompt_input
 from pagedq.worker.service.held import WAITING, HeldJob, JobKey
+
+if TYPE_CHECKING:
+    from structlog.typing import FilteringBoundLogger
 
 MESSAGE_CHARS = 64  # what one message adds to a rendering's work beyond its content (its turn's markup), in chars
 PROMPT_POOLS = ("process", "thread")
@@ -62,7 +65,7 @@ def _prompt_in_process(job: Job, bound: PromptBound) -> str | list[int]:
 
 
 class Prompts:
-    def __init__(self, engine: WorkerEngine, settings: WorkerSettings, log: Any = None) -> None:
+    def __init__(self, engine: WorkerEngine, settings: WorkerSettings, log: FilteringBoundLogger) -> None:
         if settings.prompt_pool not in PROMPT_POOLS:
             raise ValueError(f"prompt_pool must be one of {PROMPT_POOLS}, got {settings.prompt_pool!r}")
         self.engine, self.log, self.kind = engine, log, settings.prompt_pool
@@ -155,8 +158,7 @@ class Prompts:
             try:
                 tokenizer = pickle.dumps(getattr(self.engine, "tokenizer", None))  # each process loads a copy
             except Exception as exc:
-                if self.log is not None:
-                    self.log.warning("prompt_pool_threads", reason=f"the tokenizer cannot be pickled: {exc!r}"[:300])
+                self.log.warning("prompt_pool_threads", reason=f"the tokenizer cannot be pickled: {exc!r}"[:300])
             else:
                 if self._folder is None:
                     self._folder = tempfile.TemporaryDirectory(prefix="pagedq-prompts-")
@@ -177,8 +179,7 @@ class Prompts:
                 self._pool, self._broken = None, self._broken + 1
                 if self._broken >= MAX_BROKEN_POOLS and self.kind == "process":
                     self.kind = "thread"
-                    if self.log is not None:
-                        self.log.warning("prompt_pool_threads", reason=f"{self._broken} prompt process pools broke")
+                    self.log.warning("prompt_pool_threads", reason=f"{self._broken} prompt process pools broke")
             raise
         if isinstance(result, MadePrompt):
             return result
