@@ -23,6 +23,7 @@ from pagedq.worker.gateway.files import router as file_router
 from pagedq.worker.gateway.intake import Intake, KeyRing, parse_body, require_key
 from pagedq.worker.gateway.jobs import build, check_model, submit, wait_timeout
 from pagedq.worker.gateway.metrics import GatewayMetrics, ObserveRequests
+from pagedq.worker.gateway.prompt_limits import PromptLimits
 from pagedq.worker.gateway.render import now
 from pagedq.worker.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from pagedq.worker.gateway.settings import GatewaySettings
@@ -56,6 +57,7 @@ class Gateway:
         self.files = FileStore(self.client.r, self.client.keys, settings)
         self.batches = Batches(self.client, self.files, self.live, settings)
         self.tokenizers = Tokenizers(self.client.r, self.client.keys, self.live, settings.queue)
+        self.prompt_limits = PromptLimits(self.client.r, self.client.keys, settings.worker_cache_s)
 
     async def generate(self, endpoint: CompletionEndpoint, request: Request) -> Response:
         body = endpoint.request_body()
@@ -65,6 +67,7 @@ class Gateway:
             jobs = [job.model_copy(update={"tenant": tenant}) for job in jobs]
         if body.stream_options is not None and not body.stream:
             raise OpenAIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        await self.prompt_limits.check(endpoint.model, jobs)  # too long by its size alone: 400 before queuing
         job_ids = await submit(self.client, jobs, self.settings.retry_after_s)  # all or none: backpressure counts each
         timeout = wait_timeout(body, self.settings)
         if body.stream:

@@ -22,6 +22,8 @@ from pagedq.worker.protocol import chat, tool_calls
 from pagedq.worker.protocol.job import MAX_PROMPT_CHARS, TokenId
 from pagedq.worker.protocol.keys import QueueKeys
 
+NOT_FILES = (b"digest", b"max_model_len", b"chars_per_token")  # published beside the files (tokenizer_files.py)
+
 
 class TokenizeRequest(Strict):
     model: str = Field(min_length=1, max_length=512)
@@ -56,7 +58,7 @@ class Tokenizers:
         cached = self._loaded.get(name)
         if cached is None or cached[0] != digest:
             fields = await self.r.hgetall(key)
-            files = {k.decode(): v for k, v in fields.items() if k not in (b"digest", b"max_model_len")}
+            files = {k.decode(): v for k, v in fields.items() if k not in NOT_FILES}
             tokenizer = await asyncio.to_thread(_load, files)
             raw_len = fields.get(b"max_model_len")
             cached = self._loaded[name] = (digest, tokenizer, int(raw_len) if raw_len else None)

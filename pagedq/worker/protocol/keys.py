@@ -171,8 +171,8 @@ class QueueKeys:
         return f"{self.base}:final:{job_id}"
 
     def tokenizer(self, model_id: str) -> str:
-        """Hash of a model's tokenizer files (and `digest`, `max_model_len`), published by its workers at start for
-        the gateway's /tokenize and /detokenize."""
+        """Hash of a model's tokenizer files (and `digest`, `max_model_len`, `chars_per_token`), published by its
+        workers at start for the gateway's /tokenize and /detokenize, and its prompt size check."""
         return f"{self.base}:tokenizer:{model_id}"
 
     def heartbeat(self, worker: str) -> str:

@@ -22,7 +22,9 @@ def absorb(t: HeldJob, out: RequestOutput, now: float, publisher: Publisher) -> 
         t.prompt_logprobs = [None if d is None else {str(k): float(v) for k, v in d.items()} for d in prompt_logprobs]
     if t.prompt_token_ids is None and (t.job.echo or t.job.prompt_logprobs is not None):
         t.prompt_token_ids = list(out.prompt_token_ids or ())
-        t.prompt_text = getattr(out, "prompt", None) or publisher.prompt_text(t.prompt_token_ids)
+        # a text prompt made in the prompt pool reaches the engine as token ids (service/prompt_pool.py): its text
+        # is the job's own
+        t.prompt_text = getattr(out, "prompt", None) or t.job.prompt or publisher.prompt_text(t.prompt_token_ids)
     several = t.job.n > 1
     for c in out.outputs:
         sample = t.samples.setdefault(c.index, Sample()) if several else t

@@ -20,7 +20,7 @@ from pagedq.worker.protocol.replies import text
 from pagedq.worker.service.config import WorkerSettings
 from pagedq.worker.service.context import ServiceContext
 from pagedq.worker.service.engine_api import WorkerEngine
-from pagedq.worker.service.engine_input import engine_prompt
+from pagedq.worker.service.engine_input import MadePrompt
 from pagedq.worker.service.held import HeldJob, JobKey, JobState
 from pagedq.worker.service.publisher import Publisher
 from pagedq.worker.service.tenants import TenantShares, parse_weights
@@ -65,10 +65,16 @@ class Intake:
         job = parse_job(raw)
         if "id" not in job.model_fields_set:  # a raw XADD without an id: the entry id is its id
             job = job.model_copy(update={"id": entry_id})
-        return self.track(band, entry_id, job, recovered)
+        return self.track(band, entry_id, job, recovered, size=len(raw))
 
     def track(
-        self, origin: str, entry_id: str | None, job: Job, recovered: bool = False, enqueued_at: float = 0.0
+        self,
+        origin: str,
+        entry_id: str | None,
+        job: Job,
+        recovered: bool = False,
+        enqueued_at: float = 0.0,
+        size: int = 0,
     ) -> HeldJob:
         """A held job in read order. A recovered one (its worker died holding it) is a suspect: the worker
         charges it its lost run and its runs alone (service/holding.py) and runs it alone."""
@@ -78,6 +84,7 @@ class Intake:
             job,
             entry_id=entry_id,
             seq=self.seq,
+            size=size,
             enqueued_at=enqueued_at,
             recovered=recovered,
             state=JobState.SUSPECT if recovered else JobState.BACKLOG,
@@ -204,16 +211,15 @@ class Lanes:
         return max(1, engine.max_num_seqs - self.reserve_seqs)
 
 
-def prepare(engine: WorkerEngine, t: HeldJob) -> None:
-    """Once per held job: the prompt as the engine gets it, its SamplingParams (built here only: every run of the
-    job uses them) and the KV blocks it will take there, from the engine. Raises RequestRejected (the job is
-    rejected) for input the engine or its chat template refuses; any other exception is the engine's failure."""
-    prompt = engine_prompt(engine, t.job)
+def prepare(engine: WorkerEngine, t: HeldJob, made: MadePrompt) -> None:
+    """Once per held job, with its prompt made (engine_input.make_prompt, service/prompt_pool.py): the prompt as the
+    engine gets it, its SamplingParams (built here only: every run of the job uses them) and the KV blocks it will
+    take there, from the engine. Raises RequestRejected (the job is rejected) for input the engine refuses; any
+    other exception is the engine's failure."""
     params = t.job.to_sampling_params()
-    num_prompt_tokens = engine.num_prompt_tokens(prompt)
-    t.blocks_needed = engine.blocks_needed(num_prompt_tokens, params.max_tokens, params.num_samples)
-    t.admission_tokens = num_prompt_tokens + params.max_tokens * params.num_samples
-    t.engine_input, t.sampling_params = prompt, params
+    t.blocks_needed = engine.blocks_needed(made.num_prompt_tokens, params.max_tokens, params.num_samples)
+    t.admission_tokens = made.num_prompt_tokens + params.max_tokens * params.num_samples
+    t.engine_input, t.sampling_params = made.engine_input, params
 
 
 def pick(

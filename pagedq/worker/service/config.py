@@ -91,6 +91,25 @@ class WorkerSettings:
         ge=0,
         le=MAX_TENANT_BURST,
     )
+    # Prompt-making (chat template, tokenising: service/prompt_pool.py): small prompts on the loop thread, large ones
+    # in a pool, so one large prompt never stops the engine stepping for everyone else
+    prompt_workers: int = _flag(
+        2, "processes (or threads) making large prompts (chat template, tokenising) off the loop", ge=1, le=64
+    )
+    prompt_inline_chars: int = _flag(
+        65_536,
+        "characters of prompt-making the loop thread does itself per turn; a larger prompt is made by the prompt "
+        "workers while the engine keeps stepping",
+        ge=0,
+        le=100_000_000,
+    )
+    prompt_pool: str = _flag(
+        "process",
+        "where large prompts are made: process (each with a copy of the tokenizer; a chat template's rendering holds "
+        "Python's GIL) or thread",
+        pattern=r"^(process|thread)$",
+    )
+    prompt_wait_s: float = 0.05  # with nothing to step, the loop waits this long at most for a prompt being made
     drain_timeout_s: float = _flag(30.0, "seconds to finish in-flight jobs after SIGTERM", "drain_timeout", ge=0)
     redis_outage_s: float = _flag(
         300.0,

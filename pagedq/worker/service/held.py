@@ -90,6 +90,7 @@ class HeldJob:
     guarded: bool = False  # let in ahead of busier bands by the starvation guard (admission.Lanes)
     recovered: bool = False  # from a dead worker (own pending list at restart, XAUTOCLAIM, Celery redelivery)
     seq: int = 0  # read order, the tie-break after priority
+    size: int = 0  # characters of its entry's JSON as read (0: it came through a front door); prompt_pool.py reads it
     enqueued_at: float = 0.0
     read_at: float = 0.0  # time.monotonic() when read (or polled): the start of its read-to-admit delay
     admitted_at: float | None = None

@@ -20,7 +20,7 @@ from typing import Any
 from pagedq.worker.protocol import scripts
 from pagedq.worker.protocol.keys import BANDS
 from pagedq.worker.service.absorb import absorb
-from pagedq.worker.service.admission import Intake, Lanes, engine_priority, pick, prepare
+from pagedq.worker.service.admission import Intake, Lanes, engine_priority, pick
 from pagedq.worker.service.admit_delay import AdmitDelays
 from pagedq.worker.service.config import WorkerSettings
 from pagedq.worker.service.context import ServiceContext
@@ -32,6 +32,7 @@ from pagedq.worker.service.heartbeat import Heartbeat
 from pagedq.worker.service.held import HeldJob, JobState
 from pagedq.worker.service.holding import Holding
 from pagedq.worker.service.leases import Leases
+from pagedq.worker.service.prompt_pool import Prompts
 from pagedq.worker.service.publisher import Publisher
 from pagedq.worker.service.recovery import REDIS_DOWN, Recovery
 from pagedq.worker.service.snapshot import EngineFigures, MetricsSink, WorkerSnapshot, costly_figures
@@ -64,6 +65,7 @@ class ServiceLoop:
         self.holding = Holding(ctx, engine, self.publisher, self.intake, self.finisher)
         self.heartbeat = Heartbeat(ctx, self.front_doors)
         self.timers = Timers(ctx, self.leases, self.holding, self.heartbeat, self.front_doors, metrics, self.snapshot)
+        self.prompts = Prompts(engine, settings, self.log)  # prompt-making, on the loop thread or in its pool
         self.admit_delays = AdmitDelays()  # read-to-admit, per band
         self.turn_clock = TurnClock()  # where the turns' time goes (bench worker reports it)
         self.cancel_possible = True  # the cancel set was non-empty at the last look
@@ -124,7 +126,7 @@ class ServiceLoop:
     def _start(self) -> None:
         self.leases.ensure_group()
         scripts.load_all(self.r)
-        publish_tokenizer(self.r, self.keys, self.s.model, self.engine)  # for the gateway's /tokenize
+        publish_tokenizer(self.r, self.keys, self.s.model, self.engine, self.prompts.bound.chars_per_token)  # /tokenize
         recovered = 0
         for band in BANDS:
             entries = self.leases.read_own_pending(band)
@@ -153,6 +155,7 @@ class ServiceLoop:
             self.heartbeat.remove()
         except Exception as exc:  # Redis gone: nothing more to do; unacked jobs will be redelivered
             self.log.error("shutdown_flush_failed", error=repr(exc))
+        self.prompts.close()
         for door in self.front_doors:
             door.close()  # requeues the messages of jobs left unfinished
         if self.metrics is not None:
@@ -182,6 +185,8 @@ class ServiceLoop:
         clock.lap("other")
         if self.engine.has_unfinished_requests():
             self._step()
+        elif self.prompts.busy:  # nothing to step: wait for the prompts being made, not on Redis
+            self.prompts.wait(self.s.prompt_wait_s)
 
     def _sync(self) -> None:
         """The turn's round trip (exchange.py), then what its replies say: cancels, new jobs, burst's end."""
@@ -205,7 +210,9 @@ class ServiceLoop:
     def _admit(self) -> None:
         in_engine = self.held.in_state(JobState.IN_ENGINE)
         isolating = any(t.alone for t in in_engine)
-        ready = [t for t in self.held.waiting() if t.prepared or self._prepare(t)]
+        ready, failed = self.prompts.ready(self.held.waiting())
+        for t, exc in failed:
+            self._engine_refused(t, exc)
         for t in pick(ready, self.engine, self.s.max_waiting, isolating, self.lanes, in_engine):
             alone = t.state is JobState.SUSPECT
             if alone and not self.recovery.may_run_alone(t):
@@ -215,15 +222,6 @@ class ServiceLoop:
                 continue
             self._add_to_engine(t, alone)
             self.lanes.admitted(t)
-
-    def _prepare(self, t: HeldJob) -> bool:
-        """The engine's view of a job before admission (admission.prepare); False when it was settled instead."""
-        try:
-            prepare(self.engine, t)
-            return True
-        except Exception as exc:
-            self._engine_refused(t, exc)
-        return False
 
     def _engine_refused(self, t: HeldJob, exc: Exception) -> None:
         """RequestRejected is the engine's verdict on the caller's input (too long, token out of vocab, ...): the

@@ -31,6 +31,7 @@ ALPHABET = "abcdefghijklmnopqrstuvwxyz ."
 class StubTokenizer:
     vocab_size = 512
     eos_token_id = EOS_ID
+    max_chars_per_token = 1  # one token per byte (protocol/prompt_size.py reads it)
 
     def __init__(self, chat_template: str | None = None) -> None:
         self.chat_template = chat_template  # a jinja template, as in a checkpoint's tokenizer_config.json
