@@ -1,4 +1,5 @@
-"""The Batch API: POST /v1/batches, GET /v1/batches/{id}, POST /v1/batches/{id}/cancel, on the machinery of
+"""The Batch API: POST /v1/batches, GET /v1/batches (the caller's own), GET /v1/batches/{id},
+POST /v1/batches/{id}/cancel, on the machinery of
 `pagedq bulk` (pagedq/worker/bulk/lines.py: its line parser, job ids, idempotent enqueue script and output lines).
 
 A batch's state is a Redis hash, its output and error files are Redis lists, and the gateway that runs it
@@ -24,6 +25,7 @@ from pagedq.worker.client.async_client import AsyncClient
 from pagedq.worker.gateway.batch_run import LEASE_S, BatchRun
 from pagedq.worker.gateway.errors import OpenAIError
 from pagedq.worker.gateway.files import FileStore
+from pagedq.worker.gateway.listing import index_add, page
 from pagedq.worker.gateway.object_ids import is_batch_id, new_batch_id, new_file_id
 from pagedq.worker.gateway.owners import owns
 from pagedq.worker.gateway.schemas import BatchCreate
@@ -72,6 +74,7 @@ class Batches:
         for kind, file_id in (("output", output_file_id), ("errors", error_file_id)):
             await self.files.declare_lines(file_id, f"{batch_id}_{kind}.jsonl", "batch_output", owner)
         fields = {**obj, "tenant": tenant}  # not part of the batch object: get() leaves it out
+        await index_add(self.r, self.keys.owner_batches(owner), batch_id, self.s.file_ttl_s)
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(self.keys.batch(batch_id), mapping={**{k: json.dumps(v) for k, v in fields.items()}, "owner": owner})
         pipe.expire(self.keys.batch(batch_id), self.s.file_ttl_s)
@@ -92,6 +95,20 @@ class Batches:
         if obj["status"] in ACTIVE and not await self.r.exists(self.keys.batch_runner(batch_id)):
             self._start(batch_id)  # its gateway went away: run it here (nothing is enqueued or written twice)
         return obj
+
+    async def listed(self, owner: str, *, limit: int, after: str | None = None) -> dict[str, Any]:
+        """GET /v1/batches: a page of the owner's batches, newest first (as OpenAI lists them)."""
+
+        async def load(batch_ids: list[str]) -> list[dict[str, Any] | None]:
+            objects: list[dict[str, Any] | None] = []
+            for batch_id in batch_ids:
+                try:
+                    objects.append(await self.get(await self.owned(batch_id, owner)))
+                except OpenAIError:  # expired (or not the owner's: never indexed so)
+                    objects.append(None)
+            return objects
+
+        return await page(self.r, self.keys.owner_batches(owner), load, limit=limit, after=after)
 
     async def owned(self, batch_id: str, owner: str) -> str:
         """The batch's id if it exists and `owner` owns it; else the 404 of a missing batch."""
