@@ -80,6 +80,8 @@ def test_files_list_pages_through_the_callers_own_files_only(redis_url):
             True,
         )
         gw.r.delete(KEYS.file(uploads[2]))  # gone under the index (as a file that expired)
+        walked = [f.id for f in gw.a.files.list(purpose="batch", order="asc", limit=1)]  # a page at a time
+        assert walked == [uploads[0], uploads[3], uploads[4]]
         assert {f.id for f in gw.a.files.list(purpose="batch")} == {uploads[0], uploads[3], uploads[4]}
         index = KEYS.owner_file_index(f"tenant:{TENANTS['key-a']}")
         assert {m.decode() for m in gw.r.zrange(index, 0, -1)} == {uploads[0], uploads[3], uploads[4]} | outputs

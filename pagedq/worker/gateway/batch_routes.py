@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse, Response
 
 from pagedq.worker.gateway.batches import Batches
 from pagedq.worker.gateway.owners import request_owner
@@ -27,8 +28,8 @@ def router(batches: Batches, auth: Any) -> APIRouter:
         request: Request,
         limit: int = Query(20, ge=1, le=MAX_LIST_LIMIT),
         after: str | None = Query(None, max_length=200),
-    ) -> dict[str, Any]:
-        return await batches.listed(request_owner(request), limit=limit, after=after)
+    ) -> Response:
+        return JSONResponse(await batches.listed(request_owner(request), limit=limit, after=after))  # plain JSON
 
     @api.get("/v1/batches/{batch_id}")
     async def retrieve(batch_id: str, request: Request) -> dict[str, Any]:

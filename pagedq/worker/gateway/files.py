@@ -13,7 +13,7 @@ import time
 from typing import Any, Literal
 
 from fastapi import APIRouter, Form, Query, Request, UploadFile
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from pagedq.worker.gateway.errors import OpenAIError
 from pagedq.worker.gateway.listing import index_add, page
@@ -187,9 +187,10 @@ def router(store: FileStore, auth: Any) -> APIRouter:
         limit: int = Query(MAX_LIST_LIMIT, ge=1, le=MAX_LIST_LIMIT),
         order: Literal["asc", "desc"] = "desc",
         after: str | None = Query(None, max_length=200),
-    ) -> dict[str, Any]:
+    ) -> Response:
         owner = request_owner(request)
-        return await store.listed(owner, limit=limit, order=order, after=after, purpose=purpose)
+        # plain JSON already: FastAPI's encoding of a returned dict would walk every object of a long page again
+        return JSONResponse(await store.listed(owner, limit=limit, order=order, after=after, purpose=purpose))
 
     @api.get("/v1/files/{file_id}")
     async def retrieve(file_id: str, request: Request) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from pagedq.worker.protocol.replies import text as reply_text
 
 # the objects of some ids, None for each one that is gone (in the ids' order)
 Loader = Callable[[list[str]], Awaitable[list[dict[str, Any] | None]]]
-# ids read from the index per round trip while a page fills (a page's objects may be filtered out or gone)
+# the most ids read from the index per round trip while a page fills (its objects may be filtered out or gone)
 SCAN_CHUNK = 100
 
 
@@ -53,7 +53,8 @@ async def page(
     while len(found) <= limit:  # one more than the page: whether more follow
         read = r.zrevrange if descending else r.zrange
         # members only (no scores were asked for)
-        ids = [reply_text(i) for i in await read(index, start, start + SCAN_CHUNK - 1) if isinstance(i, bytes | str)]
+        stop = start + min(SCAN_CHUNK, limit + 1 - len(found)) - 1
+        ids = [reply_text(i) for i in await read(index, start, stop) if isinstance(i, bytes | str)]
         if not ids:
             break
         start += len(ids)
