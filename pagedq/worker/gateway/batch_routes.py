@@ -13,7 +13,8 @@ from pagedq.worker.gateway.batches import Batches
 from pagedq.worker.gateway.owners import request_owner
 from pagedq.worker.gateway.schemas import BatchCreate
 
-MAX_LIST_LIMIT = 100  # OpenAI's bound of GET /v1/batches' limit (its default is 20)
+MAX_LIST_LIMIT = 100  # OpenAI's bound of GET /v1/batches' limit
+DEFAULT_LIST_LIMIT = 20  # OpenAI's
 
 
 def router(batches: Batches, auth: Any) -> APIRouter:
@@ -26,7 +27,7 @@ def router(batches: Batches, auth: Any) -> APIRouter:
     @api.get("/v1/batches")
     async def listing(
         request: Request,
-        limit: int = Query(20, ge=1, le=MAX_LIST_LIMIT),
+        limit: int = Query(DEFAULT_LIST_LIMIT, ge=1, le=MAX_LIST_LIMIT),
         after: str | None = Query(None, max_length=200),
     ) -> Response:
         return JSONResponse(await batches.listed(request_owner(request), limit=limit, after=after))  # plain JSON

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 from pydantic_core import PydanticCustomError
 
-# OpenAI's bounds of `metadata`: 16 pairs, keys of 64 characters, values of 512
+# OpenAI's bounds of `metadata` (its pairs, keys and values)
 MetadataKey = Annotated[str, Field(min_length=1, max_length=64)]
 MetadataValue = Annotated[str, Field(max_length=512)]
 
@@ -27,7 +27,7 @@ class ClientFields(BaseModel):
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     # OpenAI's prompt-cache routing hint: the engine's prefix cache matches prompts by their tokens
     prompt_cache_key: str | None = Field(default=None, max_length=1024)
-    # OpenAI's abuse-detection id of the end user (64 characters at most, as OpenAI's)
+    # OpenAI's abuse-detection id of the end user (OpenAI's bound)
     safety_identifier: str | None = Field(default=None, max_length=64)
     # a reasoning model's answer length hint: no model here reads it
     verbosity: Literal["low", "medium", "high"] | None = None
