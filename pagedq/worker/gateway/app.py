@@ -93,19 +93,18 @@ class Gateway:
     async def models(self) -> dict[str, Any]:
         """GET /v1/models: what the live workers serve."""
         served = await self.live.models()
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": info["created"],
-                    "owned_by": "pagedq",
-                    "workers": info["workers"],
-                }
-                for name, info in sorted(served.items())
-            ],
-        }
+        return {"object": "list", "data": [_model_object(name, info) for name, info in sorted(served.items())]}
+
+    async def model(self, model: str) -> dict[str, Any]:
+        """GET /v1/models/{model}: a served model by its id (or its workers' path, as requests may name it)."""
+        served = await self.live.models()
+        for name, info in served.items():
+            if model in (name, info.get("path")):
+                return _model_object(name, info)
+        listed = ", ".join(sorted(served)) or "none: no live worker"
+        raise OpenAIError(
+            404, f"model {model!r} is not served here (served: {listed})", param="model", code="model_not_found"
+        )
 
     async def health(self) -> JSONResponse:
         """GET /health: 503 while Redis is unreachable (the gateway can take nothing in)."""
@@ -146,6 +145,10 @@ class Gateway:
         raise OpenAIError(
             499, f"job {job_ids[0]}: the client closed the connection; its jobs were cancelled", code="client_closed"
         )
+
+
+def _model_object(name: str, info: dict[str, Any]) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": info["created"], "owned_by": "pagedq", "workers": info["workers"]}
 
 
 async def _disconnected(request: Request) -> None:
@@ -199,6 +202,10 @@ def create_app(settings: GatewaySettings | None = None, redis: AsyncRedis | None
     @app.get("/v1/models", dependencies=[auth])
     async def models() -> dict[str, Any]:
         return await gateway.models()
+
+    @app.get("/v1/models/{model:path}", dependencies=[auth])  # a path: a model may be named by its folder's path
+    async def model(model: str) -> dict[str, Any]:
+        return await gateway.model(model)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

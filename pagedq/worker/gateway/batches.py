@@ -1,4 +1,5 @@
-"""The Batch API: POST /v1/batches, GET /v1/batches/{id}, POST /v1/batches/{id}/cancel, on the machinery of
+"""The Batch API: POST /v1/batches, GET /v1/batches (the caller's own), GET /v1/batches/{id},
+POST /v1/batches/{id}/cancel, on the machinery of
 `pagedq bulk` (pagedq/worker/bulk/lines.py: its line parser, job ids, idempotent enqueue script and output lines).
 
 A batch's state is a Redis hash, its output and error files are Redis lists, and the gateway that runs it
@@ -24,6 +25,7 @@ from pagedq.worker.client.async_client import AsyncClient
 from pagedq.worker.gateway.batch_run import LEASE_S, BatchRun
 from pagedq.worker.gateway.errors import OpenAIError
 from pagedq.worker.gateway.files import FileStore
+from pagedq.worker.gateway.listing import index_add, page
 from pagedq.worker.gateway.object_ids import is_batch_id, new_batch_id, new_file_id
 from pagedq.worker.gateway.owners import owns
 from pagedq.worker.gateway.schemas import BatchCreate
@@ -72,6 +74,7 @@ class Batches:
         for kind, file_id in (("output", output_file_id), ("errors", error_file_id)):
             await self.files.declare_lines(file_id, f"{batch_id}_{kind}.jsonl", "batch_output", owner)
         fields = {**obj, "tenant": tenant}  # not part of the batch object: get() leaves it out
+        await index_add(self.r, self.keys.owner_batches(owner), batch_id, self.s.file_ttl_s)
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(self.keys.batch(batch_id), mapping={**{k: json.dumps(v) for k, v in fields.items()}, "owner": owner})
         pipe.expire(self.keys.batch(batch_id), self.s.file_ttl_s)
@@ -80,18 +83,47 @@ class Batches:
         return await self.get(batch_id)
 
     async def get(self, batch_id: str) -> dict[str, Any]:
-        raw = await self.r.hgetall(self.keys.batch(batch_id))
-        if not raw:
+        (obj,) = await self._objects([batch_id])
+        if obj is None:
             raise OpenAIError(404, f"no batch {batch_id!r}", param="batch_id", code="batch_not_found")
-        raw.pop(b"owner", None)  # not part of the object (and kept as text)
-        obj = {reply_text(k): json.loads(v) for k, v in raw.items()}
-        obj.pop("tenant", None)
-        completed = await self.r.llen(self.keys.file_lines(obj["output_file_id"]))
-        failed = await self.r.llen(self.keys.file_lines(obj["error_file_id"]))
-        obj["request_counts"] = {"total": obj.pop("total"), "completed": completed, "failed": failed}
-        if obj["status"] in ACTIVE and not await self.r.exists(self.keys.batch_runner(batch_id)):
-            self._start(batch_id)  # its gateway went away: run it here (nothing is enqueued or written twice)
         return obj
+
+    async def listed(self, owner: str, *, limit: int, after: str | None = None) -> dict[str, Any]:
+        """GET /v1/batches: a page of the owner's batches, newest first (as OpenAI lists them)."""
+
+        async def load(batch_ids: list[str]) -> list[dict[str, Any] | None]:
+            return await self._objects(batch_ids, owner)
+
+        return await page(self.r, self.keys.owner_batches(owner), load, limit=limit, after=after)
+
+    async def _objects(self, batch_ids: list[str], owner: str | None = None) -> list[dict[str, Any] | None]:
+        """The batch objects (None for a batch that is gone, or not `owner`'s when one is given), in two round trips
+        however many; an active batch whose runner went away is run here, as a GET of it does."""
+        pipe = self.r.pipeline(transaction=False)
+        for batch_id in batch_ids:
+            pipe.hgetall(self.keys.batch(batch_id))
+        objects: list[dict[str, Any] | None] = []
+        for raw in await pipe.execute():
+            stored_owner = raw.pop(b"owner", None)  # not part of the object (and kept as text)
+            if not raw or (owner is not None and not owns(stored_owner, owner)):
+                objects.append(None)
+                continue
+            obj = {reply_text(k): json.loads(v) for k, v in raw.items()}
+            obj.pop("tenant", None)
+            objects.append(obj)
+        found = [(batch_id, obj) for batch_id, obj in zip(batch_ids, objects) if obj is not None]
+        pipe = self.r.pipeline(transaction=False)
+        for batch_id, obj in found:
+            pipe.llen(self.keys.file_lines(obj["output_file_id"]))
+            pipe.llen(self.keys.file_lines(obj["error_file_id"]))
+            pipe.exists(self.keys.batch_runner(batch_id))
+        counts = await pipe.execute() if found else []
+        for i, (batch_id, obj) in enumerate(found):
+            completed, failed, running = counts[3 * i : 3 * i + 3]
+            obj["request_counts"] = {"total": obj.pop("total"), "completed": completed, "failed": failed}
+            if obj["status"] in ACTIVE and not running:
+                self._start(batch_id)  # its gateway went away: run it here (nothing is enqueued or written twice)
+        return objects
 
     async def owned(self, batch_id: str, owner: str) -> str:
         """The batch's id if it exists and `owner` owns it; else the 404 of a missing batch."""

@@ -121,7 +121,7 @@ def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     parts, param = [], None
     for err in errors:
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        loc = [str(p) for p in err.get("loc", ()) if p not in ("body", "query")]
         where = ".".join(loc) or "body"
         param = param or where
         if err.get("type") == "extra_forbidden":

@@ -1,6 +1,7 @@
-"""The Files API the Batch API needs: POST /v1/files (purpose "batch"), GET /v1/files/{id},
-GET /v1/files/{id}/content, DELETE /v1/files/{id}. Files live in Redis (any gateway serves any file); a batch's output
-and error files are Redis lists the batch appends lines to as its jobs finish.
+"""The Files API the Batch API needs: POST /v1/files (purpose "batch"), GET /v1/files (the caller's own files, OpenAI's
+cursor pages: listing.py), GET /v1/files/{id}, GET /v1/files/{id}/content, DELETE /v1/files/{id}. Files live in Redis
+(any gateway serves any file); a batch's output and error files are Redis lists the batch appends lines to as its
+jobs finish.
 
 Each file has an owner (owners.py): to anyone else it is missing (404). Uploads count against their owner's quota of
 files and bytes (settings.max_files_per_owner, max_file_bytes_per_owner), freed as they expire or are deleted."""
@@ -9,12 +10,13 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any
+from typing import Any, Literal
 
-from fastapi import APIRouter, Form, Request, UploadFile
-from fastapi.responses import Response
+from fastapi import APIRouter, Form, Query, Request, UploadFile
+from fastapi.responses import JSONResponse, Response
 
 from pagedq.worker.gateway.errors import OpenAIError
+from pagedq.worker.gateway.listing import index_add, page
 from pagedq.worker.gateway.object_ids import is_file_id, new_file_id
 from pagedq.worker.gateway.owners import owns, request_owner
 from pagedq.worker.gateway.settings import GatewaySettings
@@ -23,6 +25,7 @@ from pagedq.worker.protocol.keys import QueueKeys
 from pagedq.worker.protocol.replies import text as reply_text
 
 MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's batch input limit
+MAX_LIST_LIMIT = 10_000  # OpenAI's bound (and default) of GET /v1/files' limit
 # a full quota frees only as files expire or are deleted: the openai SDK's automatic retries would not help
 NO_RETRY = {"x-should-retry": "false"}
 
@@ -53,6 +56,7 @@ class FileStore:
         file_id = new_file_id()
         meta = file_object(file_id, filename, len(content), purpose, int(time.time()))
         await self._reserve(file_id, len(content), owner)
+        await index_add(self.r, self.keys.owner_file_index(owner), file_id, self.s.file_ttl_s)
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(self.keys.file(file_id), mapping={"meta": json.dumps(meta), "owner": owner, "content": content})
         pipe.expire(self.keys.file(file_id), self.s.file_ttl_s)
@@ -91,6 +95,7 @@ class FileStore:
         """A file whose content is the list of lines a batch appends (its output or error file). Its line list,
         running size (bytes) and expiry are kept by protocol/scripts.py's APPEND_ONCE."""
         meta = file_object(file_id, filename, 0, purpose, int(time.time()))
+        await index_add(self.r, self.keys.owner_file_index(owner), file_id, self.s.file_ttl_s)
         pipe = self.r.pipeline(transaction=True)
         pipe.hset(self.keys.file(file_id), mapping={"meta": json.dumps(meta), "owner": owner, "lines": 1, "bytes": 0})
         pipe.expire(self.keys.file(file_id), self.s.file_ttl_s)
@@ -111,6 +116,33 @@ class FileStore:
             meta["bytes"] = int(size) if size is not None else len(await self.content(file_id))
         return meta
 
+    async def listed(
+        self, owner: str, *, limit: int, order: str = "desc", after: str | None = None, purpose: str | None = None
+    ) -> dict[str, Any]:
+        """GET /v1/files: a page of the owner's files (uploads and its batches' output and error files)."""
+
+        async def load(file_ids: list[str]) -> list[dict[str, Any] | None]:
+            pipe = self.r.pipeline(transaction=False)
+            for file_id in file_ids:
+                pipe.hmget(self.keys.file(file_id), ["owner", "meta", "bytes"])
+            objects: list[dict[str, Any] | None] = []
+            for stored_owner, raw, size in await pipe.execute():
+                meta = json.loads(raw) if raw is not None and owns(stored_owner, owner) else None
+                if meta is not None and size is not None:  # a batch's line file: its running size
+                    meta["bytes"] = int(size)
+                objects.append(meta)
+            return objects
+
+        return await page(
+            self.r,
+            self.keys.owner_file_index(owner),
+            load,
+            limit=limit,
+            after=after,
+            descending=order == "desc",
+            keep=lambda meta: purpose is None or meta["purpose"] == purpose,
+        )
+
     async def owned_content(self, file_id: str, owner: str) -> bytes:
         await self._owned(file_id, owner)
         return await self.content(file_id)
@@ -129,6 +161,7 @@ class FileStore:
     async def delete(self, file_id: str, owner: str) -> dict[str, Any]:
         await self._owned(file_id, owner)
         await self.r.delete(self.keys.file(file_id), self.keys.file_lines(file_id))
+        await self.r.zrem(self.keys.owner_file_index(owner), file_id)
         await self._release(file_id, owner)  # after: a gateway dying in between leaves the quota counting it
         return {"id": file_id, "object": "file", "deleted": True}
 
@@ -146,6 +179,18 @@ def router(store: FileStore, auth: Any) -> APIRouter:
         if len(content) > MAX_FILE_BYTES:
             raise OpenAIError(413, f"files are limited to {MAX_FILE_BYTES} bytes", param="file")
         return await store.create(content, file.filename or "upload.jsonl", purpose, request_owner(request))
+
+    @api.get("/v1/files")
+    async def listing(
+        request: Request,
+        purpose: str | None = Query(None, max_length=64),
+        limit: int = Query(MAX_LIST_LIMIT, ge=1, le=MAX_LIST_LIMIT),
+        order: Literal["asc", "desc"] = "desc",
+        after: str | None = Query(None, max_length=200),
+    ) -> Response:
+        owner = request_owner(request)
+        # plain JSON already: FastAPI's encoding of a returned dict would walk every object of a long page again
+        return JSONResponse(await store.listed(owner, limit=limit, order=order, after=after, purpose=purpose))
 
     @api.get("/v1/files/{file_id}")
     async def retrieve(file_id: str, request: Request) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from pagedq.engine import limits as sampling
+from pagedq.worker.gateway.client_fields import ClientFields
 from pagedq.worker.protocol.job import (
     MAX_PROMPT_CHARS,
     LogitBias,
@@ -172,7 +173,9 @@ class NamedToolChoice(Strict):
     function: ToolChoiceFunction
 
 
-class ChatCompletionRequest(SamplingBody):
+# ClientFields' fields validate after SamplingBody's (pydantic orders fields by the bases' reversed MRO): its
+# refusal of reasoning_effort names the model
+class ChatCompletionRequest(ClientFields, SamplingBody):
     messages: list[ChatMessage] = Field(min_length=1, max_length=10_000)
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

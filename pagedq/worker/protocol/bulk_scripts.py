@@ -1,6 +1,6 @@
 """The Lua scripts of `pagedq bulk` runs and the Batch API's runs and files (scripts.py registers and calls them):
-a run's enqueue within the queue's limits, its expired results, the batch output files' lines and the owners'
-file quotas."""
+a run's enqueue within the queue's limits, its expired results, the batch output files' lines, the owners'
+file quotas and the owners' indexes of their files and batches."""
 
 # `pagedq bulk` and the Batch API: enqueue a run's jobs in order unless an earlier (interrupted) run of it already
 # did (a job id already in the run's set is awaited, not re-sent), while the band's stream is below max_depth and
@@ -119,3 +119,15 @@ forget(ARGV[1])
 return 1
 """
 )
+
+# Add an object (a file or a batch) to its owner's index, a sorted set scored by expiry (what GET /v1/files and
+# GET /v1/batches list): forget the ids that expired, add this one, and keep the index as long as its
+# longest-lived object. Its order is creation order, every object living file_ttl_s.
+# KEYS: the index; ARGV: now_ms, ttl_ms, id
+INDEX_ADD = """
+local now, ttl = tonumber(ARGV[1]), tonumber(ARGV[2])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+redis.call('ZADD', KEYS[1], now + ttl, ARGV[3])
+if redis.call('PTTL', KEYS[1]) < ttl then redis.call('PEXPIRE', KEYS[1], ttl) end
+return 1
+"""

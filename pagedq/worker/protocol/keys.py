@@ -144,6 +144,16 @@ class QueueKeys:
         file quota."""
         return f"{self.base}:file-bytes-of:{owner}"
 
+    def owner_file_index(self, owner: str) -> str:
+        """Sorted set of every file an owner has (uploads and its batches' output and error files; member: file id,
+        score: its expiry in unix ms): what GET /v1/files lists, pruned of expired ids as it is read and written."""
+        return f"{self.base}:file-index-of:{owner}"
+
+    def owner_batches(self, owner: str) -> str:
+        """Sorted set of an owner's batches (member: batch id, score: its expiry in unix ms): what GET /v1/batches
+        lists, pruned of expired ids as it is read and written."""
+        return f"{self.base}:batches-of:{owner}"
+
     def batch(self, batch_id: str) -> str:
         """Hash of one batch of the gateway's Batch API: its OpenAI batch object's fields (JSON-encoded) and owner."""
         return f"{self.base}:batch:{batch_id}"

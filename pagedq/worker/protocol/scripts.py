@@ -14,7 +14,14 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
-from pagedq.worker.protocol.bulk_scripts import APPEND_ONCE, BULK_ENQUEUE, FORGET_EXPIRED, RELEASE_FILE, RESERVE_FILE
+from pagedq.worker.protocol.bulk_scripts import (
+    APPEND_ONCE,
+    BULK_ENQUEUE,
+    FORGET_EXPIRED,
+    INDEX_ADD,
+    RELEASE_FILE,
+    RESERVE_FILE,
+)
 
 # Write each job's final record only if it has none, and acknowledge (and delete) its job entry in the
 # same atomic step: a job is done exactly when its final record exists, and a redelivered copy is just
@@ -157,6 +164,7 @@ ALL = {
     "append_once": APPEND_ONCE,
     "reserve_file": RESERVE_FILE,
     "release_file": RELEASE_FILE,
+    "index_add": INDEX_ADD,
 }
 SHA = {name: hashlib.sha1(src.encode()).hexdigest() for name, src in ALL.items()}
 
