@@ -15,9 +15,16 @@ import pytest
 from openai import omit
 from openai._streaming import SSEDecoder
 from openai.lib.streaming.responses._responses import ResponseStreamState
-from openai.types.responses import Response, ResponseFunctionToolCall, ResponseOutputMessage, ResponseStreamEvent
+from openai.types.responses import (
+    Response,
+    ResponseErrorEvent,
+    ResponseFunctionToolCall,
+    ResponseOutputMessage,
+    ResponseStreamEvent,
+)
 from pydantic import TypeAdapter
 
+from pagedq.worker.gateway.errors import OpenAIError
 from pagedq.worker.gateway.responses import ResponsesEndpoint
 from pagedq.worker.gateway.responses_request import ResponsesRequest
 from pagedq.worker.protocol.job import Delta, FinalRecord
@@ -265,3 +272,15 @@ def test_stored_responses_are_a_400_and_the_stream_is_refused_before_its_first_b
     ) as refused:
         assert refused.status_code == 400
         assert json.loads(refused.read())["error"]["param"] == "previous_response_id"
+
+
+def test_a_stream_that_fails_after_its_first_byte_ends_in_openais_error_event():
+    endpoint = ResponsesEndpoint(ResponsesRequest.model_validate({"model": "m", "input": "Hi"}), 0)
+    frames = b"".join(endpoint.frame(chunk, False) for chunk in endpoint.opening("j1"))
+    frames += endpoint.failure(OpenAIError(504, "job j1: no output within 5.0 s", code="timeout"))
+    decoded = list(SSEDecoder().iter_bytes(iter([frames])))
+    events = [TypeAdapter(ResponseStreamEvent).validate_python(sse.json()) for sse in decoded]
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "error"]
+    assert [e.sequence_number for e in events] == [0, 1, 2] and decoded[-1].event == "error"
+    error = events[-1]
+    assert isinstance(error, ResponseErrorEvent) and error.code == "timeout" and "no output" in error.message

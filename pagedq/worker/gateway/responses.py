@@ -71,7 +71,7 @@ class ResponsesEndpoint(ChatEndpoint):
         chat = chat_request(body)
         super().__init__(chat, chat.model, created)
         self.responses_body = body
-        # streaming: the events so far, the items output so far, the open item (its index) and the finish reason
+        # streaming: events sent (the next sequence_number), output items, the open one (its index), the finish reason
         self.sequence = 0
         self.items: list[dict[str, Any]] = []
         self.open_item: int | None = None
@@ -136,11 +136,8 @@ class ResponsesEndpoint(ChatEndpoint):
             for call in delta.get("tool_calls") or ():
                 if "id" in call:  # a new call: the item before it is done
                     events += self._close_item("completed")
-                    events += self._open_item(
-                        _call_item(
-                            _item_id("fc"), {**call, "function": {**call["function"], "arguments": ""}}, "in_progress"
-                        )
-                    )
+                    opened = _call_item(_item_id("fc"), call, "in_progress") | {"arguments": ""}  # deltas follow
+                    events += self._open_item(opened)
                 if call["function"].get("arguments"):
                     events += self._arguments_delta(call["function"]["arguments"])
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
