@@ -7,6 +7,7 @@ Oracles: the SDK's own types and stream accumulator, jsonschema, and the chat en
 from __future__ import annotations
 
 import json
+from typing import Literal
 
 import httpx
 import jsonschema
@@ -22,7 +23,7 @@ from openai.types.responses import (
     ResponseOutputMessage,
     ResponseStreamEvent,
 )
-from pydantic import TypeAdapter
+from pydantic import BaseModel, TypeAdapter
 
 from pagedq.worker.gateway.errors import OpenAIError
 from pagedq.worker.gateway.responses import ResponsesEndpoint
@@ -31,9 +32,10 @@ from pagedq.worker.protocol.job import Delta, FinalRecord
 
 from .conftest import served_model
 
+# no free-form strings: a random model's strings may hold raw control characters, which JSON refuses
 POINT = {
     "type": "object",
-    "properties": {"x": {"type": "integer"}, "label": {"type": "string", "maxLength": 8}},
+    "properties": {"x": {"type": "integer"}, "label": {"enum": ["near", "far"]}},
     "required": ["x", "label"],
     "additionalProperties": False,
 }
@@ -92,18 +94,34 @@ def test_a_json_schema_text_format_is_enforced(served):
         model=served.model,
         input="A point, as JSON",
         max_output_tokens=60,
+        temperature=0.0,
         text={"format": {"type": "json_schema", "name": "point", "schema": POINT, "strict": True}},
     )
     assert out.status == "completed", out
     jsonschema.validate(json.loads(out.output_text), POINT)
     assert out.text is not None and out.text.format is not None and out.text.format.type == "json_schema"
+    # the SDK's parse with a pydantic model (its strict schema), as structured-output libraries call it
+    parsed = served.sdk.responses.parse(
+        model=served.model, input="A point, as JSON", max_output_tokens=60, temperature=0.0, text_format=Point
+    )
+    assert isinstance(parsed.output_parsed, Point), parsed
+
+
+class Point(BaseModel):
+    x: int
+    label: Literal["near", "far"]
 
 
 def test_a_function_call_round_trip(served):
     sdk, model = served.sdk, served.model
     ask = [{"role": "user", "content": "Time?"}]
     called = sdk.responses.create(
-        model=model, input=ask, tools=[NOW], tool_choice={"type": "function", "name": "now"}, max_output_tokens=70
+        model=model,
+        input=ask,
+        tools=[NOW],
+        tool_choice={"type": "function", "name": "now"},
+        max_output_tokens=70,
+        temperature=0.0,
     )
     (call,) = called.output
     assert isinstance(call, ResponseFunctionToolCall) and call.name == "now" and call.call_id.startswith("call_"), (
@@ -169,6 +187,7 @@ def test_stream_events_add_up_to_the_final_response(served):
         tools=[NOW],
         tool_choice={"type": "function", "name": "now"},
         max_output_tokens=70,
+        temperature=0.0,
         stream=True,
     ) as raw:
         assert raw.http_response.status_code == 200
