@@ -23,9 +23,14 @@ ItemId = Annotated[str, Field(max_length=256)]
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
 
-def _text_or_list(value: Any) -> str:
+def _text_or_list(value: Any) -> str | None:
     """A string or a list, told apart by the value: an error then names the one meant, not both."""
-    return "text" if isinstance(value, str) else "list"
+    return "text" if isinstance(value, str) else "list" if isinstance(value, list) else None
+
+
+TEXT_OR_LIST = Discriminator(
+    _text_or_list, custom_error_type="text_or_list", custom_error_message="must be a string or a list"
+)
 
 
 UNSUPPORTED_PARTS = {"input_image": "image", "input_file": "file", "input_audio": "audio"}
@@ -52,11 +57,11 @@ MessageContent = Annotated[
         Field(max_length=MAX_PROMPT_CHARS),
         Tag("list"),
     ],
-    Discriminator(_text_or_list),
+    TEXT_OR_LIST,
 ]
 OutputParts = Annotated[
     Annotated[Text, Tag("text")] | Annotated[list[InputText], Field(max_length=MAX_PROMPT_CHARS), Tag("list")],
-    Discriminator(_text_or_list),
+    TEXT_OR_LIST,
 ]
 
 
@@ -120,7 +125,7 @@ InputItem = Annotated[
 
 Input = Annotated[
     Annotated[Text, Tag("text")] | Annotated[list[InputItem], Field(max_length=10_000), Tag("list")],
-    Discriminator(_text_or_list),
+    TEXT_OR_LIST,
 ]
 
 
