@@ -25,6 +25,7 @@ from pagedq.worker.gateway.jobs import build, check_model, submit, wait_timeout
 from pagedq.worker.gateway.metrics import GatewayMetrics, ObserveRequests
 from pagedq.worker.gateway.prompt_limits import PromptLimits
 from pagedq.worker.gateway.render import now
+from pagedq.worker.gateway.responses import router as responses_router
 from pagedq.worker.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from pagedq.worker.gateway.settings import GatewaySettings
 from pagedq.worker.gateway.streaming import SSEResponse, StreamTracker, sse
@@ -187,6 +188,7 @@ def create_app(settings: GatewaySettings | None = None, redis: AsyncRedis | None
     app.include_router(file_router(gateway.files, auth))
     app.include_router(batch_router(gateway.batches, auth))
     app.include_router(tokenize_router(gateway.tokenizers, auth))
+    app.include_router(responses_router(gateway.generate, auth))
 
     # the bodies are parsed by parse_body, off the event loop when large
     @app.post("/v1/completions", dependencies=[auth])

@@ -16,6 +16,7 @@ from pagedq.worker.protocol.tool_calls import ToolSpec, call, new_call_id
 
 class ChatEndpoint(CompletionEndpoint):
     object_name = "chat.completion"
+    chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
 
     def __init__(
@@ -81,7 +82,7 @@ class ChatEndpoint(CompletionEndpoint):
 
     # --- streaming: object "chat.completion.chunk"; the first chunk of each choice names the role
     def chunk(self, job_id: str, choices: list[dict]) -> dict[str, Any]:
-        return {**self.envelope(job_id, choices), "object": "chat.completion.chunk"}
+        return {**self.envelope(job_id, choices), "object": self.chunk_object}
 
     def opening(self, job_id: str) -> list[dict[str, Any]]:
         def first(i: int) -> dict[str, Any]:

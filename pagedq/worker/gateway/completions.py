@@ -14,7 +14,7 @@ from typing import Any
 
 from pagedq.worker.gateway.errors import OpenAIError
 from pagedq.worker.gateway.jobs import sampling_fields
-from pagedq.worker.gateway.render import Entry, TokenNames, choices_of, completion_logprobs, usage
+from pagedq.worker.gateway.render import DONE, Entry, TokenNames, choices_of, completion_logprobs, event, usage
 from pagedq.worker.gateway.schemas import CompletionRequest, SamplingBody
 from pagedq.worker.gateway.settings import GatewaySettings
 from pagedq.worker.protocol.job import Delta, FinalRecord
@@ -40,6 +40,7 @@ class StreamState:
 
 class CompletionEndpoint:
     object_name = "text_completion"
+    chunk_object = "text_completion"  # a stream's chunks
     id_prefix = "cmpl-"
     body: SamplingBody | None  # each endpoint's own request type; None: only rendering records
 
@@ -149,6 +150,19 @@ class CompletionEndpoint:
                     }
                 )
         return self.envelope(records[0].id, choices, usage=usage(records))
+
+    # --- streaming's framing (streaming.sse): each chunk a bare data event; usage (asked for) and [DONE] at the end
+    def frame(self, chunk: dict[str, Any], include_usage: bool) -> bytes:
+        return event({**chunk, "usage": None} if include_usage else chunk)
+
+    def ending(self, response_id: str, records: list[FinalRecord], include_usage: bool) -> bytes:
+        if not include_usage:
+            return DONE
+        return event({**self.envelope(response_id, []), "object": self.chunk_object, "usage": usage(records)}) + DONE
+
+    def failure(self, error: OpenAIError) -> bytes:
+        """What ends a stream that fails after its first byte: an error event, then a clean end."""
+        return event(error.body()) + DONE
 
     # --- streaming: the prompts' chunks interleaved, each choice indexed prompt_index * n + sample index
     def opening(self, response_id: str) -> list[dict[str, Any]]:

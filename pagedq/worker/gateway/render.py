@@ -7,14 +7,22 @@ token they carry (`token_texts`), which the log-probabilities show as vLLM does.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pagedq.worker.protocol.job import Choice, FinalRecord
 
 LOGPROB_FLOOR = -9999.0  # what OpenAI and vLLM send for -inf (JSON has no infinity)
 Entry = dict[str, float] | None  # one position's logprobs: token id (a string key) -> logprob; None: none
+DONE = b"data: [DONE]\n\n"  # the end of a completions or chat stream
+
+
+def event(payload: dict[str, Any]) -> bytes:
+    """One Server-Sent Event of completions and chat: a bare data line."""
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
 def token_name(token_id: int | str) -> str:

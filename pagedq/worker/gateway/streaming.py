@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -20,17 +19,11 @@ from starlette.types import Message, Send
 from pagedq.worker.client.async_client import AsyncClient
 from pagedq.worker.gateway.completions import CompletionEndpoint
 from pagedq.worker.gateway.errors import OpenAIError, failure_after_submission, record_error
-from pagedq.worker.gateway.render import usage
 from pagedq.worker.protocol.errors import ResultTimeout
 from pagedq.worker.protocol.job import Delta, FinalRecord
 
-DONE = b"data: [DONE]\n\n"
 HANDOFF = 8  # items a stream's followers hand over ahead of its consumer
 _LOST = object()  # a job whose final record expired between its stream's end and the read
-
-
-def event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
 class StreamTracker:
@@ -124,35 +117,27 @@ async def sse(
     tracker.open += 1
     try:
         for chunk in endpoint.opening(response_id):
-            yield event(_with_usage(chunk, include_usage))
-        failed = False
+            yield endpoint.frame(chunk, include_usage)
         async with contextlib.aclosing(interleaved(client, job_ids, timeout)) as items:
             async for index, item in items:
                 if isinstance(item, Delta):
                     piece = endpoint.delta_chunk(response_id, index, item)
                     if piece is not None:
-                        yield event(_with_usage(piece, include_usage))
+                        yield endpoint.frame(piece, include_usage)
                     continue
                 settled.add(index)
                 error = _failure(item, job_ids[index])
                 if error is not None:
-                    yield event(error.body())
-                    failed = True
-                    break
+                    yield endpoint.failure(error)
+                    return
                 records.append(item)
                 for chunk in endpoint.closing(response_id, index, item):
-                    yield event(_with_usage(chunk, include_usage))
-        if include_usage and not failed:
-            yield event(
-                {**endpoint.envelope(response_id, []), "object": _chunk_object(endpoint), "usage": usage(records)}
-            )
-        yield DONE
+                    yield endpoint.frame(chunk, include_usage)
+        yield endpoint.ending(response_id, records, include_usage)
     except ResultTimeout:
-        yield event(OpenAIError(504, f"job {response_id}: no output within {timeout} s", code="timeout").body())
-        yield DONE
+        yield endpoint.failure(OpenAIError(504, f"job {response_id}: no output within {timeout} s", code="timeout"))
     except Exception as exc:  # e.g. Redis lost mid-stream: an error event, then a clean end (its jobs are cancelled)
-        yield event(failure_after_submission(exc, job_ids, retry_after_s).body())
-        yield DONE
+        yield endpoint.failure(failure_after_submission(exc, job_ids, retry_after_s))
     finally:
         tracker.open -= 1
         for index, job_id in enumerate(job_ids):
@@ -165,11 +150,3 @@ def _failure(item: Any, job_id: str) -> OpenAIError | None:
     if not isinstance(item, FinalRecord):
         return OpenAIError(500, f"job {job_id}: final record not found", code="lost")
     return None if item.status == "completed" else record_error(item)
-
-
-def _chunk_object(endpoint: CompletionEndpoint) -> str:
-    return "chat.completion.chunk" if endpoint.object_name == "chat.completion" else endpoint.object_name
-
-
-def _with_usage(chunk: dict[str, Any], include_usage: bool) -> dict[str, Any]:
-    return {**chunk, "usage": None} if include_usage else chunk
