@@ -167,6 +167,11 @@ def run_worker(args: argparse.Namespace, engine_builder: EngineBuilder) -> int:
         redis_client = connect(args.redis)
         redis_client.ping()  # a wrong or unreachable Redis is reported now, not after a model load of minutes
         engine, model = engine_builder(args)
+        if args.engine == "llm":
+            from pagedq.engine.structured_output import backend
+
+            if not backend.installed():  # else each structured request would be refused only when it comes
+                log.warning("structured_outputs_unavailable", hint=backend.INSTALL_HINT)
         device = engine_device(engine, args.device)
         worker = Worker(engine, redis_client, settings_from_args(args, device, model))
         return worker.run()
