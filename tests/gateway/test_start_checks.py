@@ -4,7 +4,11 @@ worker serving its queue there (e.g. a worker started on another Redis)."""
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
+import httpx
+import pytest
 from structlog.testing import capture_logs
 
 from pagedq.worker.gateway.app import Gateway
@@ -14,7 +18,7 @@ from pagedq.worker.ops.embedded_redis import free_port
 from pagedq.worker.testing.stub_engine import StubEngine
 from tests.worker.helpers import wait_for, worker_thread
 
-from .conftest import gateway_thread
+from .conftest import start_gateway_process
 
 
 def _check(redis_url: str) -> tuple[str | None, list[dict]]:
@@ -54,7 +58,14 @@ def test_serve_says_nothing_when_a_worker_serves_its_queue(redis_url: str) -> No
         wait_for(lambda: _check(redis_url)[0] is None, timeout=10, what="the worker's first heartbeat")
 
 
-def test_the_gateway_runs_the_check_as_it_starts() -> None:
-    with capture_logs() as logs, gateway_thread(f"redis://127.0.0.1:{free_port()}/0"):
-        pass
-    assert "redis_unreachable_at_start" in [entry["event"] for entry in logs]
+@pytest.mark.slow  # a `python -m pagedq.worker serve` process
+def test_pagedq_serve_started_with_no_redis_at_its_url_says_so(tmp_path: Path) -> None:
+    log = tmp_path / "serve.log"
+    proc, base_url = start_gateway_process(f"redis://127.0.0.1:{free_port()}/0", log)
+    try:
+        assert httpx.get(base_url.removesuffix("/v1") + "/health", timeout=5).status_code == 503
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    [warning] = [json.loads(line) for line in log.read_text().splitlines() if '"redis_unreachable_at_start"' in line]
+    assert warning["level"] == "warning" and "no Redis answers at redis://127.0.0.1:" in warning["hint"]
