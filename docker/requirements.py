@@ -5,14 +5,17 @@
 
 The images install the project itself with `pip install --no-deps .` after these, so what an image leaves out of
 pyproject's lists stays out:
-  gateway     the `worker` extra and the engine's dependencies but torch and triton: `pagedq serve`, `status`,
+  gateway     the `worker` extra and the engine's dependencies but torch, triton and xgrammar (which declares
+              both; structured outputs are the workers'): `pagedq serve`, `status`,
               `dlq` and `bulk` import no torch (tests/test_settings_env.py); numpy is used by
               pagedq/worker/protocol/limits.py, transformers (with tokenizers) by /tokenize and /detokenize, which load
               the tokenizer the workers publish (pagedq/worker/gateway/tokenize.py; transformers without torch).
   worker-cpu  the engine's dependencies without torch (the Dockerfile installs torch's CPU wheel first, from
               PyTorch's CPU index) and without triton (on the CPU the kernels are the PyTorch reference;
               pagedq/kernels/__init__.py imports Triton only for its backend), plus the `worker` and `demo` extras
-              (`demo` converts the demo model at build time; the runtime stage drops it).
+              (`demo` converts the demo model at build time; the runtime stage drops it) but xgrammar, which is
+              installed without its dependencies (NO_DEPS below).
+What an image leaves out is left out of the extras' lists too.
 tests/deploy/ runs each service with the modules its image lacks made unimportable.
 """
 
@@ -25,10 +28,10 @@ from pathlib import Path
 import tomllib
 
 PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
-# image -> (the extras, the engine's dependencies left out)
+# image -> (the extras, the distributions left out of the engine's dependencies and of the extras)
 IMAGES: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
-    "gateway": (("worker",), frozenset({"torch", "triton"})),
-    "worker-cpu": (("worker", "demo"), frozenset({"torch", "triton"})),
+    "gateway": (("worker",), frozenset({"torch", "triton", "xgrammar"})),
+    "worker-cpu": (("worker", "demo"), frozenset({"torch", "triton", "xgrammar"})),
 }
 # image -> the extras installed without their dependencies: xgrammar (structured outputs) declares triton, which
 # the CPU path never imports (its CPU bitmask kernel is C++); apache-tvm-ffi is the one dependency of it the
@@ -54,7 +57,7 @@ def requirements(image: str, pyproject: Path = PYPROJECT) -> list[str]:
     extras, left_out = IMAGES[image]
     lines = [line for line in project["dependencies"] if distribution(line) not in left_out]
     for extra in extras:
-        lines += project["optional-dependencies"][extra]
+        lines += [line for line in project["optional-dependencies"][extra] if distribution(line) not in left_out]
     return lines
 
 

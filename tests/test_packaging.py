@@ -15,6 +15,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
+from packaging.requirements import Requirement
 
 from tests.engine.parity import assert_greedy_parity, hf_greedy
 
@@ -102,6 +104,19 @@ def test_the_root_package_names_what_it_exports() -> None:
     assert set(root.__all__) <= set(dir(root))
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         _ = root.Nope
+
+
+def test_the_worker_extra_installs_the_structured_outputs_backend() -> None:
+    """A worker serves structured requests from the start (issue 35): `pagedq[worker]` carries xgrammar at the
+    `structured` extra's pin (the engine-only install), which the lock (.ci/constraints.txt) holds."""
+    optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pins = {
+        extra: [str(Requirement(line).specifier) for line in optional[extra] if Requirement(line).name == "xgrammar"]
+        for extra in ("worker", "structured")
+    }
+    assert len(pins["worker"]) == 1 and pins["worker"] == pins["structured"], pins
+    locked = [line.strip() for line in (ROOT / ".ci/constraints.txt").read_text().splitlines()]
+    assert f"xgrammar{pins['worker'][0]}" in locked
 
 
 def test_engine_serves_without_xgrammar_and_refuses_structured_requests_clearly(tiny_llama_dir):

@@ -12,13 +12,15 @@ import pytest
 from redis import Redis
 
 from pagedq.worker import AsyncClient, Client
+from pagedq.worker.ops.embedded_redis import free_port
 from pagedq.worker.protocol.keys import QueueKeys
 
 from .helpers import REPO
 
 
-def _worker(env_url: str | None, tmp_path, *args: str) -> subprocess.CompletedProcess:
-    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/local/bin:/usr/bin:/bin"}
+def _worker(env_url: str | None, tmp_path, *args: str, local_port: int = 0) -> subprocess.CompletedProcess:
+    # the local port: a free one, never 6379 (a developer's Redis, or another test's)
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/local/bin:/usr/bin:/bin", "PAGEDQ_LOCAL_REDIS_PORT": str(local_port)}
     if env_url is not None:
         env["PAGEDQ_REDIS_URL"] = env_url
     return subprocess.run(
@@ -59,14 +61,16 @@ def test_the_worker_serves_the_redis_of_the_environment(redis_url: str, tmp_path
 
 @pytest.mark.slow  # a `python -m pagedq.worker` process
 def test_the_worker_says_why_it_starts_a_private_redis(tmp_path) -> None:
-    proc = _worker(None, tmp_path)
+    port = free_port()
+    proc = _worker(None, tmp_path, local_port=port)
     assert proc.returncode == 0, proc.stderr[-3000:]
     started = [
         json.loads(line) for line in (proc.stderr + proc.stdout).splitlines() if "embedded_redis_started" in line
     ]
     assert len(started) == 1
     assert "neither --redis nor PAGEDQ_REDIS_URL" in started[0]["reason"]
-    assert started[0]["url"].startswith("redis://127.0.0.1:")
+    assert started[0]["url"] == f"redis://127.0.0.1:{port}/0"
+    assert f"none on port {port}: started a private redis-server there" in started[0]["reason"]
 
 
 @pytest.mark.slow  # a `python -m pagedq.worker` process

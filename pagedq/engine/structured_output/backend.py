@@ -3,6 +3,7 @@ engine runs on a box without it (structured requests are then refused with this 
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from types import ModuleType
 
@@ -17,6 +18,15 @@ def xgrammar() -> ModuleType:
     except ImportError as error:
         raise RequestRejected(f"{INSTALL_HINT} ({error})") from None
     return xgrammar
+
+
+def installed() -> bool:
+    """Whether xgrammar is there to import, found without importing it (its import takes seconds): what a worker
+    checks at start, to warn then rather than refuse each structured request later."""
+    try:
+        return importlib.util.find_spec("xgrammar") is not None
+    except (ImportError, ValueError):  # a finder that refuses it, or a broken half-installed module
+        return False
 
 
 def backend_message(error: BaseException) -> str:

@@ -38,6 +38,15 @@ ENGINE_OPTIONS: tuple[Option, ...] = (
 WORKER_OPTIONS: tuple[Option, ...] = (
     *dataclass_options(WorkerSettings),
     Option("celery", bool, False, "also serve the Celery queue of worker.celery.app"),
+    Option(
+        "local_redis_port",
+        int,
+        6379,
+        "with neither --redis nor PAGEDQ_REDIS_URL: use the Redis answering on 127.0.0.1 at this port (the default "
+        "URL of serve, Client() and the other commands), else start a private redis-server on it, else on a free "
+        "port (logged with its URL); 0: a private redis-server on a free port always",
+        bounds={"ge": 0, "le": 65535},
+    ),
 )
 DEMO_OPTIONS = (Option("max_tokens", int, 32, "tokens per demo answer at most", bounds={"ge": 1}),)
 BENCH_OPTIONS = (
@@ -108,7 +117,10 @@ def register_bench(bench_subparsers: argparse._SubParsersAction) -> None:
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--redis", default=None, help="Redis URL (default: $PAGEDQ_REDIS_URL, else a private redis-server is started)"
+        "--redis",
+        default=None,
+        help="Redis URL (default: $PAGEDQ_REDIS_URL, else the Redis on 127.0.0.1:6379, else a private redis-server "
+        "started there: see --local-redis-port)",
     )
     add_options(p, (*ENGINE_OPTIONS, *WORKER_OPTIONS))
 
@@ -138,7 +150,7 @@ def run_worker(args: argparse.Namespace, engine_builder: EngineBuilder) -> int:
     import structlog
 
     from pagedq.worker.assembly import Worker
-    from pagedq.worker.ops.embedded_redis import EmbeddedRedis
+    from pagedq.worker.ops.local_redis import local_redis
     from pagedq.worker.protocol.connection import connect
     from pagedq.worker.protocol.settings import configured_redis_url
 
@@ -147,17 +159,19 @@ def run_worker(args: argparse.Namespace, engine_builder: EngineBuilder) -> int:
     embedded = None
     args.redis = configured_redis_url(args.redis)
     if args.redis is None:
-        embedded = EmbeddedRedis().start()
-        args.redis = embedded.url
-        log.info(
-            "embedded_redis_started",
-            url=embedded.url,
-            reason="no Redis configured (neither --redis nor PAGEDQ_REDIS_URL): started a private redis-server",
-        )
+        local = local_redis(args.local_redis_port)
+        embedded = local.server
+        args.redis = local.url
+        (log.warning if local.warn else log.info)(local.event, url=local.url, reason=local.reason)
     try:
         redis_client = connect(args.redis)
         redis_client.ping()  # a wrong or unreachable Redis is reported now, not after a model load of minutes
         engine, model = engine_builder(args)
+        if args.engine == "llm":
+            from pagedq.engine.structured_output import backend
+
+            if not backend.installed():  # else each structured request would be refused only when it comes
+                log.warning("structured_outputs_unavailable", hint=backend.INSTALL_HINT)
         device = engine_device(engine, args.device)
         worker = Worker(engine, redis_client, settings_from_args(args, device, model))
         return worker.run()

@@ -18,13 +18,13 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from redis.exceptions import AuthenticationError, ClusterError, RedisClusterException, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from pagedq.worker.protocol.connection import CLUSTER_URL_SCHEME, ClusterUnsupported, is_cluster_url
+from pagedq.worker.protocol.connection import CLUSTER_URL_SCHEME, ClusterUnsupported, is_cluster_url, redact
 from pagedq.worker.protocol.errors import MetricsPortError
 
 EXIT_STARTUP = 2
@@ -178,19 +178,6 @@ def _redis_source(args: argparse.Namespace) -> tuple[str, str]:
     if explicit:
         return "--redis", str(explicit)
     return ("PAGEDQ_REDIS_URL" if configured_redis_url() else "the default URL"), redis_url()
-
-
-def redact(url: str) -> str:
-    """`url` with its password (if any) replaced by ***, for messages and logs."""
-    try:
-        parts = urlsplit(url)
-        password = parts.password
-    except ValueError:  # not even a URL (a bad port, a stray bracket): show its scheme only
-        return url.split("://", 1)[0] + "://..." if "://" in url else "..."
-    if not password:
-        return url
-    netloc = parts.netloc.replace(f":{password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def _scrub(text: str, url: str) -> str:

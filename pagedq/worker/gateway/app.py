@@ -23,6 +23,7 @@ from pagedq.worker.gateway.files import router as file_router
 from pagedq.worker.gateway.intake import Intake, KeyRing, parse_body, require_key
 from pagedq.worker.gateway.jobs import build, check_model, submit, wait_timeout
 from pagedq.worker.gateway.metrics import GatewayMetrics, ObserveRequests
+from pagedq.worker.gateway.preflight import say_what_is_missing
 from pagedq.worker.gateway.prompt_limits import PromptLimits
 from pagedq.worker.gateway.render import now
 from pagedq.worker.gateway.responses import router as responses_router
@@ -170,6 +171,7 @@ def create_app(settings: GatewaySettings | None = None, redis: AsyncRedis | None
             port=settings.port,
             auth=bool(settings.accepted_keys),
         )
+        await say_what_is_missing(settings, gateway._probe)
         yield
         for task in list(gateway.batches.tasks):  # their lease expires: the next GET on any gateway resumes them
             task.cancel()

@@ -1,5 +1,9 @@
-"""A private redis-server subprocess on a free port in a temporary folder (for `pagedq worker` without
---redis, `pagedq demo`, the benchmark and the tests)."""
+"""A private redis-server subprocess on a free port (or a port asked for) in a temporary folder (for `pagedq worker`
+without --redis, `pagedq demo`, the benchmark and the tests).
+
+The server runs in its own session, so a Ctrl-C at the terminal (SIGINT to the whole foreground process group)
+reaches the command that started it and not the server: `pagedq worker` drains its jobs against a live Redis, then
+stops the server itself."""
 
 from __future__ import annotations
 
@@ -43,14 +47,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class EmbeddedRedis:
-    """Start with ``with EmbeddedRedis() as er: er.url``. No persistence: a scratch server."""
+def port_is_free(port: int) -> bool:
+    """Whether a server could listen on 127.0.0.1 at `port` now."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as redis-server binds: a TIME_WAIT port is free
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
-    def __init__(self, binary: str | None = None, extra_args: tuple[str, ...] = ()) -> None:
+
+class EmbeddedRedis:
+    """Start with ``with EmbeddedRedis() as er: er.url``. No persistence: a scratch server. `port`: that port only
+    (start raises if it cannot be had); 0, the default, a free one."""
+
+    def __init__(self, binary: str | None = None, extra_args: tuple[str, ...] = (), port: int = 0) -> None:
         self.binary = binary or find_redis_server()
         self.extra_args = extra_args
         self.proc: subprocess.Popen | None = None
-        self.port = 0
+        self.requested_port = port
+        self.port = port
         self._tmp: tempfile.TemporaryDirectory | None = None
 
     @property
@@ -59,6 +76,12 @@ class EmbeddedRedis:
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         self._tmp = tempfile.TemporaryDirectory(prefix="pagedq-redis-")
+        if self.requested_port:
+            if self._launch(timeout_s):
+                return self
+            self._tmp.cleanup()
+            self._tmp = None
+            raise RuntimeError(f"redis-server did not start on port {self.requested_port}")
         for _ in range(5):  # the free port can be taken between probing and binding: retry
             self.port = free_port()
             if self._launch(timeout_s):
@@ -103,7 +126,9 @@ class EmbeddedRedis:
         ]
         # the child keeps its own copy of the log's descriptor: ours can close once it is started
         with open(os.path.join(folder, "redis.log"), "ab") as log:
-            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            )
         self.proc = proc
         if self._wait_ready(proc, timeout_s):
             return True
@@ -113,14 +138,15 @@ class EmbeddedRedis:
 
     def _wait_ready(self, proc: subprocess.Popen, timeout_s: float) -> bool:
         end = time.monotonic() + timeout_s
-        client = Redis(port=self.port, socket_connect_timeout=0.5)
+        client = Redis(port=self.port, socket_connect_timeout=0.5, socket_timeout=0.5)
         try:
             while time.monotonic() < end:
                 if proc.poll() is not None:
                     return False
                 try:
+                    # the server that answers must be this one: with a port asked for, another may hold it
                     if client.ping():
-                        return True
+                        return client.info("server").get("process_id") == proc.pid
                 except Exception:
                     time.sleep(0.02)
             return False

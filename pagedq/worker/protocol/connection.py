@@ -122,3 +122,16 @@ def probe_client(client: SyncRedis, timeout_s: float) -> SyncRedis:
     return redis.Redis(
         connection_pool=redis.ConnectionPool(connection_class=pool.connection_class, max_connections=4, **kwargs)
     )
+
+
+def redact(url: str) -> str:
+    """`url` with its password (if any) replaced by ***, for messages and logs."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:  # not even a URL (a bad port, a stray bracket): show its scheme only
+        return url.split("://", 1)[0] + "://..." if "://" in url else "..."
+    if not password:
+        return url
+    netloc = parts.netloc.replace(f":{password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
