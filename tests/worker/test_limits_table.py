@@ -59,6 +59,13 @@ CASES = [
     for name, limit in SAMPLING_LIMITS.items()
     for value, accepted in probes(limit)
 ]
+# A job and an OpenAI request take the queue's range, which may stop below the engine's (n, best_of)
+JOB_CASES = [
+    pytest.param(name, value, accepted, id=f"{name}={value!r}-{'ok' if accepted else 'refused'}")
+    for name, limit in SAMPLING_LIMITS.items()
+    if limit.in_job
+    for value, accepted in probes(limit.for_jobs())
+]
 
 
 @pytest.mark.parametrize("name, value, accepted", CASES)
@@ -71,7 +78,7 @@ def test_sampling_params_follow_the_table(name, value, accepted):
             SamplingParams(**kwargs)
 
 
-@pytest.mark.parametrize("name, value, accepted", [c for c in CASES if SAMPLING_LIMITS[c.values[0]].in_job])
+@pytest.mark.parametrize("name, value, accepted", JOB_CASES)
 def test_the_job_follows_the_table(name, value, accepted):
     fields = {"prompt": "x", **context(name), name: value}
     wire = json.dumps(fields)
@@ -94,7 +101,7 @@ GATEWAY_CASES = [
     for request in GATEWAY_BODIES
     # chat's logprobs is a bool (its top_logprobs carries the count)
     if field in request.model_fields and request.model_fields[field].annotation is not bool
-    for value, accepted in probes(limit)
+    for value, accepted in probes(limit.for_jobs())
 ]
 
 
@@ -117,6 +124,16 @@ def test_every_openai_name_of_the_table_is_a_gateway_field():
     for request in (SamplingBody, *requests):  # and a request field named after a table field is its OpenAI name
         for name in request.model_fields:
             assert name not in SAMPLING_LIMITS or name in SAMPLING_LIMITS[name].openai, (request, name)
+
+
+def test_the_offline_engine_takes_more_samples_than_a_job():
+    """pass@k sends n in the hundreds through LLM.generate, as vLLM takes it; a job keeps the queue's bound."""
+    for name in ("n", "best_of"):
+        limit = SAMPLING_LIMITS[name]
+        assert limit.for_jobs().high == 16 < 200 <= limit.high
+        assert getattr(SamplingParams(**{name: 200}), name) == 200
+        with pytest.raises(JobRejected, match=rf"^invalid job: {name}: Input should be less than or equal to 16$"):
+            build_job(prompt="x", **{name: 200})
 
 
 def test_defaults_are_the_tables():
