@@ -32,6 +32,7 @@ class Sequence:
     is_finished: bool = False
     epoch: int = 0
     fan_out: int = 0
+    later_waves: list[Sequence] = field(default_factory=list)
 
     @property
     def group_id(self) -> str:

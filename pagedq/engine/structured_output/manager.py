@@ -166,7 +166,9 @@ class StructuredOutputManager(Generic[R]):
                     continue
                 self.grammars[group_id] = compiled
                 self._roots[group_id] = item.request
-                self._add_sequence(item.request, self._new_sequence(item.request))
+                waves: list[GrammarRequest] = [item.request, *item.request.later_waves]
+                for wave in waves:  # each wave of its samples starts with a fresh matcher
+                    self._add_sequence(wave, self._new_sequence(wave))
                 admission.ready.append(item.request)
             elif now >= item.deadline:
                 del self.compiling[group_id]
