@@ -134,8 +134,8 @@ class GrammarCompilerPool:
             if kind == "choice":
                 return compiler.compile_grammar(choice_grammar(params.choice or []))
             return compiler.compile_grammar(params.grammar)
-        except (RuntimeError, ValueError, TypeError) as error:  # xgrammar's parse errors
-            raise RequestRejected(f"structured_outputs {kind} does not compile: {backend_message(error)}") from None
+        except BACKEND_ERRORS as error:
+            raise _refused(kind, error) from None
 
     @property
     def cache_size_bytes(self) -> int:
@@ -148,6 +148,34 @@ class GrammarCompilerPool:
         for future in waiting:
             future.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def check_converts(params: StructuredOutputsParams) -> None:
+    """RequestRejected naming the problem when xgrammar's converter refuses the spec (an unknown type, a regex or
+    EBNF that does not parse), as vLLM refuses it when the request is added. The conversion alone, on the caller's
+    thread (no vocabulary: cheap next to the compile, docs/structured-outputs.md); the compile stays on the pool."""
+    grammar, kind = xgrammar().Grammar, params.kind
+    try:
+        if kind == "json":
+            grammar.from_json_schema(
+                json.dumps(params.schema),
+                any_whitespace=not params.disable_any_whitespace,
+                max_whitespace_cnt=MAX_WHITESPACE_RUN,
+            )
+        elif kind == "regex":
+            grammar.from_regex(params.regex)
+        elif kind == "grammar":
+            grammar.from_ebnf(params.grammar)
+        # json_object and choice make grammars of our own, which convert
+    except BACKEND_ERRORS as error:
+        raise _refused(kind, error) from None
+
+
+BACKEND_ERRORS = (RuntimeError, ValueError, TypeError)  # how xgrammar refuses a spec
+
+
+def _refused(kind: str, error: BaseException) -> RequestRejected:
+    return RequestRejected(f"structured_outputs {kind} does not compile: {backend_message(error)}")
 
 
 def choice_grammar(choices: list[str]) -> str:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Generic
 import torch
 
 from pagedq.engine.errors import RequestRejected
-from pagedq.engine.structured_output.compiler import GrammarCompilerPool
+from pagedq.engine.structured_output.compiler import GrammarCompilerPool, check_converts
 from pagedq.engine.structured_output.filler import MaskFiller
 from pagedq.engine.structured_output.interfaces import (
     CompiledGrammar,
@@ -112,9 +112,10 @@ class StructuredOutputManager(Generic[R]):
 
     def check_available(self, params: GrammarParams) -> None:
         """For SamplingParams carrying structured_outputs: RequestRejected now, before the request is queued, if
-        xgrammar or the tokenizer is missing."""
+        xgrammar or the tokenizer is missing, or if the spec does not convert to a grammar (compiler.check_converts)."""
         if params.structured_outputs is not None:
             self.pool  # noqa: B018
+            check_converts(params.structured_outputs)
 
     @property
     def pool(self) -> GrammarCompilerPool:
