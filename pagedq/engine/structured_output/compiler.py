@@ -9,11 +9,12 @@ first once that is reached. One source's slow schemas cost that source, not ever
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any
@@ -172,6 +173,32 @@ def check_converts(params: StructuredOutputsParams) -> None:
 
 
 BACKEND_ERRORS = (RuntimeError, ValueError, TypeError)  # how xgrammar refuses a spec
+
+
+class ConversionCheck:
+    """check_converts remembering its verdicts (by the spec's digest, the most recent `size`): the schema every
+    request of a client repeats (its response_format) is converted once, not on every request's add."""
+
+    def __init__(self, size: int = 1024) -> None:
+        self.size = size
+        self._verdicts: OrderedDict[bytes, str | None] = OrderedDict()  # digest -> the refusal, None if it converts
+
+    def __call__(self, params: StructuredOutputsParams) -> None:
+        kind, text = params.spec()
+        key = hashlib.sha256(f"{kind}\0{params.disable_any_whitespace}\0{text}".encode()).digest()
+        if key in self._verdicts:
+            self._verdicts.move_to_end(key)
+        else:
+            try:
+                check_converts(params)
+                self._verdicts[key] = None
+            except RequestRejected as refused:
+                self._verdicts[key] = str(refused)
+            if len(self._verdicts) > self.size:
+                self._verdicts.popitem(last=False)
+        refusal = self._verdicts[key]
+        if refusal is not None:
+            raise RequestRejected(refusal)
 
 
 def _refused(kind: str, error: BaseException) -> RequestRejected:
