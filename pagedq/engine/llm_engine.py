@@ -260,7 +260,11 @@ class LLMEngine:
         (a preempted request counts the tokens it has and the ones it may still generate)."""
         return sum(
             self.blocks_needed(r.num_tokens, r.sampling_params.max_tokens - r.num_output_tokens, 1 + r.fan_out)
-            for r in (*self.scheduler.waiting, *self.structured.waiting_requests)  # and those compiling
+            # and those compiling, all their waves of samples
+            for r in (
+                *self.scheduler.waiting,
+                *(w for c in self.structured.waiting_requests for w in (c, *c.later_waves)),
+            )
         )
 
     @property
@@ -422,7 +426,8 @@ class LLMEngine:
 
     @property
     def num_waiting_requests(self) -> int:
-        return self.scheduler.num_waiting + len(self.structured.compiling)  # and those waiting for their grammar
+        # and those waiting for their grammar, each wave of samples as the scheduler will hold it
+        return self.scheduler.num_waiting + sum(1 + len(r.later_waves) for r in self.structured.waiting_requests)
 
     @property
     def num_running_requests(self) -> int:

@@ -335,15 +335,15 @@ def test_a_steps_tokens_are_accepted_in_one_batch_as_one_by_one(tiny_llama_dir):
 
 def test_requests_compiling_their_grammar_count_in_waiting_blocks_needed(tiny_llama_dir):
     """Admission (the worker's) reads waiting_blocks_needed: a request held for its grammar needs the blocks an
-    unconstrained one waiting in the scheduler does."""
+    unconstrained one waiting in the scheduler does, all its waves of samples included (n past max_num_seqs)."""
     counts = []
     for constraint in (CONSTRAINTS[0], None):
-        engine = LLMEngine(tiny_llama_dir)
+        engine = LLMEngine(tiny_llama_dir, max_num_seqs=2)
         for i, n in enumerate((1, 3)):
             params = SamplingParams(max_tokens=40, n=n, structured_outputs=constraint)
             engine.add_request(f"r{i}", PROMPTS[i] * 8, params)
         counts.append((engine.waiting_blocks_needed, engine.num_waiting_requests))
-    assert counts[0] == counts[1] and counts[0][0] > 0
+    assert counts[0] == counts[1] and counts[0][0] > 0 and counts[0][1] == 3  # r0, and r1 in two waves
 
 
 def test_samplingparams_replace_keeps_the_constraint():
