@@ -136,6 +136,22 @@ def test_the_offline_engine_takes_more_samples_than_a_job():
             build_job(prompt="x", **{name: 200})
 
 
+def test_a_jobs_samples_past_the_engines_max_num_seqs_wait_instead_of_being_rejected(redis_url, tiny_llama_dir):
+    """A job's n within the queue's bound but past its worker's max_num_seqs: the engine queues the samples that find
+    no seat (it used to refuse the job); each is the one the same seed draws alone."""
+    from pagedq.engine import LLM, LLMEngine
+
+    client = Client(redis_url)
+    job = client.submit(prompt_token_ids=[5, 6, 7], n=6, max_tokens=3, temperature=1.0, seed=9, ignore_eos=True)
+    run_burst(LLMEngine(str(tiny_llama_dir), device="cpu", num_kv_blocks=32, max_num_seqs=4), redis_url)
+    record = client.result(job, timeout=1)
+    assert record.status == "completed" and [c.index for c in record.choices] == list(range(6))
+    alone = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=32)
+    for choice in record.choices:
+        params = SamplingParams(max_tokens=3, temperature=1.0, seed=9 + choice.index, ignore_eos=True)
+        assert choice.token_ids == alone.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
+
+
 def test_defaults_are_the_tables():
     engine_defaults = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
     for name, limit in SAMPLING_LIMITS.items():
