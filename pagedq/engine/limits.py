@@ -8,6 +8,7 @@ refused where it enters, never found as an OverflowError inside a step.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Generic, TypedDict, TypeVar
@@ -44,6 +45,14 @@ class Limit(Generic[Num, D]):
     openai: tuple[str, ...] = ()
     in_job: bool = True  # a field of the queue's job (pagedq/worker/protocol/job.py)
     note: str = ""  # said after the range in the engine's error message
+    # The queue's own upper bound, below the engine's, for the job and the OpenAI requests; None: the engine's
+    job_high: Num | None = None
+
+    def for_jobs(self) -> Limit[Num, D]:
+        """The range a job (and an OpenAI request, which becomes one) may take: the engine's, or below it."""
+        if self.job_high is None:
+            return self
+        return dataclasses.replace(self, high=self.job_high, job_high=None)
 
     def contains(self, value: object) -> bool:
         """Whether value is of this kind (an int where a float is expected, never a bool) and in range."""
@@ -78,12 +87,15 @@ class Limit(Generic[Num, D]):
         return bounds
 
 
-# Parallel samples of one request: they share the prompt's KV blocks
-N: Limit[int, int] = Limit("n", int, 1, 1, 16, openai=("n",))
-MAX_BEST_OF = 16  # best_of samples all run at once, like n (the engine also caps it at max_num_seqs)
+# Parallel samples of one request: they share the prompt's KV blocks; those past max_num_seqs wait for seats. The
+# offline API takes as many as vLLM (its VLLM_MAX_N_SEQUENCES default: pass@k sends hundreds); a job, whose samples
+# all come back in one record, stays at the queue's bound
+MAX_SAMPLES = 16_384
+MAX_JOB_SAMPLES = 16
+N: Limit[int, int] = Limit("n", int, 1, 1, MAX_SAMPLES, openai=("n",), job_high=MAX_JOB_SAMPLES)
 # At least n (SamplingParams checks that); the n with the highest cumulative logprob are returned
 BEST_OF: Limit[int, int | None] = Limit(
-    "best_of", int, None, 1, MAX_BEST_OF, openai=("best_of",), note="and at least n"
+    "best_of", int, None, 1, MAX_SAMPLES, openai=("best_of",), note="and at least n", job_high=MAX_JOB_SAMPLES
 )
 # The engine also enforces prompt + max_tokens <= max_model_len
 MAX_TOKENS: Limit[int, int] = Limit("max_tokens", int, 16, 1, 1_000_000, openai=("max_tokens", "max_completion_tokens"))

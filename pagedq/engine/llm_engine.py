@@ -118,31 +118,49 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestRejected(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if params.num_samples > self.config.max_num_seqs:
-            raise RequestRejected(
-                f"n ({params.n}) / best_of ({params.best_of}) exceeds max_num_seqs "
-                f"({self.config.max_num_seqs}): all {params.best_of} samples run at once"
-            )
         text, token_ids = self._validate_new(request_id, prompt, params.max_tokens)
         vocab = self.model_config.vocab_size
         out_of_vocab = [t for t in (params.logit_bias or ()) if t >= vocab]
         if out_of_vocab:
             raise RequestRejected(f"logit_bias token ids must be in [0, {vocab}), got {out_of_vocab[:5]}")
-        self.structured.check_available(params)  # a constraint needs xgrammar and a tokenizer: RequestRejected now
+        # a constraint needs xgrammar and a tokenizer, and must convert to a grammar: RequestRejected now
+        self.structured.check_available(params)
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            sampling_params=params,
-            prompt=text,
-            eos_token_ids=self.model_config.eos_token_ids,
-            priority=int(priority),
-            sampling_seed=seed & (2**62 - 1),
-            fan_out=params.num_samples - 1,
-        )
+        request = self._sample_waves(request_id, token_ids, text, params, int(priority), seed & (2**62 - 1))
         self.output_processor.add(request)
-        # a structured request is held until its grammar compiles, then handed to the scheduler
-        (self.structured.submit if params.structured_outputs is not None else self.scheduler.add_request)(request)
+        if params.structured_outputs is not None:  # held until its grammar compiles, then handed to the scheduler
+            self.structured.submit(request)
+        else:
+            self._schedule_waves(request)
+
+    def _sample_waves(
+        self, request_id: str, token_ids: list[int], text: str | None, params: SamplingParams, priority: int, seed: int
+    ) -> Request:
+        """The request's sequences to prefill: one whose first token forks the other samples, up to max_num_seqs in
+        all; past that, more waves of them, queued behind it (`later_waves`), as vLLM queues the samples that find
+        no seat. Sample i draws from seed + i whichever wave it is in, so a tight engine returns a roomy one's."""
+        samples, wave = params.num_samples, self.config.max_num_seqs
+        waves = [
+            Request(
+                request_id=request_id if first == 0 else f"{request_id}#{first}",
+                prompt_token_ids=token_ids,
+                sampling_params=params,
+                prompt=text,
+                eos_token_ids=self.model_config.eos_token_ids,
+                priority=priority,
+                sampling_seed=seed + first,
+                group_id=request_id,
+                index=first,
+                fan_out=min(wave, samples - first) - 1,
+            )
+            for first in range(0, samples, wave)
+        ]
+        waves[0].later_waves = waves[1:]
+        return waves[0]
+
+    def _schedule_waves(self, request: Request) -> None:
+        for wave in (request, *request.later_waves):
+            self.scheduler.add_request(wave)
 
     def add_beam_search_request(
         self, request_id: str, prompt: str | list[int], params: BeamSearchParams, priority: int = 0
@@ -242,7 +260,11 @@ class LLMEngine:
         (a preempted request counts the tokens it has and the ones it may still generate)."""
         return sum(
             self.blocks_needed(r.num_tokens, r.sampling_params.max_tokens - r.num_output_tokens, 1 + r.fan_out)
-            for r in (*self.scheduler.waiting, *self.structured.waiting_requests)  # and those compiling
+            # and those compiling, all their waves of samples
+            for r in (
+                *self.scheduler.waiting,
+                *(w for c in self.structured.waiting_requests for w in (c, *c.later_waves)),
+            )
         )
 
     @property
@@ -346,10 +368,11 @@ class LLMEngine:
         idle = not self._in_flight and not self.scheduler.has_unfinished()  # then it waits a little for a compile
         admission = self.structured.admit(idle)
         for request in admission.ready:
-            self.scheduler.add_request(request)
+            self._schedule_waves(request)
         outputs = []
         for request, error in admission.failed:
-            request.status = RequestStatus.FINISHED_ABORTED
+            for wave in (request, *request.later_waves):
+                wave.status = RequestStatus.FINISHED_ABORTED
             outputs.append(self.output_processor.final_output(request.group_id, cumulative=True))
             outputs[-1].error = error
         return outputs
@@ -403,7 +426,8 @@ class LLMEngine:
 
     @property
     def num_waiting_requests(self) -> int:
-        return self.scheduler.num_waiting + len(self.structured.compiling)  # and those waiting for their grammar
+        # and those waiting for their grammar, each wave of samples as the scheduler will hold it
+        return self.scheduler.num_waiting + sum(1 + len(r.later_waves) for r in self.structured.waiting_requests)
 
     @property
     def num_running_requests(self) -> int:

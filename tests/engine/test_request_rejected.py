@@ -78,7 +78,6 @@ def test_requests_the_engine_cannot_serve_are_rejected_and_leave_no_trace(engine
         ([1, 2.5], params),
         ([1, 2], SamplingParams(max_tokens=length)),  # past max_model_len
         ([1, 2], SamplingParams(max_tokens=16 * engine.block_manager.block_size)),  # past the whole KV cache
-        ([1, 2], SamplingParams(n=5)),  # more samples than max_num_seqs
         ([1, 2], SamplingParams(logit_bias={vocab: 1.0})),
     ]:
         rejected(engine.add_request, "r", prompt, request_params)

@@ -146,21 +146,67 @@ def test_fan_out_groups_fit_max_num_seqs_and_each_sample_equals_its_seed_alone(t
         assert samples == alone
 
 
-@pytest.mark.parametrize("fan_out", [dict(n=9), dict(n=2, best_of=9)])
-def test_more_samples_than_max_num_seqs_are_refused(tiny_llama_dir, fan_out):
-    engine = LLMEngine(tiny_llama_dir, num_kv_blocks=32, max_num_seqs=8)
-    with pytest.raises(ValueError, match="max_num_seqs"):
-        engine.add_request("big", [5, 6, 7], SamplingParams(max_tokens=4, **fan_out))
-    assert not engine.has_unfinished_requests()
-    engine.add_request("big", [5, 6, 7], SamplingParams(max_tokens=4, n=8))  # the id was not taken
-    assert (
-        len(
-            LLM(tiny_llama_dir, num_kv_blocks=32, max_num_seqs=8)
-            .generate([5, 6, 7], SamplingParams(max_tokens=4, n=8))[0]
-            .outputs
-        )
-        == 8
+WAVES = [dict(n=12), dict(n=3, best_of=12), dict(n=12, structured_outputs={"regex": "[a-z]{2,5}( [a-z]{2,5})*"})]
+
+
+@pytest.mark.parametrize("fan_out", WAVES, ids=["n", "best_of", "structured"])
+def test_samples_past_max_num_seqs_wait_in_waves_and_equal_a_roomy_engines(tiny_llama_dir, fan_out):
+    """pass@k sends n past max_num_seqs: the samples that find no seat wait (vLLM queues them too), in waves of
+    max_num_seqs forked from their own prefill, the prompt's full blocks shared through the prefix cache. Each sample
+    is the one an engine with seats for all of them draws."""
+    prompt = _tokens(40, seed=5)  # two full blocks of 16 and 8 tokens
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=11, ignore_eos=True, **fan_out)
+    roomy = LLM(tiny_llama_dir, num_kv_blocks=64, block_size=16, max_num_seqs=16)
+    expected = roomy.generate([prompt], params)[0].outputs
+    engine = LLMEngine(tiny_llama_dir, num_kv_blocks=64, block_size=16, max_num_seqs=4)
+    engine.add_request("g", prompt, dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY))
+    final, running = None, []
+    while engine.has_unfinished_requests():
+        final = next((o for o in engine.step() if o.finished), final)
+        running.append(engine.num_running_requests)
+    assert max(running) == 4 and engine.num_free_blocks == 64
+    assert [(c.index, c.token_ids) for c in final.outputs] == [(c.index, c.token_ids) for c in expected]
+    assert len(final.outputs) == params.n and len({tuple(c.token_ids) for c in final.outputs}) > 1
+    # three waves prefill the prompt: the first in full, the others only past its cached full blocks
+    assert engine.stats()["num_prefilled_tokens"] == 40 + 2 * (40 - 32)
+    assert roomy.stats()["num_prefilled_tokens"] == 40
+
+
+def test_pass_at_k_takes_n_200_through_generate(tiny_llama_dir):
+    """As vLLM: n in the hundreds (pass@k), past max_num_seqs; sample i is the one seed + i draws alone."""
+    prompt = _tokens(10, seed=8)
+    params = SamplingParams(n=200, max_tokens=3, temperature=1.0, seed=3, ignore_eos=True)
+    llm = LLM(tiny_llama_dir, num_kv_blocks=160, max_num_seqs=64)
+    samples = llm.generate([prompt], params)[0].outputs
+    assert [c.index for c in samples] == list(range(200)) and all(len(c.token_ids) == 3 for c in samples)
+    for index in (0, 63, 64, 199):  # the first and last of the first wave, the first of the next, the very last
+        alone = llm.generate([prompt], dataclasses.replace(params, n=1, best_of=None, seed=3 + index))[0]
+        assert alone.outputs[0].token_ids == samples[index].token_ids
+
+
+def test_greedy_samples_past_max_num_seqs_equal_transformers(tiny_llama_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.engine.parity import assert_greedy_parity
+
+    prompt = _tokens(20, seed=6)
+    llm = LLM(tiny_llama_dir, num_kv_blocks=32, max_num_seqs=2, enable_prefix_caching=False)
+    outputs = llm.generate([prompt], SamplingParams(n=5, max_tokens=10, temperature=0.0, ignore_eos=True))[0].outputs
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    reference = hf.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=10,
+        min_new_tokens=10,
+        do_sample=False,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_logits=True,
     )
+    theirs, logits = reference.sequences[0, len(prompt) :].tolist(), [step[0] for step in reference.logits]
+    assert len(outputs) == 5
+    for sample in outputs:
+        assert assert_greedy_parity(sample.token_ids, theirs, logits) == 0
 
 
 def test_best_of_returns_the_most_likely_samples(tiny_llama_dir):

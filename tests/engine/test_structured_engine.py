@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 
 import pytest
@@ -234,17 +235,44 @@ def test_padded_vocab_ids_are_never_drawn(tiny_llama_dir, tmp_path):
     assert all(t >= tokenizer_size for t in outputs[-1].outputs[0].token_ids)  # the bias does work unmasked
 
 
-def test_bad_grammar_and_compile_timeout_end_only_their_request(tiny_llama_dir):
+BAD_SPECS = [
+    ({"json": {"type": "no-such-type"}}, 'json does not compile: Unsupported type "no-such-type"'),
+    (
+        {"json": {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "no-such-type"}}}}},
+        'json does not compile: Unsupported type "no-such-type"',
+    ),
+    (
+        {"json": json.dumps({"anyOf": [{"type": "string"}, {"type": "no-such-type"}]})},
+        'json does not compile: Unsupported type "no-such-type"',
+    ),
+    ({"regex": "([a-z"}, "regex does not compile: Regex parsing error at position 6: Unclosed '['"),
+    ({"grammar": "root ::= nope"}, 'grammar does not compile: EBNF parser error at line 1, column 10: Rule "nope"'),
+]
+
+
+@pytest.mark.parametrize("spec, words", BAD_SPECS, ids=["json", "nested", "text", "regex", "grammar"])
+def test_a_spec_that_does_not_convert_is_a_value_error_when_added(tiny_llama_dir, spec, words, monkeypatch):
+    """vLLM's backend validates the schema at input processing: LLM.generate raises ValueError naming the problem,
+    where it returned an empty output with finish reason abort; the engine is left clean, no compile started."""
+    llm = LLM(tiny_llama_dir, num_kv_blocks=32)
+    compiles = []
+    monkeypatch.setattr(llm.llm_engine.structured.pool, "submit", lambda *args: compiles.append(args))
+    plain = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    bad = SamplingParams(max_tokens=8, structured_outputs=spec)
+    with pytest.raises(ValueError, match=re.escape(f"structured_outputs {words}")):
+        llm.generate([PROMPTS[0], PROMPTS[1]], [plain, bad])
+    assert compiles == [] and not llm.llm_engine.has_unfinished_requests()
+    monkeypatch.undo()
+    assert llm.generate(PROMPTS[1], plain)[0].outputs[0].finish_reason == "length"  # and it serves on
+
+
+def test_a_compile_timeout_ends_only_its_request(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, structured_outputs_compile_timeout_s=30.0)
-    bad = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="([a-z"))
-    bad_ebnf = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(grammar="root ::= nope"))
     good = SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=StructuredOutputsParams(choice=["ab"]))
     plain = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    outputs = llm.generate([PROMPTS[0]] * 4, [bad, bad_ebnf, good, plain])
-    assert [o.outputs[0].finish_reason for o in outputs] == ["abort", "abort", "stop", "length"]
-    assert "structured_outputs regex does not compile" in outputs[0].error
-    assert "structured_outputs grammar does not compile" in outputs[1].error
-    assert outputs[2].outputs[0].text == "ab" and outputs[2].error is None and outputs[3].error is None
+    outputs = llm.generate([PROMPTS[0]] * 2, [good, plain])
+    assert [o.outputs[0].finish_reason for o in outputs] == ["stop", "length"]
+    assert outputs[0].outputs[0].text == "ab" and outputs[0].error is None and outputs[1].error is None
 
     slow = LLM(tiny_llama_dir, structured_outputs_compile_timeout_s=1e-6)
     schema = {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(40)}}
@@ -307,15 +335,15 @@ def test_a_steps_tokens_are_accepted_in_one_batch_as_one_by_one(tiny_llama_dir):
 
 def test_requests_compiling_their_grammar_count_in_waiting_blocks_needed(tiny_llama_dir):
     """Admission (the worker's) reads waiting_blocks_needed: a request held for its grammar needs the blocks an
-    unconstrained one waiting in the scheduler does."""
+    unconstrained one waiting in the scheduler does, all its waves of samples included (n past max_num_seqs)."""
     counts = []
     for constraint in (CONSTRAINTS[0], None):
-        engine = LLMEngine(tiny_llama_dir)
+        engine = LLMEngine(tiny_llama_dir, max_num_seqs=2)
         for i, n in enumerate((1, 3)):
             params = SamplingParams(max_tokens=40, n=n, structured_outputs=constraint)
             engine.add_request(f"r{i}", PROMPTS[i] * 8, params)
         counts.append((engine.waiting_blocks_needed, engine.num_waiting_requests))
-    assert counts[0] == counts[1] and counts[0][0] > 0
+    assert counts[0] == counts[1] and counts[0][0] > 0 and counts[0][1] == 3  # r0, and r1 in two waves
 
 
 def test_samplingparams_replace_keeps_the_constraint():

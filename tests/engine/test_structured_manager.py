@@ -32,6 +32,7 @@ class Sequence:
     is_finished: bool = False
     epoch: int = 0
     fan_out: int = 0
+    later_waves: list[Sequence] = field(default_factory=list)
 
     @property
     def group_id(self) -> str:
@@ -127,3 +128,25 @@ def test_a_sources_compiles_past_their_time_limit_hold_up_that_source_alone(toke
     assert [r.request_id for r in ready] == ["other"] and [r.request_id for r, _ in failed] == ["again"]
     assert manager.pool.waiting("a") == 0 and manager.pool.running("a") == 2  # "again" left the queue at its limit
     manager.close()
+
+
+def test_a_repeated_spec_is_converted_once_at_add(monkeypatch):
+    """The converter runs on the caller's thread at add_request: a schema every request repeats (a client's
+    response_format), or the same bad one again, is converted once; the verdicts kept are bounded."""
+    from pagedq.engine.errors import RequestRejected
+    from pagedq.engine.structured_output import compiler
+
+    converted: list[str] = []
+    convert = compiler.check_converts
+    monkeypatch.setattr(compiler, "check_converts", lambda params: (converted.append(params.kind), convert(params)))
+    check = compiler.ConversionCheck(size=2)
+    good, bad = StructuredOutputsParams(json={"type": "object"}), StructuredOutputsParams(regex="([a-z")
+    for _ in range(3):
+        check(good)
+        check(StructuredOutputsParams(json='{"type":  "object"}'))  # the same schema, as text
+        with pytest.raises(RequestRejected, match=r"^structured_outputs regex does not compile: "):
+            check(bad)
+    assert converted == ["json", "regex"]
+    check(StructuredOutputsParams(regex="[a-z]"))  # a third verdict: the least recently used one (good) goes
+    check(good)
+    assert converted == ["json", "regex", "regex", "json"]

@@ -59,6 +59,13 @@ CASES = [
     for name, limit in SAMPLING_LIMITS.items()
     for value, accepted in probes(limit)
 ]
+# A job and an OpenAI request take the queue's range, which may stop below the engine's (n, best_of)
+JOB_CASES = [
+    pytest.param(name, value, accepted, id=f"{name}={value!r}-{'ok' if accepted else 'refused'}")
+    for name, limit in SAMPLING_LIMITS.items()
+    if limit.in_job
+    for value, accepted in probes(limit.for_jobs())
+]
 
 
 @pytest.mark.parametrize("name, value, accepted", CASES)
@@ -71,7 +78,7 @@ def test_sampling_params_follow_the_table(name, value, accepted):
             SamplingParams(**kwargs)
 
 
-@pytest.mark.parametrize("name, value, accepted", [c for c in CASES if SAMPLING_LIMITS[c.values[0]].in_job])
+@pytest.mark.parametrize("name, value, accepted", JOB_CASES)
 def test_the_job_follows_the_table(name, value, accepted):
     fields = {"prompt": "x", **context(name), name: value}
     wire = json.dumps(fields)
@@ -94,7 +101,7 @@ GATEWAY_CASES = [
     for request in GATEWAY_BODIES
     # chat's logprobs is a bool (its top_logprobs carries the count)
     if field in request.model_fields and request.model_fields[field].annotation is not bool
-    for value, accepted in probes(limit)
+    for value, accepted in probes(limit.for_jobs())
 ]
 
 
@@ -117,6 +124,32 @@ def test_every_openai_name_of_the_table_is_a_gateway_field():
     for request in (SamplingBody, *requests):  # and a request field named after a table field is its OpenAI name
         for name in request.model_fields:
             assert name not in SAMPLING_LIMITS or name in SAMPLING_LIMITS[name].openai, (request, name)
+
+
+def test_the_offline_engine_takes_more_samples_than_a_job():
+    """pass@k sends n in the hundreds through LLM.generate, as vLLM takes it; a job keeps the queue's bound."""
+    for name in ("n", "best_of"):
+        limit = SAMPLING_LIMITS[name]
+        assert limit.for_jobs().high == 16 < 200 <= limit.high
+        assert getattr(SamplingParams(**{name: 200}), name) == 200
+        with pytest.raises(JobRejected, match=rf"^invalid job: {name}: Input should be less than or equal to 16$"):
+            build_job(prompt="x", **{name: 200})
+
+
+def test_a_jobs_samples_past_the_engines_max_num_seqs_wait_instead_of_being_rejected(redis_url, tiny_llama_dir):
+    """A job's n within the queue's bound but past its worker's max_num_seqs: the engine queues the samples that find
+    no seat (it used to refuse the job); each is the one the same seed draws alone."""
+    from pagedq.engine import LLM, LLMEngine
+
+    client = Client(redis_url)
+    job = client.submit(prompt_token_ids=[5, 6, 7], n=6, max_tokens=3, temperature=1.0, seed=9, ignore_eos=True)
+    run_burst(LLMEngine(str(tiny_llama_dir), device="cpu", num_kv_blocks=32, max_num_seqs=4), redis_url)
+    record = client.result(job, timeout=1)
+    assert record.status == "completed" and [c.index for c in record.choices] == list(range(6))
+    alone = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=32)
+    for choice in record.choices:
+        params = SamplingParams(max_tokens=3, temperature=1.0, seed=9 + choice.index, ignore_eos=True)
+        assert choice.token_ids == alone.generate([[5, 6, 7]], params)[0].outputs[0].token_ids
 
 
 def test_defaults_are_the_tables():

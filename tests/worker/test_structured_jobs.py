@@ -55,6 +55,26 @@ def test_structured_jobs_are_validated_constrained_and_settled_once(redis_url, r
     assert records[as_json].status == records[plain].status == "completed"
 
 
+def test_a_schema_that_does_not_convert_is_rejected_when_added_without_a_compile(
+    redis_url, r, tiny_llama_dir, monkeypatch
+):
+    """Issue 35, item 10: the engine converts the schema when the job is added (as vLLM validates it at input
+    processing), so the job is `rejected` there, once, naming the problem, and no compile takes a pool thread."""
+    client = Client(redis_url)
+    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "no-such-type"}}}}
+    bad = client.submit(prompt="x", max_tokens=4, structured_outputs={"json": schema})  # the client cannot tell
+    after = client.submit(prompt="Paged attention", max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine = LLMEngine(str(tiny_llama_dir), device="cpu", num_kv_blocks=64)
+    compiles: list[object] = []
+    monkeypatch.setattr(engine.structured.pool, "submit", lambda *args: compiles.append(args))
+    with worker_thread(engine, redis_url):
+        record, served = client.result(bad, timeout=60), client.result(after, timeout=60)
+    assert record.status == "rejected"
+    assert 'structured_outputs json does not compile: Unsupported type "no-such-type"' in record.error
+    assert [fields[b"type"] for _, fields in r.xrange(KEYS.result(bad))] == [b"final"]  # one record, no delta
+    assert compiles == [] and served.status == "completed" and len(served.token_ids) == 3
+
+
 def test_a_compile_past_its_time_limit_is_rejected(redis_url, tiny_llama_dir):
     client = Client(redis_url)
     schema = {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(30)}}

@@ -111,6 +111,8 @@ class Request:
     group_id: str = ""  # the user's request id; sequences forked from it (samples, beams) share it
     index: int = 0  # which sample of its group
     fan_out: int = 0  # extra samples to fork from this sequence when its first token is drawn
+    # The group's other waves of samples, when there are more than seats (LLMEngine._sample_waves): on its first only
+    later_waves: list[Request] = field(default_factory=list, repr=False)
     is_beam: bool = False  # beam sequences report candidates instead of appending a token
     beam_candidates: dict[int, float] | None = None  # token -> logprob, set by the step, taken by selection
     # Progress (the class doc: what each means; only the methods under "progress" change them)

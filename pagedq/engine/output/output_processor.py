@@ -60,7 +60,8 @@ class OutputProcessor:
     def add(self, root: Request) -> None:
         group = RequestGroup(root.group_id, root.sampling_params, root.prompt, root.prompt_token_ids)
         self.groups[root.group_id] = group
-        self._track(group, root)
+        for wave in (root, *root.later_waves):
+            self._track(group, wave)
 
     def _track(self, group: RequestGroup, request: Request) -> _Sequence:
         detokenizer = None

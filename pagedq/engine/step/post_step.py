@@ -94,10 +94,12 @@ def _advance_verified(
 
 
 def _fan_out(scheduler: Scheduler, request: Request, num_draws: int) -> list[Request]:
-    """The request plus the siblings forked from it when its first token brings several draws."""
+    """The request plus the siblings forked from it when its first token brings several draws: samples
+    request.index + 1 on, each drawing from its own seed (LLMEngine._sample_waves)."""
     sequences = [request]
-    for index in range(1, num_draws):
-        child = request.fork(f"{request.group_id}#{index}", index, request.sampling_seed + index)
+    for offset in range(1, num_draws):
+        index = request.index + offset
+        child = request.fork(f"{request.group_id}#{index}", index, request.sampling_seed + offset)
         scheduler.fork(request, child)
         sequences.append(child)
     request.fan_out = 0

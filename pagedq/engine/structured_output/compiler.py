@@ -9,11 +9,12 @@ first once that is reached. One source's slow schemas cost that source, not ever
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any
@@ -134,8 +135,8 @@ class GrammarCompilerPool:
             if kind == "choice":
                 return compiler.compile_grammar(choice_grammar(params.choice or []))
             return compiler.compile_grammar(params.grammar)
-        except (RuntimeError, ValueError, TypeError) as error:  # xgrammar's parse errors
-            raise RequestRejected(f"structured_outputs {kind} does not compile: {backend_message(error)}") from None
+        except BACKEND_ERRORS as error:
+            raise _refused(kind, error) from None
 
     @property
     def cache_size_bytes(self) -> int:
@@ -148,6 +149,60 @@ class GrammarCompilerPool:
         for future in waiting:
             future.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def check_converts(params: StructuredOutputsParams) -> None:
+    """RequestRejected naming the problem when xgrammar's converter refuses the spec (an unknown type, a regex or
+    EBNF that does not parse), as vLLM refuses it when the request is added. The conversion alone, on the caller's
+    thread (no vocabulary: cheap next to the compile, docs/structured-outputs.md); the compile stays on the pool."""
+    grammar, kind = xgrammar().Grammar, params.kind
+    try:
+        if kind == "json":
+            grammar.from_json_schema(
+                json.dumps(params.schema),
+                any_whitespace=not params.disable_any_whitespace,
+                max_whitespace_cnt=MAX_WHITESPACE_RUN,
+            )
+        elif kind == "regex":
+            grammar.from_regex(params.regex)
+        elif kind == "grammar":
+            grammar.from_ebnf(params.grammar)
+        # json_object and choice make grammars of our own, which convert
+    except BACKEND_ERRORS as error:
+        raise _refused(kind, error) from None
+
+
+BACKEND_ERRORS = (RuntimeError, ValueError, TypeError)  # how xgrammar refuses a spec
+
+
+class ConversionCheck:
+    """check_converts remembering its verdicts (by the spec's digest, the most recent `size`): the schema every
+    request of a client repeats (its response_format) is converted once, not on every request's add."""
+
+    def __init__(self, size: int = 1024) -> None:
+        self.size = size
+        self._verdicts: OrderedDict[bytes, str | None] = OrderedDict()  # digest -> the refusal, None if it converts
+
+    def __call__(self, params: StructuredOutputsParams) -> None:
+        kind, text = params.spec()
+        key = hashlib.sha256(f"{kind}\0{params.disable_any_whitespace}\0{text}".encode()).digest()
+        if key in self._verdicts:
+            self._verdicts.move_to_end(key)
+        else:
+            try:
+                check_converts(params)
+                self._verdicts[key] = None
+            except RequestRejected as refused:
+                self._verdicts[key] = str(refused)
+            if len(self._verdicts) > self.size:
+                self._verdicts.popitem(last=False)
+        refusal = self._verdicts[key]
+        if refusal is not None:
+            raise RequestRejected(refusal)
+
+
+def _refused(kind: str, error: BaseException) -> RequestRejected:
+    return RequestRejected(f"structured_outputs {kind} does not compile: {backend_message(error)}")
 
 
 def choice_grammar(choices: list[str]) -> str:

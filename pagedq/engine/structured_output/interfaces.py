@@ -59,6 +59,9 @@ class GrammarRequest(Protocol):
     def fan_out(self) -> int: ...  # samples still to fork from it (0 once they are)
 
     @property
+    def later_waves(self) -> Sequence[GrammarRequest]: ...  # its group's other waves of samples (on its first only)
+
+    @property
     def prompt_token_ids(self) -> list[int]: ...
 
     @property

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Generic
 import torch
 
 from pagedq.engine.errors import RequestRejected
-from pagedq.engine.structured_output.compiler import GrammarCompilerPool
+from pagedq.engine.structured_output.compiler import ConversionCheck, GrammarCompilerPool
 from pagedq.engine.structured_output.filler import MaskFiller
 from pagedq.engine.structured_output.interfaces import (
     CompiledGrammar,
@@ -109,12 +109,14 @@ class StructuredOutputManager(Generic[R]):
         self._scratch: torch.Tensor | None = None
         self._early: dict[str, _EarlyToken] = {}  # request id -> the token its matcher took early (this step)
         self.filler = MaskFiller(vocab_size)
+        self.check_converts = ConversionCheck()  # at add_request, on the caller's thread (compiler.check_converts)
 
     def check_available(self, params: GrammarParams) -> None:
         """For SamplingParams carrying structured_outputs: RequestRejected now, before the request is queued, if
-        xgrammar or the tokenizer is missing."""
+        xgrammar or the tokenizer is missing, or if the spec does not convert to a grammar (compiler.check_converts)."""
         if params.structured_outputs is not None:
             self.pool  # noqa: B018
+            self.check_converts(params.structured_outputs)
 
     @property
     def pool(self) -> GrammarCompilerPool:
@@ -166,7 +168,9 @@ class StructuredOutputManager(Generic[R]):
                     continue
                 self.grammars[group_id] = compiled
                 self._roots[group_id] = item.request
-                self._add_sequence(item.request, self._new_sequence(item.request))
+                waves: list[GrammarRequest] = [item.request, *item.request.later_waves]
+                for wave in waves:  # each wave of its samples starts with a fresh matcher
+                    self._add_sequence(wave, self._new_sequence(wave))
                 admission.ready.append(item.request)
             elif now >= item.deadline:
                 del self.compiling[group_id]

@@ -46,13 +46,14 @@ LATER_JOB_DEFAULTS = {**LATER_SAMPLING_DEFAULTS, "echo": False, "tools": None, "
 
 
 def bounded(limit: Limit[Num, D]) -> D:
-    """A pydantic field of a sampling parameter: its default and its range, from the table (pagedq/engine/limits.py)."""
-    return Field(limit.default, **limit.bounds())
+    """A pydantic field of a sampling parameter: its default and its range for jobs, from the table
+    (pagedq/engine/limits.py)."""
+    return Field(limit.default, **limit.for_jobs().bounds())
 
 
 def optional(limit: Limit[Num, D]) -> Num | None:
     """The same, defaulting to None (unset: the job's default applies), as the OpenAI requests have them."""
-    return Field(None, **limit.bounds())
+    return Field(None, **limit.for_jobs().bounds())
 
 
 _ID_RE = re.compile(r"^[A-Za-z0-9_.:\-]+$")
