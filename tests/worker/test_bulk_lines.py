@@ -211,3 +211,16 @@ def test_the_output_line_carries_tool_calls_as_the_chat_endpoint_gives_them() ->
     assert auto["message"]["tool_calls"][0]["function"] == {"name": "get_time", "arguments": "{}"}
     plain = choice(ToolSpec("auto", ("get_time",)), "No call.")
     assert plain["message"] == {"role": "assistant", "content": "No call."} and plain["finish_reason"] == "stop"
+
+
+def test_a_required_list_is_bounded_as_the_run_is_told() -> None:
+    from pagedq.worker.bulk.lines import read_request
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": tools, "tool_choice": "required"}
+
+    def most(max_tool_calls: int, **extra: object) -> int:
+        line = json.dumps({"custom_id": "c", "url": "/v1/chat/completions", "body": {**body, **extra}})
+        return read_request(line, max_tool_calls).fields["structured_outputs"]["json"]["maxItems"]
+
+    assert most(3) == 3 and most(3, parallel_tool_calls=True) == 3 and most(3, parallel_tool_calls=False) == 1
