@@ -125,26 +125,45 @@ class CallListReader:
         return found
 
     def _take(self, item: str) -> list[tuple[str, str]]:
-        item = item[item.index("{") :]  # the separators before it
         try:
-            parsed = json.loads(item)
+            parsed = json.loads(item[item.index("{") :])  # the separators before it dropped
         except ValueError:
             return []
-        if not isinstance(parsed, dict) or parsed.get("name") not in self.names:
+        found = _new_call(parsed, self.names, self._seen)
+        if found is None:
             return []
-        parameters = parsed.get("parameters")
-        if not isinstance(parameters, dict):
-            return []
-        key = (parsed["name"], json.dumps(parameters, sort_keys=True))
-        if key in self._seen:
-            return []
-        self._seen.add(key)
-        self.calls.append((parsed["name"], json.dumps(parameters, ensure_ascii=False)))
-        return self.calls[-1:]
+        self.calls.append(found)
+        return [found]
+
+
+def _new_call(parsed: Any, names: frozenset[str], seen: set[tuple[str, str]]) -> tuple[str, str] | None:
+    """(name, arguments JSON) of a parsed list item that calls a declared function, unless `seen` holds it (it is
+    added there)."""
+    if not (isinstance(parsed, dict) and parsed.get("name") in names and isinstance(parsed.get("parameters"), dict)):
+        return None
+    key = (parsed["name"], json.dumps(parsed["parameters"], sort_keys=True))
+    if key in seen:
+        return None
+    seen.add(key)
+    return parsed["name"], json.dumps(parsed["parameters"], ensure_ascii=False)
+
+
+_BETWEEN_CALLS = re.compile(r"[\s\[,]*")
 
 
 def read_calls(text: str, names: Collection[str]) -> list[tuple[str, str]]:
-    """The complete calls of a whole generated text (CallListReader in one piece)."""
-    reader = CallListReader(names)
-    reader.feed(text)
-    return reader.calls
+    """The complete calls of a whole generated text, as CallListReader reads them, each item decoded in one pass of
+    json's C decoder (a final text may be long: it is read on the gateway's event loop)."""
+    decoder, declared, pos = json.JSONDecoder(), frozenset(names), 0
+    seen: set[tuple[str, str]] = set()
+    calls: list[tuple[str, str]] = []
+    while True:
+        separators = _BETWEEN_CALLS.match(text, pos)
+        pos = separators.end() if separators else pos
+        try:
+            parsed, pos = decoder.raw_decode(text, pos)
+        except ValueError:  # the list's end, or the cut
+            return calls
+        found = _new_call(parsed, declared, seen)
+        if found is not None:
+            calls.append(found)
