@@ -25,7 +25,7 @@ from typing import Any
 from pagedq.worker.protocol.call_list import ANY_ARGUMENTS, call_list_schema, read_calls
 from pagedq.worker.protocol.chat import HERMES, TOOL_CALL_OPEN
 
-# The most calls a required list holds when parallel calls are allowed (the gateway's max_tool_calls setting)
+# The most calls a required list holds when parallel calls are allowed (serve's and bulk's --max-tool-calls)
 DEFAULT_MAX_TOOL_CALLS = 16
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 # What the SDK sends back with an earlier response's message object, and OpenAI's participant name: informational,
