@@ -52,7 +52,7 @@ CYCLE_WORDS = "json schema matches no finite JSON value: # ($ref '#' never reach
                 "tools": [{"type": "function", "function": {"name": "f", "parameters": CYCLE}}],
                 "tool_choice": "required",
             },
-            "($ref '#' never reaches a value)",
+            "($ref '#/$defs/f' never reaches a value)",  # f's parameters, moved under the list's $defs
         ),
         # what only xgrammar's converter refuses: the worker's compile, a 400 with its message (no log prefix)
         ({"response_format": json_schema({"type": "strin"})}, 'json does not compile: Unsupported type "strin"'),

@@ -205,11 +205,12 @@ def test_smollm2_response_formats_and_tool_calls_through_the_sdk(served):
     )
     calls = required.choices[0].message.tool_calls
     assert calls and all(c.function.name in ("get_weather", "get_time") for c in calls)
+    assert required.choices[0].finish_reason == "tool_calls" and required.choices[0].message.content is None
     for c in calls:
         parameters = TOOLS[0 if c.function.name == "get_weather" else 1]["function"]["parameters"]
         jsonschema.validate(json.loads(c.function.arguments), parameters)
 
-    for choice in (named, "required"):
+    for choice, finish in ((named, "stop"), ("required", "tool_calls")):  # OpenAI's and vLLM's finish_reason
         chunks = list(
             sdk.chat.completions.create(
                 model=model, messages=ASK, max_tokens=120, tools=TOOLS, tool_choice=choice, temperature=0.0, stream=True
@@ -219,7 +220,7 @@ def test_smollm2_response_formats_and_tool_calls_through_the_sdk(served):
         assert pieces and pieces[0].id and pieces[0].function.name
         arguments = "".join(p.function.arguments or "" for p in pieces if p.index == 0)
         jsonschema.validate(json.loads(arguments), parameters if pieces[0].function.name == "get_time" else WEATHER)
-        assert chunks[-1].choices[0].finish_reason == "stop"
+        assert chunks[-1].choices[0].finish_reason == finish
 
 
 def _with_template(tiny_llama_dir, tmp_path_factory, template: str):

@@ -195,8 +195,15 @@ def test_the_output_line_carries_tool_calls_as_the_chat_endpoint_gives_them() ->
         ToolSpec("required", ("get_weather",)), '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
     )
     assert json.loads(required["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert required["finish_reason"] == "tool_calls"  # OpenAI's and vLLM's for a required call
+    # cut by max_tokens: never the internal list as content; its complete calls, each once, and "length"
     cut = choice(ToolSpec("required", ("get_weather",)), '[{"name": "get_wea', "length")
-    assert cut["message"] == {"role": "assistant", "content": '[{"name": "get_wea'} and cut["finish_reason"] == "length"
+    assert cut["message"] == {"role": "assistant", "content": ""} and cut["finish_reason"] == "length"
+    oslo = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+    repeated = choice(ToolSpec("required", ("get_weather",)), f'[{oslo}, {oslo}, {{"name": "get_w', "length")
+    (once,) = repeated["message"]["tool_calls"]
+    assert json.loads(once["function"]["arguments"]) == {"city": "Oslo"} and repeated["message"]["content"] is None
+    assert repeated["finish_reason"] == "length"
     auto = choice(
         ToolSpec("auto", ("get_time",)), 'Let me see.\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
     )
@@ -204,3 +211,16 @@ def test_the_output_line_carries_tool_calls_as_the_chat_endpoint_gives_them() ->
     assert auto["message"]["tool_calls"][0]["function"] == {"name": "get_time", "arguments": "{}"}
     plain = choice(ToolSpec("auto", ("get_time",)), "No call.")
     assert plain["message"] == {"role": "assistant", "content": "No call."} and plain["finish_reason"] == "stop"
+
+
+def test_a_required_list_is_bounded_as_the_run_is_told() -> None:
+    from pagedq.worker.bulk.lines import read_request
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": tools, "tool_choice": "required"}
+
+    def most(max_tool_calls: int, **extra: object) -> int:
+        line = json.dumps({"custom_id": "c", "url": "/v1/chat/completions", "body": {**body, **extra}})
+        return read_request(line, max_tool_calls).fields["structured_outputs"]["json"]["maxItems"]
+
+    assert most(3) == 3 and most(3, parallel_tool_calls=True) == 3 and most(3, parallel_tool_calls=False) == 1

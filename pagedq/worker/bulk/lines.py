@@ -74,8 +74,8 @@ def parse_request(line: str) -> tuple[str, dict[str, Any], str, str | None]:
     return request.custom_id, request.fields, request.kind, request.model
 
 
-def read_request(line: str) -> Request:
-    """The line as a Request; LineError otherwise."""
+def read_request(line: str, max_tool_calls: int = tool_calls.DEFAULT_MAX_TOOL_CALLS) -> Request:
+    """The line as a Request; LineError otherwise. max_tool_calls bounds a tool_choice "required" list of calls."""
     try:
         data = json.loads(line)
     except ValueError as exc:
@@ -87,7 +87,7 @@ def read_request(line: str) -> Request:
         raise LineError("missing_custom_id", "custom_id (a non-empty string) is required")
     spec: ToolSpec | None = None
     if "body" in data:
-        fields, spec = _openai_fields(data)
+        fields, spec = _openai_fields(data, max_tool_calls)
     else:
         fields = {k: v for k, v in data.items() if k != "custom_id"}
         if fields.get("tool_call_parser") == HERMES:  # a plain line asking for its calls parsed: "auto"
@@ -109,7 +109,7 @@ def _spec(tools: Any, tool_choice: Any) -> ToolSpec | None:
         raise LineError("invalid_request", str(error)) from None
 
 
-def _openai_fields(data: dict[str, Any]) -> tuple[dict[str, Any], ToolSpec | None]:
+def _openai_fields(data: dict[str, Any], max_tool_calls: int) -> tuple[dict[str, Any], ToolSpec | None]:
     """The job's keywords of an OpenAI body, and its ToolSpec."""
     body = data.get("body")
     if not isinstance(body, dict):
@@ -137,10 +137,10 @@ def _openai_fields(data: dict[str, Any]) -> tuple[dict[str, Any], ToolSpec | Non
     if isinstance(fields.get("logprobs"), bool):  # chat: logprobs true + top_logprobs k
         top = fields.pop("top_logprobs", 0)
         fields["logprobs"] = top if fields["logprobs"] else None
-    return fields, _tools_and_constraint(fields)
+    return fields, _tools_and_constraint(fields, max_tool_calls)
 
 
-def _tools_and_constraint(fields: dict[str, Any]) -> ToolSpec | None:
+def _tools_and_constraint(fields: dict[str, Any], max_tool_calls: int) -> ToolSpec | None:
     """An OpenAI body's tools, tool_choice, conversation and output constraint as the job's fields, as the chat
     endpoint makes them (protocol/tool_calls.py); returns the ToolSpec its answer is parsed for."""
     tools, choice, parallel = (fields.pop(k, None) for k in ("tools", "tool_choice", "parallel_tool_calls"))
@@ -153,7 +153,7 @@ def _tools_and_constraint(fields: dict[str, Any]) -> ToolSpec | None:
         given = [("structured_outputs", fields.pop("structured_outputs"))] if "structured_outputs" in fields else []
         if "response_format" in fields:
             given += _response_format(fields.pop("response_format"))
-        forced = tool_calls.tool_constraint(tools, choice, parallel) if spec else None
+        forced = tool_calls.tool_constraint(tools, choice, parallel, max_tool_calls) if spec else None
         chosen = tool_calls.one_constraint([*given, *([("tool_choice", forced)] if forced else [])])
     except RequestFieldError as error:
         raise LineError("invalid_request", str(error)) from None

@@ -26,6 +26,7 @@ from pagedq.worker.flags import Option, add_options, queue_option
 from pagedq.worker.protocol.connection import connect
 from pagedq.worker.protocol.keys import BANDS
 from pagedq.worker.protocol.settings import redis_url
+from pagedq.worker.protocol.tool_calls import DEFAULT_MAX_TOOL_CALLS
 
 OPTIONS = (
     Option("errors", Path, None, "errors file (default: OUTPUT with .errors.jsonl)", nullable=True),
@@ -41,6 +42,13 @@ OPTIONS = (
         nullable=True,
     ),
     Option("ttl", int, 86_400, "seconds the run's enqueue record is kept", bounds={"ge": 1}),
+    Option(
+        "max_tool_calls",
+        int,
+        DEFAULT_MAX_TOOL_CALLS,
+        'calls of one tool_choice "required" answer at most, when parallel_tool_calls allows more than one',
+        bounds={"ge": 1, "le": 1024},
+    ),
     Option("no_progress", bool, False, "no progress bar on stderr"),
 )
 
@@ -71,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
             window=args.window,
             run_id=args.run_id,
             ttl_s=args.ttl,
+            max_tool_calls=args.max_tool_calls,
             progress=not args.no_progress,
         )
         counts = runner.run()

@@ -32,6 +32,7 @@ from pagedq.worker.protocol.errors import JobRejected
 from pagedq.worker.protocol.job import Job
 from pagedq.worker.protocol.keys import QueueKeys, check_band
 from pagedq.worker.protocol.replies import text as reply_text
+from pagedq.worker.protocol.tool_calls import DEFAULT_MAX_TOOL_CALLS
 
 
 class BulkRun:
@@ -49,11 +50,13 @@ class BulkRun:
         window: int = 256,
         run_id: str | None = None,
         ttl_s: int = 86_400,
+        max_tool_calls: int = DEFAULT_MAX_TOOL_CALLS,
         progress: bool = True,
         poll_s: float = 0.05,
     ) -> None:
         self.r, self.keys, self.window, self.ttl_s, self.poll_s = r, QueueKeys(queue), max(1, window), ttl_s, poll_s
         self.band = check_band(band)
+        self.max_tool_calls = max_tool_calls  # bounds a tool_choice "required" list of calls
         self.input, self.output = input_path, output_path
         self.errors = errors_path or output_path.with_suffix(".errors.jsonl")
         check_files(self.input, self.output, self.errors)  # before anything is read or written
@@ -143,7 +146,7 @@ class BulkRun:
                 text, custom_id = "", None
                 try:
                     text = _decoded(raw, line_no)
-                    request = read_request(text)
+                    request = read_request(text, self.max_tool_calls)
                     custom_id = request.custom_id
                     if custom_id in seen:
                         raise LineError("duplicate_custom_id", f"custom_id {custom_id!r} appeared on an earlier line")

@@ -137,7 +137,7 @@ class BatchRun:
             if not text.strip(JSON_WHITESPACE):
                 continue
             try:
-                request = bulk_lines.read_request(text)
+                request = bulk_lines.read_request(text, self.b.s.max_tool_calls)
                 custom_id, fields, kind = request.custom_id, request.fields, request.kind
                 if custom_id in seen:
                     raise LineError("duplicate_custom_id", f"custom_id {custom_id!r} appeared on an earlier line")

@@ -10,6 +10,7 @@ from pagedq.worker.gateway.render import TokenNames, chat_logprobs, choices_of, 
 from pagedq.worker.gateway.schemas import ChatCompletionRequest
 from pagedq.worker.gateway.settings import GatewaySettings
 from pagedq.worker.gateway.tools import TOOL_CALL_OPEN, conversation_fields, tool_spec
+from pagedq.worker.protocol.call_list import CallListReader
 from pagedq.worker.protocol.job import Delta, FinalRecord
 from pagedq.worker.protocol.tool_calls import ToolSpec, call, new_call_id
 
@@ -39,6 +40,7 @@ class ChatEndpoint(CompletionEndpoint):
         self.call_ids = [new_call_id() for _ in range(self.n)] if self.tools == "named" else []
         self.streamed: dict[int, str] = {}  # auto, streaming: each choice's text so far
         self.sent: dict[int, int] = {}  # and how much of it went out as content
+        self.call_lists: dict[int, CallListReader] = {}  # required, streaming: each choice's calls read so far
 
     def chat_body(self) -> ChatCompletionRequest:
         body = self.request_body()
@@ -101,7 +103,7 @@ class ChatEndpoint(CompletionEndpoint):
     def delta_chunk(self, response_id: str, prompt_index: int, delta: Delta) -> dict[str, Any] | None:
         lps = self._chat_logprobs(delta.token_ids, delta.logprobs, delta.token_texts)
         if self.tools == "required":
-            return None  # the list of calls is parsed, and sent, once complete (closing)
+            return self._calls_chunk(response_id, delta.index, delta.text)
         if self.tools == "auto":
             return self._auto_delta(response_id, delta, lps)
         content = (
@@ -123,13 +125,30 @@ class ChatEndpoint(CompletionEndpoint):
         piece = {"index": delta.index, "delta": {"content": text[sent:safe]}, "logprobs": lps, "finish_reason": None}
         return self.chunk(response_id, [piece])
 
+    def _calls_chunk(self, response_id: str, index: int, text: str) -> dict[str, Any] | None:
+        """Each call of a required list once complete (and once: protocol/call_list.py), numbered in its choice."""
+        assert self.spec is not None
+        reader = self.call_lists.setdefault(index, CallListReader(self.spec.names))
+        before = len(reader.calls)
+        new = reader.feed(text)
+        if not new:
+            return None
+        calls = [{**call(name, arguments), "index": before + i} for i, (name, arguments) in enumerate(new)]
+        piece = {"index": index, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}
+        return self.chunk(response_id, [piece])
+
     def closing(self, response_id: str, prompt_index: int, record: FinalRecord) -> list[dict[str, Any]]:
         chunks = []
         for c in choices_of(record):
             delta: dict[str, Any] | None = None
-            if self.spec is not None and self.tools in ("required", "auto"):
+            if self.tools == "required":  # what the deltas left unread (none, when they carried the whole text)
+                read = self.call_lists[c.index].fed if c.index in self.call_lists else 0
+                rest = self._calls_chunk(response_id, c.index, c.text[read:])
+                if rest is not None:
+                    chunks.append(rest)
+            elif self.spec is not None and self.tools == "auto":
                 calls = self.spec.answer(c.text)[1]
-                sent = self.sent.get(c.index, 0) if self.tools == "auto" else 0
+                sent = self.sent.get(c.index, 0)
                 if calls:
                     delta = {"tool_calls": [{**tc, "index": i} for i, tc in enumerate(calls)]}
                 elif c.text[sent:]:

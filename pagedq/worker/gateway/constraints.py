@@ -16,8 +16,8 @@ from pagedq.worker.protocol.job import structured_outputs_wire
 from pagedq.worker.protocol.tool_calls import RequestFieldError, one_constraint
 
 
-def structured_outputs_of(body: SamplingBody) -> dict[str, Any] | None:
-    """The job's structured_outputs for this body (None: unconstrained)."""
+def structured_outputs_of(body: SamplingBody, max_tool_calls: int) -> dict[str, Any] | None:
+    """The job's structured_outputs for this body (None: unconstrained); max_tool_calls bounds a required list."""
     given: list[tuple[str, dict[str, Any]]] = []
     if body.structured_outputs is not None:
         given.append(("structured_outputs", body.structured_outputs))
@@ -25,7 +25,7 @@ def structured_outputs_of(body: SamplingBody) -> dict[str, Any] | None:
     if response_format is not None and response_format.type != "text":
         given.append(("response_format", _from_response_format(body)))
     if isinstance(body, ChatCompletionRequest):
-        tools = tool_constraint(body)
+        tools = tool_constraint(body, max_tool_calls)
         if tools is not None:
             given.append(("tool_choice", tools))
     try:
@@ -52,10 +52,10 @@ def _from_response_format(body: SamplingBody) -> dict[str, Any]:
     return {"json": spec.schema_}
 
 
-def tool_constraint(body: ChatCompletionRequest) -> dict[str, Any] | None:
+def tool_constraint(body: ChatCompletionRequest, max_calls: int) -> dict[str, Any] | None:
     """The constraint that forces the call(s) of tool_choice "required" or a named function (protocol/tool_calls.py)."""
     tools, choice = tool_dicts(body)
     try:
-        return tool_calls.tool_constraint(tools, choice, body.parallel_tool_calls)
+        return tool_calls.tool_constraint(tools, choice, body.parallel_tool_calls, max_calls)
     except RequestFieldError as error:
         raise OpenAIError(400, str(error), param=error.param) from None

@@ -39,7 +39,7 @@ def sampling_fields(body: SamplingBody, settings: GatewaySettings, max_tokens: i
     if body.user is not None:
         fields["metadata"] = {"user": body.user}
     fields.pop("structured_outputs", None)  # vLLM's, or response_format, or tools: one of them
-    constraint = structured_outputs_of(body)
+    constraint = structured_outputs_of(body, settings.max_tool_calls)
     if constraint is not None:
         fields["structured_outputs"] = constraint
     return fields

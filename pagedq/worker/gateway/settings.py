@@ -11,6 +11,7 @@ from pydantic_settings import NoDecode, SettingsConfigDict
 
 from pagedq.worker.protocol.limits import MAX_TENANT_QUEUED, TENANT_PATTERN
 from pagedq.worker.protocol.settings import QueueSettings
+from pagedq.worker.protocol.tool_calls import DEFAULT_MAX_TOOL_CALLS
 
 
 class GatewaySettings(QueueSettings):
@@ -76,6 +77,12 @@ class GatewaySettings(QueueSettings):
         default=256, ge=1, le=100_000, description="prompts of one completions request at most (400 beyond)"
     )
     max_timeout_s: float = Field(default=3600.0, gt=0, le=86_400, description="bound on a request's `timeout` (s)")
+    max_tool_calls: int = Field(
+        default=DEFAULT_MAX_TOOL_CALLS,
+        ge=1,
+        le=1024,
+        description='calls of one tool_choice "required" answer at most, when parallel_tool_calls allows more than one',
+    )
     worker_cache_s: float = Field(default=1.0, ge=0, le=60, description="seconds the live-worker lookup is reused")
     batch_priority: int = Field(
         default=100,

@@ -3,11 +3,11 @@ pydantic body), the Batch API and `pagedq bulk` (from a line's body). Pure: no p
 
 - the tool mode of a request ("named", "required", "auto", or None: no call) and what its answer is parsed for
   (ToolSpec, small enough to carry from a request line to the writer of its output line);
-- the JSON schema that forces a call under "required" or a named function, as vLLM builds it from the
-  functions' parameters; "auto" constrains nothing;
+- the JSON schema that forces a call under "required" (a bounded list of calls: protocol/call_list.py) or a named
+  function, as vLLM builds it from the functions' parameters; "auto" constrains nothing;
 - the OpenAI conversation as the job's messages (each call's arguments JSON text parsed into the object the chat
   templates take; protocol/chat.py renders them);
-- the answer as (content, tool_calls): a forced call's arguments, a required list of calls, or the Hermes
+- the answer as (content, tool_calls): a forced call's arguments, the complete calls of a required list, or the Hermes
   <tool_call> blocks of an "auto" answer (what Qwen2.5's and Hermes' templates, and the Hermes form, ask for;
   vLLM's `hermes` parser reads the same).
 
@@ -22,9 +22,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from pagedq.worker.protocol.call_list import ANY_ARGUMENTS, call_list_schema, read_calls
 from pagedq.worker.protocol.chat import HERMES, TOOL_CALL_OPEN
 
-ANY_ARGUMENTS: dict[str, Any] = {"type": "object"}  # a function declared without parameters
+# The most calls a required list holds when parallel calls are allowed (serve's and bulk's --max-tool-calls)
+DEFAULT_MAX_TOOL_CALLS = 16
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 # What the SDK sends back with an earlier response's message object, and OpenAI's participant name: informational,
 # not rendered (the gateway's schema checks them; a job's message has no such fields)
@@ -49,30 +51,29 @@ class ToolSpec:
 
     def answer(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
         """(content, tool_calls) of a generated text. Named: the function's arguments as generated (vLLM does the
-        same when they are cut short); required: the calls of the list, or no calls when it does not parse (cut by
-        max_tokens: the text is then the content); auto: the <tool_call> blocks of declared functions, if any."""
+        same when they are cut short); required: the complete calls of the list, each once (a cut tail is dropped,
+        never handed out as content; no complete call: empty content); auto: the <tool_call> blocks of declared
+        functions, if any, else the text as content."""
         if self.mode == "named":
             assert self.named is not None
             return None, [call(self.named, text)]
         if self.mode == "auto":
             content, found = parse_calls(text, set(self.names))
             return content, [call(name, arguments) for name, arguments in found] or None
-        try:
-            calls = json.loads(text)
-            return None, [call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
-        except (ValueError, TypeError, KeyError):
-            return text, None
+        calls = [call(name, arguments) for name, arguments in read_calls(text, self.names)]
+        return (None, calls) if calls else ("", None)
 
     def message(self, text: str) -> dict[str, Any]:
         """The assistant message of an answer: its content, and its tool_calls where it called any."""
         content, calls = self.answer(text)
         if calls is None:
-            return {"role": "assistant", "content": text}
+            return {"role": "assistant", "content": content}
         return {"role": "assistant", "content": content, "tool_calls": calls}
 
     def finish_reason(self, text: str, reason: str | None) -> str | None:
-        """OpenAI's "tool_calls" when an auto answer called tools (a forced call keeps the engine's reason)."""
-        if self.mode == "auto" and reason == "stop" and self.answer(text)[1]:
+        """OpenAI's (and vLLM's): "tool_calls" when a required or auto answer that stopped called tools; a named
+        call's answer keeps the engine's reason ("stop"), and a cut one stays "length" whatever it holds."""
+        if self.mode != "named" and reason == "stop" and self.answer(text)[1]:
             return "tool_calls"
         return reason
 
@@ -123,8 +124,14 @@ def _functions(tools: Any) -> dict[str, dict[str, Any]]:
     return functions
 
 
-def tool_constraint(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None) -> dict | None:
-    """The structured_outputs that force the call(s) of "required" or a named function; None otherwise."""
+def tool_constraint(
+    tools: list[Any] | None,
+    tool_choice: Any,
+    parallel_tool_calls: bool | None,
+    max_calls: int = DEFAULT_MAX_TOOL_CALLS,
+) -> dict | None:
+    """The structured_outputs that force the call(s) of "required" (one under parallel_tool_calls false, else at most
+    max_calls) or a named function; None otherwise."""
     mode = tool_mode(tools, tool_choice)
     if mode in (None, "auto"):
         return None
@@ -134,27 +141,7 @@ def tool_constraint(tools: list[Any] | None, tool_choice: Any, parallel_tool_cal
         if name not in functions:
             raise RequestFieldError(f"tool_choice names {name!r}, which is not in tools", "tool_choice")
         return {"json": functions[name].get("parameters") or ANY_ARGUMENTS}
-    calls: dict[str, Any] = {
-        "type": "array",
-        "minItems": 1,
-        "items": {
-            "anyOf": [
-                {
-                    "type": "object",
-                    "properties": {
-                        "name": {"type": "string", "enum": [name]},
-                        "parameters": function.get("parameters") or ANY_ARGUMENTS,
-                    },
-                    "required": ["name", "parameters"],
-                    "additionalProperties": False,
-                }
-                for name, function in functions.items()
-            ]
-        },
-    }
-    if parallel_tool_calls is False:
-        calls["maxItems"] = 1
-    return {"json": calls}
+    return {"json": call_list_schema(functions, 1 if parallel_tool_calls is False else max_calls)}
 
 
 def one_constraint(given: list[tuple[str, dict[str, Any]]]) -> tuple[str, dict[str, Any]] | None:
