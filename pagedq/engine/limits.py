@@ -54,6 +54,14 @@ class Limit(Generic[Num, D]):
             return self
         return dataclasses.replace(self, high=self.job_high, job_high=None)
 
+    # OpenAI's own upper bound where it is narrower than the engine's: the OpenAI requests take only up to it (the
+    # offline API and the queue's jobs keep the engine's range)
+    openai_high: Num | None = None
+
+    def on_openai(self) -> Limit[Num, D]:
+        """This limit as the OpenAI requests bound it (openai_high, when set)."""
+        return self if self.openai_high is None else dataclasses.replace(self, high=self.openai_high)
+
     def contains(self, value: object) -> bool:
         """Whether value is of this kind (an int where a float is expected, never a bool) and in range."""
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -102,7 +110,9 @@ MAX_TOKENS: Limit[int, int] = Limit("max_tokens", int, 16, 1, 1_000_000, openai=
 MIN_TOKENS: Limit[int, int] = Limit(
     "min_tokens", int, 0, 0, 1_000_000, openai=("min_tokens",), note="and <= max_tokens"
 )
-TEMPERATURE: Limit[float, float] = Limit("temperature", float, 1.0, 0.0, 100.0, openai=("temperature",))
+TEMPERATURE: Limit[float, float] = Limit(
+    "temperature", float, 1.0, 0.0, 100.0, openai=("temperature",), openai_high=2.0
+)
 TOP_P: Limit[float, float] = Limit("top_p", float, 1.0, 0.0, 1.0, low_open=True, openai=("top_p",))
 # Past any vocabulary (the same as disabled)
 TOP_K: Limit[int, int] = Limit("top_k", int, -1, -1, 1_000_000, openai=("top_k",), note="-1 or 0 disables")

@@ -22,7 +22,7 @@ from pagedq.engine.core.scheduler import Scheduler, SchedulerOutput
 from pagedq.engine.core.seats import SeatPolicy
 from pagedq.engine.core.step_plan import ModelRunnerOutput
 from pagedq.engine.core.swap import SwapSpace
-from pagedq.engine.errors import RequestRejected
+from pagedq.engine.errors import RequestRejected, check_context_fits
 from pagedq.engine.output.output_processor import OutputProcessor
 from pagedq.engine.output.outputs import RequestOutput
 from pagedq.engine.runner.model_runner import ModelRunner, PreparedStep
@@ -210,12 +210,8 @@ class LLMEngine:
         return None, list(prompt)
 
     def _check_fits(self, token_ids: list[int], max_tokens: int) -> None:
+        check_context_fits(self.max_model_len, len(token_ids), max_tokens)
         total = len(token_ids) + max_tokens
-        if total > self.max_model_len:
-            raise RequestRejected(
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) = {total} "
-                f"exceeds the model's max length {self.max_model_len}"
-            )
         blocks = self.block_manager.blocks_for_tokens(total)
         if blocks > self.block_manager.num_total_blocks:
             raise RequestRejected(

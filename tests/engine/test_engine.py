@@ -276,7 +276,7 @@ def test_bad_prompts_are_refused_and_leave_the_engine_serving(tiny_llama_dir, pr
 
 def test_requests_that_can_never_fit_are_refused(tiny_llama_dir):
     engine = LLMEngine(tiny_llama_dir, num_kv_blocks=4, block_size=16)  # 64 slots in all; max length 512
-    with pytest.raises(ValueError, match="exceeds the model's max length 512"):
+    with pytest.raises(ValueError, match="maximum context length is 512 tokens"):
         engine.add_request("long", [5] * 500, SamplingParams(max_tokens=20))
     with pytest.raises(ValueError, match="needs 5 KV blocks but the whole cache has 4"):
         engine.add_request("big", [5] * 60, SamplingParams(max_tokens=20))

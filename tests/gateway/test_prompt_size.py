@@ -1,5 +1,6 @@
 """The gateway refuses a prompt too long by its size alone before queuing it (gateway/prompt_limits.py): 400 in
-OpenAI's shape, code `prompt_too_long`, naming the limit, and no job is ever written. Oracles: the real openai SDK,
+OpenAI's and vLLM's shape, code `context_length_exceeded`, "maximum context length" and the limit in its message, and
+no job is ever written. Oracles: the real openai SDK,
 and the queue's completions stream in a real Redis (a queued job always ends with a record there)."""
 
 from __future__ import annotations
@@ -50,10 +51,14 @@ def test_prompts_too_long_by_their_size_are_refused_before_queuing(redis_url):
         fits = client.completions.create(model="stub", prompt="y" * 2000, max_tokens=48)
         queued = finals_by_id(Redis.from_url(redis_url))
     for error in refused:
-        assert set(error.body) == SHAPE and error.body["code"] == "prompt_too_long", error.body
-        assert "too long" in error.body["message"] and "max length" in error.body["message"]
+        assert set(error.body) == SHAPE and error.body["code"] == "context_length_exceeded", error.body
+        assert error.body["message"].startswith("This model's maximum context length is 2048 tokens. However, ")
     assert [e.body["param"] for e in refused] == ["prompt", "prompt", "messages"]
-    assert "1000000 characters" in refused[0].body["message"]
+    assert (
+        "at least 1000004 tokens (at least 1000000 in the prompt, counted from 1000000 characters, 4 in the"
+        in (refused[0].body["message"])
+    )
+    assert "you requested 3004 tokens (3000 in the prompt, 4 in the completion)" in refused[1].body["message"]
     assert fits.choices[0].finish_reason == "length"
     (only,) = queued.values()  # the one that fits is the only job ever queued
     assert [record["status"] for record in only] == ["completed"]
@@ -62,9 +67,15 @@ def test_prompts_too_long_by_their_size_are_refused_before_queuing(redis_url):
 def test_a_conversation_is_measured_by_what_every_template_writes():
     long_answer = {"role": "assistant", "content": "r" * 10_000}  # a template may drop earlier reasoning
     turns = [{"role": "user", "content": "q"}, long_answer, {"role": "user", "content": "again"}]
-    assert prompt_too_long(Job(messages=turns, max_tokens=8), 2048, 1)[0] is None
+    assert prompt_too_long(Job(messages=turns, max_tokens=8), 2048, 1) is None
     too_long = Job(messages=[{"role": "user", "content": "u" * 3000}], max_tokens=8)
-    assert "3000 characters" in (prompt_too_long(too_long, 2048, 1)[0] or "")
-    assert prompt_too_long(too_long, 2048, None)[0] is None  # no provable bound: not checked here
-    assert prompt_too_long(Job(prompt_token_ids=[1] * 2041, max_tokens=8), 2048, None)[0] is not None
-    assert prompt_too_long(Job(prompt_token_ids=[1] * 2040, max_tokens=8), 2048, None)[0] is None
+    assert "at least 3000 in the messages, counted from 3000 characters" in str(prompt_too_long(too_long, 2048, 1))
+    assert prompt_too_long(too_long, 2048, None) is None  # no provable bound: not checked here
+    assert prompt_too_long(Job(prompt_token_ids=[1] * 2041, max_tokens=8), 2048, None) is not None
+    assert prompt_too_long(Job(prompt_token_ids=[1] * 2040, max_tokens=8), 2048, None) is None
+    # no max_tokens (chat's default: the rest of the context): the prompt must leave one token
+    assert prompt_too_long(Job(prompt_token_ids=[1] * 2047, max_tokens=None), 2048, None) is None
+    refusal = prompt_too_long(Job(prompt_token_ids=[1] * 2048, max_tokens=None), 2048, None)
+    assert str(refusal).endswith(
+        "However, your prompt resulted in 2048 tokens. Please reduce the length of the prompt."
+    )

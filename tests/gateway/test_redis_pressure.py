@@ -169,16 +169,19 @@ def test_a_failed_read_after_submission_cancels_the_jobs_and_answers_in_openai_s
     with worker_thread(engine, redis_url, model="stub", max_waiting=1), gateway(redis_url) as (base, _):
         wait_live(base)
 
-        def corrupt_a_result() -> list[str]:
-            """The request's job ids, once submitted; one of them gets an entry no reader can parse."""
+        def corrupt_a_result(mid_stream: bool) -> list[str]:
+            """The request's job ids, once submitted; one of them gets an entry no reader can parse (mid_stream:
+            after its first delta, so that the stream has started)."""
             ids = wait_for(lambda: [k.decode() for k in r.hkeys(KEYS.ids)] or None, what="submitted jobs")
+            if mid_stream:
+                wait_for(lambda: r.xlen(KEYS.result(ids[0])) > 0, what="the first delta")
             r.xadd(KEYS.result(ids[0]), {"type": "delta", "data": "not json"})
             return ids
 
         for stream in (False, True):
             with httpx.Client(base_url=base, timeout=30) as h:
                 submitted: list[str] = []
-                poke = threading.Thread(target=lambda out=submitted: out.extend(corrupt_a_result()))
+                poke = threading.Thread(target=lambda out=submitted, s=stream: out.extend(corrupt_a_result(s)))
                 poke.start()
                 response = h.post("/completions", json={**body, "stream": stream})
                 poke.join()

@@ -131,7 +131,10 @@ def test_bulk_500_lines_killed_midway_and_resumed(redis_url, r, tmp_path):
     assert len(errors) == len(got) == len(expected_errors)  # each error exactly once, across the restart
     assert got == expected_errors
     too_long = next(e for e in errors if e["custom_id"] == "too-long")
-    assert "too long" in too_long["error"]["message"] and too_long["response"]["body"]["status"] == "rejected"
+    assert (
+        "maximum context length" in too_long["error"]["message"]
+        and too_long["response"]["body"]["status"] == "rejected"
+    )
     # nothing was enqueued twice: one job per valid line, each run once by the worker
     enqueued = len(good) + 1  # + "too-long", which the engine rejected
     assert r.scard(KEYS.bulk_enqueued(summary["run_id"])) == enqueued

@@ -95,7 +95,7 @@ def test_small_jobs_run_while_a_large_prompt_is_made(redis_url, r, tmp_path, poo
         tokenizer.release.touch()
     assert held_meanwhile and [a.status for a in answers] == ["completed"] * 4
     # the rendered conversation cannot fit the stub's 2048 tokens: refused by its characters, once
-    assert refused.status == "rejected" and "too long" in refused.error and "characters" in refused.error
+    assert refused.status == "rejected" and "maximum context length" in refused.error and "characters" in refused.error
     finals = finals_by_id(r)
     assert set(finals) == {big, *small} and all(len(records) == 1 for records in finals.values())
 
@@ -113,7 +113,7 @@ def test_a_prompt_too_long_by_its_characters_is_refused_before_tokenising(redis_
     run_burst(engine, redis_url, prompt_pool="thread")  # the counts are taken in this process
     results = {job_id: client.result(job_id, timeout=5) for job_id in (long_text, long_chat, many_turns, many_tools)}
     for result in results.values():
-        assert result.status == "rejected" and "too long" in result.error, result.error
+        assert result.status == "rejected" and "maximum context length" in result.error, result.error
     assert "1000000 characters" in results[long_text].error
     assert client.result(fits, timeout=5).status == "completed"
     assert max(tokenizer.encoded) == 2000  # only the prompt that fits was tokenised

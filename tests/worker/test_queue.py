@@ -114,7 +114,7 @@ BAD_JOBS = [
     (json.dumps({"id": "bad-temp", "prompt": "x", "temperature": -1}), "temperature"),
     (json.dumps({"id": "bad-top-p", "prompt": "x", "top_p": 0}), "top_p"),
     (json.dumps({"id": "bad-stop", "prompt": "x", "stop": [""]}), "stop"),
-    (json.dumps({"id": "too-long", "prompt": "y" * 3000}), "too long"),
+    (json.dumps({"id": "too-long", "prompt": "y" * 3000}), "maximum context length"),
     (json.dumps({"id": "oov", "prompt_token_ids": [5, 100000]}), "vocab"),
     (json.dumps({"id": "bad-priority", "prompt": "x", "priority": "high"}), "priority"),
 ]

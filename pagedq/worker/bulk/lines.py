@@ -131,6 +131,8 @@ def _openai_fields(data: dict[str, Any], max_tool_calls: int) -> tuple[dict[str,
             fields["prompt"] = prompt[0]
         else:
             raise LineError("invalid_request", "one prompt per request line")
+    if "messages" in fields:  # chat without max_tokens: the rest of the context (OpenAI's and vLLM's), not 16
+        fields.setdefault("max_tokens", None)
     priority = fields.get("priority")
     if isinstance(priority, int) and not isinstance(priority, bool):  # anything else: the job refuses it, naming it
         fields["priority"] = from_vllm_priority(priority)

@@ -17,7 +17,7 @@ from pagedq.worker.gateway.batch_routes import router as batch_router
 from pagedq.worker.gateway.batches import Batches
 from pagedq.worker.gateway.chat import ChatEndpoint
 from pagedq.worker.gateway.completions import CompletionEndpoint
-from pagedq.worker.gateway.errors import OpenAIError, failure_after_submission, record_error
+from pagedq.worker.gateway.errors import NO_RETRY, OpenAIError, failure_after_submission, record_error
 from pagedq.worker.gateway.files import FileStore
 from pagedq.worker.gateway.files import router as file_router
 from pagedq.worker.gateway.intake import Intake, KeyRing, parse_body, require_key
@@ -26,10 +26,11 @@ from pagedq.worker.gateway.metrics import GatewayMetrics, ObserveRequests
 from pagedq.worker.gateway.preflight import say_what_is_missing
 from pagedq.worker.gateway.prompt_limits import PromptLimits
 from pagedq.worker.gateway.render import now
+from pagedq.worker.gateway.request_ids import RequestIds
 from pagedq.worker.gateway.responses import router as responses_router
 from pagedq.worker.gateway.schemas import ChatCompletionRequest, CompletionRequest
 from pagedq.worker.gateway.settings import GatewaySettings
-from pagedq.worker.gateway.streaming import SSEResponse, StreamTracker, sse
+from pagedq.worker.gateway.streaming import SSEResponse, StreamTracker, hold_start, sse
 from pagedq.worker.gateway.tokenize import Tokenizers
 from pagedq.worker.gateway.tokenize import router as tokenize_router
 from pagedq.worker.gateway.workers import LiveWorkers
@@ -69,14 +70,16 @@ class Gateway:
             jobs = [job.model_copy(update={"tenant": tenant}) for job in jobs]
         if body.stream_options is not None and not body.stream:
             raise OpenAIError(400, "stream_options is only allowed with stream: true", param="stream_options")
-        await self.prompt_limits.check(endpoint.model, jobs)  # too long by its size alone: 400 before queuing
+        # too long by its size alone: 400 before queuing
+        await self.prompt_limits.check(endpoint.model, jobs, endpoint.prompt_param)
         job_ids = await submit(self.client, jobs, self.settings.retry_after_s)  # all or none: backpressure counts each
         timeout = wait_timeout(body, self.settings)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             retry_after_s = self.settings.retry_after_s
             events = sse(self.client, endpoint, job_ids, include_usage, timeout, self.streams, retry_after_s)
-            return SSEResponse(events, self.settings.stream_send_timeout_s)
+            started = await hold_start(events, _disconnected(request))  # a refusal before any token: its status
+            return SSEResponse(started, self.settings.stream_send_timeout_s)
         try:
             records = await self._results_while_connected(request, job_ids, timeout)
         except Exception as exc:  # whatever ends the wait, nobody will read these jobs: they are cancelled
@@ -85,11 +88,13 @@ class Gateway:
             if isinstance(exc, OpenAIError):  # the client left (499)
                 raise
             if isinstance(exc, ResultTimeout):
-                raise OpenAIError(504, f"job {job_ids[0]}: no result within {timeout} s", code="timeout") from None
+                raise OpenAIError(
+                    504, f"job {job_ids[0]}: no result within {timeout} s", code="timeout", headers=NO_RETRY
+                ) from None
             raise failure_after_submission(exc, job_ids, self.settings.retry_after_s) from exc
         for record in records:
             if record.status != "completed":
-                raise record_error(record)
+                raise record_error(record, endpoint.prompt_param)
         return JSONResponse(endpoint.response(records))
 
     async def models(self) -> dict[str, Any]:
@@ -182,10 +187,11 @@ def create_app(settings: GatewaySettings | None = None, redis: AsyncRedis | None
     app.state.gateway = gateway
     errors.install(app, settings.retry_after_s)
     metrics = GatewayMetrics(lambda: gateway.streams.open)
-    # Intake authenticates and bounds every request before its body is read; ObserveRequests (added last: outside)
+    # Intake authenticates and bounds every request before its body is read; ObserveRequests (added after: outside)
     # counts what Intake refuses too
     app.add_middleware(Intake, settings=settings, routes=app.router.routes)
     app.add_middleware(ObserveRequests, metrics=metrics)
+    app.add_middleware(RequestIds)  # outermost: every answer, and every log line of the request, carries the id
     auth = Depends(require_key(KeyRing(settings.accepted_keys, settings.api_key_tenants)))
     app.include_router(file_router(gateway.files, auth))
     app.include_router(batch_router(gateway.batches, auth))

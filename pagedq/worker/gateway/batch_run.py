@@ -202,7 +202,7 @@ class BatchRun:
             line = bulk_lines.output_line(custom_id, job_id, {}, kind, body=endpoint.response([record]))
             await self._write("output", custom_id, line)
         else:
-            error = record_error(record)
+            error = record_error(record, "messages" if kind == "chat" else "prompt")
             line = _error_line(custom_id, None, record.status, error.message, job_id)
             line["response"] = {"status_code": error.status, "request_id": job_id, "body": error.body()}
             await self._write("errors", custom_id, line)

@@ -19,6 +19,7 @@ class ChatEndpoint(CompletionEndpoint):
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
+    prompt_param = "messages"
 
     def __init__(
         self,
@@ -50,7 +51,8 @@ class ChatEndpoint(CompletionEndpoint):
 
     def jobs_fields(self, settings: GatewaySettings) -> list[dict[str, Any]]:
         body = self.chat_body()
-        fields = sampling_fields(body, settings, body.max_completion_tokens or body.max_tokens)
+        asked = body.max_completion_tokens or body.max_tokens
+        fields = sampling_fields(body, settings, asked or settings.default_chat_max_tokens)
         fields.update(conversation_fields(body, self.tools))
         if self.k is not None:
             fields["logprobs"] = self.k

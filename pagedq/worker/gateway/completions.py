@@ -42,6 +42,7 @@ class CompletionEndpoint:
     object_name = "text_completion"
     chunk_object = "text_completion"  # a stream's chunks
     id_prefix = "cmpl-"
+    prompt_param = "prompt"  # the request field that holds the prompt (named by a context-length refusal)
     body: SamplingBody | None  # each endpoint's own request type; None: only rendering records
 
     def __init__(self, body: CompletionRequest | None, model: str, created: int, k: int | None = None) -> None:
@@ -89,7 +90,7 @@ class CompletionEndpoint:
                 "(send several requests, or use the Batch API)",
                 param="prompt",
             )
-        base = sampling_fields(body, settings, 1 if self.score_only else body.max_tokens)
+        base = sampling_fields(body, settings, 1 if self.score_only else body.max_tokens or settings.default_max_tokens)
         if body.best_of is not None:
             base["best_of"] = body.best_of
         if self.k is not None:

@@ -10,7 +10,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedq.engine.errors import ContextLengthExceeded
 from pagedq.worker.protocol.job import FinalRecord
+
+CONTEXT_LENGTH_EXCEEDED = ContextLengthExceeded.code
+# A failure that retrying the same request cannot mend: OpenAI's SDKs honour this header before their status rules
+NO_RETRY = {"x-should-retry": "false"}
 
 # status -> OpenAI's error type
 ERROR_TYPES = {
@@ -67,10 +72,17 @@ class RaisedOpenAIError(StarletteHTTPException):
         self.error = error
 
 
-def record_error(record: FinalRecord) -> OpenAIError:
-    """The HTTP error for a job that did not complete (its final record's status and reason)."""
+def record_error(record: FinalRecord, prompt_param: str | None = None) -> OpenAIError:
+    """The HTTP error for a job that did not complete (its final record's status and reason). A prompt too long for
+    the model's context is OpenAI's and vLLM's 400 (code context_length_exceeded, their message, param: the request's
+    prompt field), which client libraries recognise. An expired job is not worth retrying as it was (504 with
+    x-should-retry: false: the SDK would enqueue it again, twice, by default)."""
+    if record.error_code == CONTEXT_LENGTH_EXCEEDED:
+        return OpenAIError(400, record.error or CONTEXT_LENGTH_EXCEEDED, param=prompt_param, code=record.error_code)
     status = {"rejected": 400, "expired": 504, "cancelled": 409}.get(record.status, 500)
-    return OpenAIError(status, f"job {record.id} {record.status}: {record.error or record.status}", code=record.status)
+    headers = NO_RETRY if record.status == "expired" else None
+    message = f"job {record.id} {record.status}: {record.error or record.status}"
+    return OpenAIError(status, message, code=record.status, headers=headers)
 
 
 # Redis unreachable, refusing, silent past the socket timeout, or no free connection in time: the gateway can take

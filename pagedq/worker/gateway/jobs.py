@@ -21,14 +21,15 @@ BODY_SAMPLING_FIELDS = tuple(name for name in SAMPLING_FIELDS if name in Samplin
 
 
 def sampling_fields(body: SamplingBody, settings: GatewaySettings, max_tokens: int | None) -> dict[str, Any]:
-    """Job keywords shared by completions and chat; fields the client left out keep the job's defaults."""
+    """Job keywords shared by completions and chat; fields the client left out keep the job's defaults. max_tokens
+    None: the rest of the model's context after the prompt (the worker works it out)."""
     fields: dict[str, Any] = {
         name: getattr(body, name) for name in BODY_SAMPLING_FIELDS if getattr(body, name) is not None
     }
     if isinstance(body.stop, str):
         fields["stop"] = [body.stop]
     fields.update(
-        max_tokens=max_tokens or settings.default_max_tokens,
+        max_tokens=max_tokens,
         stream=body.stream,
         priority=from_vllm_priority(body.priority),
     )

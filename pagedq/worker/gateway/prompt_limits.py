@@ -1,5 +1,6 @@
 """Refusing a prompt too long by its characters before it is queued: no worker spends time rendering or tokenising
-it, and the caller learns at once (400 in OpenAI's shape, code `prompt_too_long`).
+it, and the caller learns at once (400 in OpenAI's and vLLM's shape, code `context_length_exceeded`, the words "maximum
+context length" client libraries look for).
 
 The bound is the one the worker applies (protocol/prompt_size.py): the model's max length and the most characters
 one token of its tokenizer stands for, published by its workers beside the tokenizer files (a model without a
@@ -13,10 +14,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from pagedq.engine.errors import ContextLengthExceeded
 from pagedq.worker.gateway.errors import OpenAIError
 from pagedq.worker.protocol.job import Job
 from pagedq.worker.protocol.keys import QueueKeys
-from pagedq.worker.protocol.prompt_size import conversation_chars, too_many_chars, too_many_tokens
+from pagedq.worker.protocol.prompt_size import chars_over, conversation_chars, prompt_source, tokens_over
 
 
 class PromptLimits:
@@ -33,27 +35,27 @@ class PromptLimits:
             cached = self._cached[model] = (now, _int(raw_len), _int(raw_chars))
         return cached[1], cached[2]
 
-    async def check(self, model: str, jobs: list[Job]) -> None:
-        """400 naming the limit for the first job whose prompt cannot fit the model by its size alone."""
+    async def check(self, model: str, jobs: list[Job], param: str | None = None) -> None:
+        """400 context_length_exceeded (OpenAI's and vLLM's shape) for the first job whose prompt cannot fit the
+        model by its size alone; param: the request field that holds the prompt (else the job's own)."""
         max_model_len, chars_per_token = await self.bound(model)
         if max_model_len is None:
             return
         for job in jobs:
-            reason, param = prompt_too_long(job, max_model_len, chars_per_token)
-            if reason is not None:
-                raise OpenAIError(400, reason, param=param, code="prompt_too_long")
+            refusal = prompt_too_long(job, max_model_len, chars_per_token)
+            if refusal is not None:
+                raise OpenAIError(400, str(refusal), param=param or prompt_source(job), code=refusal.code)
 
 
-def prompt_too_long(job: Job, max_model_len: int, chars_per_token: int | None) -> tuple[str | None, str]:
-    """Why the job's prompt cannot fit in max_model_len with its max_tokens (None when it may), and its field."""
-    budget = max_model_len - job.max_tokens
+def prompt_too_long(job: Job, max_model_len: int, chars_per_token: int | None) -> ContextLengthExceeded | None:
+    """Why the job's prompt cannot fit in max_model_len with its max_tokens, or None when it may."""
     if job.prompt_token_ids is not None:
-        return too_many_tokens(len(job.prompt_token_ids), job.max_tokens, max_model_len), "prompt"
+        return tokens_over(len(job.prompt_token_ids), job, max_model_len)
     if job.prompt is not None:
-        return too_many_chars(len(job.prompt), budget, chars_per_token), "prompt"
+        return chars_over(len(job.prompt), job, max_model_len, chars_per_token)
     if job.messages is None:
-        return None, "messages"
-    return too_many_chars(conversation_chars(job), budget, chars_per_token), "messages"
+        return None
+    return chars_over(conversation_chars(job), job, max_model_len, chars_per_token)
 
 
 def _int(raw: bytes | str | None) -> int | None:

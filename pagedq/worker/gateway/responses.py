@@ -66,6 +66,7 @@ def _call_item(item_id: str, call: dict[str, Any], status: str) -> dict[str, Any
 class ResponsesEndpoint(ChatEndpoint):
     object_name = "response"
     id_prefix = "resp_"
+    prompt_param = "input"
 
     def __init__(self, body: ResponsesRequest, created: int) -> None:
         chat = chat_request(body)

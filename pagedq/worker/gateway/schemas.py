@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from pagedq.engine import limits as sampling
 from pagedq.worker.gateway.client_fields import ClientFields
@@ -24,6 +25,8 @@ from pagedq.worker.protocol.job import (
 )
 
 MAX_STOP = 16
+# content parts of other modalities than text (OpenAI's types), refused by name: the served models read text
+OTHER_MODALITIES = {"image_url": "image", "input_image": "image", "input_audio": "audio", "file": "file"}
 
 
 class Strict(BaseModel):
@@ -53,7 +56,7 @@ class SamplingBody(Strict):
     """Fields both endpoints share: OpenAI's, then vLLM's extras."""
 
     model: str = Field(min_length=1, max_length=512)
-    temperature: float | None = optional(sampling.TEMPERATURE)
+    temperature: float | None = optional(sampling.TEMPERATURE.on_openai())  # OpenAI's 0..2
     top_p: float | None = optional(sampling.TOP_P)
     n: int = bounded(sampling.N)
     stop: str | list[str] | None = Field(default=None, max_length=MAX_STOP)
@@ -135,6 +138,19 @@ class ChatMessage(Strict):
     function_call: None = None
     audio: None = None
     annotations: list[Any] | None = Field(default=None, max_length=0)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content: Any) -> Any:
+        """A part of another modality (OpenAI's image_url, input_audio, file) is named as such, not answered with
+        the union's errors for every shape content may take."""
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in OTHER_MODALITIES:
+                raise PydanticCustomError(
+                    "unsupported_modality", f"{OTHER_MODALITIES[kind]} input is not supported by this model"
+                )
+        return content
 
     @model_validator(mode="after")
     def _fields_of_its_role(self) -> ChatMessage:

@@ -71,7 +71,17 @@ class GatewaySettings(QueueSettings):
     )
     retry_after_s: int = Field(default=1, ge=1, le=3600, description="the Retry-After of a 429 (seconds)")
     default_max_tokens: int = Field(
-        default=16, ge=1, le=1_000_000, description="max_tokens of a completion that gives none (OpenAI's default)"
+        default=16,
+        ge=1,
+        le=1_000_000,
+        description="max_tokens of a (legacy) completion that gives none (OpenAI's default); not chat's",
+    )
+    default_chat_max_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=1_000_000,
+        description="max_tokens of a chat completion that gives none; unset: the rest of the model's context after "
+        "the prompt (OpenAI's and vLLM's)",
     )
     max_prompts: int = Field(
         default=256, ge=1, le=100_000, description="prompts of one completions request at most (400 beyond)"

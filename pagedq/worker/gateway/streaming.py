@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable
 from typing import Any
 
 import structlog
@@ -18,7 +18,7 @@ from starlette.types import Message, Send
 
 from pagedq.worker.client.async_client import AsyncClient
 from pagedq.worker.gateway.completions import CompletionEndpoint
-from pagedq.worker.gateway.errors import OpenAIError, failure_after_submission, record_error
+from pagedq.worker.gateway.errors import NO_RETRY, OpenAIError, failure_after_submission, record_error
 from pagedq.worker.protocol.errors import ResultTimeout
 from pagedq.worker.protocol.job import Delta, FinalRecord
 
@@ -113,20 +113,30 @@ async def sse(
     tracker: StreamTracker,
     retry_after_s: int,
 ) -> AsyncGenerator[bytes, None]:
+    """The request's events. Nothing is yielded before the first job's first delta or final record: a job refused
+    before its tokens flow (too long, a bad schema, no grammar backend) raises its OpenAIError from the first
+    __anext__, so the caller answers it with the same status as without streaming (hold_start). After that, a
+    failure is an error event and a clean end."""
     response_id, settled, records = job_ids[0], set(), []
+    started = False
     tracker.open += 1
     try:
-        for chunk in endpoint.opening(response_id):
-            yield endpoint.frame(chunk, include_usage)
         async with contextlib.aclosing(interleaved(client, job_ids, timeout)) as items:
             async for index, item in items:
+                if not started:
+                    if not isinstance(item, Delta) and (error := _failure(item, job_ids[index], endpoint)) is not None:
+                        settled.add(index)
+                        raise error
+                    started = True
+                    for chunk in endpoint.opening(response_id):
+                        yield endpoint.frame(chunk, include_usage)
                 if isinstance(item, Delta):
                     piece = endpoint.delta_chunk(response_id, index, item)
                     if piece is not None:
                         yield endpoint.frame(piece, include_usage)
                     continue
                 settled.add(index)
-                error = _failure(item, job_ids[index])
+                error = _failure(item, job_ids[index], endpoint)
                 if error is not None:
                     yield endpoint.failure(error)
                     return
@@ -135,8 +145,15 @@ async def sse(
                     yield endpoint.frame(chunk, include_usage)
         yield endpoint.ending(response_id, records, include_usage)
     except ResultTimeout:
-        yield endpoint.failure(OpenAIError(504, f"job {response_id}: no output within {timeout} s", code="timeout"))
+        late = OpenAIError(504, f"job {response_id}: no output within {timeout} s", code="timeout", headers=NO_RETRY)
+        if not started:
+            raise late from None
+        yield endpoint.failure(late)
+    except OpenAIError:
+        raise  # the first item's refusal (hold_start answers it)
     except Exception as exc:  # e.g. Redis lost mid-stream: an error event, then a clean end (its jobs are cancelled)
+        if not started:
+            raise failure_after_submission(exc, job_ids, retry_after_s) from exc
         yield endpoint.failure(failure_after_submission(exc, job_ids, retry_after_s))
     finally:
         tracker.open -= 1
@@ -145,8 +162,38 @@ async def sse(
                 tracker.cancel_later(client, job_id)
 
 
-def _failure(item: Any, job_id: str) -> OpenAIError | None:
-    """Why a job's stream ends in an error event: its record expired, or it did not complete; None if it did."""
+def _failure(item: Any, job_id: str, endpoint: CompletionEndpoint) -> OpenAIError | None:
+    """Why a job's stream ends in an error: its record expired, or it did not complete; None if it did."""
     if not isinstance(item, FinalRecord):
         return OpenAIError(500, f"job {job_id}: final record not found", code="lost")
-    return None if item.status == "completed" else record_error(item)
+    return None if item.status == "completed" else record_error(item, endpoint.prompt_param)
+
+
+async def hold_start(events: AsyncGenerator[bytes, None], gone: Awaitable[None]) -> AsyncGenerator[bytes, None]:
+    """The stream's events once its first one is known (sse): a refusal before any token raises its OpenAIError
+    here, before the response starts; a client that leaves meanwhile gets 499 (its jobs are cancelled)."""
+    first = asyncio.ensure_future(events.__anext__())
+    left = asyncio.ensure_future(gone)
+    try:
+        await asyncio.wait((first, left), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+    if not first.done():
+        first.cancel()
+        with contextlib.suppress(BaseException):
+            await first
+        await events.aclose()  # cancels the request's jobs
+        raise OpenAIError(499, "the client closed the connection; its jobs were cancelled", code="client_closed")
+    try:
+        head = first.result()
+    except StopAsyncIteration:
+        head = b""
+    return _after(head, events)
+
+
+async def _after(head: bytes, events: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
+    async with contextlib.aclosing(events):
+        if head:
+            yield head
+        async for chunk in events:
+            yield chunk

@@ -111,7 +111,9 @@ class Job(BaseModel):
     # answer's <tool_call> blocks (tool_choice auto), which a template writing calls in its own format refuses
     tools: list[Tool] | None = Field(default=None, min_length=1, max_length=MAX_TOOLS)
     tool_call_parser: Literal["hermes"] | None = None
-    max_tokens: int = bounded(sampling.MAX_TOKENS)
+    # None: the rest of the model's context after the prompt (vLLM's None; OpenAI's chat default), worked out by the
+    # worker once the prompt is counted (a worker that predates it rejects such a job)
+    max_tokens: int | None = bounded(sampling.MAX_TOKENS)
     temperature: float = bounded(sampling.TEMPERATURE)
     top_p: float = bounded(sampling.TOP_P)
     top_k: int = bounded(sampling.TOP_K)
@@ -174,7 +176,7 @@ class Job(BaseModel):
             raise ValueError("stop must hold non-empty strings")
         if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative token ids")
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must not exceed max_tokens")
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
@@ -196,13 +198,21 @@ class Job(BaseModel):
         """best_of > n: the engine samples more than it returns, and picks the n best only at the end."""
         return self.best_of is not None and self.best_of > self.n
 
-    def to_sampling_params(self, output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> SamplingParams:
+    def to_sampling_params(
+        self, output_kind: RequestOutputKind = RequestOutputKind.DELTA, room: int | None = None
+    ) -> SamplingParams:
         """The engine's parameters for this job (the worker streams deltas; a job that picks the best of its
-        samples gets only the final output). Raises ValueError where the engine refuses them, which a validated
-        job never meets: both check the same table."""
+        samples gets only the final output). room: the tokens the model's context leaves after the prompt, which a
+        job without max_tokens takes. Raises ValueError where the engine refuses them, which a validated job never
+        meets (both check the same table), and for a job without max_tokens given no room."""
         if self.picks_best:
             output_kind = RequestOutputKind.FINAL_ONLY
-        params = SamplingParams(**self.sampling_kwargs(), output_kind=output_kind)
+        kwargs = self.sampling_kwargs()
+        if self.max_tokens is None:
+            if room is None:
+                raise ValueError("a job without max_tokens takes the context's room after its prompt: give room")
+            kwargs["max_tokens"] = room
+        params = SamplingParams(**kwargs, output_kind=output_kind)
         if params.structured_outputs is not None:  # its compile shares the threads by tenant, not first come
             params.structured_outputs.compile_source = self.tenant or ""
         return params

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pagedq.engine.errors import ContextLengthExceeded, check_context_fits
 from pagedq.worker.protocol.job import Job
 
 # Pre-tokenizers and normalizers that keep every character of the text (each one maps to at least one character)
@@ -91,25 +92,30 @@ def _parts(component: dict[str, Any] | None) -> list[dict[str, Any]]:
     return [component]
 
 
-def too_many_chars(chars: int, token_budget: int, chars_per_token: int | None) -> str | None:
-    """Why a text of `chars` characters cannot fit in `token_budget` tokens, or None when it might."""
-    if chars_per_token is None or chars <= max(token_budget, 0) * chars_per_token:
-        return None
-    return (
-        f"the prompt is too long: its {chars} characters make at least {-(-chars // chars_per_token)} tokens (one "
-        f"token of this model's tokenizer stands for at most {chars_per_token} characters), more than the "
-        f"{max(token_budget, 0)} the model's max length leaves beside max_tokens"
-    )
+def prompt_source(job: Job) -> str:
+    """The request field a job's prompt came from, as the context-length refusal names it."""
+    return "messages" if job.messages is not None else "prompt"
 
 
-def too_many_tokens(count: int, max_tokens: int, max_model_len: int) -> str | None:
-    """Why a prompt of `count` tokens cannot fit with max_tokens, or None when it fits the max length."""
-    if count + max_tokens <= max_model_len:
+def tokens_over(count: int, job: Job, max_model_len: int) -> ContextLengthExceeded | None:
+    """The refusal of a prompt of `count` tokens that cannot fit with the job's max_tokens, or None when it fits."""
+    try:
+        check_context_fits(max_model_len, count, job.max_tokens, prompt_source(job))
+    except ContextLengthExceeded as exc:
+        return exc
+    return None
+
+
+def chars_over(chars: int, job: Job, max_model_len: int, chars_per_token: int | None) -> ContextLengthExceeded | None:
+    """The refusal of a text of `chars` characters that cannot fit with the job's max_tokens by its characters
+    alone (at least ceil(chars / chars_per_token) tokens), or None when it might."""
+    if chars_per_token is None:
         return None
-    return (
-        f"the prompt is too long: prompt ({count} tokens) + max_tokens ({max_tokens}) exceeds the model's max "
-        f"length {max_model_len}"
-    )
+    try:
+        check_context_fits(max_model_len, -(-chars // chars_per_token), job.max_tokens, prompt_source(job), chars)
+    except ContextLengthExceeded as exc:
+        return exc
+    return None
 
 
 def conversation_chars(job: Job) -> int:

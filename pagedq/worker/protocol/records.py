@@ -50,6 +50,9 @@ class FinalRecord(BaseModel):
     timings: Timings = Field(default_factory=Timings)
     metadata: dict[str, Any] | None = None
     error: str | None = None
+    # what kind of refusal a rejection is, where callers act on it: "context_length_exceeded" (the prompt and
+    # max_tokens do not fit the model's context; the gateway answers it in OpenAI's shape); None otherwise
+    error_code: str | None = None
     logprobs: list[dict[str, float]] | None = None
     prompt_logprobs: list[dict[str, float] | None] | None = None  # entry j: prompt token j; the first is None
     worker: str | None = None

@@ -16,10 +16,11 @@ from pagedq.worker.protocol import limits
 from pagedq.worker.protocol.errors import JobRejected
 from pagedq.worker.protocol.job import FinalRecord, Job, parse_job, salvage
 from pagedq.worker.protocol.keys import BANDS, DEFAULT_BAND, JOB_FIELD, band_rank
+from pagedq.worker.protocol.prompt_size import prompt_source
 from pagedq.worker.protocol.replies import text
 from pagedq.worker.service.config import WorkerSettings
 from pagedq.worker.service.context import ServiceContext
-from pagedq.worker.service.engine_api import WorkerEngine
+from pagedq.worker.service.engine_api import WorkerEngine, check_context_fits
 from pagedq.worker.service.engine_input import MadePrompt
 from pagedq.worker.service.held import HeldJob, JobKey, JobState
 from pagedq.worker.service.publisher import Publisher
@@ -119,9 +120,9 @@ class Intake:
                 entry_id, raw, f"{reason} (and the rejection failed: {exc!r})"[:MAX_REASON_CHARS], band
             )
 
-    def reject(self, t: HeldJob, reason: str) -> None:
+    def reject(self, t: HeldJob, reason: str, code: str | None = None) -> None:
         self.log.warning("job_rejected", job_id=t.id, error=reason)
-        self.publisher.final(self.publisher.record(t, "rejected", reason), t.origin, t.entry_id)
+        self.publisher.final(self.publisher.record(t, "rejected", reason, error_code=code), t.origin, t.entry_id)
         self.counters.settled("rejected")
 
     def reject_delivery(self, job_id: str, origin: str, reason: str) -> None:
@@ -216,7 +217,11 @@ def prepare(engine: WorkerEngine, t: HeldJob, made: MadePrompt) -> None:
     engine gets it, its SamplingParams (built here only: every run of the job uses them) and the KV blocks it will
     take there, from the engine. Raises RequestRejected (the job is rejected) for input the engine refuses; any
     other exception is the engine's failure."""
-    params = t.job.to_sampling_params()
+    room = None
+    if t.job.max_tokens is None:  # the rest of the context (vLLM's None): known once the prompt is counted
+        check_context_fits(engine.max_model_len, made.num_prompt_tokens, None, prompt_source(t.job))
+        room = engine.max_model_len - made.num_prompt_tokens
+    params = t.job.to_sampling_params(room=room)
     t.blocks_needed = engine.blocks_needed(made.num_prompt_tokens, params.max_tokens, params.num_samples)
     t.admission_tokens = made.num_prompt_tokens + params.max_tokens * params.num_samples
     t.engine_input, t.sampling_params = made.engine_input, params

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from pagedq.engine.errors import RequestRejected  # noqa: F401
+from pagedq.engine.errors import ContextLengthExceeded, RequestRejected, check_context_fits  # noqa: F401
 from pagedq.engine.output.outputs import CompletionOutput, RequestOutput  # noqa: F401
 from pagedq.engine.sample.sampling_params import RequestOutputKind, SamplingParams  # noqa: F401
 
@@ -50,6 +50,8 @@ class WorkerEngine(Protocol):
 
     @property
     def max_num_seqs(self) -> int: ...
+
+    max_model_len: int  # the longest prompt + output it serves
 
     def num_prompt_tokens(self, prompt: str | list[int]) -> int: ...
 

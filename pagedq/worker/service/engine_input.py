@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from pagedq.worker.protocol.chat import render_conversation
 from pagedq.worker.protocol.job import Job
-from pagedq.worker.protocol.prompt_size import conversation_chars, too_many_chars, too_many_tokens
+from pagedq.worker.protocol.prompt_size import chars_over, conversation_chars, tokens_over
 from pagedq.worker.service.engine_api import RequestRejected, WorkerEngine
 
 
@@ -24,16 +24,16 @@ class PromptBound:
     chars_per_token: int | None = None
 
     def check_chars(self, chars: int, job: Job) -> None:
-        """RequestRejected when a text of this many characters cannot fit with the job's max_tokens."""
+        """ContextLengthExceeded when a text of this many characters cannot fit with the job's max_tokens."""
         if self.max_model_len is not None:
-            reason = too_many_chars(chars, self.max_model_len - job.max_tokens, self.chars_per_token)
-            if reason is not None:
-                raise RequestRejected(reason)
+            refusal = chars_over(chars, job, self.max_model_len, self.chars_per_token)
+            if refusal is not None:
+                raise refusal
 
     def check_tokens(self, count: int, job: Job) -> None:
-        reason = too_many_tokens(count, job.max_tokens, self.max_model_len) if self.max_model_len is not None else None
-        if reason is not None:
-            raise RequestRejected(reason)
+        refusal = tokens_over(count, job, self.max_model_len) if self.max_model_len is not None else None
+        if refusal is not None:
+            raise refusal
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from pagedq.worker.service.admission import Intake, Lanes, engine_priority, pick
 from pagedq.worker.service.admit_delay import AdmitDelays
 from pagedq.worker.service.config import WorkerSettings
 from pagedq.worker.service.context import ServiceContext
-from pagedq.worker.service.engine_api import RequestRejected, WorkerEngine, require_engine
+from pagedq.worker.service.engine_api import ContextLengthExceeded, RequestRejected, WorkerEngine, require_engine
 from pagedq.worker.service.exchange import Exchange
 from pagedq.worker.service.finish import Finisher
 from pagedq.worker.service.front_door import FrontDoor
@@ -227,7 +227,7 @@ class ServiceLoop:
         """RequestRejected is the engine's verdict on the caller's input (too long, token out of vocab, ...): the
         job is rejected. Anything else, a ValueError included, is the engine's failure: retried (recovery)."""
         if isinstance(exc, RequestRejected):
-            self.intake.reject(t, str(exc))
+            self.intake.reject(t, str(exc), exc.code if isinstance(exc, ContextLengthExceeded) else None)
             self.held.finish(t)
         else:
             self.recovery.admission_failed(t, exc)

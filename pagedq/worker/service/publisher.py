@@ -129,7 +129,9 @@ class Publisher:
             )
         )
 
-    def record(self, t: HeldJob, status: str, error: str | None = None, now: float | None = None) -> FinalRecord:
+    def record(
+        self, t: HeldJob, status: str, error: str | None = None, now: float | None = None, error_code: str | None = None
+    ) -> FinalRecord:
         """The final record of a held job. Built without re-validation (hot path; every field is ours)."""
         now = now or time.time()
         timings = Timings.model_construct(
@@ -169,6 +171,7 @@ class Publisher:
             timings=timings,
             metadata=t.job.metadata,
             error=error,
+            error_code=error_code,
             logprobs=t.logprobs,
             prompt_logprobs=t.prompt_logprobs,
             worker=self.worker_name,

@@ -21,6 +21,7 @@ from pagedq.worker.service.engine_api import (
     RequestOutputKind,
     RequestRejected,
     SamplingParams,
+    check_context_fits,
 )
 
 EOS_ID = 2
@@ -127,11 +128,7 @@ class StubEngine:
         bad = [t for t in ids if not 0 <= t < self.tokenizer.vocab_size]
         if bad:
             raise RequestRejected(f"prompt token id {bad[0]} is out of vocabulary (size {self.tokenizer.vocab_size})")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise RequestRejected(
-                f"prompt is too long: {len(ids)} tokens + max_tokens {params.max_tokens} "
-                f"> max_model_len {self.max_model_len}"
-            )
+        check_context_fits(self.max_model_len, len(ids), params.max_tokens)
         if self._blocks_for(len(ids) + params.max_tokens) > self.num_total_blocks:
             raise RequestRejected("prompt + max_tokens needs more KV blocks than the cache holds")
         seed = params.seed if params.seed is not None else random.getrandbits(32)
