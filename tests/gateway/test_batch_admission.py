@@ -151,7 +151,7 @@ def test_a_batch_resumed_after_its_results_expired_runs_them_again(redis_url):
         upload = sdk.files.create(file=("r.jsonl", content.encode()), purpose="batch")
         batch = sdk.batches.create(input_file_id=upload.id, endpoint="/v1/completions", completion_window="24h")
         wait_for(lambda: r.xlen(KEYS.jobs_of("bulk")) == 3, what="batch jobs enqueued")
-    wait_for(lambda: not r.exists(KEYS.batch_runner(batch.id)), timeout=20, what="the batch lease released")
+    wait_for(lambda: not r.exists(KEYS.batch_runner(batch.id)), timeout=45, what="the batch lease released")
     run_burst(StubEngine(), redis_url)  # they finish while no gateway watches the batch
     finals = r.keys(KEYS.final("*"))
     assert len(finals) == 3
