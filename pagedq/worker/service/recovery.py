@@ -40,7 +40,7 @@ from pagedq.worker.service.admission import Intake
 from pagedq.worker.service.context import ServiceContext
 from pagedq.worker.service.engine_api import RequestOutput, SamplingParams, WorkerEngine
 from pagedq.worker.service.held import HeldJob, JobState
-from pagedq.worker.service.leases import Leases
+from pagedq.worker.service.leases import Leases, never_ran
 
 EXIT_ENGINE_BROKEN = 3  # process status when the breaker stopped the worker: restart it
 EXIT_REDIS_LOST = 4  # process status when Redis stayed unreachable past redis_outage_s
@@ -110,6 +110,14 @@ class Recovery:
         except Exception as exc:
             self.log.error("abort_failed", job_id=t.id, error=repr(exc))
             return None
+
+    def leave_unstarted(self) -> int:
+        """A drain finishes what runs, not what waits: the jobs in the engine's waiting queue that never ran leave it,
+        to be handed back to the stream at stop (Leases.hand_back) for another worker, not run late by this one."""
+        unstarted = [t for t in self.held.in_state(JobState.IN_ENGINE) if never_ran(t)]
+        for t in unstarted:
+            self.leave_engine(t)
+        return len(unstarted)
 
     def on_step_error(self, exc: Exception) -> None:
         """A step raised: with one job in the batch it is the culprit, otherwise every job becomes a suspect."""
