@@ -1,6 +1,6 @@
 """`pagedq bench fleet`'s scenarios with small numbers, on real `pagedq worker` processes and a real Redis: workers
 scaled out, scaled in by SIGTERM and killed under a backlog lose no job and run none twice, and a killed worker's
-leases are claimed by the others within the lease and the claim interval. Oracle: the completions stream (one final
+leases are claimed by the others soon after the lease runs out. Oracle: the completions stream (one final
 record per job) and the workers' own logs (claims, recoveries, runs whose final record existed)."""
 
 from __future__ import annotations
@@ -27,5 +27,6 @@ def test_a_killed_workers_leases_are_claimed_within_the_lease(redis_url, tmp_pat
     assert (killed["lost"], killed["duplicated"]) == (0, 0), killed
     # every job it held was claimed once (started again), no other job
     assert killed["reprocessed"] == killed["leased_at_kill"] > 0, killed
-    # claimable once idle past the lease, claimers look every lease / 2; a loaded machine's scheduling on top
-    assert killed["reclaimed_after_s"] <= RUN.lease_ms / 1000 * 1.5 + 1.0, killed
+    # claimable once idle past the lease; claimers look every lease / 2 and claim as much as their read-ahead room
+    # takes, which a backlog keeps full part of the time (docs/benchmarks.md, "A fleet of workers")
+    assert killed["reclaimed_after_s"] <= 2 * RUN.lease_ms / 1000 + 1.0, killed
