@@ -59,3 +59,33 @@ def test_unstarted_jobs_are_handed_back_at_drain_and_run_once_by_the_next_worker
         assert records[0]["worker"] == ("first" if job_id in done_by_first else "second")
     assert r.hlen(KEYS.runs) == 0, "a handed-back job was taken for a dead worker's suspect and run alone"
     assert_clean_queue(r)
+
+
+def test_jobs_cut_off_by_the_drain_timeout_are_claimable_at_once(redis_url, r):
+    client = Client(redis_url)
+    prompts = {client.submit(f"cut {i}", max_tokens=40, temperature=0.0): f"cut {i}" for i in range(6)}
+    engine = StubEngine(max_num_seqs=2, step_delay_s=0.02)
+    first = Worker(engine, Redis.from_url(redis_url), fast_settings(name="first", lease_ms=LONG_LEASE_MS))
+    thread = threading.Thread(target=first.run, daemon=True)
+    thread.start()
+    wait_for(lambda: any(t.started for t in first.held), timeout=10, what="jobs generating")
+    first.request_stop(drain_timeout_s=0.05)  # far shorter than a job: the running ones are cut off
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    cut = r.xpending_range(KEYS.jobs, "workers", min="-", max="+", count=100, consumername="first")
+    assert cut, "the drain timeout should have cut running jobs off"
+    # still pending (they ran: the next worker takes them as recovered suspects), but idle past the lease already
+    assert all(entry["time_since_delivered"] >= LONG_LEASE_MS for entry in cut)
+
+    second = Worker(
+        StubEngine(), Redis.from_url(redis_url), fast_settings(name="second", lease_ms=LONG_LEASE_MS, burst=True)
+    )
+    thread = threading.Thread(target=second.run, daemon=True)
+    thread.start()
+    thread.join(timeout=15)
+    assert not thread.is_alive(), "the next worker waited for a lease: the cut-off jobs were not handed back"
+    finals = finals_by_id(r)
+    assert set(finals) == set(prompts) and all(len(records) == 1 for records in finals.values())
+    for job_id, records in finals.items():
+        assert records[0]["text"] == offline(prompts[job_id], max_tokens=40, temperature=0.0)[0]
+    assert_clean_queue(r)
