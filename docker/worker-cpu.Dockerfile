@@ -40,8 +40,8 @@ ENV PYTHONUNBUFFERED=1
 # tini forwards SIGTERM to the worker, which drains in-flight jobs and exits 0. gcc and the C library headers build
 # the native CPU decode attention (pagedq/kernels/cpu_native.c) at the worker's first start, into its cache under
 # $HOME (a tmpfs in compose): it is compiled with -march=native for the CPU it runs on, so a library built here would
-# not load on another machine's CPU; without a compiler the worker falls back to index_select + SDPA, about 3x slower
-# decode attention (docs/kernels.md). Apt packages are not version-pinned: Debian's archive drops superseded
+# not load on another machine's CPU; without a compiler the worker falls back to index_select + SDPA, a slower decode
+# attention (docs/deployment.md has the figures). Apt packages are not version-pinned: Debian's archive drops superseded
 # versions; the base image tag is the pin.
 # hadolint ignore=DL3008
 RUN apt-get update \
