@@ -150,13 +150,13 @@ class ServiceLoop:
 
     def _shutdown(self) -> None:
         for t in self.held.in_state(JobState.IN_ENGINE):
-            self.recovery.leave_engine(t)  # drain timed out: left unacknowledged for redelivery
+            self.recovery.leave_engine(t)  # drain timed out (or a stop now): handed back below
         handed_back = (0, 0)
         try:
             self.exchange.flush()  # first: a job whose final record goes out here is not handed back
             handed_back = self.leases.hand_back(list(self.held))
             self.heartbeat.remove()
-        except Exception as exc:  # Redis gone: nothing more to do; unacked jobs will be redelivered
+        except Exception as exc:  # Redis gone: nothing more to do; unacked jobs are claimed after the lease
             self.log.error("shutdown_flush_failed", error=repr(exc))
         self.prompts.close()
         for door in self.front_doors:

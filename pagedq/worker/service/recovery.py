@@ -12,8 +12,7 @@
   `engine_failure_limit` different jobs have each failed alone with no good step in between, the worker
   asks the engine for one token of a one-token canary prompt. If that works, the jobs are poison after all
   (several at once) and isolation goes on; if not, the fault is the worker's: it stops without settling
-  anything (exit status 3) and its unacknowledged jobs go to healthy workers, or to it restarted, after the
-  lease.
+  anything (exit status 3) and hands its jobs back (leases.py): healthy workers take them at once.
 - The engine raises taking a job in (preparing its prompt, add_request) with anything but RequestRejected (the
   caller's fault: the job is rejected): the engine's failure. It is a failed run of that job: retried as a suspect,
   dead-lettered after max_attempts.
