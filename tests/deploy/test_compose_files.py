@@ -4,8 +4,11 @@ Prometheus and Grafana read them (no docker here: tests/deploy/test_compose_smok
 from __future__ import annotations
 
 import fnmatch
+import json
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -232,3 +235,58 @@ def test_grafana_is_provisioned_from_the_repository() -> None:
     ]
     assert source["url"] == "http://prometheus:9090" and "9090" in services["prometheus"]["ports"][0]
     assert all(str(p).startswith("127.0.0.1:") for n in ("prometheus", "grafana") for p in services[n]["ports"])
+
+
+def test_host_ports_move_for_a_host_that_uses_them() -> None:
+    """A laptop already running Redis (or something on 8000) moves the stack's host ports; loopback either way."""
+    default = compose.load(PASSWORD)
+    assert compose.resolve(default, "redis").published == {6379: 6379}
+    assert compose.resolve(default, "gateway").published == {8000: 8000}
+    moved = compose.load({**PASSWORD, "PAGEDQ_REDIS_PORT": "6380", "PAGEDQ_GATEWAY_PORT": "8080"})
+    assert compose.resolve(moved, "redis").published == {6380: 6379}
+    assert compose.resolve(moved, "gateway").published == {8080: 8000}
+    assert all(str(p).startswith("127.0.0.1:") for svc in moved["services"].values() for p in svc.get("ports", []))
+
+
+def test_the_producer_leaves_no_anonymous_volume_and_runs_unprivileged() -> None:
+    producer = compose.load(PASSWORD)["services"]["producer"]
+    # redis:7-alpine declares VOLUME /data: without a mount there docker makes an anonymous volume each run
+    assert producer["image"] == "redis:7-alpine" and "/data" in producer["tmpfs"] and not producer.get("volumes")
+    assert producer["user"] == "redis" and producer["read_only"] is True
+
+
+def test_cpu_worker_image_has_a_compiler_and_checks_the_native_cpu_attention_builds(tmp_path: Path) -> None:
+    """The runtime stage installs gcc and the C headers (the kernel is compiled with -march=native, for the CPU the
+    worker runs on), and its build runs a check that the kernel compiles and loads: run here as the build runs it."""
+    svc = compose.resolve(compose.load(PASSWORD), "worker-cpu")
+    assert svc.image is not None
+    runtime = svc.image.runs(-1)
+    (install,) = [run for run in runtime if "apt-get install" in run]
+    assert {"gcc", "libc6-dev", "tini"} <= set(install.split("apt-get install", 1)[1].split("&&")[0].split())
+    (check,) = [run for run in runtime if "cpu_native" in run]
+    script = check.replace("/tmp/native-check", str(tmp_path / "native-check"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    # the check itself fails without a compiler: no CC, cc or gcc on PATH
+    bare = {**env, "PATH": str(Path(sys.executable).parent), "CC": ""}
+    failed = subprocess.run(["/bin/sh", "-c", script], env=bare, capture_output=True, text=True, timeout=120)
+    assert failed.returncode != 0 and "no C compiler" in failed.stderr
+
+
+def test_readme_local_stack_says_what_the_stack_needs() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Local stack", 1)[1].split("\n## ", 1)[0]
+    curl = section.split("curl -s", 1)[1].split("```", 1)[0]
+    body = json.loads(curl.split("-d '", 1)[1].rsplit("'", 1)[0])
+    # greedy, like the producer: the 135M demo model sampled at temperature 1 answers gibberish
+    assert body["temperature"] == 0 and body["model"] == "SmolLM2-135M-Instruct"
+    bases = {
+        m
+        for p in ROOT.glob("docker/*.Dockerfile")
+        for m in re.findall(r"^ARG PYTHON_IMAGE=(\S+)$", p.read_text(), re.M)
+    }
+    assert bases == {"python:3.11-slim-bookworm"} and "`python:3.11-slim-bookworm`" in section
+    docs = readme + (ROOT / "docs/deployment.md").read_text() + (ROOT / "docker-compose.yml").read_text()
+    assert not re.search(r"python:3\.11-slim(?!-bookworm)", docs)  # python:3.11-slim is trixie now
+    assert "Compose v2" in section and "PAGEDQ_REDIS_PORT" in section and "PAGEDQ_GATEWAY_PORT" in section

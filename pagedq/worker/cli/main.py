@@ -1,5 +1,5 @@
 """The `pagedq` command: the queue's commands (`worker`, `demo`, `bulk`, `status`, `dlq`, `serve`, `bench worker`,
-`bench gateway`) next to the engine's (`generate`, from pagedq/engine/cli.py) and the benchmarks'
+`bench gateway`, `bench fleet`) next to the engine's (`generate`, from pagedq/engine/cli.py) and the benchmarks'
 (`bench throughput|host|kernels`, from pagedq/bench/cli.py).
 
 Every flag of the queue's commands is also a PAGEDQ_* variable (pagedq/worker/flags.py); `python -m pagedq.worker ...`
@@ -102,7 +102,7 @@ class _LazyServe:
 
 
 def register_bench(bench_subparsers: argparse._SubParsersAction) -> None:
-    """Add `bench worker` and `bench gateway` under the `bench` group."""
+    """Add `bench worker`, `bench gateway` and `bench fleet` under the `bench` group."""
     p = bench_subparsers.add_parser("worker", help="queue-layer and end-to-end worker throughput (one JSON line)")
     from pagedq.bench.worker.mixed import OPTIONS as MIXED_OPTIONS
 
@@ -113,6 +113,11 @@ def register_bench(bench_subparsers: argparse._SubParsersAction) -> None:
 
     add_gateway_bench_args(g)
     g.set_defaults(func=cmd_bench_gateway)
+    f = bench_subparsers.add_parser("fleet", help="worker processes scaled out, in and killed under a backlog (JSON)")
+    from pagedq.bench.worker.fleet_args import add_args as add_fleet_bench_args
+
+    add_fleet_bench_args(f)
+    f.set_defaults(func=cmd_bench_fleet)
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
@@ -199,6 +204,13 @@ def cmd_bench_gateway(args: argparse.Namespace) -> int:
 
     configure_logging("error")
     return run(args)
+
+
+def cmd_bench_fleet(args: argparse.Namespace) -> int:
+    from pagedq.bench.worker.fleet import run_bench
+
+    configure_logging("error")
+    return run_bench(args)
 
 
 def build_parser(prog: str = "pagedq") -> argparse.ArgumentParser:

@@ -121,6 +121,33 @@ end
 return lost
 """
 
+# A stopping worker hands back what it holds, so nothing waits out a lease on a worker known to be gone. An entry
+# it never started is re-added to its stream as a fresh entry (the job's JSON, its id kept) and its old one
+# acknowledged and deleted: any worker reads it as new, not as a dead worker's suspect. An entry that did run (or
+# was itself recovered) is made idle past the lease, so the next claim takes it as the recovered job it is.
+# Entries another worker has claimed meanwhile are left alone.
+# KEYS: jobs; ARGV: group, consumer, lease_ms, job field, then (entry_id, job json or '' to release) pairs
+# Returns {re-added, released}.
+HAND_BACK = """
+local readded, released = 0, 0
+for i = 5, #ARGV, 2 do
+  local entry, job = ARGV[i], ARGV[i + 1]
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], entry, entry, 1)
+  if p[1] and p[1][2] == ARGV[2] then
+    if job ~= '' then
+      redis.call('XADD', KEYS[1], '*', ARGV[4], job)
+      redis.call('XACK', KEYS[1], ARGV[1], entry)
+      redis.call('XDEL', KEYS[1], entry)
+      readded = readded + 1
+    else
+      redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, entry, 'IDLE', ARGV[3], 'JUSTID')
+      released = released + 1
+    end
+  end
+end
+return {readded, released}
+"""
+
 # Request cancellation of a known, unfinished job: one with no final record whose id a client submitted
 # or a worker has read (the ids hash). An unknown id leaves nothing behind.
 # KEYS: final, cancelled, ids; ARGV: job_id, now
@@ -156,6 +183,7 @@ ALL = {
     "finalize": FINALIZE,
     "submit": SUBMIT,
     "renew": RENEW,
+    "hand_back": HAND_BACK,
     "cancel": CANCEL,
     "dead_raw": DEAD_RAW,
     "bulk_enqueue": BULK_ENQUEUE,

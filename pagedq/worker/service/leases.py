@@ -4,14 +4,17 @@ A job a worker holds stays "leased" while the worker renews it (XCLAIM JUSTID by
 idle time), so long generations are never stolen. Jobs of a dead worker go idle; after lease_ms any
 worker claims them with XAUTOCLAIM. Jobs recovered so (or re-read by a restarted worker) are suspects: they
 run alone, each run alone recorded in Redis first, so a job that kills its worker is the only one charged.
+A worker that stops hands back what it still holds (hand_back): jobs it never started go back to the stream
+as new entries, the others are made claimable at once.
 """
 
 from __future__ import annotations
 
 from pagedq.worker.protocol import scripts
-from pagedq.worker.protocol.keys import BANDS, GROUP
+from pagedq.worker.protocol.keys import BANDS, GROUP, JOB_FIELD
 from pagedq.worker.protocol.replies import text
 from pagedq.worker.service.context import ServiceContext
+from pagedq.worker.service.held import HeldJob, JobState
 
 
 class Leases:
@@ -65,3 +68,28 @@ class Leases:
         )
         self.cursors[band] = text(reply[0])
         return list(reply[1])
+
+    def hand_back(self, jobs: list[HeldJob]) -> tuple[int, int]:
+        """Give up the leases of the stream jobs a stopping worker still holds; returns (re-added, released).
+
+        A job that never ran here or anywhere (read ahead, never in the engine or still in its waiting queue) is
+        re-added as a fresh entry, so the next worker runs it as any new job; one that ran, or was recovered, is
+        left pending but idle past the lease, so the next claim takes it at once rather than after lease_ms."""
+        readded = released = 0
+        for band in BANDS:
+            pairs: list[str] = []
+            for t in jobs:
+                if t.origin == band and t.entry_id:
+                    pairs += [t.entry_id, t.job.to_json() if never_ran(t) else ""]
+            for i in range(0, len(pairs), 1000):
+                args = [GROUP, self.name, self.lease_ms, JOB_FIELD, *pairs[i : i + 1000]]
+                counts = scripts.call(self.r, "hand_back", [self.keys.jobs_of(band)], args)
+                readded, released = readded + int(counts[0]), released + int(counts[1])
+        return readded, released
+
+
+def never_ran(t: HeldJob) -> bool:
+    """No engine has produced output for t: read ahead (BACKLOG), or handed to the engine and still waiting there;
+    never recovered from another worker and never run alone (a suspect ran, or was charged a run)."""
+    waiting = t.state is JobState.BACKLOG or (t.state is JobState.IN_ENGINE and not t.started)
+    return waiting and not t.recovered and t.runs_alone == 0

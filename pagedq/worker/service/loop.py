@@ -70,6 +70,7 @@ class ServiceLoop:
         self.turn_clock = TurnClock()  # where the turns' time goes (bench worker reports it)
         self.cancel_possible = True  # the cancel set was non-empty at the last look
         self._burst_done = False
+        self._unstarted_left = False  # the drain's first turn took the jobs that never ran out of the engine
 
     @property
     def exit_code(self) -> int:
@@ -149,18 +150,28 @@ class ServiceLoop:
 
     def _shutdown(self) -> None:
         for t in self.held.in_state(JobState.IN_ENGINE):
-            self.recovery.leave_engine(t)  # drain timed out: left unacknowledged for redelivery
+            self.recovery.leave_engine(t)  # drain timed out (or a stop now): handed back below
+        handed_back = (0, 0)
         try:
-            self.exchange.flush()
+            self.exchange.flush()  # first: a job whose final record goes out here is not handed back
+            handed_back = self.leases.hand_back(list(self.held))
             self.heartbeat.remove()
-        except Exception as exc:  # Redis gone: nothing more to do; unacked jobs will be redelivered
+        except Exception as exc:  # Redis gone: nothing more to do; unacked jobs are claimed after the lease
             self.log.error("shutdown_flush_failed", error=repr(exc))
         self.prompts.close()
         for door in self.front_doors:
             door.close()  # requeues the messages of jobs left unfinished
         if self.metrics is not None:
             self.metrics.close()
-        self.log.info("worker_stopped", unacknowledged=len(self.held), **self.counters.by_status())
+        readded, released = handed_back
+        self.log.info(
+            "worker_stopped",
+            unacknowledged=len(self.held) - readded,
+            requeued=readded,
+            released=released,
+            duplicate_finals=self.publisher.duplicates,  # runs whose job had its final record already
+            **self.counters.by_status(),
+        )
 
     # ------------------------------------------------------------------ one turn
     def _turn(self) -> None:
@@ -176,6 +187,9 @@ class ServiceLoop:
                 room -= len(jobs)
                 self.holding.hold(jobs, check_cancel=self.cancel_possible)
         clock.lap("other")
+        if self.stopping and not self._unstarted_left:
+            self._unstarted_left = True
+            self.log.info("unstarted_jobs_left_engine", count=self.recovery.leave_unstarted())
         self._sync()
         clock.lap("round_trip")
         if not self.stopping:

@@ -12,8 +12,7 @@
   `engine_failure_limit` different jobs have each failed alone with no good step in between, the worker
   asks the engine for one token of a one-token canary prompt. If that works, the jobs are poison after all
   (several at once) and isolation goes on; if not, the fault is the worker's: it stops without settling
-  anything (exit status 3) and its unacknowledged jobs go to healthy workers, or to it restarted, after the
-  lease.
+  anything (exit status 3) and hands its jobs back (leases.py): healthy workers take them at once.
 - The engine raises taking a job in (preparing its prompt, add_request) with anything but RequestRejected (the
   caller's fault: the job is rejected): the engine's failure. It is a failed run of that job: retried as a suspect,
   dead-lettered after max_attempts.
@@ -40,7 +39,7 @@ from pagedq.worker.service.admission import Intake
 from pagedq.worker.service.context import ServiceContext
 from pagedq.worker.service.engine_api import RequestOutput, SamplingParams, WorkerEngine
 from pagedq.worker.service.held import HeldJob, JobState
-from pagedq.worker.service.leases import Leases
+from pagedq.worker.service.leases import Leases, never_ran
 
 EXIT_ENGINE_BROKEN = 3  # process status when the breaker stopped the worker: restart it
 EXIT_REDIS_LOST = 4  # process status when Redis stayed unreachable past redis_outage_s
@@ -110,6 +109,14 @@ class Recovery:
         except Exception as exc:
             self.log.error("abort_failed", job_id=t.id, error=repr(exc))
             return None
+
+    def leave_unstarted(self) -> int:
+        """A drain finishes what runs, not what waits: the jobs in the engine's waiting queue that never ran leave it,
+        to be handed back to the stream at stop (Leases.hand_back) for another worker, not run late by this one."""
+        unstarted = [t for t in self.held.in_state(JobState.IN_ENGINE) if never_ran(t)]
+        for t in unstarted:
+            self.leave_engine(t)
+        return len(unstarted)
 
     def on_step_error(self, exc: Exception) -> None:
         """A step raised: with one job in the batch it is the culprit, otherwise every job becomes a suspect."""
