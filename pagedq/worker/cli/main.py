@@ -137,6 +137,7 @@ def run_worker(args: argparse.Namespace, engine_builder: EngineBuilder) -> int:
     pagedq/worker/testing/faulty_worker.py)."""
     import structlog
 
+    from pagedq.worker import telemetry
     from pagedq.worker.assembly import Worker
     from pagedq.worker.ops.embedded_redis import EmbeddedRedis
     from pagedq.worker.protocol.connection import connect
@@ -144,6 +145,7 @@ def run_worker(args: argparse.Namespace, engine_builder: EngineBuilder) -> int:
 
     configure_logging(args.log_level)
     log = structlog.get_logger("pagedq.worker")
+    telemetry.start("pagedq-worker")  # OTEL_* variables: the jobs' spans (pagedq/worker/service/job_spans.py)
     embedded = None
     args.redis = configured_redis_url(args.redis)
     if args.redis is None:
@@ -162,6 +164,7 @@ def run_worker(args: argparse.Namespace, engine_builder: EngineBuilder) -> int:
         worker = Worker(engine, redis_client, settings_from_args(args, device, model))
         return worker.run()
     finally:
+        telemetry.shutdown()
         if embedded is not None:
             embedded.stop()
 

@@ -18,6 +18,7 @@ from pagedq.worker.protocol.chat import MAX_TOOLS, ChatMessage, Tool
 from pagedq.worker.protocol.errors import JobRejected
 from pagedq.worker.protocol.limits import check_metadata
 from pagedq.worker.protocol.records import Choice, Delta, FinalRecord, Status, Timings, Usage  # noqa: F401 (re-exported)
+from pagedq.worker.protocol.trace_context import Traceparent, Tracestate
 
 MAX_PROMPT_CHARS = 1_000_000  # a hard cap before tokenisation; the engine also enforces max_model_len
 MAX_JOB_ID_CHARS = 200
@@ -42,7 +43,9 @@ LATER_SAMPLING_DEFAULTS = {
     for name in ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "best_of")
 } | {"include_stop_str_in_output": False, "logit_bias": None, "structured_outputs": None}
 # and the later fields that are not sampling
-LATER_JOB_DEFAULTS = {**LATER_SAMPLING_DEFAULTS, "echo": False, "tools": None, "tool_call_parser": None}
+LATER_JOB_DEFAULTS = {**LATER_SAMPLING_DEFAULTS, "echo": False} | dict.fromkeys(
+    ("tools", "tool_call_parser", "traceparent", "tracestate")
+)
 
 
 def bounded(limit: Limit[Num, D]) -> D:
@@ -143,6 +146,9 @@ class Job(BaseModel):
     # Who the job is for: tenants share a band fairly (pagedq/worker/service/tenants.py); the gateway sets it from
     # the API key
     tenant: str | None = Field(default=None, max_length=limits.MAX_TENANT_CHARS, pattern=limits.TENANT_PATTERN)
+    # The producer's W3C trace context (protocol/trace_context.py): the worker's spans of this job continue its trace
+    traceparent: Traceparent | None = None
+    tracestate: Tracestate | None = None
 
     _metadata_is_json = field_validator("metadata")(check_metadata)
 
@@ -173,6 +179,8 @@ class Job(BaseModel):
             raise ValueError("stop must hold non-empty strings")
         if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative token ids")
+        if self.tracestate is not None and self.traceparent is None:
+            raise ValueError("tracestate goes with a traceparent")
         if self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must not exceed max_tokens")
         if self.best_of is not None and self.best_of < self.n:

@@ -89,6 +89,7 @@ class Intake:
             recovered=recovered,
             state=JobState.SUSPECT if recovered else JobState.BACKLOG,
             read_at=time.monotonic(),
+            read_unix=time.time(),
         )
         self.publisher.mark_known(job.id)  # now Client.cancel knows it
         return t
@@ -121,7 +122,7 @@ class Intake:
 
     def reject(self, t: HeldJob, reason: str) -> None:
         self.log.warning("job_rejected", job_id=t.id, error=reason)
-        self.publisher.final(self.publisher.record(t, "rejected", reason), t.origin, t.entry_id)
+        self.publisher.final(self.publisher.record(t, "rejected", reason), t.origin, t.entry_id, held=t)
         self.counters.settled("rejected")
 
     def reject_delivery(self, job_id: str, origin: str, reason: str) -> None:
@@ -144,7 +145,7 @@ class Intake:
             "attempts": t.attempts,
             "worker": self.settings.name,
         }
-        self.publisher.final(self.publisher.record(t, "failed", error), t.origin, t.entry_id, dead=dead)
+        self.publisher.final(self.publisher.record(t, "failed", error), t.origin, t.entry_id, dead=dead, held=t)
         self.counters.settled("failed")
 
 
