@@ -8,9 +8,10 @@ from __future__ import annotations
 import importlib
 import json
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -20,10 +21,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import format_span_id, format_trace_id
 
 from pagedq.worker import Client, JobRejected, telemetry
+from pagedq.worker.protocol.job import FinalRecord
 from pagedq.worker.protocol.keys import JOB_FIELD
 from pagedq.worker.testing.stub_engine import StubEngine
 
-from .helpers import KEYS, wait_for, worker_thread
+from .helpers import KEYS, fast_settings, wait_for, worker_thread
 
 PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -173,3 +175,51 @@ def test_spans_are_exported_over_otlp_http_as_the_otel_variables_say(redis_url, 
     assert job.trace_id.hex() == PARENT.split("-")[1] and job.parent_span_id.hex() == PARENT.split("-")[2]
     assert {a.key: a.value.string_value for a in job.attributes}["pagedq.job.id"] == job_id
     assert spans["publish"][1].parent_span_id == job.span_id
+
+
+def test_preemptions_seen_in_the_engines_outputs_become_events_of_the_job_span(exported):
+    """The engine reports a request's preemptions in each output (RequestOutput.num_preemptions): absorb notes when
+    each was seen, and the job span carries one `preempted` event per preemption and their count."""
+    from pagedq.worker.protocol.job import build_job
+    from pagedq.worker.service.absorb import absorb
+    from pagedq.worker.service.engine_api import CompletionOutput, RequestOutput
+    from pagedq.worker.service.held import HeldJob, JobKey
+    from pagedq.worker.service.job_spans import JobSpans
+    from pagedq.worker.service.publisher import Publisher
+
+    provider, exporter = exported
+    spans = JobSpans(provider, fast_settings())
+    t = HeldJob(JobKey("default", "j1"), build_job(prompt="x", id="j1", traceparent=PARENT), read_unix=time.time())
+    t.admitted_at = time.time()
+    publisher = cast(Publisher, None)  # a job that does not stream queues no delta
+    for step, (preempted, finished) in enumerate([(0, False), (2, False), (3, True)]):
+        completion = CompletionOutput(0, "a", [3 + step], finish_reason="length" if finished else None)
+        out = RequestOutput("default/j1", "x", [3], [completion], finished, num_preemptions=preempted)
+        absorb(t, out, time.time(), publisher)
+    assert len(t.preempted_at) == 3
+    record = FinalRecord.model_construct(id="j1", status="completed", finish_reason="length", usage=None, timings=None)
+    spans.settled(t, record)
+    spans.sending()
+    spans.sent(blocked=False)
+    (job,) = [s for s in exporter.get_finished_spans() if s.name == "pagedq.job"]
+    assert [(e.name, dict(e.attributes or {})) for e in job.events][1:] == [
+        ("preempted", {"pagedq.engine.preemptions": n}) for n in (1, 2, 3)
+    ]
+    assert dict(job.attributes or {})["pagedq.engine.preemptions"] == 3
+
+
+@pytest.mark.parametrize(
+    "headers, fields",
+    [
+        ({"traceparent": PARENT, "tracestate": "a=1"}, {"traceparent": PARENT, "tracestate": "a=1"}),
+        ({"traceparent": PARENT}, {"traceparent": PARENT}),
+        ({"traceparent": PARENT.upper()}, {}),  # malformed: dropped, a new trace starts (W3C)
+        ({"traceparent": PARENT, "tracestate": "BAD KEY"}, {}),
+        ({"traceparent": 7}, {}),
+        ({}, {}),
+    ],
+)
+def test_a_messages_trace_headers_become_job_fields_or_are_dropped(headers, fields):
+    from pagedq.worker.protocol.trace_context import from_headers
+
+    assert from_headers(headers) == fields

@@ -33,7 +33,7 @@ from pagedq.worker.client.core import make_job
 from pagedq.worker.protocol.errors import GenerationFailed, JobRejected
 from pagedq.worker.protocol.job import valid_job_id
 from pagedq.worker.protocol.keys import QueueKeys
-from pagedq.worker.protocol.trace_context import check_traceparent, check_tracestate
+from pagedq.worker.protocol.trace_context import from_headers
 from pagedq.worker.service.admission import Intake
 from pagedq.worker.service.config import WorkerSettings
 from pagedq.worker.service.held import CELERY_ORIGIN, HeldJob
@@ -291,18 +291,6 @@ def _job_from_task(task: str | None, task_id: str, args: Any, kwargs: Any, heade
             fields["deadline"] = _dt.datetime.fromisoformat(expires).timestamp()
         except (TypeError, ValueError):
             raise JobRejected(f"cannot parse expires {expires!r}") from None
-    if "traceparent" not in fields:
-        fields.update(_trace_context(headers))
+    if "traceparent" not in fields:  # the producer's, in the headers (pagedq/worker/celery/app.py puts it there)
+        fields.update(from_headers(headers))
     return make_job(job_id=task_id, **fields)
-
-
-def _trace_context(headers: dict) -> dict[str, str]:
-    """The producer's trace context from the message headers (pagedq/worker/celery/app.py puts it there, as does
-    OpenTelemetry's Celery instrumentation); one that is malformed is dropped, as W3C says (a new trace starts)."""
-    try:
-        context = {"traceparent": check_traceparent(headers["traceparent"])}
-        if headers.get("tracestate"):
-            context["tracestate"] = check_tracestate(headers["tracestate"])
-        return context
-    except (KeyError, TypeError, ValueError):
-        return {}

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import re
 import sys
-from typing import Annotated
+from collections.abc import Mapping
+from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field
 
@@ -62,3 +63,16 @@ def current_fields() -> dict[str, str]:
     carrier: dict[str, str] = {}
     TraceContextTextMapPropagator().inject(carrier)
     return {name: carrier[name] for name in ("traceparent", "tracestate") if carrier.get(name)}
+
+
+def from_headers(headers: Mapping[str, Any]) -> dict[str, str]:
+    """The trace context of a message's headers as job fields (a Celery message's: pagedq's producers and
+    OpenTelemetry's Celery instrumentation put it there); one that is malformed is dropped, as W3C says (the
+    receiver starts a new trace), since the headers are transport metadata, not the job's own fields."""
+    try:
+        context = {"traceparent": check_traceparent(headers["traceparent"])}
+        if headers.get("tracestate"):
+            context["tracestate"] = check_tracestate(headers["tracestate"])
+        return context
+    except (KeyError, TypeError, ValueError):
+        return {}
