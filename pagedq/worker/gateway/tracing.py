@@ -1,7 +1,7 @@
 """The gateway's spans (tracing on: pagedq/worker/telemetry/): OpenTelemetry's standard instrumentations of FastAPI
-(a server span per request, outermost, so it covers what the intake refuses) and of the gateway's Redis client (a
-client span per command or pipeline). The jobs a request submits carry its span as their traceparent
-(pagedq/worker/client/core.py), and the worker continues the trace from there."""
+(a server span per request, outermost, so it covers what the intake refuses, without the per-message spans) and of
+the gateway's Redis client (a client span per command or pipeline). The jobs a request submits carry its span as
+their traceparent (pagedq/worker/client/core.py), and the worker continues the trace from there."""
 
 from __future__ import annotations
 
@@ -25,5 +25,8 @@ def instrument(app: FastAPI, redis: AsyncRedis, provider: TracerProvider) -> Non
     from opentelemetry.instrumentation.redis import RedisInstrumentor
 
     excluded = None if os.environ.get("OTEL_PYTHON_FASTAPI_EXCLUDED_URLS") else UNTRACED_PATHS
-    FastAPIInstrumentor.instrument_app(app, tracer_provider=provider, excluded_urls=excluded)
+    # exclude_spans: no span per ASGI message, which for a streamed answer would be one per token event
+    FastAPIInstrumentor.instrument_app(
+        app, tracer_provider=provider, excluded_urls=excluded, exclude_spans=["receive", "send"]
+    )
     RedisInstrumentor.instrument_client(redis, tracer_provider=provider)
