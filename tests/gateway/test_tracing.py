@@ -72,8 +72,9 @@ def test_one_trace_from_the_http_request_to_the_final_record(redis_url: str, exp
         while span.parent is not None and span.parent.span_id in by_id:
             span = by_id[span.parent.span_id]
         assert span is server
-    # the shared result reader's blocking reads belong to no request: they make no trace of their own
+    # the shared result reader's blocking reads belong to no request: they make no spans, in this trace or their own
     assert {s.context.trace_id for s in spans if s.kind is SpanKind.CLIENT} == {trace_id}
+    assert not [s.name for s in spans if s.name.startswith("XREAD")]
 
     stages = {name: named(spans, name) for name in STAGES}
     assert all(len(found) == 1 for found in stages.values()), {k: len(v) for k, v in stages.items()}
