@@ -101,6 +101,7 @@ def test_one_trace_from_the_http_request_to_the_final_record(redis_url: str, exp
     assert decode["pagedq.engine.completion_tokens"] == 5 and decode["pagedq.finish_reason"] == "length"
 
 
+@pytest.mark.slow  # a worker in a subprocess, twice
 def test_nothing_of_opentelemetry_is_imported_when_tracing_is_off_or_the_extra_missing(redis_url):
     """The worker and the client serve a job with OpenTelemetry unimportable and OTEL_* asking for traces (a
     warning, then untraced); with it installed and tracing off, they and the gateway's app load none of the SDK, the
