@@ -22,6 +22,7 @@ PARTS = ("engine", "kernels", "worker", "bench")
 WORKER_LAYERS: dict[str, int] = {
     "pagedq.worker.logs": 0,
     "pagedq.worker.protocol": 0,
+    "pagedq.worker.telemetry": 0,  # tracing (the otel extra): set up from OTEL_*, read by every part that traces
     "pagedq.worker.flags": 1,
     "pagedq.worker.client": 2,
     "pagedq.worker.service": 3,

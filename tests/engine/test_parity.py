@@ -33,6 +33,8 @@ def test_greedy_parity_under_chunking_and_preemption(checkpoint_factory, archite
     llm = LLM(folder, block_size=16, num_kv_blocks=12, max_num_batched_tokens=24, max_num_seqs=8)
     outputs = llm.generate(prompts, params)
     assert llm.stats()["num_preemptions"] > 0
+    # each request's own count (what the worker's spans report) adds up to the scheduler's
+    assert sum(output.num_preemptions for output in outputs) == llm.stats()["num_preemptions"]
     assert llm.llm_engine.num_free_blocks == 12  # everything returned
 
     ties = 0

@@ -199,6 +199,7 @@ class OutputProcessor:
             group.prompt_logprobs_reported = True
         # Forks copy the root's count; a group not admitted yet (or aborted while waiting) has none.
         num_cached = max(0, max(s.request.num_cached_tokens for s in group.sequences.values()))
+        preemptions = sum(s.request.num_preemptions for s in group.sequences.values())
         return RequestOutput(
             group.request_id,
             group.prompt,
@@ -208,6 +209,7 @@ class OutputProcessor:
             metrics,
             prompt_logprobs,
             num_cached,
+            num_preemptions=preemptions,
         )
 
     @staticmethod

@@ -34,5 +34,6 @@ class RequestOutput:
     # output of a DELTA stream only.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (vLLM's field), counted at admission
+    num_preemptions: int = 0  # times the scheduler took its KV blocks or its seat so far (the worker's spans)
     # Why the request ended early (finish_reason "abort"): e.g. its structured_outputs grammar failed to compile
     error: str | None = None

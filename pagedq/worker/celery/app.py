@@ -25,8 +25,12 @@ A producer with an app of its own routes the task to the worker's queue (Celery'
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from celery import Celery
+from celery.signals import before_task_publish
+
+from pagedq.worker.protocol.trace_context import current_fields
 
 TASK_NAME = "pagedq.generate"
 DEFAULT_QUEUE = "pagedq"
@@ -91,6 +95,18 @@ def make_app(
         )
 
     return app
+
+
+def trace_headers(headers: dict[str, Any] | None = None, **_: Any) -> None:
+    """A `pagedq.generate` message carries its producer's trace context in its headers (W3C traceparent and
+    tracestate, where the producer traces and OpenTelemetry's Celery instrumentation has not put them there):
+    the worker's spans of the job continue that trace (pagedq/worker/celery/intake.py)."""
+    if headers is not None and "traceparent" not in headers:
+        headers.update(current_fields())
+
+
+# Celery's signals are process-wide: the sender (the task name) limits this to pagedq's task, in every app
+before_task_publish.connect(trace_headers, sender=TASK_NAME, weak=False, dispatch_uid="pagedq.trace_headers")
 
 
 def queue_of(app: Celery) -> str:

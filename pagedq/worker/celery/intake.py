@@ -33,6 +33,7 @@ from pagedq.worker.client.core import make_job
 from pagedq.worker.protocol.errors import GenerationFailed, JobRejected
 from pagedq.worker.protocol.job import valid_job_id
 from pagedq.worker.protocol.keys import QueueKeys
+from pagedq.worker.protocol.trace_context import from_headers
 from pagedq.worker.service.admission import Intake
 from pagedq.worker.service.config import WorkerSettings
 from pagedq.worker.service.held import CELERY_ORIGIN, HeldJob
@@ -290,4 +291,6 @@ def _job_from_task(task: str | None, task_id: str, args: Any, kwargs: Any, heade
             fields["deadline"] = _dt.datetime.fromisoformat(expires).timestamp()
         except (TypeError, ValueError):
             raise JobRejected(f"cannot parse expires {expires!r}") from None
+    if "traceparent" not in fields:  # the producer's, in the headers (pagedq/worker/celery/app.py puts it there)
+        fields.update(from_headers(headers))
     return make_job(job_id=task_id, **fields)

@@ -154,6 +154,7 @@ def run_worker(args: argparse.Namespace, engine_builder: EngineBuilder) -> int:
     pagedq/worker/testing/faulty_worker.py)."""
     import structlog
 
+    from pagedq.worker import telemetry
     from pagedq.worker.assembly import Worker
     from pagedq.worker.ops.local_redis import local_redis
     from pagedq.worker.protocol.connection import connect
@@ -161,6 +162,7 @@ def run_worker(args: argparse.Namespace, engine_builder: EngineBuilder) -> int:
 
     configure_logging(args.log_level)
     log = structlog.get_logger("pagedq.worker")
+    telemetry.start("pagedq-worker")  # OTEL_* variables: the jobs' spans (pagedq/worker/service/job_spans.py)
     embedded = None
     args.redis = configured_redis_url(args.redis)
     if args.redis is None:
@@ -181,6 +183,7 @@ def run_worker(args: argparse.Namespace, engine_builder: EngineBuilder) -> int:
         worker = Worker(engine, redis_client, settings_from_args(args, device, model))
         return worker.run()
     finally:
+        telemetry.shutdown()
         if embedded is not None:
             embedded.stop()
 

@@ -25,6 +25,7 @@ from pagedq.worker.protocol.keys import (
 )
 from pagedq.worker.protocol.limits import MAX_TENANT_QUEUED
 from pagedq.worker.protocol.replies import text
+from pagedq.worker.protocol.trace_context import current_fields
 
 # A producer's job-id prefix (ClientCore.job_id_prefix): what a job id may hold, and no glob character, since the
 # producer's Redis ACL user names its keys by it (deploy/redis/users.acl, docs/security.md).
@@ -95,6 +96,15 @@ def band_of(band: str | None, job: Job) -> str:
         return check_band(band) if band is not None else band_for_priority(job.vllm_priority)
     except ValueError as exc:
         raise JobRejected(str(exc)) from None
+
+
+def traced(built: list[tuple[Job, str]]) -> list[tuple[Job, str]]:
+    """The jobs, each without a trace context of its own given the caller's current one (where the caller traces:
+    protocol/trace_context.py), so the worker's spans of each job continue the trace that submitted it."""
+    fields = current_fields()
+    if not fields:
+        return built
+    return [(job if job.traceparent else job.model_copy(update=fields), band) for job, band in built]
 
 
 def submit_args(
@@ -209,10 +219,10 @@ class ClientCore:
         if self.job_id_prefix is not None and "job_id" not in kwargs:
             kwargs = {**kwargs, "job_id": self.job_id_prefix + new_job_id()}
         job = make_job(prompt, **kwargs)
-        return self._owned([(job, band_of(band, job))])
+        return traced(self._owned([(job, band_of(band, job))]))
 
     def _many(self, jobs: Iterable[Job | Mapping[str, Any]]) -> list[tuple[Job, str]]:
-        return self._owned([as_banded(self._with_own_id(j)) for j in jobs])
+        return traced(self._owned([as_banded(self._with_own_id(j)) for j in jobs]))
 
     def _with_own_id(self, item: Job | Mapping[str, Any]) -> Job | Mapping[str, Any]:
         if self.job_id_prefix is None or not isinstance(item, Mapping) or "id" in item or "job_id" in item:

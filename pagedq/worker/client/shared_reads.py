@@ -26,6 +26,7 @@ from pagedq.worker.protocol.errors import ResultTimeout
 from pagedq.worker.protocol.job import FinalRecord
 from pagedq.worker.protocol.keys import QueueKeys
 from pagedq.worker.protocol.replies import text
+from pagedq.worker.telemetry import run_untraced
 
 WAKE_TTL_S = 60  # the wake stream outlives a gateway that died by this much
 ERROR_PAUSE_S = 0.05  # after a failed read, before the next (a Redis outage does not spin the loop)
@@ -117,7 +118,8 @@ class SharedReads:
 
     def _start(self) -> None:
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run())
+            # the one reader serves every waiter: it runs outside the context (and the trace) of the first
+            self._task = run_untraced(asyncio.get_running_loop().create_task, self._run())
         else:
             self._wake()
 

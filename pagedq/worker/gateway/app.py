@@ -36,6 +36,7 @@ from pagedq.worker.gateway.tokenize import router as tokenize_router
 from pagedq.worker.gateway.workers import LiveWorkers
 from pagedq.worker.protocol.connection import AsyncRedis, ConnectionLimits, connect_async
 from pagedq.worker.protocol.errors import ResultTimeout
+from pagedq.worker.telemetry import provider
 
 
 class Gateway:
@@ -197,6 +198,10 @@ def create_app(settings: GatewaySettings | None = None, redis: AsyncRedis | None
     app.include_router(batch_router(gateway.batches, auth))
     app.include_router(tokenize_router(gateway.tokenizers, auth))
     app.include_router(responses_router(gateway.generate, auth))
+    if (tracer_provider := provider()) is not None:  # tracing on (OTEL_* variables): the standard instrumentations
+        from pagedq.worker.gateway.tracing import instrument
+
+        instrument(app, gateway.client.r, tracer_provider)
 
     # the bodies are parsed by parse_body, off the event loop when large
     @app.post("/v1/completions", dependencies=[auth])

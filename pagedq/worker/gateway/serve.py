@@ -110,5 +110,11 @@ def run(args: argparse.Namespace) -> int:
             host=settings.host,
             hint="no API keys are configured: anyone who reaches this address can use it (PAGEDQ_API_KEYS)",
         )
-    uvicorn.Server(server_config(create_app(settings), settings)).run()
+    from pagedq.worker import telemetry
+
+    telemetry.start("pagedq-gateway")  # before the app: it instruments itself when tracing is on
+    try:
+        uvicorn.Server(server_config(create_app(settings), settings)).run()
+    finally:
+        telemetry.shutdown()
     return 0

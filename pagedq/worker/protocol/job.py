@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import uuid
 from typing import Annotated, Any, Literal, get_args
@@ -18,10 +17,10 @@ from pagedq.worker.protocol.chat import MAX_TOOLS, ChatMessage, Tool
 from pagedq.worker.protocol.errors import JobRejected
 from pagedq.worker.protocol.limits import check_metadata
 from pagedq.worker.protocol.records import Choice, Delta, FinalRecord, Status, Timings, Usage  # noqa: F401 (re-exported)
+from pagedq.worker.protocol.trace_context import Traceparent, Tracestate
 
 MAX_PROMPT_CHARS = 1_000_000  # a hard cap before tokenisation; the engine also enforces max_model_len
 MAX_JOB_ID_CHARS = 200
-SALVAGE_MAX_DEPTH = 500  # json.loads recurses; this deep is still far from Python's limit
 MAX_ERRORS_SHOWN = 10  # validation errors quoted in a rejection reason
 STATUSES: tuple[Status, ...] = get_args(Status)  # the per-status counters (heartbeat, metrics) in this order
 # The job's sampling fields, the one list (the gateway's job fields and the Batch lines derive theirs from it): the
@@ -42,7 +41,9 @@ LATER_SAMPLING_DEFAULTS = {
     for name in ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "best_of")
 } | {"include_stop_str_in_output": False, "logit_bias": None, "structured_outputs": None}
 # and the later fields that are not sampling
-LATER_JOB_DEFAULTS = {**LATER_SAMPLING_DEFAULTS, "echo": False, "tools": None, "tool_call_parser": None}
+LATER_JOB_DEFAULTS = {**LATER_SAMPLING_DEFAULTS, "echo": False} | dict.fromkeys(
+    ("tools", "tool_call_parser", "traceparent", "tracestate")
+)
 
 
 def bounded(limit: Limit[Num, D]) -> D:
@@ -146,6 +147,9 @@ class Job(BaseModel):
     # Who the job is for: tenants share a band fairly (pagedq/worker/service/tenants.py); the gateway sets it from
     # the API key
     tenant: str | None = Field(default=None, max_length=limits.MAX_TENANT_CHARS, pattern=limits.TENANT_PATTERN)
+    # The producer's W3C trace context (protocol/trace_context.py): the worker's spans of this job continue its trace
+    traceparent: Traceparent | None = None
+    tracestate: Tracestate | None = None
 
     _metadata_is_json = field_validator("metadata")(check_metadata)
 
@@ -176,6 +180,8 @@ class Job(BaseModel):
             raise ValueError("stop must hold non-empty strings")
         if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative token ids")
+        if self.tracestate is not None and self.traceparent is None:
+            raise ValueError("tracestate goes with a traceparent")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must not exceed max_tokens")
         if self.best_of is not None and self.best_of < self.n:
@@ -264,35 +270,6 @@ def describe_errors(exc: ValidationError) -> str:
     if len(errors) > MAX_ERRORS_SHOWN:
         parts.append(f"and {len(errors) - MAX_ERRORS_SHOWN} more")
     return "invalid job: " + "; ".join(parts)
-
-
-def salvage(raw: bytes | str | None) -> tuple[str | None, dict[str, Any] | None]:
-    """Best-effort (id, metadata) of a malformed job, so its rejection can still be addressed to it.
-
-    Never raises: a document too big or too deep to parse safely, or whose metadata is not within the
-    limits, yields (None, None) or (id, None)."""
-    try:
-        raw_bytes = raw.encode() if isinstance(raw, str) else raw
-        if (
-            not isinstance(raw_bytes, bytes)
-            or len(raw_bytes) > limits.MAX_ENTRY_BYTES
-            or limits.json_depth(raw_bytes) > SALVAGE_MAX_DEPTH
-        ):
-            return None, None
-        data = json.loads(raw_bytes)
-        if not isinstance(data, dict):
-            return None, None
-        job_id = data.get("id")
-        if not (isinstance(job_id, str) and valid_job_id(job_id)):
-            job_id = None
-        meta = data.get("metadata")
-        try:
-            meta = check_metadata(meta) if isinstance(meta, dict) else None
-        except ValueError:
-            meta = None
-        return job_id, meta
-    except Exception:  # the entry's fault, whatever it is: reject it under its entry id
-        return None, None
 
 
 def valid_job_id(job_id: str) -> bool:

@@ -16,7 +16,9 @@ def absorb(t: HeldJob, out: RequestOutput, now: float, publisher: Publisher) -> 
     A job with n > 1 keeps each of the engine's parallel samples under its index (its deltas carry it); a job
     with one sample keeps it on the job itself, so its records keep their original shape."""
     t.started = True  # output came: it has left the engine's waiting queue
-    t.prompt_tokens = len(out.prompt_token_ids or ())
+    t.prompt_tokens, t.cached_tokens = len(out.prompt_token_ids or ()), out.num_cached_tokens
+    if out.num_preemptions > len(t.preempted_at):  # the engine took its blocks or its seat since the last output
+        t.preempted_at += [now] * (out.num_preemptions - len(t.preempted_at))
     prompt_logprobs = getattr(out, "prompt_logprobs", None)
     if prompt_logprobs:  # the first output brings them (JSON keys are strings)
         t.prompt_logprobs = [None if d is None else {str(k): float(v) for k, v in d.items()} for d in prompt_logprobs]

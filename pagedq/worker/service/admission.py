@@ -14,10 +14,11 @@ from typing import Any
 
 from pagedq.worker.protocol import limits
 from pagedq.worker.protocol.errors import JobRejected
-from pagedq.worker.protocol.job import FinalRecord, Job, parse_job, salvage
+from pagedq.worker.protocol.job import FinalRecord, Job, parse_job
 from pagedq.worker.protocol.keys import BANDS, DEFAULT_BAND, JOB_FIELD, band_rank
 from pagedq.worker.protocol.prompt_size import prompt_source
 from pagedq.worker.protocol.replies import text
+from pagedq.worker.protocol.salvage import salvage
 from pagedq.worker.service.config import WorkerSettings
 from pagedq.worker.service.context import ServiceContext
 from pagedq.worker.service.engine_api import WorkerEngine, check_context_fits
@@ -90,6 +91,7 @@ class Intake:
             recovered=recovered,
             state=JobState.SUSPECT if recovered else JobState.BACKLOG,
             read_at=time.monotonic(),
+            read_unix=time.time(),
         )
         self.publisher.mark_known(job.id)  # now Client.cancel knows it
         return t
@@ -122,7 +124,9 @@ class Intake:
 
     def reject(self, t: HeldJob, reason: str, code: str | None = None) -> None:
         self.log.warning("job_rejected", job_id=t.id, error=reason)
-        self.publisher.final(self.publisher.record(t, "rejected", reason, error_code=code), t.origin, t.entry_id)
+        self.publisher.final(
+            self.publisher.record(t, "rejected", reason, error_code=code), t.origin, t.entry_id, held=t
+        )
         self.counters.settled("rejected")
 
     def reject_delivery(self, job_id: str, origin: str, reason: str) -> None:
@@ -145,7 +149,7 @@ class Intake:
             "attempts": t.attempts,
             "worker": self.settings.name,
         }
-        self.publisher.final(self.publisher.record(t, "failed", error), t.origin, t.entry_id, dead=dead)
+        self.publisher.final(self.publisher.record(t, "failed", error), t.origin, t.entry_id, dead=dead, held=t)
         self.counters.settled("failed")
 
 

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pagedq.worker import telemetry
 from pagedq.worker.logs import worker_logger
 from pagedq.worker.protocol.keys import QueueKeys
 from pagedq.worker.service.config import WorkerSettings
@@ -16,6 +17,8 @@ from pagedq.worker.service.held import HeldJobs
 
 if TYPE_CHECKING:
     from structlog.typing import FilteringBoundLogger
+
+    from pagedq.worker.service.job_spans import JobSpans
 
 
 @dataclass
@@ -41,6 +44,7 @@ class ServiceContext:
     counters: Counters
     held: HeldJobs  # every job this worker holds, by JobKey, each with its JobState
     stop: Stop
+    spans: JobSpans | None = None  # the jobs' spans, when tracing is on (pagedq/worker/telemetry/)
 
     @classmethod
     def build(cls, redis_client: Any, settings: WorkerSettings) -> ServiceContext:
@@ -52,4 +56,15 @@ class ServiceContext:
             counters=Counters(),
             held=HeldJobs(),
             stop=Stop(),
+            spans=job_spans(settings),
         )
+
+
+def job_spans(settings: WorkerSettings) -> JobSpans | None:
+    """The jobs' spans when this process traces; OpenTelemetry is imported only then."""
+    provider = telemetry.provider()
+    if provider is None:
+        return None
+    from pagedq.worker.service.job_spans import JobSpans
+
+    return JobSpans(provider, settings)

@@ -31,6 +31,7 @@ class Exchange:
     def __init__(self, ctx: ServiceContext, publisher: Publisher, front_doors: Sequence[FrontDoor]) -> None:
         self.r, self.keys, self.s = ctx.redis, ctx.keys, ctx.settings
         self.publisher, self.front_doors = publisher, front_doors
+        self.spans = ctx.spans
 
     def turn(self, job_ids: list[str], idle: bool, stopping: bool, room: Callable[[str], int]) -> TurnReplies:
         """One round trip: pending writes, cancel check of job_ids, new jobs (blocking only when idle).
@@ -51,6 +52,8 @@ class Exchange:
             self.publisher.restore(ops)  # not known to be written: send again after the outage
             raise
         self.publisher.check(ops, results)
+        if self.spans is not None:  # a blocking read waits after the writes have landed: they were done when sent
+            self.spans.sent(blocked=self._blocks(idle, stopping))
         self.settle()
         trip.raise_read_error()
         return TurnReplies(
@@ -65,7 +68,7 @@ class Exchange:
     ) -> list[Reply[list[Batch]]]:
         """The XREADGROUPs of this round trip."""
         # burst mode never blocks: it checks the pending count instead (and the loop naps if others hold jobs)
-        block = self.s.block_ms if idle and not self.s.burst and not stopping else None
+        block = self.s.block_ms if self._blocks(idle, stopping) else None
         if block:  # idle: one blocking read over every band, woken by the first job in any of them
             for door in self.front_doors:  # wake up often enough to poll the front doors too
                 block = min(block, max(1, int(door.poll_interval_s * 1000)))
@@ -76,6 +79,9 @@ class Exchange:
             if count > 0:
                 reads.append(self._read(trip, (band,), count))
         return reads
+
+    def _blocks(self, idle: bool, stopping: bool) -> bool:
+        return bool(self.s.block_ms) and idle and not self.s.burst and not stopping
 
     def _read(self, trip: RoundTrip, bands: Sequence[str], count: int, block: int | None = None) -> Reply[list[Batch]]:
         streams = {self.keys.jobs_of(band): ">" for band in bands}
@@ -95,6 +101,8 @@ class Exchange:
             trip = RoundTrip(self.r)
             trip.write(ops)
             self.publisher.check(ops, trip.execute())
+            if self.spans is not None:
+                self.spans.sent(blocked=False)
         self.settle()
 
     def settle(self) -> None:

@@ -41,7 +41,7 @@ class Finisher:
 
     def finalize(self, t: HeldJob, status: str, error: str | None = None) -> None:
         record = self.publisher.record(t, status, error)
-        self.publisher.final(record, t.origin, t.entry_id)
+        self.publisher.final(record, t.origin, t.entry_id, held=t)
         self.counters.settled(status)
         if self.metrics is not None:
             self.metrics.observe(record, t.band)

@@ -93,10 +93,13 @@ class HeldJob:
     size: int = 0  # characters of its entry's JSON as read (0: it came through a front door); prompt_pool.py reads it
     enqueued_at: float = 0.0
     read_at: float = 0.0  # time.monotonic() when read (or polled): the start of its read-to-admit delay
+    read_unix: float = 0.0  # the same moment as unix time, kept after admission (its spans: service/job_spans.py)
     admitted_at: float | None = None
     first_token_at: float | None = None
     started: bool = False  # the engine has produced output for it (it left the engine's waiting queue)
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of those, served by the engine's prefix cache
+    preempted_at: list[float] = field(default_factory=list)  # when each of its preemptions was seen (its spans)
     token_ids: list[int] = field(default_factory=list)
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[dict[str, float]] | None = None
@@ -165,6 +168,7 @@ class HeldJob:
         self.prompt_streamed = False
         self.samples = {}
         self.first_token_at = None
+        self.preempted_at = []
 
 
 class HeldJobs:

@@ -28,6 +28,7 @@ MAX_DEAD_RAW_BYTES = 1024 * 1024  # of a raw dead letter: enough to see what it 
 class Publisher:
     def __init__(self, ctx: ServiceContext, tokenizer: Any = None) -> None:
         self.keys, self.worker_name, self.redis = ctx.keys, ctx.settings.name, ctx.redis
+        self.spans = ctx.spans
         # None without a tokenizer (a stub engine): records then name no token texts
         self.token_texts = TokenTexts(tokenizer) if tokenizer is not None else None
         self.ttl, self.maxlen = int(ctx.settings.result_ttl_s), int(ctx.settings.completions_maxlen)
@@ -80,9 +81,18 @@ class Publisher:
             self._expiring.add(key)
             self._ops.append(("EXPIRE", key, self.ttl))
 
-    def final(self, record: FinalRecord, origin: str, entry_id: str | None, dead: dict | None = None) -> None:
+    def final(
+        self,
+        record: FinalRecord,
+        origin: str,
+        entry_id: str | None,
+        dead: dict | None = None,
+        held: HeldJob | None = None,
+    ) -> None:
         """Queue a final record. A stream job's entry (in its band's stream) is acknowledged with it; a Celery
-        job is acknowledged on the Celery side once FINALIZE has run."""
+        job is acknowledged on the Celery side once FINALIZE has run. held: the held job it ends (its spans)."""
+        if self.spans is not None and held is not None:
+            self.spans.settled(held, record)
         self._expiring.discard(self.keys.result(record.id))
         if origin == CELERY_ORIGIN:
             self._door_done.append(record.id)
@@ -197,6 +207,8 @@ class Publisher:
         ops, self._ops = self._ops, []
         finals, self._finals = self._finals, []
         self._settling, self._door_done = self._door_done, []
+        if self.spans is not None:
+            self.spans.sending()
         k = self.keys
         for i in range(0, len(finals), FINALIZE_CHUNK):
             chunk = finals[i : i + FINALIZE_CHUNK]
@@ -212,6 +224,8 @@ class Publisher:
         self._ops = ops + self._ops
         self._door_done = self._settling + self._door_done
         self._settling = []
+        if self.spans is not None:
+            self.spans.unsent()
 
     def take_settled(self) -> list[str]:
         """The front-door job ids whose final records the last take()'s pipeline wrote: theirs to settle now."""
