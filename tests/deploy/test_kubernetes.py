@@ -1,8 +1,8 @@
 """deploy/kubernetes/: every overlay rendered (tests/deploy/kustomize.py, checked against `kubectl kustomize` where
 kubectl is installed) and checked against the code it deploys: the stream keys and the group QueueKeys produces, the
 worker's probe paths as its metrics server answers them, the grace period against the drain timeout's default, the
-images docker/ builds, the Secret references, and a structural check of the fields Kubernetes and KEDA require (no
-schema validator is installed offline)."""
+images docker/ builds, the Secret references, and a structural check of how the objects refer to each other (selectors,
+ports, governing Services), which no schema sees: tests/deploy/test_schemas.py validates each object alone."""
 
 from __future__ import annotations
 
