@@ -12,14 +12,16 @@ import pytest
 from pagedq import RequestRejected as RootRequestRejected
 from pagedq.engine import LLM, BeamSearchParams, LLMEngine, RequestRejected, SamplingParams, StructuredOutputsParams
 from pagedq.engine.config.engine import EngineConfig
+from pagedq.engine.errors import ContextLengthExceeded
 from pagedq.engine.structured_output.backend import xgrammar
 from pagedq.engine.structured_output.manager import StructuredOutputManager
 
 
-def rejected(call, *args, **kwargs) -> RequestRejected:
+def rejected(call, *args, kind: type[RequestRejected] = RequestRejected, **kwargs) -> RequestRejected:
+    """The refusal, of exactly `kind` (a prompt past the context is its own kind, worded as vLLM words it)."""
     with pytest.raises(RequestRejected) as caught:
         call(*args, **kwargs)
-    assert type(caught.value) is RequestRejected and isinstance(caught.value, ValueError)
+    assert type(caught.value) is kind and isinstance(caught.value, ValueError)
     return caught.value
 
 
@@ -76,11 +78,12 @@ def test_requests_the_engine_cannot_serve_are_rejected_and_leave_no_trace(engine
         ([], params),
         ([1, vocab], params),
         ([1, 2.5], params),
-        ([1, 2], SamplingParams(max_tokens=length)),  # past max_model_len
         ([1, 2], SamplingParams(max_tokens=16 * engine.block_manager.block_size)),  # past the whole KV cache
         ([1, 2], SamplingParams(logit_bias={vocab: 1.0})),
     ]:
         rejected(engine.add_request, "r", prompt, request_params)
+    past = rejected(engine.add_request, "r", [1, 2], SamplingParams(max_tokens=length), kind=ContextLengthExceeded)
+    assert f"maximum context length is {length} tokens" in str(past) and f"{length + 2} tokens" in str(past)
     rejected(engine.add_request, "r", [1, 2], {"max_tokens": 4})
     rejected(engine.add_beam_search_request, "b", [1, 2], BeamSearchParams(beam_width=5, max_tokens=4))
     assert not engine.has_unfinished_requests()
@@ -93,7 +96,9 @@ def test_the_offline_api_rejects_what_the_caller_got_wrong(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=16)
     rejected(llm.generate, ["a", "b"], [SamplingParams()])
     rejected(llm.chat, [])
-    rejected(llm.generate, [[1, 2]], SamplingParams(max_tokens=llm.llm_engine.max_model_len))
+    rejected(
+        llm.generate, [[1, 2]], SamplingParams(max_tokens=llm.llm_engine.max_model_len), kind=ContextLengthExceeded
+    )
 
 
 def test_engine_configuration_errors_stay_plain_value_errors(tiny_llama_dir):
