@@ -38,6 +38,8 @@ from pagedq.worker.protocol.connection import AsyncRedis, ConnectionLimits, conn
 from pagedq.worker.protocol.errors import ResultTimeout
 from pagedq.worker.telemetry import provider
 
+SHUTDOWN_WAIT_S = 5.0  # what a stopping gateway gives its batch runs and stream cancels before it closes Redis
+
 
 class Gateway:
     """What the routes share: settings, the queue client, the live-worker view, open streams."""
@@ -181,7 +183,11 @@ def create_app(settings: GatewaySettings | None = None, redis: AsyncRedis | None
         yield
         for task in list(gateway.batches.tasks):  # their lease expires: the next GET on any gateway resumes them
             task.cancel()
-        await asyncio.gather(*gateway.batches.tasks, *gateway.streams.cancels, return_exceptions=True)
+        # Bounded: a run cancelled inside one of redis-py's shielded commands waits for that command, which closing
+        # the client below ends; an unbounded wait kept a stopping gateway alive, renewing its batches' leases.
+        pending = {*gateway.batches.tasks, *gateway.streams.cancels}
+        if pending:
+            await asyncio.wait(pending, timeout=SHUTDOWN_WAIT_S)
         await gateway.client.aclose()
 
     app = FastAPI(title="pagedq gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
