@@ -15,7 +15,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Form, Query, Request, UploadFile
 from fastapi.responses import JSONResponse, Response
 
-from pagedq.worker.gateway.errors import OpenAIError
+from pagedq.worker.gateway.errors import NO_RETRY, OpenAIError
 from pagedq.worker.gateway.listing import index_add, page
 from pagedq.worker.gateway.object_ids import is_file_id, new_file_id
 from pagedq.worker.gateway.owners import owns, request_owner
@@ -26,8 +26,6 @@ from pagedq.worker.protocol.replies import text as reply_text
 
 MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's batch input limit
 MAX_LIST_LIMIT = 10_000  # OpenAI's bound (and default) of GET /v1/files' limit
-# a full quota frees only as files expire or are deleted: the openai SDK's automatic retries would not help
-NO_RETRY = {"x-should-retry": "false"}
 
 
 def file_object(file_id: str, filename: str, size: int, purpose: str, created: int) -> dict[str, Any]:
@@ -84,7 +82,7 @@ class FileStore:
             f"file quota {name} reached: {state}; delete files (DELETE /v1/files/{{id}}) or wait for them to expire",
             param="file",
             code="file_quota_exceeded",
-            headers=NO_RETRY,
+            headers=NO_RETRY,  # a full quota frees only as files expire or are deleted
         )
 
     async def _release(self, file_id: str, owner: str) -> None:
