@@ -31,7 +31,8 @@ def _count_triton_calls(monkeypatch) -> dict[str, int]:
 def test_the_backend_chosen_at_build_time_stays(tiny_llama_dir, monkeypatch, built_with, changed_to):
     calls = _count_triton_calls(monkeypatch)
     monkeypatch.setenv("PAGEDQ_KERNELS", built_with)
-    llm = LLM(tiny_llama_dir, num_kv_blocks=8, block_size=16)
+    # eager: on a GPU, decode steps otherwise replay CUDA graphs captured at build, and a replay calls no Python
+    llm = LLM(tiny_llama_dir, num_kv_blocks=8, block_size=16, enforce_eager=True)
     calls.clear()
     monkeypatch.setenv("PAGEDQ_KERNELS", changed_to)  # read once, at build: changing it now changes nothing
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.8, seed=1))
