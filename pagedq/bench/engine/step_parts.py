@@ -80,8 +80,10 @@ def measure_step_parts(model, kv_caches, block_size: int, context_lens: list[int
 
 
 def _on(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
-    tensors = ("slot_mapping", "decode_block_tables", "decode_context_lens")
-    tensors += ("prefill_block_tables", "prefill_cu_seqlens_q", "prefill_context_lens")
+    tensors = (
+        *("slot_mapping", "decode_block_tables", "decode_context_lens"),
+        *("prefill_block_tables", "prefill_cu_seqlens_q", "prefill_context_lens"),
+    )
     moved = {name: getattr(meta, name).to(device) for name in tensors}
     return AttentionMetadata(num_decode_tokens=meta.num_decode_tokens, **moved)
 
