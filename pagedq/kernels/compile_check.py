@@ -74,8 +74,9 @@ def _scalar_type(value) -> str:
 def compile_recorded(kernel: JITFunction, args: tuple, kwargs: dict):
     """Compile `kernel` for sm_90 with the arguments a launcher passed it."""
     meta = {k: v for k, v in kwargs.items() if k not in _LAUNCH_OPTIONS}
-    if "UPCAST_DOT" in meta:
-        meta["UPCAST_DOT"] = False  # on meta tensors the launcher saw a recorder, not a JIT kernel
+    for interpreter_fix in ("UPCAST_DOT", "RNE_BY_HAND"):
+        if interpreter_fix in meta:
+            meta[interpreter_fix] = False  # on meta tensors the launcher saw a recorder, not a JIT kernel
     values = dict(zip(kernel.arg_names, args))
     values.update(meta)
     # Specialise like a real JIT launch: ints equal to 1 become constants, and pointers (torch allocations
