@@ -3,6 +3,8 @@ reference."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from moe_cases import CASES, MoeCase, make_experts, make_routing
@@ -13,6 +15,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from pagedq import kernels
+from pagedq.bench import moe_cpu
 from pagedq.kernels import cpu_moe, moe, reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -120,3 +123,13 @@ def test_each_backend_binds_its_fused_moe(monkeypatch):
     assert kernels.bind("cpu").fused_moe is reference.fused_moe
     monkeypatch.setenv("PAGEDQ_KERNELS", "triton")
     assert kernels.bind("cpu").fused_moe is moe.fused_moe
+
+
+def test_cpu_moe_bench_compares_both_paths_on_tiny_shapes(capsys):
+    records = moe_cpu.bench_cpu_fused_moe([1, 5], repeats=1, shapes=[("tiny", 4, 2, 16, 8)])
+    printed = [json.loads(line[5:]) for line in capsys.readouterr().out.splitlines() if line.startswith("JSON ")]
+    assert printed == records and [r["shape"] for r in records] == [
+        "tiny T=1 E=4 K=2 H=16 I=8 fp32",
+        "tiny T=5 E=4 K=2 H=16 I=8 fp32",
+    ]
+    assert all(r["max_abs_diff_vs_reference"] < 1e-5 and r["grouped_ms"] > 0 for r in records)
