@@ -108,12 +108,6 @@ def gumbel_argmax_bytes(num_rows: int, vocab_size: int) -> int:
     return num_rows * (vocab_size * 4 + 4 + 8 + 8 + 8)
 
 
-def fused_moe_flops(num_tokens: int, top_k: int, hidden: int, intermediate: int) -> int:
-    """Per (token, slot) pair: the gate/up GEMM (2I x H) and the down GEMM (H x I); padding rows not counted."""
-    pairs = num_tokens * top_k
-    return matmul_flops(pairs, 2 * intermediate, hidden) + matmul_flops(pairs, hidden, intermediate)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Measurement helpers (CUDA only).
 
@@ -289,35 +283,6 @@ def bench_copy_and_sampling(device, copy_gbps: float, num_layers: int = 32, num_
                 same_as_torch=same)  # fmt: skip
 
 
-# (label, tokens, experts, top_k, hidden, intermediate): Qwen3-30B-A3B decode and prefill, Mixtral-8x7B prefill.
-MOE_CASES = [
-    ("qwen3-moe", 64, 128, 8, 2048, 768),
-    ("qwen3-moe", 4096, 128, 8, 2048, 768),
-    ("mixtral", 4096, 8, 2, 4096, 14336),
-]
-
-
-def bench_fused_moe(device, matmul_tflops: float, cases: Sequence[tuple[str, int, int, int, int, int]] = MOE_CASES):
-    """fused_moe in bf16 with softmax top-k routing over random logits, next to the dense bf16 matmul and to the
-    "cpu" backend's torch path (grouped by expert, one matmul pair per expert) run on the same GPU tensors."""
-    from pagedq.kernels import cpu_moe, triton_ops
-
-    for label, tokens, experts, top_k, hidden, intermediate in cases:
-        x = torch.randn(tokens, hidden, dtype=DTYPE, device=device)
-        w13 = torch.randn(experts, 2 * intermediate, hidden, dtype=DTYPE, device=device) * hidden**-0.5
-        w2 = torch.randn(experts, hidden, intermediate, dtype=DTYPE, device=device) * intermediate**-0.5
-        weights, ids = torch.topk(torch.randn(tokens, experts, device=device).softmax(-1), top_k, dim=-1)
-        args = (x, w13, w2, weights, ids.to(torch.int32))
-        ms = _time_ms(functools.partial(triton_ops.fused_moe, *args))
-        torch_ms = _time_ms(functools.partial(cpu_moe.fused_moe, *args))
-        diff = (triton_ops.fused_moe(*args).float() - cpu_moe.fused_moe(*args).float()).abs().max().item()
-        tflops = fused_moe_flops(tokens, top_k, hidden, intermediate) / (ms * 1e-3) / 1e12
-        shape = f"{label} T={tokens} E={experts} K={top_k} H={hidden} I={intermediate}"
-        metrics = {"TFLOP/s": tflops, "matmul_TFLOP/s": matmul_tflops, "pct_of_matmul": 100.0 * tflops / matmul_tflops}
-        _report("fused_moe", shape, ms, **metrics, torch_grouped_speedup=torch_ms / ms, max_abs_diff=diff)
-        del x, w13, w2, args
-
-
 # CUDA measures one fixed shape (Llama-3-8B's attention, bf16); the CPU path defaults to SmolLM2-135M's, fp32.
 _CPU_ONLY = ("heads", "head_dim", "dtype", "repeats", "prefill_lens")
 _DEFAULTS = {
@@ -414,7 +379,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.skip_elementwise:
         bench_elementwise(device, copy_gbps)
         bench_copy_and_sampling(device, copy_gbps)
-        bench_fused_moe(device, matmul_tflops)
+        from pagedq.bench.kernels_moe import bench_fused_moe
+
+        bench_fused_moe(device, matmul_tflops, _time_ms, _report)
     return 0
 
 

@@ -192,7 +192,8 @@ def _production_calls() -> list[tuple[str, object, list[str], Callable[[], objec
         ("gumbel_argmax 4 splits", sampling, ["_gumbel_argmax_partial_kernel", "_gumbel_argmax_reduce_kernel"],
          lambda: sampling.gumbel_argmax_split(_meta(256, 151936, dtype=torch.float32), _meta(256, dtype=torch.float32),
                                               _meta(256, dtype=torch.int64), _meta(256, dtype=torch.int64), 4)),
-    ] + _moe_calls()  # fmt: skip
+        *_moe_calls(),
+    ]  # fmt: skip
 
 
 def _moe_calls() -> list[tuple[str, object, list[str], Callable[[], object]]]:
@@ -204,9 +205,12 @@ def _moe_calls() -> list[tuple[str, object, list[str], Callable[[], object]]]:
     def call(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype=torch.bfloat16, bias=False):
         biases = {"w13_bias": _meta(experts, 2 * inter, dtype=dtype), "w2_bias": _meta(experts, hidden, dtype=dtype)}
         return lambda: moe.fused_moe(
-            _meta(tokens, hidden, dtype=dtype), _meta(experts, 2 * inter, hidden, dtype=dtype),
-            _meta(experts, hidden, inter, dtype=dtype), _meta(tokens, top_k, dtype=torch.float32),
-            _meta(tokens, top_k, dtype=torch.int32), **(biases if bias else {}),
+            _meta(tokens, hidden, dtype=dtype),
+            _meta(experts, 2 * inter, hidden, dtype=dtype),
+            _meta(experts, hidden, inter, dtype=dtype),
+            _meta(tokens, top_k, dtype=torch.float32),
+            _meta(tokens, top_k, dtype=torch.int32),
+            **(biases if bias else {}),
             activation="swiglu_oai" if bias else "silu",
         )
 

@@ -15,7 +15,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from pagedq import kernels
-from pagedq.bench import moe_cpu
+from pagedq.bench import kernels_moe
 from pagedq.kernels import cpu_moe, moe, reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -126,7 +126,7 @@ def test_each_backend_binds_its_fused_moe(monkeypatch):
 
 
 def test_cpu_moe_bench_compares_both_paths_on_tiny_shapes(capsys):
-    records = moe_cpu.bench_cpu_fused_moe([1, 5], repeats=1, shapes=[("tiny", 4, 2, 16, 8)])
+    records = kernels_moe.bench_cpu_fused_moe([1, 5], repeats=1, shapes=[("tiny", 4, 2, 16, 8)])
     printed = [json.loads(line[5:]) for line in capsys.readouterr().out.splitlines() if line.startswith("JSON ")]
     assert printed == records and [r["shape"] for r in records] == [
         "tiny T=1 E=4 K=2 H=16 I=8 fp32",
