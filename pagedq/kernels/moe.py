@@ -235,7 +235,8 @@ def _check_inputs(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, ac
             continue
         if tuple(bias.shape) != shape:
             raise ValueError(f"{fn}: {name} must be {shape}, got {tuple(bias.shape)}")
-        check_float_dtype(fn, name, bias)
+        if bias.dtype != hidden.dtype:
+            raise ValueError(f"{fn}: {name} dtype {bias.dtype} must match hidden's {hidden.dtype}")
         check_last_dim_contiguous(fn, name, bias)
     tensors = {"hidden": hidden, "w13": w13, "w2": w2, "topk_weights": topk_weights, "topk_ids": topk_ids}
     present_biases = {name: bias for name, (bias, _) in biases.items() if bias is not None}

@@ -75,6 +75,7 @@ def test_alignment_groups_every_pair_under_its_expert(device, block_m):
         (lambda a: a.update(topk_ids=a["topk_ids"].float()), "topk_ids must be int32 or int64"),
         (lambda a: a.update(topk_weights=a["topk_weights"][:, :1]), "topk_ids and topk_weights must both be"),
         (lambda a: a.update(w13_bias=torch.zeros(4, 3)), "w13_bias must be"),
+        (lambda a: a.update(w13_bias=torch.zeros(4, 96, dtype=torch.float16)), "w13_bias dtype"),
         (lambda a: a.update(hidden=a["hidden"].t().contiguous().t()), "hidden must have a contiguous last dim"),
     ],
 )
