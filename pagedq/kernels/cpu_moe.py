@@ -48,7 +48,7 @@ def fused_moe(
         _linear(_activate(gate_up, activation), w2[expert], None if w2_bias is None else w2_bias[expert],
                 out=expert_out[rows])  # fmt: skip
         start += count
-    weighted = expert_out.float() if expert_out.dtype != torch.float32 else expert_out
+    weighted = expert_out.float()  # expert_out itself when fp32: it is ours to scale in place
     weighted.mul_(topk_weights.reshape(-1)[order].float()[:, None])
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     out.index_add_(0, tokens, weighted)

@@ -18,8 +18,9 @@ case, N + min(E, N) * (BLOCK_M - 1) rows; programs whose block holds no group re
 Kernel 1, gate/up: a program computes BLOCK_M pairs x BLOCK_N intermediate columns of its expert with two fp32
 accumulators (gate and up columns), applies the activation and stores act [N, I] at the pairs' rows. Kernel 2,
 down: act @ w2[e].T + bias for BLOCK_M pairs x BLOCK_N hidden columns, times the pair's routing weight, stored
-at the pair's row of [N, H]; the K rows of a token are then summed (fp32 accumulation, torch). Both round the
-projections to the input dtype before the activation and the weighting, where the reference rounds them.
+in hidden's dtype at the pair's row of [N, H]; the K rows of a token are then summed (fp32 accumulation, torch;
+no atomics, so the result is deterministic). Both kernels round to the input dtype where the reference rounds
+(the projections, silu, each elementwise step of swiglu_oai).
 """
 
 from __future__ import annotations
