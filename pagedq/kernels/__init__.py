@@ -22,7 +22,6 @@ import torch
 from pagedq.kernels import cpu_attention, cpu_moe, reference
 
 _BACKENDS = ("triton", "cpu", "reference")
-CPU_ATTENTION_NAMES = ("paged_decode_attention", "paged_prefill_attention")  # what "cpu" takes from cpu_attention
 KERNEL_NAMES = (
     "store_kv_cache",
     "paged_decode_attention",
@@ -35,6 +34,13 @@ KERNEL_NAMES = (
     "gumbel_argmax",
     "fused_moe",
 )
+# What the "cpu" backend takes from a CPU path of its own instead of the reference: the paged attention
+# (index_select + SDPA, or the native kernel) and the MoE grouped by expert (the reference masks per expert).
+CPU_PATHS = {
+    "paged_decode_attention": cpu_attention,
+    "paged_prefill_attention": cpu_attention,
+    "fused_moe": cpu_moe,
+}
 
 
 def selected_backend(device: torch.device) -> str:
@@ -70,11 +76,8 @@ def bind(device: torch.device | str) -> KernelSet:
     if backend == "cpu" and torch.device(device).type != "cpu":
         raise ValueError(f"PAGEDQ_KERNELS=cpu runs on CPU tensors only, not on {device}: use triton or reference")
     if backend in ("reference", "cpu"):
-        fast = cpu_attention if backend == "cpu" else reference
-        impls = {name: getattr(fast if name in CPU_ATTENTION_NAMES else reference, name) for name in KERNEL_NAMES}
-        if backend == "cpu":
-            impls["fused_moe"] = cpu_moe.fused_moe  # grouped by expert; the reference masks per expert
-        return KernelSet(backend, **impls)
+        paths = CPU_PATHS if backend == "cpu" else {}
+        return KernelSet(backend, **{name: getattr(paths.get(name, reference), name) for name in KERNEL_NAMES})
     from pagedq.kernels import triton_ops  # imported lazily: Triton reads TRITON_INTERPRET when kernels are defined
 
     impls = {name: getattr(triton_ops, name, None) for name in KERNEL_NAMES}
