@@ -284,3 +284,17 @@ def test_partial_rotary_factor_is_refused(tmp_path):
     folder = _config_only(tmp_path, transformers.Phi3Config(**COMMON, rope_parameters=rope, sliding_window=None))
     with pytest.raises(ValueError, match=r"^unsupported partial_rotary_factor 0.75: pagedq rotates the whole head"):
         ModelConfig.from_pretrained(folder)
+
+
+# ---- Phi-3's sliding window (Phi-3-mini-4k: 2047), through the attention kernels' window ----------------------
+
+
+def test_phi3_sliding_window_parity_past_the_window(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.Phi3Config(**COMMON, max_position_embeddings=256, sliding_window=16)
+    transformers.Phi3ForCausalLM(config).save_pretrained(tmp_path)
+    assert ModelConfig.from_pretrained(tmp_path).max_position_embeddings == 256  # served whole, not cut to 16
+    lengths = (5, 17, 33, 47)  # past the window, and decodes past it
+    tight = dict(TIGHT, num_kv_blocks=8)
+    llm = _check_parity(tmp_path, _prompts(lengths, seed=5), [24] * len(lengths), **tight)
+    assert llm.stats()["num_preemptions"] > 0
