@@ -148,7 +148,7 @@ class LLMEngine:
                 sampling_params=params,
                 prompt=text,
                 eos_token_ids=self.model_config.eos_token_ids,
-                cache_namespace=rope_cache_namespace(self.model_config, len(token_ids)),
+                cache_namespace=rope_cache_namespace(self.model_config, len(token_ids) + params.max_tokens),
                 priority=priority,
                 sampling_seed=seed + first,
                 group_id=request_id,
@@ -181,7 +181,7 @@ class LLMEngine:
             sampling_params=SamplingParams(),
             prompt=text,
             eos_token_ids=self.model_config.eos_token_ids,
-            cache_namespace=rope_cache_namespace(self.model_config, len(token_ids)),
+            cache_namespace=rope_cache_namespace(self.model_config, len(token_ids) + params.max_tokens),
             priority=int(priority),
         )
         self.beam_search.add(root, params, self.model_config.eos_token_ids)

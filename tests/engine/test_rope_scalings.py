@@ -8,6 +8,7 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -131,15 +132,13 @@ def test_longrope_table_short_rows_then_long_rows(rope_checkpoint):
     assert not torch.equal(table[:ORIGINAL_MAX], table[max_len:])  # the two sets differ
 
 
-def test_longrope_rows_follow_each_sequences_prompt(rope_checkpoint):
+def test_longrope_rows_follow_each_sequences_longest_length(rope_checkpoint):
     config = ModelConfig.from_pretrained(rope_checkpoint("phi3-longrope"))
     max_len = config.max_position_embeddings
-    import numpy as np
-
-    positions = np.array([0, 31, 32, 40, 0, 31, 32], dtype=np.int64)
-    prompts = np.array([20, 20, 20, 20, 33, 33, 33], dtype=np.int64)  # fits the original window / does not
-    rows = rope_table_rows(config, positions, prompts)
-    assert rows.tolist() == [max_len, max_len + 31, 32, 40, 0, 31, 32]
+    positions = np.array([0, 31, 32, 0, 31, 32], dtype=np.int64)
+    # prompt + max_tokens: fits the original window (a draft past it reads the long row), then does not
+    longest = np.array([32, 32, 32, 33, 33, 33], dtype=np.int64)
+    assert rope_table_rows(config, positions, longest).tolist() == [max_len, max_len + 31, 32, 0, 31, 32]
 
 
 def test_dynamic_ntk_table_rows_are_transformers_decode_steps(rope_checkpoint):
@@ -202,6 +201,27 @@ def test_phi3_longrope_parity_short_and_long_prompts_chunked_and_preempted(rope_
     new_tokens = [ORIGINAL_MAX - n for n in short] + [24] * len(long)
     llm = _check_parity(rope_checkpoint("phi3-longrope"), prompts, new_tokens, **TIGHT)
     assert llm.stats()["num_preemptions"] > 0
+
+
+def test_phi3_longrope_sequence_that_may_outgrow_the_window_reads_long_factors_throughout(rope_checkpoint, tmp_path):
+    """A short prompt whose max_tokens may take it past the original window uses the long factors from its first
+    position on, as transformers' Phi-3 does once a sequence outgrows it (it then recomputes the whole cache): the
+    oracle is the same weights with short_factor = long_factor, where transformers uses the long set throughout."""
+    folder = rope_checkpoint("phi3-longrope")
+    all_long = tmp_path / "all-long"
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    hf.config.rope_parameters = {**hf.config.rope_parameters, "short_factor": LONGROPE["long_factor"]}
+    hf.save_pretrained(all_long)
+    prompts = _prompts((9, 17, 31), seed=7)  # each + 24 passes the window
+    outputs = LLM(folder, block_size=16, **TIGHT).generate(
+        prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    )
+    oracle = AutoModelForCausalLM.from_pretrained(all_long, dtype=torch.float32).eval()
+    for prompt, output in zip(prompts, outputs):
+        expected, logits = hf_greedy(oracle, prompt, 24)
+        assert assert_greedy_parity(output.outputs[0].token_ids, expected, logits) == 0
+    short_oracle = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    assert hf_greedy(short_oracle, prompts[0], 24)[0] != outputs[0].outputs[0].token_ids  # the two sets differ
 
 
 def test_phi3_longrope_prefix_cache_keeps_short_and_long_prompts_apart(rope_checkpoint):

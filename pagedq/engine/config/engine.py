@@ -114,8 +114,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 2048
     eos_token_ids: tuple[int, ...] = ()
-    # LongRoPE's original_max_position_embeddings: a sequence whose prompt fits it reads the short factors below it
-    # (pagedq/engine/layers/rotary.py); None for every other RoPE type
+    # LongRoPE's original_max_position_embeddings: a sequence whose prompt + max_tokens fits it reads the short
+    # factors (pagedq/engine/layers/rotary.py); None for every other RoPE type
     rope_short_until: int | None = None
     # Attention variants (wt-attn). layer_types: per layer "full_attention" | "sliding_attention"; a sliding layer's
     # query sees the sliding_window keys up to and including its own (pagedq/kernels/reference.py window_start).

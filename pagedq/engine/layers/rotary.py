@@ -6,11 +6,12 @@ length (`dynamic_rope_update`); the table keeps what that gives a single sequenc
 
 - dynamic NTK: row p holds inv_freq for a sequence of p + 1 tokens: the checkpoint's own frequencies up to
   max_position_embeddings, the NTK-stretched base past it (what transformers gives a decode step at p);
-- LongRoPE: two sets. A sequence whose prompt fits original_max_position_embeddings uses the short factors below
-  it and the long ones from it on (transformers switches to long when the sequence outgrows it); a sequence whose
-  prompt is longer uses the long factors at every position (transformers then rotates the whole prompt with them).
-  Rows [0, max_len) hold the long set, rows [max_len, max_len + original_max) the short one: `rope_table_rows`
-  says which row a token reads. docs/engine.md#rope-scalings has the cases transformers defines otherwise.
+- LongRoPE: two sets, chosen per sequence by the longest it may grow (prompt + max_tokens): one that fits
+  original_max_position_embeddings uses the short factors, as transformers does while a sequence fits it; any other
+  the long factors at every position, as transformers does once a sequence outgrows it (its Phi-3 then recomputes
+  the whole cache with them). Rows [0, max_len) hold the long set, rows [max_len, max_len + original_max) the short
+  one: `rope_table_rows` says which row a token reads. docs/engine.md#rope-scalings has the one case transformers
+  computes otherwise.
 """
 
 from __future__ import annotations
@@ -76,20 +77,22 @@ def _dynamic_ntk_table(hf: object, max_len: int, kwargs: dict[str, str]) -> torc
     return torch.cat(rows)
 
 
-def rope_table_rows(config: ModelConfig, positions: np.ndarray, prompt_lens: np.ndarray) -> np.ndarray:
-    """The table row each token reads: its position, except under LongRoPE, where a token below
-    original_max_position_embeddings of a sequence whose prompt fits it reads the short factors' row.
-    positions and prompt_lens [T] int64 (prompt_lens: the token's sequence's prompt length)."""
+def rope_table_rows(config: ModelConfig, positions: np.ndarray, max_lengths: np.ndarray) -> np.ndarray:
+    """The table row each token reads: its position, except under LongRoPE for a sequence that fits
+    original_max_position_embeddings: the short factors' row. positions and max_lengths [T] int64 (max_lengths: the
+    token's sequence's prompt + max_tokens). Positions past it (a verify row's drafts past max_tokens, thrown away)
+    read the long rows: the short set has no row there."""
     short_until = config.rope_short_until
     if short_until is None:
         return positions
-    short = (prompt_lens <= short_until) & (positions < short_until)
+    short = (max_lengths <= short_until) & (positions < short_until)
     return positions + short * config.max_position_embeddings
 
 
-def rope_cache_namespace(config: ModelConfig, num_prompt_tokens: int) -> bytes:
-    """The prefix-cache namespace of a sequence (Request.cache_namespace): one whose first positions read
-    LongRoPE's short rows holds other K/V than a long-prompt sequence over the same tokens."""
-    if config.rope_short_until is not None and num_prompt_tokens <= config.rope_short_until:
+def rope_cache_namespace(config: ModelConfig, max_length: int) -> bytes:
+    """The prefix-cache namespace (Request.cache_namespace) of a sequence of at most `max_length` tokens (prompt +
+    max_tokens): under LongRoPE one that reads the short rows holds other K/V than one over the same tokens that
+    reads the long rows."""
+    if config.rope_short_until is not None and max_length <= config.rope_short_until:
         return b"longrope-short"
     return b""

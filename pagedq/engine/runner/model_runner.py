@@ -132,11 +132,10 @@ class ModelRunner:
             return PreparedStep(plan, device_ops)
         ordered, rows, infos, lengths = decodes_first(plan.chunks, rows_of_chunks, infos_of_chunks)
         inputs = build_step_inputs(ordered, infos, rows, self.state.tables(rows), self.block_size, lengths)
-        if self.model_config.rope_short_until is not None:  # LongRoPE: each sequence's rows by its prompt length
-            prompt_lens = np.fromiter((info.num_prompt_tokens for info in infos), dtype=np.int64, count=len(infos))
-            inputs.rope_rows = rope_table_rows(
-                self.model_config, inputs.positions, np.repeat(prompt_lens, inputs.lengths)
-            )
+        if self.model_config.rope_short_until is not None:  # LongRoPE: each sequence's rows by its longest length
+            longest = (info.num_prompt_tokens + info.params.max_tokens for info in infos)
+            max_lengths = np.repeat(np.fromiter(longest, dtype=np.int64, count=len(infos)), inputs.lengths)
+            inputs.rope_rows = rope_table_rows(self.model_config, inputs.positions, max_lengths)
         self.num_device_fed_tokens += len(inputs.placeholders)
         draws = draw_layout(ordered, infos, rows, inputs.lengths)
         if draws is None:
