@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from pagedq.engine import LLM, SamplingParams
 from pagedq.engine.config.engine import SUPPORTED_ROPE_TYPES, ModelConfig
 from pagedq.engine.layers.rotary import rope_cos_sin_cache, rope_table_rows
-from tests.conftest import VOCAB_SIZE, build_tokenizer
+from tests.conftest import VOCAB_SIZE
 from tests.engine.parity import assert_greedy_parity, hf_greedy
 
 ORIGINAL_MAX = 32  # LongRoPE's and YaRN's original_max_position_embeddings, dynamic NTK's max_position_embeddings
@@ -80,8 +80,7 @@ def rope_checkpoint(tmp_path_factory):
         if kind not in cache:
             torch.manual_seed(0)
             folder = tmp_path_factory.mktemp(kind)
-            getattr(transformers, _MODEL_CLASSES[kind])(_config(kind)).save_pretrained(folder)
-            build_tokenizer(folder)
+            getattr(transformers, _MODEL_CLASSES[kind])(_config(kind)).save_pretrained(folder)  # no tokenizer: ids
             cache[kind] = folder
         return cache[kind]
 
@@ -244,6 +243,22 @@ def test_phi3_longrope_prefix_cache_keeps_short_and_long_prompts_apart(rope_chec
     assert hits == [0, 0, 2 * 16]
 
 
+def test_phi3_parity_through_the_prefix_cache(checkpoint_factory):
+    """The default-RoPE Phi-3 (tests/conftest.py; tests/engine/test_parity.py runs it chunked and preempted): prompts
+    sharing two full blocks, the later ones served from the prefix cache, and prompt logprobs without it."""
+    folder = checkpoint_factory("phi3")
+    prompts = _prompts((37, 40, 53), seed=8, shared=33)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    llm = LLM(folder, block_size=16, max_num_batched_tokens=24)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    outputs = [llm.generate([prompt], params)[0] for prompt in prompts]  # one at a time: the cache fills first
+    assert llm.llm_engine.block_manager.num_prefix_hits == 2 * 2 * 16
+    for prompt, output in zip(prompts, outputs):
+        expected, logits = hf_greedy(hf, prompt, 16)
+        assert assert_greedy_parity(output.outputs[0].token_ids, expected, logits) == 0
+    _check_parity(folder, prompts, [4] * len(prompts), max_num_batched_tokens=24)  # with prompt logprobs
+
+
 def test_qwen3_yarn_parity_chunked_and_preempted(rope_checkpoint):
     lengths = (5, 17, 33, 47, 60)  # past the original window too: YaRN's table is static
     llm = _check_parity(rope_checkpoint("qwen3-yarn"), _prompts(lengths, seed=3), [40] * len(lengths), **TIGHT)
@@ -296,6 +311,38 @@ def test_unsupported_rope_type_names_the_supported_ones(tmp_path):
     with pytest.raises(ValueError) as error:
         ModelConfig.from_pretrained(folder)
     assert str(error.value) == f"unsupported rope type 'proportional'; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+
+
+def test_per_layer_type_rope_parameters_are_checked_each(tmp_path):
+    """Gemma 3's shape of rope_parameters, one entry per layer type: an unsupported type in any is refused."""
+    from pagedq.engine.config.engine import check_checkpoint_options
+
+    config = transformers.LlamaConfig(**COMMON)
+    config.rope_parameters = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "proportional", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
+    }
+    with pytest.raises(ValueError, match=r"^unsupported rope type 'proportional'"):
+        check_checkpoint_options(config)
+    config.rope_parameters["full_attention"] = {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}
+    check_checkpoint_options(config)
+
+
+def test_per_layer_type_table_is_transformers_for_each_layer_type():
+    """rope_cos_sin_cache(config, layer_type): Gemma 3's local and global tables, each against transformers'."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    hf = transformers.Gemma3TextConfig(**COMMON, head_dim=16, layer_types=["sliding_attention", "full_attention"])
+    hf.rope_parameters["full_attention"] = {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}
+    config = ModelConfig(architecture="Gemma3ForCausalLM", hf_config=hf, head_dim=16, max_position_embeddings=64)
+    rotary = Gemma3RotaryEmbedding(hf)
+    tables = []
+    for layer_type in ("sliding_attention", "full_attention"):
+        cos, sin = rotary(torch.zeros(1), torch.arange(64)[None], layer_type=layer_type)
+        table = rope_cos_sin_cache(config, layer_type)
+        _assert_rows(table, list(range(64)), cos[0, :, :HALF], sin[0, :, :HALF])
+        tables.append(table)
+    assert not torch.equal(*tables)
 
 
 def test_partial_rotary_factor_is_refused(tmp_path):

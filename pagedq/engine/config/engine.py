@@ -195,12 +195,15 @@ def check_checkpoint_options(hf: object) -> None:
             "(float32, float16 or bfloat16 checkpoints)"
         )
     rope = rope_parameters_of(hf)
-    rope_type = rope.get("rope_type", "default")
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
-    if partial is not None and partial != 1.0:
-        raise ValueError(f"unsupported partial_rotary_factor {partial!r}: pagedq rotates the whole head (1.0 only)")
+    # one dict, or one per layer type (Gemma 3: sliding_attention / full_attention, each its own base)
+    per_layer_type = bool(rope) and all(isinstance(entry, dict) for entry in rope.values())
+    for entry in rope.values() if per_layer_type else [rope]:
+        rope_type = entry.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        partial = entry.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
+        if partial is not None and partial != 1.0:
+            raise ValueError(f"unsupported partial_rotary_factor {partial!r}: pagedq rotates the whole head (1.0 only)")
     hidden_act = getattr(hf, "hidden_act", "silu")
     if hidden_act not in SUPPORTED_HIDDEN_ACTS:
         raise ValueError(f"unsupported hidden_act {hidden_act!r}; supported: {', '.join(SUPPORTED_HIDDEN_ACTS)}")
