@@ -365,3 +365,32 @@ def test_phi3_sliding_window_parity_past_the_window(tmp_path):
     tight = dict(TIGHT, num_kv_blocks=8)
     llm = _check_parity(tmp_path, _prompts(lengths, seed=5), [24] * len(lengths), **tight)
     assert llm.stats()["num_preemptions"] > 0
+
+
+def test_phi3_longrope_decodes_through_the_cuda_graph_buffers(rope_checkpoint):
+    """Decode steps through the graph runner's padded buffers (capture=False on CPU) read each sequence's rows."""
+    from tests.engine.test_cuda_graphs import _padded_runner
+
+    folder = rope_checkpoint("phi3-longrope")
+    prompts = _prompts((9, 20, 40), seed=9)
+    max_tokens = [ORIGINAL_MAX - 9, 12, 12]  # the short factors, the long ones from a short prompt, a long prompt
+    llm = LLM(folder, max_num_seqs=4, block_size=16, num_kv_blocks=32)
+    graphs = _padded_runner(llm)
+    outputs = llm.generate(
+        prompts, [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
+    )
+    assert graphs.num_runs >= max(max_tokens) - 1
+    all_long = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    all_long.config.rope_parameters = {**all_long.config.rope_parameters, "short_factor": LONGROPE["long_factor"]}
+    for prompt, n, output in zip(prompts, max_tokens, outputs):
+        short = len(prompt) + n <= ORIGINAL_MAX
+        oracle = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32) if short else _reload(all_long)
+        expected, logits = hf_greedy(oracle.eval(), prompt, n)
+        assert assert_greedy_parity(output.outputs[0].token_ids, expected, logits) == 0
+
+
+def _reload(model):
+    """A fresh copy of `model` built from its (edited) config: the rotary embedding reads the config at init."""
+    fresh = type(model)(model.config)
+    fresh.load_state_dict(model.state_dict())
+    return fresh
