@@ -32,6 +32,7 @@ KERNEL_NAMES = (
     "silu_and_mul",
     "copy_blocks",
     "gumbel_argmax",
+    "gelu_tanh_and_mul",
 )
 
 
@@ -59,6 +60,7 @@ class KernelSet:
     silu_and_mul: Callable
     copy_blocks: Callable
     gumbel_argmax: Callable
+    gelu_tanh_and_mul: Callable
 
 
 def bind(device: torch.device | str) -> KernelSet:
@@ -103,5 +105,6 @@ rotary_embedding = _dispatch("rotary_embedding")
 silu_and_mul = _dispatch("silu_and_mul")
 copy_blocks = _dispatch("copy_blocks")
 gumbel_argmax = _dispatch("gumbel_argmax")
+gelu_tanh_and_mul = _dispatch("gelu_tanh_and_mul")
 
 __all__ = ["KERNEL_NAMES", "KernelSet", "bind", "selected_backend", *KERNEL_NAMES]

@@ -176,6 +176,8 @@ def _production_calls() -> list[tuple[str, object, list[str], Callable[[], objec
                                          _meta(8192, 128, dtype=torch.float32))),
         ("silu_and_mul", activation, ["_silu_and_mul_kernel"],
          lambda: activation.silu_and_mul(_meta(64, 2 * 14336))),
+        ("gelu_tanh_and_mul", activation, ["_gelu_tanh_and_mul_kernel"],
+         lambda: activation.gelu_tanh_and_mul(_meta(64, 2 * 9216))),
         ("copy_blocks bf16", block_copy, ["_copy_blocks_kernel"],
          lambda: block_copy.copy_blocks([caches[0]] * 32, [caches[1]] * 32, _meta(64, 2, dtype=torch.int64))),
         ("gumbel_argmax 4 splits", sampling, ["_gumbel_argmax_partial_kernel", "_gumbel_argmax_reduce_kernel"],

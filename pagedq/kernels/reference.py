@@ -159,6 +159,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate_up[..., :half]) * gate_up[..., half:]
 
 
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] packed (gate | up) -> gelu(gate, approximate="tanh") * up, [T, I] (GeGLU: transformers'
+    gelu_pytorch_tanh)."""
+    half = gate_up.shape[-1] // 2
+    return torch.nn.functional.gelu(gate_up[..., :half], approximate="tanh") * gate_up[..., half:]
+
+
 def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
     """Copy whole blocks within each layer's caches: block_mapping [N, 2] int64 rows (src, dst).
 

@@ -1,4 +1,4 @@
-"""rms_norm, head_rms_norm, rotary_embedding and silu_and_mul against the reference."""
+"""rms_norm, head_rms_norm, rotary_embedding, silu_and_mul and gelu_tanh_and_mul against the reference."""
 
 from __future__ import annotations
 
@@ -85,6 +85,32 @@ def test_silu_and_mul_strided_rows(ops, device):
     assert_close(ops.silu_and_mul(gate_up), reference.silu_and_mul(gate_up.contiguous()))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("intermediate", [600, 2100])
+def test_gelu_tanh_and_mul_matches_reference(ops, device, dtype, intermediate):
+    # * 4 reaches both tails, where the activation is ~0 and ~the identity
+    gate_up = (torch.randn(3, 2 * intermediate) * 4).to(dtype).to(device)
+    out = ops.gelu_tanh_and_mul(gate_up)
+    assert_close(out, reference.gelu_tanh_and_mul(gate_up))
+
+
+def test_gelu_tanh_reference_is_transformers_gelu_pytorch_tanh():
+    from transformers.activations import ACT2FN
+
+    gate_up = torch.randn(5, 2 * 64) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(reference.gelu_tanh_and_mul(gate_up), ACT2FN["gelu_pytorch_tanh"](gate) * up)
+
+
+def test_gelu_tanh_and_mul_strided_rows_and_extremes(ops, device):
+    base = torch.randn(4, 3 * 128, device=device)
+    base[0, :128] = torch.linspace(-60.0, 60.0, 128)  # exp(-2u) overflows at one end, vanishes at the other
+    gate_up = base[:, : 2 * 128]
+    out = ops.gelu_tanh_and_mul(gate_up)
+    assert torch.isfinite(out).all()
+    assert_close(out, reference.gelu_tanh_and_mul(gate_up.contiguous()))
+
+
 @pytest.mark.parametrize(
     "call,message",
     [
@@ -99,6 +125,8 @@ def test_silu_and_mul_strided_rows(ops, device):
          r"^silu_and_mul: gate_up must be \[T, 2I\] with an even last dim"),
         (lambda ops, d: ops.silu_and_mul(torch.randn(8, 2, device=d).t()),
          r"^silu_and_mul: gate_up must have a contiguous last dimension"),
+        (lambda ops, d: ops.gelu_tanh_and_mul(torch.randn(2, 7, device=d)),
+         r"^gelu_tanh_and_mul: gate_up must be \[T, 2I\] with an even last dim"),
         (lambda ops, d: ops.rotary_embedding(torch.randn(2, 2, 8, device=d), torch.randn(2, 1, 8, device=d),
                                              torch.zeros(2, dtype=torch.long, device=d), torch.randn(4, 6, device=d)),
          r"^rotary_embedding: cos_sin_cache must be \[max_pos, 8\]"),
