@@ -13,6 +13,9 @@ from pagedq.engine.config.architectures import check_supported
 from pagedq.engine.options import EngineOptions
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+# The gated MLP's activation (config.json's hidden_act; transformers' Gemma classes read hidden_activation) by
+# architecture; the rest take silu.
+GATED_ACTIVATIONS = {"Gemma2ForCausalLM": "gelu_pytorch_tanh", "Gemma3ForCausalLM": "gelu_pytorch_tanh"}
 # None: per device, ASYNC_SCHEDULING_BY_DEVICE; the tests set it for every engine (PAGEDQ_TEST_SCHEDULING,
 # tests/conftest.py).
 DEFAULT_ASYNC_SCHEDULING: bool | None = None
@@ -113,6 +116,11 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 2048
     eos_token_ids: tuple[int, ...] = ()
+    # Gemma 2 / Gemma 3 (pagedq/engine/models/gemma.py)
+    hidden_act: str = "silu"  # the gated MLP's activation: silu or gelu_pytorch_tanh
+    query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 when set, else head_dim ** -0.5
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap) when set
+    rms_norm_unit_offset: bool = False  # RMSNorm weights are stored minus 1: norms scale by (1 + weight)
 
     @classmethod
     def from_pretrained(cls, folder: str | Path) -> ModelConfig:
@@ -125,11 +133,11 @@ class ModelConfig:
         hf = AutoConfig.from_pretrained(folder)
         architecture = (getattr(hf, "architectures", None) or ["?"])[0]
         check_supported(architecture)
-        rope_type = (getattr(hf, "rope_parameters", None) or {}).get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-        if getattr(hf, "hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {hf.hidden_act!r}; only 'silu' is supported")
+        for rope_type in _rope_types(hf):
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        hidden_act = _hidden_act(architecture, hf)
+        gemma = _gemma_fields(architecture, hf)
         num_heads = hf.num_attention_heads
         return cls(
             architecture=architecture,
@@ -143,11 +151,51 @@ class ModelConfig:
             head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads,
             rms_norm_eps=hf.rms_norm_eps,
             qkv_bias=architecture == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False)),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             max_position_embeddings=_max_model_len(hf),
             eos_token_ids=_eos_token_ids(folder, hf),
+            hidden_act=hidden_act,
+            **gemma,
         )
+
+
+def _rope_types(hf) -> list[str]:
+    """The rope type of every RoPE table the model needs: Gemma 3 keeps one rope_parameters dict per layer type."""
+    params = getattr(hf, "rope_parameters", None) or {}
+    layer_types = set(getattr(hf, "layer_types", None) or ())
+    if layer_types and layer_types <= params.keys():
+        return [params[layer_type].get("rope_type", "default") for layer_type in sorted(layer_types)]
+    return [params.get("rope_type", "default")]
+
+
+def _hidden_act(architecture: str, hf) -> str:
+    expected = GATED_ACTIVATIONS.get(architecture, "silu")
+    # transformers' Gemma classes read hidden_activation, and ignore a hidden_act a Gemma config.json may carry
+    name = "hidden_activation" if architecture in GATED_ACTIVATIONS else "hidden_act"
+    act = getattr(hf, name, None) or expected
+    if act != expected:
+        raise ValueError(f"unsupported {name} {act!r} for {architecture}; only {expected!r} is supported")
+    return act
+
+
+def _gemma_fields(architecture: str, hf) -> dict[str, Any]:
+    """The ModelConfig fields of a Gemma config (none for other families), checked."""
+    if architecture not in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        return {}
+    if getattr(hf, "use_bidirectional_attention", None):
+        raise ValueError(f"{architecture} with use_bidirectional_attention (an embedding model) is not supported")
+    fields = {"query_pre_attn_scalar": hf.query_pre_attn_scalar, "final_logit_softcapping": hf.final_logit_softcapping}
+    for name, value in fields.items():
+        required = name == "query_pre_attn_scalar"
+        if (value is not None or required) and not (isinstance(value, (int, float)) and 0 < value <= 1e6):
+            raise ValueError(
+                f"{architecture}: {name} must be a number in (0, 1e6]{'' if required else ' or null'}, got {value!r}"
+            )
+    return {
+        "rms_norm_unit_offset": True,
+        **{name: None if value is None else float(value) for name, value in fields.items()},
+    }
 
 
 def _max_model_len(hf) -> int:
