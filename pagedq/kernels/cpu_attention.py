@@ -72,7 +72,12 @@ def use_native(k_cache: torch.Tensor) -> bool:
 
 
 def plan_decode(
-    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, native: bool = False
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    native: bool = False,
+    *,
+    window: int = 0,
 ) -> DecodePlan:
     """The step's plan for block_tables [S, M] int32 and context_lens [S] int32 (CPU tensors: no device sync to
     pay). native (callers pass use_native(k_cache)): a plan for the native kernel, just the tables and lengths as
@@ -110,18 +115,30 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence at position context_len-1 over its context_len cached tokens.
 
     query [S, Hq, D]; block_tables [S, M] int32; context_lens [S] int32 -> [S, Hq, D].
     Plans the step (plan_decode) and runs it; the engine's layers plan once a step and call planned_decode.
     """
-    plan = plan_decode(block_tables, context_lens, k_cache.shape[1], use_native(k_cache))
-    return planned_decode(query, k_cache, v_cache, plan, scale)
+    plan = plan_decode(block_tables, context_lens, k_cache.shape[1], use_native(k_cache), window=window)
+    return planned_decode(query, k_cache, v_cache, plan, scale, window=window, softcap=softcap, sinks=sinks)
 
 
 def planned_decode(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: DecodePlan,
+    scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention as `plan` lays it out: one index_select per cache gathers every group's blocks, then one
     SDPA per group over its part of them.
@@ -133,6 +150,7 @@ def planned_decode(
     A native plan runs the native kernel, or, for tensors it does not take (cpu_native.supports), is planned again
     for SDPA.
     """
+    _not_yet(window, softcap, sinks)
     num_seqs, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if plan.tables is not None and plan.lens is not None:
@@ -249,6 +267,8 @@ def plan_prefill(
     block_size: int,
     heads_per_kv: int = 1,
     native: bool = False,
+    *,
+    window: int = 0,
 ) -> PrefillPlan:
     """The chunks of a prefill step (empty ones left out), their blocks and causal masks: once a step. Chunks of
     up to MAX_BATCHED_QUERY_TOKENS queries go to the native kernel's Chunks if `native` (use_native), else to
@@ -323,6 +343,10 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for a packed batch of query chunks whose K/V are already in the cache.
 
@@ -332,16 +356,25 @@ def paged_prefill_attention(
     """
     _, block_size, num_kv_heads, _ = k_cache.shape
     heads = query.shape[1] // num_kv_heads
-    plan = plan_prefill(block_tables, cu_seqlens_q, context_lens, block_size, heads, use_native(k_cache))
-    return planned_prefill(query, k_cache, v_cache, plan, scale)
+    plan = plan_prefill(block_tables, cu_seqlens_q, context_lens, block_size, heads, use_native(k_cache), window=window)
+    return planned_prefill(query, k_cache, v_cache, plan, scale, window=window, softcap=softcap, sinks=sinks)
 
 
 def planned_prefill(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PrefillPlan, scale: float
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: PrefillPlan,
+    scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One SDPA call per long chunk over its part of one gather: a chunk's work (q_len x context_len) dwarfs the
     call, and padding the chunks of a step to one batch wasted more than the loop costs (prompt lengths vary a
     lot). Then the short chunks (verify rows): by the native kernel, or one call per group, as decode does."""
+    _not_yet(window, softcap, sinks)
     out = torch.empty_like(query)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     if plan.native_short is not None and plan.inputs is not None and not cpu_native.supports(query, k_cache, v_cache):
@@ -382,3 +415,10 @@ def _attend_short_group(
     attended = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)
     attended = attended.view(rows, num_kv_heads, width, heads, head_dim).transpose(1, 2)
     return attended.reshape(rows * width, num_q_heads, head_dim).index_select(0, group.kept)
+
+
+def _not_yet(window: int, softcap: float, sinks: torch.Tensor | None) -> None:
+    if window or softcap or sinks is not None:
+        raise NotImplementedError(
+            "the CPU attention path does not yet take window/softcap/sinks: PAGEDQ_KERNELS=reference"
+        )

@@ -176,8 +176,14 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence at position context_len-1 over its paged K/V. query [S, Hq, D] -> [S, Hq, D]."""
+    if window or softcap or sinks is not None:
+        raise NotImplementedError("the Triton attention kernels do not yet take window/softcap/sinks")
     return paged_decode_attention_with_partition(
         query, k_cache, v_cache, block_tables, context_lens, scale, DEFAULT_PARTITION_SIZE
     )

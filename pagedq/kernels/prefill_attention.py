@@ -158,8 +158,14 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for packed query chunks [T, Hq, D] whose K/V are already cached -> [T, Hq, D]."""
+    if window or softcap or sinks is not None:
+        raise NotImplementedError("the Triton attention kernels do not yet take window/softcap/sinks")
     _check_prefill_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
     num_tokens, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape

@@ -79,7 +79,7 @@ def test_greedy_parity_with_prefix_caching_chunks_and_preemption(checkpoint_fact
     prefix = _prompt(3 * WINDOW, seed=2)  # three blocks of 8, and longer than the window
     prompts = [prefix + _prompt(n, seed=n) for n in (3, 9, 17)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    llm = LLM(folder, block_size=8, num_kv_blocks=14, max_num_batched_tokens=16, max_num_seqs=4)
+    llm = LLM(folder, block_size=8, num_kv_blocks=10, max_num_batched_tokens=16, max_num_seqs=4)
     first = llm.generate(prompts[:1], params)  # caches the prefix's blocks
     rest = llm.generate(prompts[1:], params)
     stats = llm.stats()

@@ -16,24 +16,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedq.engine.config.engine import ModelConfig
+from pagedq.engine.config.engine import SLIDING_ATTENTION, ModelConfig
 from pagedq.engine.layers import MLP, Attention, AttentionMetadata, rope_cos_sin_cache
 from pagedq.engine.layers.linear import Linear
 from pagedq.engine.layers.norm import GemmaRMSNorm
 from pagedq.kernels import KernelSet
 
-SLIDING = "sliding_attention"
-
-
-def layer_types(config: ModelConfig) -> list[str]:
-    """Each layer's type as the checkpoint's config says ("sliding_attention" or "full_attention")."""
-    return list(config.hf_config.layer_types)  # type: ignore[attr-defined]
-
 
 def has_local_rope(config: ModelConfig) -> bool:
     """Gemma 3 keeps one rope_parameters dict per layer type; Gemma 2 has one for every layer."""
     params = getattr(config.hf_config, "rope_parameters", None) or {}
-    return SLIDING in params
+    return SLIDING_ATTENTION in params
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -82,11 +75,11 @@ class GemmaForCausalLM(nn.Module):
         self.local_cos_sin_cache: torch.Tensor | None
         if has_local_rope(config):
             self.register_buffer("cos_sin_cache", rope_cos_sin_cache(config, "full_attention"), persistent=False)
-            self.register_buffer("local_cos_sin_cache", rope_cos_sin_cache(config, SLIDING), persistent=False)
+            self.register_buffer("local_cos_sin_cache", rope_cos_sin_cache(config, SLIDING_ATTENTION), persistent=False)
         else:
             self.register_buffer("cos_sin_cache", rope_cos_sin_cache(config), persistent=False)
             self.local_cos_sin_cache = None
-        self.layer_is_local = [kind == SLIDING for kind in layer_types(config)]
+        self.layer_is_local = [kind == SLIDING_ATTENTION for kind in config.layer_types]
 
     def forward(
         self,

@@ -18,9 +18,9 @@ from pagedq.kernels import KernelSet
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelSet) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelSet, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = Attention(config, ops)
+        self.self_attn = Attention(config, ops, layer_idx)
         self.mlp = MLP(config, ops)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
@@ -36,7 +36,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, ops: KernelSet) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, ops) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, ops, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
 
