@@ -39,7 +39,7 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) 
     return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:context_len]
 
 
-def _scores_to_probs(
+def attention_probs(
     scores: torch.Tensor, visible: torch.Tensor, softcap: float, sinks: torch.Tensor | None
 ) -> torch.Tensor:
     """softmax over the last dim of fp32 scores (already scaled), with the attention features every backend shares:
@@ -78,7 +78,7 @@ def _attend(
     q = query.float().view(query.shape[0], num_kv_heads, group, query.shape[2])
     scores = torch.einsum("qhgd,khd->hgqk", q, key.float()) * scale
     head_sinks = None if sinks is None else sinks.view(num_kv_heads, group, 1, 1)
-    probs = _scores_to_probs(scores, mask, softcap, head_sinks)
+    probs = attention_probs(scores, mask, softcap, head_sinks)
     out = torch.einsum("hgqk,khd->qhgd", probs, value.float())
     return out.reshape(query.shape[0], num_q_heads, query.shape[2])
 
@@ -116,7 +116,7 @@ def paged_decode_attention(
     lens = context_lens[:, None].long()
     valid = (positions[None, :] < lens) & (positions[None, :] >= window_start(lens - 1, window))
     head_sinks = None if sinks is None else sinks.view(1, num_kv_heads, group, 1)
-    probs = _scores_to_probs(scores, valid[:, None, None, :], softcap, head_sinks)
+    probs = attention_probs(scores, valid[:, None, None, :], softcap, head_sinks)
     out = torch.einsum("shgk,skhd->shgd", probs, values)
     return out.reshape(num_seqs, num_q_heads, head_dim).to(query.dtype)
 
