@@ -61,47 +61,6 @@ def build_tokenizer(folder: Path):
     return tokenizer
 
 
-def _tiny_config(architecture: str):
-    import transformers
-
-    common = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        initializer_range=0.2,
-    )
-    if architecture == "llama":
-        rope = {
-            "rope_type": "llama3",
-            "rope_theta": 10000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        }
-        return transformers.LlamaConfig(**common, rope_parameters=rope, tie_word_embeddings=False)
-    if architecture == "mistral":
-        return transformers.MistralConfig(
-            **{**common, "num_key_value_heads": 1}, sliding_window=None, tie_word_embeddings=False
-        )
-    if architecture == "qwen2":
-        return transformers.Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False)
-    if architecture == "qwen3":
-        # head_dim 32 with hidden 64 and 4 heads: head_dim != hidden / heads.
-        return transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True, use_sliding_window=False)
-    if architecture in GEMMA_CONFIGS:
-        return GEMMA_CONFIGS[architecture](common)
-    raise ValueError(architecture)
-
-
 # Untied: with tied embeddings scaled by sqrt(hidden), a random Gemma repeats its last token, and greedy parity
 # would check little (tests/engine/test_gemma.py covers the tied checkpoints through their logprobs).
 def _gemma2_config(common: dict):
@@ -131,6 +90,47 @@ def _gemma3_config(common: dict):
 
 
 GEMMA_CONFIGS = {"gemma2": _gemma2_config, "gemma3": _gemma3_config}
+
+
+def _tiny_config(architecture: str):
+    import transformers
+
+    common = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        initializer_range=0.2,
+    )
+    if architecture in GEMMA_CONFIGS:
+        return GEMMA_CONFIGS[architecture](common)
+    if architecture == "llama":
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+        return transformers.LlamaConfig(**common, rope_parameters=rope, tie_word_embeddings=False)
+    if architecture == "mistral":
+        return transformers.MistralConfig(
+            **{**common, "num_key_value_heads": 1}, sliding_window=None, tie_word_embeddings=False
+        )
+    if architecture == "qwen2":
+        return transformers.Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False)
+    if architecture == "qwen3":
+        # head_dim 32 with hidden 64 and 4 heads: head_dim != hidden / heads.
+        return transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True, use_sliding_window=False)
+    raise ValueError(architecture)
 
 
 _MODEL_CLASSES = {

@@ -30,9 +30,9 @@ KERNEL_NAMES = (
     "head_rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "gelu_tanh_and_mul",
     "copy_blocks",
     "gumbel_argmax",
-    "gelu_tanh_and_mul",
 )
 
 
@@ -58,9 +58,9 @@ class KernelSet:
     head_rms_norm: Callable
     rotary_embedding: Callable
     silu_and_mul: Callable
+    gelu_tanh_and_mul: Callable
     copy_blocks: Callable
     gumbel_argmax: Callable
-    gelu_tanh_and_mul: Callable
 
 
 def bind(device: torch.device | str) -> KernelSet:
@@ -103,8 +103,8 @@ rms_norm = _dispatch("rms_norm")
 head_rms_norm = _dispatch("head_rms_norm")
 rotary_embedding = _dispatch("rotary_embedding")
 silu_and_mul = _dispatch("silu_and_mul")
+gelu_tanh_and_mul = _dispatch("gelu_tanh_and_mul")
 copy_blocks = _dispatch("copy_blocks")
 gumbel_argmax = _dispatch("gumbel_argmax")
-gelu_tanh_and_mul = _dispatch("gelu_tanh_and_mul")
 
 __all__ = ["KERNEL_NAMES", "KernelSet", "bind", "selected_backend", *KERNEL_NAMES]

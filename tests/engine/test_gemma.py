@@ -21,6 +21,7 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
 from pagedq.engine import LLM, SamplingParams
 from pagedq.engine.config.engine import ModelConfig
+from pagedq.engine.layers import rope_cos_sin_cache
 from pagedq.engine.layers.norm import GemmaRMSNorm
 from pagedq.engine.models.loader import load_model
 from tests.conftest import VOCAB_SIZE, _tiny_config, build_tokenizer, randomize_norms
@@ -179,6 +180,31 @@ def test_config_only_folder_gets_identity_norms(tmp_path):
     assert all(not norm.weight.any() for norm in norms)
 
 
+def test_gemma3_old_config_json_rope_local_base_freq_sets_the_local_table(tmp_path):
+    """Older Gemma 3 config.json files write rope_theta and rope_local_base_freq, no rope_parameters."""
+    _save_config(tmp_path, "gemma3")
+    path = tmp_path / "config.json"
+    old = {k: v for k, v in json.loads(path.read_text()).items() if k != "rope_parameters"}
+    path.write_text(json.dumps({**old, "rope_theta": 200000.0, "rope_local_base_freq": 500.0}))
+    config = ModelConfig.from_pretrained(tmp_path)
+
+    def table(base: float) -> torch.Tensor:
+        inv_freq = 1.0 / (base ** (torch.arange(0, 16, 2, dtype=torch.float) / 16))
+        freqs = torch.arange(config.max_position_embeddings, dtype=torch.float)[:, None] * inv_freq[None, :]
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+    assert torch.equal(rope_cos_sin_cache(config, "sliding_attention"), table(500.0))
+    assert torch.equal(rope_cos_sin_cache(config, "full_attention"), table(200000.0))
+
+
+def test_a_gemma_config_json_with_a_stale_hidden_act_loads(tmp_path):
+    """Google's Gemma 2 config.json carries hidden_act beside hidden_activation; transformers reads the latter."""
+    _save_config(tmp_path, "gemma2")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "hidden_act": "gelu_pytorch_tanh"}))
+    assert ModelConfig.from_pretrained(tmp_path).hidden_act == "gelu_pytorch_tanh"
+
+
 @pytest.mark.parametrize(
     "architecture,overrides,message",
     [
@@ -186,6 +212,16 @@ def test_config_only_folder_gets_identity_norms(tmp_path):
         ("gemma3", {"use_bidirectional_attention": True}, r"use_bidirectional_attention .* is not supported"),
         ("gemma2", {"query_pre_attn_scalar": 0}, r"query_pre_attn_scalar must be a number in \(0, 1e6\]"),
         ("gemma3", {"final_logit_softcapping": -1.0}, r"final_logit_softcapping must be a number in \(0, 1e6\]"),
+        (
+            "gemma3",
+            {
+                "rope_parameters": {
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                    "full_attention": {"rope_type": "proportional", "rope_theta": 1e6},
+                }
+            },
+            r"unsupported rope type 'proportional'",
+        ),
     ],
 )
 def test_unsupported_gemma_configs_are_refused_by_name(tmp_path, architecture, overrides, message):

@@ -151,13 +151,19 @@ class ModelConfig:
         hf = AutoConfig.from_pretrained(folder)
         architecture = (getattr(hf, "architectures", None) or ["?"])[0]
         check_supported(architecture)
-        for rope_type in _rope_types(hf):
-            if rope_type not in SUPPORTED_ROPE_TYPES:
-                raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-        hidden_act = _hidden_act(architecture, hf)
-        gemma = _gemma_fields(architecture, hf)
+        rope_type = (getattr(hf, "rope_parameters", None) or {}).get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        hidden_act = _hidden_act(architecture, hf)  # a Gemma config.json may carry a hidden_act its classes ignore
         num_heads = hf.num_attention_heads
         layer_types, sliding_window, softcap = _attention_variants(hf)
+        # Gemma 2 / Gemma 3: checked before any weight loads, as the options above
+        for layer_rope_type in _per_layer_type_rope_types(hf):
+            if layer_rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(
+                    f"unsupported rope type {layer_rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+                )
+        gemma = _gemma_fields(architecture, hf)
         if architecture == "Gemma3ForCausalLM":
             softcap = None  # transformers' Gemma 3 attention applies none, whatever its config says
         return cls(
@@ -185,18 +191,41 @@ class ModelConfig:
         )
 
 
-def _rope_types(hf) -> list[str]:
-    """The rope type of every RoPE table the model needs: Gemma 3 keeps one rope_parameters dict per layer type."""
+def _attention_variants(hf) -> tuple[tuple[str, ...], int | None, float | None]:
+    """(layer_types, sliding_window, attn_logit_softcapping) from an HF config: the per-layer types where the config
+    has them (transformers 5 derives them for Qwen2 from use_sliding_window and max_window_layers, and Gemma 2/3 and
+    gpt-oss write them), else every layer sliding when sliding_window is set (Mistral), else full."""
+    window = getattr(hf, "sliding_window", None)
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"sliding_window must be a positive integer or null, got {window!r}")
+    kinds = getattr(hf, "layer_types", None)
+    if kinds is None:
+        kinds = [SLIDING_ATTENTION if window else FULL_ATTENTION] * hf.num_hidden_layers
+    kinds = tuple(kinds)
+    if len(kinds) != hf.num_hidden_layers or not set(kinds) <= {FULL_ATTENTION, SLIDING_ATTENTION}:
+        raise ValueError(
+            f"layer_types must name {FULL_ATTENTION!r} or {SLIDING_ATTENTION!r} for each of the "
+            f"{hf.num_hidden_layers} layers, got {list(kinds)}"
+        )
+    if SLIDING_ATTENTION in kinds and not window:
+        raise ValueError("layer_types has sliding_attention layers but the config sets no sliding_window")
+    softcap = getattr(hf, "attn_logit_softcapping", None)
+    if softcap is not None and not (isinstance(softcap, (int, float)) and 0 < softcap < float("inf")):
+        raise ValueError(f"attn_logit_softcapping must be a positive number or null, got {softcap!r}")
+    return kinds, window if SLIDING_ATTENTION in kinds else None, None if softcap is None else float(softcap)
+
+
+def _per_layer_type_rope_types(hf) -> list[str]:
+    """The rope type of each layer type's table where rope_parameters holds one dict per layer type (Gemma 3)."""
     params = getattr(hf, "rope_parameters", None) or {}
-    layer_types = set(getattr(hf, "layer_types", None) or ())
-    if layer_types and layer_types <= params.keys():
-        return [params[layer_type].get("rope_type", "default") for layer_type in sorted(layer_types)]
-    return [params.get("rope_type", "default")]
+    return [params[kind].get("rope_type", "default") for kind in (FULL_ATTENTION, SLIDING_ATTENTION) if kind in params]
 
 
 def _hidden_act(architecture: str, hf) -> str:
+    """The gated MLP's activation, from the field transformers' class for `architecture` reads; ValueError if we do
+    not serve it (transformers' Gemma classes read hidden_activation, and ignore the hidden_act a Gemma config.json
+    also carries)."""
     expected = GATED_ACTIVATIONS.get(architecture, "silu")
-    # transformers' Gemma classes read hidden_activation, and ignore a hidden_act a Gemma config.json may carry
     name = "hidden_activation" if architecture in GATED_ACTIVATIONS else "hidden_act"
     act = getattr(hf, name, None) or expected
     if act != expected:
@@ -221,30 +250,6 @@ def _gemma_fields(architecture: str, hf) -> dict[str, Any]:
         "rms_norm_unit_offset": True,
         **{name: None if value is None else float(value) for name, value in fields.items()},
     }
-
-
-def _attention_variants(hf) -> tuple[tuple[str, ...], int | None, float | None]:
-    """(layer_types, sliding_window, attn_logit_softcapping) from an HF config: the per-layer types where the config
-    has them (transformers 5 derives them for Qwen2 from use_sliding_window and max_window_layers, and Gemma 2/3 and
-    gpt-oss write them), else every layer sliding when sliding_window is set (Mistral), else full."""
-    window = getattr(hf, "sliding_window", None)
-    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-        raise ValueError(f"sliding_window must be a positive integer or null, got {window!r}")
-    kinds = getattr(hf, "layer_types", None)
-    if kinds is None:
-        kinds = [SLIDING_ATTENTION if window else FULL_ATTENTION] * hf.num_hidden_layers
-    kinds = tuple(kinds)
-    if len(kinds) != hf.num_hidden_layers or not set(kinds) <= {FULL_ATTENTION, SLIDING_ATTENTION}:
-        raise ValueError(
-            f"layer_types must name {FULL_ATTENTION!r} or {SLIDING_ATTENTION!r} for each of the "
-            f"{hf.num_hidden_layers} layers, got {list(kinds)}"
-        )
-    if SLIDING_ATTENTION in kinds and not window:
-        raise ValueError("layer_types has sliding_attention layers but the config sets no sliding_window")
-    softcap = getattr(hf, "attn_logit_softcapping", None)
-    if softcap is not None and not (isinstance(softcap, (int, float)) and 0 < softcap < float("inf")):
-        raise ValueError(f"attn_logit_softcapping must be a positive number or null, got {softcap!r}")
-    return kinds, window if SLIDING_ATTENTION in kinds else None, None if softcap is None else float(softcap)
 
 
 def _eos_token_ids(folder: Path, hf) -> tuple[int, ...]:

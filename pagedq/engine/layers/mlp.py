@@ -17,10 +17,12 @@ GATED_ACTIVATION_KERNELS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_t
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig, ops: KernelSet) -> None:
         super().__init__()
-        self.act_and_mul = getattr(ops, GATED_ACTIVATION_KERNELS[config.hidden_act])
+        self.ops = ops
         size = config.intermediate_size
         self.gate_up_proj = PackedLinear(config.hidden_size, [size, size], bias=False)
         self.down_proj = Linear(size, config.hidden_size, bias=False)
+
+        self.act_and_mul = getattr(ops, GATED_ACTIVATION_KERNELS[config.hidden_act])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
