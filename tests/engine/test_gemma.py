@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
+from pagedq import kernels
 from pagedq.engine import LLM, SamplingParams
 from pagedq.engine.config.engine import ModelConfig
 from pagedq.engine.layers import rope_cos_sin_cache
@@ -124,7 +125,7 @@ def test_prompt_logprobs_of_tied_checkpoints_match_transformers(tmp_path, archit
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_gemma_norm_is_transformers_bit_for_bit(hf_norm, dtype):
     theirs = hf_norm(96, eps=1e-6)
-    ours = GemmaRMSNorm(96, 1e-6)
+    ours = GemmaRMSNorm(96, 1e-6, kernels.bind("cpu"))
     with torch.no_grad():
         # weights of 1e-3 and below: 1 + weight rounds to 1 in bf16, so adding it in bf16 would show
         theirs.weight.copy_(torch.randn(96) * 1e-3)
@@ -136,7 +137,7 @@ def test_gemma_norm_is_transformers_bit_for_bit(hf_norm, dtype):
     assert torch.equal(normed, theirs(residual + x))
     heads = x.view(7, 6, 16)
     theirs_heads = hf_norm(16, eps=1e-6).to(dtype)
-    ours_heads = GemmaRMSNorm(16, 1e-6).to(dtype)
+    ours_heads = GemmaRMSNorm(16, 1e-6, kernels.bind("cpu")).to(dtype)
     with torch.no_grad():
         theirs_heads.weight.copy_(torch.randn(16))
         ours_heads.weight.copy_(theirs_heads.weight)

@@ -1,4 +1,5 @@
-"""rms_norm, head_rms_norm, rotary_embedding, silu_and_mul and gelu_tanh_and_mul against the reference."""
+"""rms_norm, head_rms_norm (also Gemma's unit_offset), rotary_embedding, silu_and_mul and gelu_tanh_and_mul against
+the reference."""
 
 from __future__ import annotations
 
@@ -46,6 +47,31 @@ def test_head_rms_norm_matches_reference(ops, device, dtype, head_dim):
     weight = (torch.rand(head_dim) + 0.5).to(dtype).to(device)
     out = ops.head_rms_norm(x, weight, 1e-6)
     assert_close(out, reference.head_rms_norm(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_unit_offset_matches_reference(ops, device, dtype, with_residual):
+    hidden = 300
+    x = (torch.randn(5, hidden) * 3).to(dtype).to(device)
+    weight = (torch.randn(hidden) * 0.5).to(dtype).to(device)  # Gemma stores weight - 1: around 0
+    residual = torch.randn(5, hidden).to(dtype).to(device) if with_residual else None
+    normed, new_residual = ops.rms_norm(x, weight, 1e-6, residual, unit_offset=True)
+    expected_normed, expected_residual = reference.rms_norm(x, weight, 1e-6, residual, unit_offset=True)
+    assert normed.dtype == dtype
+    assert_close(normed, expected_normed)
+    assert_close(new_residual, expected_residual)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_rms_norm_unit_offset_matches_reference(ops, device, dtype):
+    head_dim = 96
+    qkv = torch.randn(6, (3 + 2) * head_dim).to(dtype).to(device)
+    x = qkv[:, : 3 * head_dim].view(6, 3, head_dim)
+    weight = (torch.randn(head_dim) * 0.5).to(dtype).to(device)
+    out = ops.head_rms_norm(x, weight, 1e-6, unit_offset=True)
+    assert out.dtype == dtype
+    assert_close(out, reference.head_rms_norm(x, weight, 1e-6, unit_offset=True))
 
 
 def _cos_sin_cache(max_pos: int, head_dim: int, device) -> torch.Tensor:

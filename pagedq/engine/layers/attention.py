@@ -156,8 +156,8 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
-def _head_norm(config: ModelConfig, ops: KernelSet) -> RMSNorm | GemmaRMSNorm:
+def _head_norm(config: ModelConfig, ops: KernelSet) -> RMSNorm:
     """A per-head q/k norm: Qwen3's, or Gemma 3's (1 + weight) one."""
     if config.rms_norm_unit_offset:
-        return GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
+        return GemmaRMSNorm(config.head_dim, config.rms_norm_eps, ops)
     return RMSNorm(config.head_dim, config.rms_norm_eps, ops)

@@ -24,24 +24,17 @@ class RMSNorm(nn.Module):
         return self.ops.head_rms_norm(x, self.weight, self.eps)
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     """Gemma's RMSNorm: the checkpoint stores weight - 1, and the normalised row is scaled by (1 + weight) in fp32
-    and rounded to the input dtype once, as transformers' Gemma2RMSNorm/Gemma3RMSNorm do. Adding 1 in fp32 matters:
-    in bf16, 1 + a small weight rounds to 1."""
+    and rounded to the input dtype once, as transformers' Gemma2RMSNorm/Gemma3RMSNorm do (the kernels'
+    unit_offset). Adding 1 in fp32 matters: in bf16, 1 + a small weight rounds to 1."""
 
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(size))
-        self.eps = eps
+    def __init__(self, size: int, eps: float, ops: KernelSet) -> None:
+        super().__init__(size, eps, ops)
+        nn.init.zeros_(self.weight)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual): the sum, rounded to x's dtype, is also the new residual."""
-        if residual is not None:
-            x = x + residual
-        return self.per_head(x), x
+        return self.ops.rms_norm(x, self.weight, self.eps, residual, unit_offset=True)
 
     def per_head(self, x: torch.Tensor) -> torch.Tensor:
-        """The norm over the last dim, whatever the leading dims ([T, hidden] or [T, heads, head_dim])."""
-        row = x.float()
-        normed = row * torch.rsqrt(row.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return self.ops.head_rms_norm(x, self.weight, self.eps, unit_offset=True)

@@ -35,10 +35,10 @@ class GemmaDecoderLayer(nn.Module):
         self.self_attn = Attention(config, ops, layer_idx)
         self.mlp = MLP(config, ops)
         size, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(size, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
+        self.input_layernorm = GemmaRMSNorm(size, eps, ops)
+        self.post_attention_layernorm = GemmaRMSNorm(size, eps, ops)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(size, eps, ops)
+        self.post_feedforward_layernorm = GemmaRMSNorm(size, eps, ops)
 
     def forward(self, hidden, residual, positions, cos_sin_cache, kv_cache, meta):
         """(hidden, residual) -> (this layer's output, the residual stream before it): the next norm adds them."""
@@ -55,7 +55,7 @@ class GemmaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(GemmaDecoderLayer(config, ops, i) for i in range(config.num_layers))
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
 
 class GemmaForCausalLM(nn.Module):
