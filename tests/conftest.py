@@ -130,6 +130,8 @@ def _tiny_config(architecture: str):
     if architecture == "qwen3":
         # head_dim 32 with hidden 64 and 4 heads: head_dim != hidden / heads.
         return transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True, use_sliding_window=False)
+    if architecture == "phi3":  # fused qkv_proj and gate_up_proj in the checkpoint
+        return transformers.Phi3Config(**common, sliding_window=None, tie_word_embeddings=False)
     raise ValueError(architecture)
 
 
@@ -140,6 +142,7 @@ _MODEL_CLASSES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 ARCHITECTURES = tuple(_MODEL_CLASSES)
 

@@ -209,7 +209,11 @@ def test_a_gemma_config_json_with_a_stale_hidden_act_loads(tmp_path):
 @pytest.mark.parametrize(
     "architecture,overrides,message",
     [
-        ("gemma2", {"hidden_activation": "gelu"}, r"unsupported hidden_activation 'gelu' for Gemma2ForCausalLM"),
+        (
+            "gemma2",
+            {"hidden_activation": "gelu"},
+            r"unsupported hidden_activation 'gelu'; supported: gelu_pytorch_tanh \(for Gemma2ForCausalLM\)",
+        ),
         ("gemma3", {"use_bidirectional_attention": True}, r"use_bidirectional_attention .* is not supported"),
         ("gemma2", {"query_pre_attn_scalar": 0}, r"query_pre_attn_scalar must be a number in \(0, 1e6\]"),
         ("gemma3", {"final_logit_softcapping": -1.0}, r"final_logit_softcapping must be a number in \(0, 1e6\]"),

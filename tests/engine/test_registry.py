@@ -32,6 +32,7 @@ def test_the_registry_serves_every_supported_architecture():
         "MistralForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
+        "Phi3ForCausalLM",
     }
     assert all(
         registry.model_class(name) is LlamaForCausalLM for name in set(registry.supported_architectures()) - gemmas
