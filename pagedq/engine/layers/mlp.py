@@ -21,7 +21,6 @@ class MLP(nn.Module):
         size = config.intermediate_size
         self.gate_up_proj = PackedLinear(config.hidden_size, [size, size], bias=False)
         self.down_proj = Linear(size, config.hidden_size, bias=False)
-
         self.act_and_mul = getattr(ops, GATED_ACTIVATION_KERNELS[config.hidden_act])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedq.engine.config.engine import SLIDING_ATTENTION, ModelConfig
+from pagedq.engine.config.engine import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 from pagedq.engine.layers import MLP, Attention, AttentionMetadata, rope_cos_sin_cache
 from pagedq.engine.layers.linear import Linear
 from pagedq.engine.layers.norm import GemmaRMSNorm
@@ -74,7 +74,7 @@ class GemmaForCausalLM(nn.Module):
         self.register_buffer("embed_scale", torch.tensor(config.hidden_size**0.5), persistent=False)
         self.local_cos_sin_cache: torch.Tensor | None
         if has_local_rope(config):
-            self.register_buffer("cos_sin_cache", rope_cos_sin_cache(config, "full_attention"), persistent=False)
+            self.register_buffer("cos_sin_cache", rope_cos_sin_cache(config, FULL_ATTENTION), persistent=False)
             self.register_buffer("local_cos_sin_cache", rope_cos_sin_cache(config, SLIDING_ATTENTION), persistent=False)
         else:
             self.register_buffer("cos_sin_cache", rope_cos_sin_cache(config), persistent=False)
