@@ -198,6 +198,16 @@ def test_gemma3_old_config_json_rope_local_base_freq_sets_the_local_table(tmp_pa
     assert torch.equal(rope_cos_sin_cache(config, "full_attention"), table(200000.0))
 
 
+def test_gemma3_attention_takes_no_softcap_whatever_its_config_says(tmp_path):
+    """transformers' Gemma3Attention never passes attn_logit_softcapping to its attention function; nor do we."""
+    folder = _build(tmp_path, "gemma3", attn_logit_softcapping=1.0)
+    assert transformers.AutoConfig.from_pretrained(folder).attn_logit_softcapping == 1.0
+    assert ModelConfig.from_pretrained(folder).attn_logit_softcapping is None
+    prompt = _prompt(30, seed=8)
+    output = LLM(folder).generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2))[0]
+    _assert_prompt_logprobs_match(prompt, output.prompt_logprobs, _hf(folder), 2)
+
+
 def test_a_gemma_config_json_with_a_stale_hidden_act_loads(tmp_path):
     """Google's Gemma 2 config.json carries hidden_act beside hidden_activation; transformers reads the latter."""
     _save_config(tmp_path, "gemma2")
