@@ -30,6 +30,7 @@ KERNEL_NAMES = (
     "head_rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "gelu_tanh_and_mul",
     "copy_blocks",
     "gumbel_argmax",
     "fused_moe",
@@ -65,6 +66,7 @@ class KernelSet:
     head_rms_norm: Callable
     rotary_embedding: Callable
     silu_and_mul: Callable
+    gelu_tanh_and_mul: Callable
     copy_blocks: Callable
     gumbel_argmax: Callable
     fused_moe: Callable
@@ -109,6 +111,7 @@ rms_norm = _dispatch("rms_norm")
 head_rms_norm = _dispatch("head_rms_norm")
 rotary_embedding = _dispatch("rotary_embedding")
 silu_and_mul = _dispatch("silu_and_mul")
+gelu_tanh_and_mul = _dispatch("gelu_tanh_and_mul")
 copy_blocks = _dispatch("copy_blocks")
 gumbel_argmax = _dispatch("gumbel_argmax")
 fused_moe = _dispatch("fused_moe")
