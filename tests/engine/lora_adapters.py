@@ -60,3 +60,40 @@ def edit_config(adapter: Path, **changes: object) -> Path:
     config.update(changes)
     path.write_text(json.dumps(config))
     return adapter
+
+
+def write_random_adapter(
+    checkpoint: Path, folder: Path, targets: tuple[str, ...] = ALL, rank: int = 8, alpha: float = 16.0, seed: int = 0
+) -> Path:
+    """A PEFT-format LoRA folder of random A and B written with safetensors alone (for machines without peft,
+    where the oracle is another engine path, not PeftModel)."""
+    from safetensors.torch import save_file
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    kv = config.get("num_key_value_heads") or heads
+    shapes = {
+        "q_proj": (hidden, heads * head_dim),
+        "k_proj": (hidden, kv * head_dim),
+        "v_proj": (hidden, kv * head_dim),
+        "o_proj": (heads * head_dim, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for layer in range(config["num_hidden_layers"]):
+        for target in targets:
+            parent = "self_attn" if target in ATTENTION else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{parent}.{target}"
+            in_features, out_features = shapes[target]
+            weights[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) * 0.2
+            weights[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * 0.2
+    folder.mkdir(parents=True)
+    save_file(weights, str(folder / "adapter_model.safetensors"))
+    adapter_config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets)}
+    (folder / "adapter_config.json").write_text(json.dumps(adapter_config))
+    return folder
