@@ -2,7 +2,8 @@
 
 Every public function here has a plain-PyTorch reference in `kernels.reference` with the same signature and a
 Triton implementation in `kernels.triton_ops`. `bind(device)` picks the backend once (Triton on CUDA; on CPU
-"cpu": the reference with its paged attention replaced by `kernels.cpu_attention`, index_select + torch's SDPA;
+"cpu": the reference with its paged attention replaced by `kernels.cpu_attention`, index_select + torch's SDPA,
+and fused_moe by `kernels.cpu_moe`, grouped by expert;
 `PAGEDQ_KERNELS=triton|cpu|reference` forces one, and with `TRITON_INTERPRET=1` the Triton path runs on CPU
 through Triton's interpreter) and returns a `KernelSet`: the engine binds one when it builds the
 model, so the environment is read once, not per call. A kernel missing from the Triton backend raises at bind
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedq.kernels import cpu_attention, lora, reference
+from pagedq.kernels import cpu_attention, cpu_moe, lora, reference
 
 _BACKENDS = ("triton", "cpu", "reference")
 CPU_ATTENTION_NAMES = ("paged_decode_attention", "paged_prefill_attention")  # what "cpu" takes from cpu_attention
@@ -35,6 +36,7 @@ KERNEL_NAMES = (
     # LoRA (issue 36)
     "lora_shrink",
     "lora_expand",
+    "fused_moe",
 )
 # What "cpu" takes from kernels.lora instead of the reference: the slot-grouped torch path.
 CPU_LORA_IMPLS = {"lora_shrink": lora.grouped_lora_shrink, "lora_expand": lora.grouped_lora_expand}
@@ -66,6 +68,7 @@ class KernelSet:
     gumbel_argmax: Callable
     lora_shrink: Callable
     lora_expand: Callable
+    fused_moe: Callable
 
 
 def bind(device: torch.device | str) -> KernelSet:
@@ -78,6 +81,7 @@ def bind(device: torch.device | str) -> KernelSet:
         impls = {name: getattr(fast if name in CPU_ATTENTION_NAMES else reference, name) for name in KERNEL_NAMES}
         if backend == "cpu":
             impls.update(CPU_LORA_IMPLS)
+            impls["fused_moe"] = cpu_moe.fused_moe  # grouped by expert; the reference masks per expert
         return KernelSet(backend, **impls)
     from pagedq.kernels import triton_ops  # imported lazily: Triton reads TRITON_INTERPRET when kernels are defined
 
@@ -114,5 +118,6 @@ copy_blocks = _dispatch("copy_blocks")
 gumbel_argmax = _dispatch("gumbel_argmax")
 lora_shrink = _dispatch("lora_shrink")
 lora_expand = _dispatch("lora_expand")
+fused_moe = _dispatch("fused_moe")
 
 __all__ = ["KERNEL_NAMES", "KernelSet", "bind", "selected_backend", *KERNEL_NAMES]

@@ -35,6 +35,8 @@ import torch
 
 from pagedq.engine.layers import AttentionMetadata
 from pagedq.engine.lora.layers import LoRASlots
+from pagedq.engine.runner.lora_index import step_lora_index
+from pagedq.engine.step.uploads import copy_to_device
 from pagedq.kernels.lora import LoRAIndex
 
 if TYPE_CHECKING:
@@ -156,7 +158,7 @@ class DecodeGraphRunner:
         padded = np.full(batch, -1, dtype=np.int32)
         if token_lora_slots is not None:
             padded[:num_seqs] = token_lora_slots
-        index = LoRAIndex.build(torch.from_numpy(padded), self.lora.max_loras, self.device)
+        index = step_lora_index(padded, self.lora.max_loras, self.device)
         if not self.capture:
             return index if index.has_adapter else None
         self.lora_indexes[batch].copy_from(index)
@@ -167,8 +169,7 @@ class DecodeGraphRunner:
 
         def put(buffer: torch.Tensor, values: np.ndarray | torch.Tensor, pad: int) -> None:
             # token ids may already be on the device (async scheduling fills in the previous step's draws there)
-            values = values if isinstance(values, torch.Tensor) else torch.from_numpy(values)
-            buffer[:n].copy_(values, non_blocking=True)
+            copy_to_device(buffer[:n], values)
             buffer[n:batch].fill_(pad)
 
         put(self.input_ids, token_ids, 0)
@@ -177,7 +178,7 @@ class DecodeGraphRunner:
         put(self.context_lens, context_lens, 1)  # ... and attend to one slot of block 0
         # Entries past a row's context are never read, so stale ones from earlier steps may stay; padding rows
         # read entry 0, which must name a real block: block 0.
-        self.block_tables[:n, :w].copy_(torch.from_numpy(block_tables), non_blocking=True)
+        copy_to_device(self.block_tables[:n, :w], block_tables)
         self.block_tables[n:batch, 0] = 0
 
     def _forward(self, batch: int, width: int, lora_index: LoRAIndex | None = None) -> torch.Tensor:

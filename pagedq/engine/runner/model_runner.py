@@ -21,6 +21,7 @@ from pagedq.engine.layers import AttentionMetadata
 from pagedq.engine.lora.layers import LoRASlots
 from pagedq.engine.models.loader import load_model
 from pagedq.engine.runner.cuda_graphs import DecodeGraphRunner
+from pagedq.engine.runner.lora_index import step_lora_index
 from pagedq.engine.sample.sampler import sample
 from pagedq.engine.spec_decode.verify import record_verified
 from pagedq.engine.step.async_step import DeviceQueue, DeviceResult, StepHandle
@@ -28,7 +29,7 @@ from pagedq.engine.step.batch_state import BatchState, RowInfo, SamplingPlan
 from pagedq.engine.step.draws import draw_layout
 from pagedq.engine.step.runner_outputs import prompt_logprobs, sampled_tokens
 from pagedq.engine.step.step_inputs import StepInputs, build_step_inputs, decodes_first
-from pagedq.kernels.lora import LoRAIndex
+from pagedq.engine.step.uploads import to_device
 
 
 @dataclass
@@ -181,7 +182,8 @@ class ModelRunner:
         extra = prompt_logprobs(step.ordered, step.infos, hidden, self.model)
         if step.sampling is None:
             return DeviceResult(None, extra)
-        logits = self.model.compute_logits(hidden[torch.from_numpy(step.last_index).to(self.device)])
+        assert step.last_index is not None  # every sampling plan has its draws' token indices
+        logits = self.model.compute_logits(hidden[to_device(step.last_index, self.device)])
         result = sample(logits, self.state.sampling_batch(step.sampling), self.kernels, step.constrain)
         self.state.record_draws(step.sampling, result.token_ids)
         if step.sampling.verify is not None:  # speculative decoding: accept, and drop the draws past a rejection
@@ -195,15 +197,15 @@ class ModelRunner:
         if plan.blocks_to_swap_in:
             _copy_between(self.host_caches, self.kv_caches, plan.blocks_to_swap_in)
         if plan.blocks_to_copy:
-            mapping = torch.tensor(plan.blocks_to_copy, dtype=torch.long, device=self.device)
+            mapping = to_device(torch.tensor(plan.blocks_to_copy, dtype=torch.long), self.device)
             self.kernels.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Final hidden states of the step's tokens: from a CUDA graph for a decode-only step, else eagerly."""
-        token_ids = torch.from_numpy(inputs.token_ids).to(self.device)
+        token_ids = to_device(inputs.token_ids, self.device)
         if len(inputs.placeholders):  # tokens the host has not seen yet: the previous step's draws, on the device
-            rows = torch.from_numpy(inputs.placeholder_rows).to(self.device)
-            token_ids[torch.from_numpy(inputs.placeholders).to(self.device)] = self.state.last_token[rows]
+            rows = to_device(inputs.placeholder_rows, self.device)
+            token_ids[to_device(inputs.placeholders, self.device)] = self.state.last_token[rows]
         graphs = self.decode_graphs
         if graphs is not None and inputs.is_decode_only and graphs.can_run(*inputs.block_tables.shape):
             return graphs.run(
@@ -222,26 +224,22 @@ class ModelRunner:
         num_decode, tables, context_lens = inputs.num_decode, inputs.block_tables, inputs.context_lens
         prefill_cu_seqlens = np.concatenate(([0], np.cumsum(inputs.lengths[num_decode:]))).astype(np.int32)
 
-        def to_device(array: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(array).to(self.device)
-
+        device = self.device
         meta = AttentionMetadata(
-            slot_mapping=to_device(inputs.slot_mapping),
+            slot_mapping=to_device(inputs.slot_mapping, device),
             num_decode_tokens=num_decode,
-            decode_block_tables=to_device(tables[:num_decode]),
-            decode_context_lens=to_device(context_lens[:num_decode]),
-            prefill_block_tables=to_device(tables[num_decode:]),
-            prefill_cu_seqlens_q=to_device(prefill_cu_seqlens),
-            prefill_context_lens=to_device(context_lens[num_decode:]),
+            decode_block_tables=to_device(tables[:num_decode], device),
+            decode_context_lens=to_device(context_lens[:num_decode], device),
+            prefill_block_tables=to_device(tables[num_decode:], device),
+            prefill_cu_seqlens_q=to_device(prefill_cu_seqlens, device),
+            prefill_context_lens=to_device(context_lens[num_decode:], device),
         )
-        return self.model(token_ids, to_device(inputs.positions), self.kv_caches, meta)
+        return self.model(token_ids, to_device(inputs.positions, device), self.kv_caches, meta)
 
     def _forward_lora(self, token_ids: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
         """The eager forward with the step's LoRA index set for the adapted linears (pagedq/engine/lora/layers.py)."""
         assert self.lora is not None and inputs.token_lora_slots is not None
-        # built from the host array (the index's host fields come from it), moved to the device in one copy
-        slots = torch.from_numpy(inputs.token_lora_slots)
-        self.lora.step_index = LoRAIndex.build(slots, self.lora.max_loras, self.device)
+        self.lora.step_index = step_lora_index(inputs.token_lora_slots, self.lora.max_loras, self.device)
         try:
             return self._forward_eager(token_ids, inputs)
         finally:
