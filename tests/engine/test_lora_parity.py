@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from pagedq.engine import LLM, LoRARequest, SamplingParams
-from pagedq.engine.runner import model_runner
 from pagedq.kernels.lora import LoRAIndex
 from tests.conftest import VOCAB_SIZE
 from tests.engine.lora_adapters import ALL, ATTENTION, MLP, peft_model, write_adapter
@@ -89,7 +88,7 @@ def _record_step_slots(monkeypatch) -> list[set[int]]:
         seen.append(set(token_slots.tolist()))
         return build(token_slots, num_slots, device)
 
-    monkeypatch.setattr(model_runner.LoRAIndex, "build", recording)
+    monkeypatch.setattr(LoRAIndex, "build", recording)
     return seen
 
 
