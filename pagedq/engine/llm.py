@@ -66,8 +66,9 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them (vLLM's `LLM.chat`).
+        """Generate replies to one conversation or a list of them (vLLM's `LLM.chat`; lora_request as generate's).
 
         Each is rendered with the tokenizer's chat template (or `chat_template`) and tokenized without special
         tokens, as the worker does for `messages` jobs: the template writes BOS itself where the model wants one.
@@ -93,7 +94,7 @@ class LLM:
                 continue_final_message=continue_final_message,
             )
             prompts.append(tokenizer.encode(text, add_special_tokens=False))
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(
         self,

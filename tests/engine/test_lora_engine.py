@@ -237,3 +237,14 @@ def test_structured_outputs_under_an_adapter_equal_the_request_alone(adapters):
     import re
 
     assert all(re.fullmatch(regex, text) for text in mixed), mixed
+
+
+def test_chat_takes_a_lora_request_as_generate_does(adapters):
+    checkpoint, (a, b, _) = adapters
+    llm = LLM(checkpoint, enable_lora=True, max_loras=2, num_kv_blocks=32)
+    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    conversation = [{"role": "user", "content": "the quick brown fox"}]
+    chats = llm.chat([conversation, conversation], GREEDY, chat_template=template, lora_request=[a, b])
+    prompt = llm.get_tokenizer().encode("the quick brown fox ", add_special_tokens=False)
+    assert _tokens(chats) == _tokens(llm.generate([prompt, prompt], GREEDY, lora_request=[a, b]))
+    assert chats[0].outputs[0].token_ids != chats[1].outputs[0].token_ids
