@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedq.kernels import cpu_attention, cpu_moe, reference
+from pagedq.kernels import cpu_attention, cpu_moe, lora, reference
 
 _BACKENDS = ("triton", "cpu", "reference")
 KERNEL_NAMES = (
@@ -33,14 +33,20 @@ KERNEL_NAMES = (
     "gelu_tanh_and_mul",
     "copy_blocks",
     "gumbel_argmax",
+    # LoRA (issue 36)
+    "lora_shrink",
+    "lora_expand",
     "fused_moe",
 )
 # What the "cpu" backend takes from a CPU path of its own instead of the reference: the paged attention
-# (index_select + SDPA, or the native kernel) and the MoE grouped by expert (the reference masks per expert).
-CPU_PATHS = {
-    "paged_decode_attention": cpu_attention,
-    "paged_prefill_attention": cpu_attention,
-    "fused_moe": cpu_moe,
+# (index_select + SDPA, or the native kernel), the MoE grouped by expert (the reference masks per expert) and the
+# LoRA products grouped by slot.
+CPU_PATHS: dict[str, Callable] = {
+    "paged_decode_attention": cpu_attention.paged_decode_attention,
+    "paged_prefill_attention": cpu_attention.paged_prefill_attention,
+    "fused_moe": cpu_moe.fused_moe,
+    "lora_shrink": lora.grouped_lora_shrink,
+    "lora_expand": lora.grouped_lora_expand,
 }
 
 
@@ -69,6 +75,8 @@ class KernelSet:
     gelu_tanh_and_mul: Callable
     copy_blocks: Callable
     gumbel_argmax: Callable
+    lora_shrink: Callable
+    lora_expand: Callable
     fused_moe: Callable
 
 
@@ -79,7 +87,7 @@ def bind(device: torch.device | str) -> KernelSet:
         raise ValueError(f"PAGEDQ_KERNELS=cpu runs on CPU tensors only, not on {device}: use triton or reference")
     if backend in ("reference", "cpu"):
         paths = CPU_PATHS if backend == "cpu" else {}
-        return KernelSet(backend, **{name: getattr(paths.get(name, reference), name) for name in KERNEL_NAMES})
+        return KernelSet(backend, **{name: paths.get(name) or getattr(reference, name) for name in KERNEL_NAMES})
     from pagedq.kernels import triton_ops  # imported lazily: Triton reads TRITON_INTERPRET when kernels are defined
 
     impls = {name: getattr(triton_ops, name, None) for name in KERNEL_NAMES}
@@ -114,6 +122,8 @@ silu_and_mul = _dispatch("silu_and_mul")
 gelu_tanh_and_mul = _dispatch("gelu_tanh_and_mul")
 copy_blocks = _dispatch("copy_blocks")
 gumbel_argmax = _dispatch("gumbel_argmax")
+lora_shrink = _dispatch("lora_shrink")
+lora_expand = _dispatch("lora_expand")
 fused_moe = _dispatch("fused_moe")
 
 __all__ = ["KERNEL_NAMES", "KernelSet", "bind", "selected_backend", *KERNEL_NAMES]

@@ -142,7 +142,9 @@ class BlockManager:
                 fill[block_id] = new_fill
         return copies
 
-    def append_slot(self, request_id: str, position: int, token_ids: list[int], num_known: int) -> bool:
+    def append_slot(
+        self, request_id: str, position: int, token_ids: list[int], num_known: int, salt: bytes = b""
+    ) -> bool:
         """`allocate_slots(request_id, position, position + 1)` then `cache_full_blocks(request_id, token_ids,
         num_known)` for the common decode step, where `position` falls in a block the request already holds alone:
         no growth, no copy-on-write, only its fill counter moves. False (nothing changed) otherwise: then those two
@@ -156,7 +158,7 @@ class BlockManager:
         if self.enable_prefix_caching:
             hashes = self._block_hashes.get(request_id)
             if hashes is None or len(hashes) < num_known // self.block_size:  # a block filled: hash it
-                self.cache_full_blocks(request_id, token_ids, num_known)
+                self.cache_full_blocks(request_id, token_ids, num_known, salt)
         return True
 
     def trim(self, request_id: str, num_tokens: int) -> None:

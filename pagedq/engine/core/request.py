@@ -116,8 +116,13 @@ class Request:
     is_beam: bool = False  # beam sequences report candidates instead of appending a token
     beam_candidates: dict[int, float] | None = None  # token -> logprob, set by the step, taken by selection
     # Seeds its prefix-cache hash chain: sequences whose K/V over the same tokens differ (LongRoPE's short and long
-    # rows, pagedq/engine/layers/rotary.py) never share blocks
+    # rows, pagedq/engine/layers/rotary.py; another LoRA adapter's weights) never share blocks (LLMEngine composes it)
     cache_namespace: bytes = b""
+    # LoRA (pagedq/engine/lora/): the adapter's load identity (0: the base model), the device slot the scheduler
+    # gave it at admission (-1: none), and the schedule count since which the adapter limit has held it back
+    lora_key: int = 0
+    lora_slot: int = -1
+    lora_blocked_since: int = -1
     # Progress (the class doc: what each means; only the methods under "progress" change them)
     runner_num_tokens: int = 0
     runner_num_blocks: int = 0
@@ -165,6 +170,8 @@ class Request:
             is_beam=self.is_beam,
             first_token_time=self.first_token_time,
             cache_namespace=self.cache_namespace,
+            lora_key=self.lora_key,
+            lora_slot=self.lora_slot,
         )
         child.all_token_ids = list(self.all_token_ids)
         child.cumulative_logprob = self.cumulative_logprob

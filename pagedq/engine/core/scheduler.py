@@ -12,6 +12,8 @@ priority. Waiting sequences are admitted only in steps that preempted nobody for
 Seats are preempted too (pagedq/engine/core/seats.py): when a waiting request outranks running ones and no seat is
 free, the lowest-priority, most recently admitted of them gives up its seat, by the same recompute or swap,
 within bounds.
+
+Admission keeps the LoRA adapters of running requests within the device slots (core/adapter_admission.py).
 """
 
 from __future__ import annotations
@@ -20,14 +22,18 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
+from pagedq.engine.core.adapter_admission import AdapterAdmission, take_slot_loads
 from pagedq.engine.core.block_manager import BlockManager
 from pagedq.engine.core.decode_fast_path import schedule_decodes
 from pagedq.engine.core.request import Request, RequestStatus, ScheduledRequest
 from pagedq.engine.core.seats import SeatPolicy, seat_victims, seats_of, waiting_groups
 from pagedq.engine.core.step_plan import StepPlan, build_plan
 from pagedq.engine.core.swap import SwapSpace
+
+if TYPE_CHECKING:
+    from pagedq.engine.lora.manager import LoRAManager
 
 
 class Lookahead(Protocol):
@@ -76,8 +82,10 @@ class Scheduler:
         swap_space: SwapSpace | None = None,
         max_model_len: int = 2**62,
         seat_policy: SeatPolicy | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.block_manager = block_manager
+        self.lora = lora  # None: LoRA off, every request uses the base model
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -103,6 +111,11 @@ class Scheduler:
     def waiting(self) -> list[Request]:
         """Waiting requests in the order they will be admitted."""
         return [item[-1] for item in sorted(self._waiting)]
+
+    @property
+    def waiting_unordered(self) -> list[Request]:
+        """Waiting requests, in no particular order (cheaper than `waiting`)."""
+        return [item[-1] for item in self._waiting]
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self.running)
@@ -220,7 +233,8 @@ class Scheduler:
     def _plan(self, output: SchedulerOutput) -> StepPlan:
         """The runner's copy of the step (pagedq/engine/core/step_plan.py)."""
         blocks = (output.blocks_to_copy, output.blocks_to_swap_out, output.blocks_to_swap_in)
-        return build_plan(self.block_manager, output.scheduled, blocks, self.take_departures())
+        loads = take_slot_loads(self.lora)
+        return build_plan(self.block_manager, output.scheduled, blocks, self.take_departures(), loads)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
         """Make room for `num_new` more tokens of a running request, preempting others if needed."""
@@ -297,8 +311,16 @@ class Scheduler:
         if not self._waiting:
             return
         free_seats = self._free_seats()
+        adapters = None if self.lora is None else AdapterAdmission(self.lora, self.running, self.num_schedules)
+        passed: list[Request] = []  # held back by the adapter limit this step: queued again below
         while self._waiting and budget > 0 and free_seats > 0:
             group = self._waiting_group(self._waiting[0][-1])
+            if adapters is not None and not adapters.fits(group[0]):
+                if not adapters.may_be_passed(group[0]):
+                    break
+                self._leave_waiting(group)
+                passed += group
+                continue
             seats = seats_of(group)
             if seats > free_seats or budget < len(group):
                 break  # head-of-line: a lower-priority request must not overtake it
@@ -321,6 +343,10 @@ class Scheduler:
                 request.status = RequestStatus.RUNNING
                 request.seat_since_step = self.num_schedules
                 self.running.append(request)
+                if adapters is not None:
+                    adapters.admitted(request)
+        for request in passed:
+            self._push_waiting(request)
 
     def _waiting_group(self, head: Request) -> list[Request]:
         """What must be admitted together with the head of the queue: all waiting beams of its group, or itself."""

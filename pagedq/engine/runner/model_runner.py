@@ -19,8 +19,10 @@ from pagedq.engine.config.engine import EngineConfig, ModelConfig, resolve_dtype
 from pagedq.engine.core.step_plan import ModelRunnerOutput, ScheduledChunk, StepPlan
 from pagedq.engine.layers import AttentionMetadata
 from pagedq.engine.layers.rotary import rope_table_rows
+from pagedq.engine.lora.layers import LoRASlots
 from pagedq.engine.models.loader import load_model
 from pagedq.engine.runner.cuda_graphs import DecodeGraphRunner
+from pagedq.engine.runner.lora_index import step_lora_index
 from pagedq.engine.sample.sampler import sample
 from pagedq.engine.spec_decode.verify import record_verified
 from pagedq.engine.step.async_step import DeviceQueue, DeviceResult, StepHandle
@@ -58,6 +60,10 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, config.device)  # as EngineConfig resolved it (typed for mypy)
         self.model = load_model(model_dir, model_config, self.dtype, config.device)
         self.kernels = self.model.kernels  # bound once, when the model was built
+        # LoRA: the adapted linears and their slots, before any CUDA graph is captured (graphs run base-only steps)
+        self.lora: LoRASlots | None = None
+        if config.enable_lora:
+            self.lora = LoRASlots(self.model, self.kernels, config.max_loras, config.max_lora_rank)
         self.state = BatchState(model_config.vocab_size, self.device, capacity=config.max_num_seqs)
         self.device_queue = DeviceQueue(self.device)
         self.num_device_fed_tokens = 0  # input tokens taken from the previous step's draws on the device (async)
@@ -84,6 +90,7 @@ class ModelRunner:
                 self.block_size,
                 self.device,
                 capture=True,
+                lora=self.lora,
             )
             with torch.inference_mode():
                 self.graph_capture_seconds = self.decode_graphs.capture_all()
@@ -137,6 +144,10 @@ class ModelRunner:
             longest = (info.num_prompt_tokens + info.params.max_tokens for info in infos)
             max_lengths = np.repeat(np.fromiter(longest, dtype=np.int64, count=len(infos)), inputs.lengths)
             inputs.rope_rows = rope_table_rows(self.model_config, inputs.positions, max_lengths)
+        if self.lora is not None:
+            slots = np.fromiter((info.lora_slot for info in infos), dtype=np.int32, count=len(infos))
+            if (slots >= 0).any():
+                inputs.token_lora_slots = np.repeat(slots, inputs.lengths)
         self.num_device_fed_tokens += len(inputs.placeholders)
         draws = draw_layout(ordered, infos, rows, inputs.lengths)
         if draws is None:
@@ -166,6 +177,9 @@ class ModelRunner:
         """Forward + sampler, and the persistent batch's queued device writes before them (device work only)."""
         for op in step.device_ops:
             op()
+        if self.lora is not None:  # after every step launched before this one, so no step reads a slot rewritten
+            for slot, adapter in step.plan.lora_loads:
+                self.lora.load(slot, adapter)
         self._move_blocks(step.plan)
         if step.inputs is None:
             return DeviceResult(None)
@@ -198,9 +212,20 @@ class ModelRunner:
             rows = to_device(inputs.placeholder_rows, self.device)
             token_ids[to_device(inputs.placeholders, self.device)] = self.state.last_token[rows]
         graphs = self.decode_graphs
-        rope_rows = inputs.positions if inputs.rope_rows is None else inputs.rope_rows  # the model reads them only
         if graphs is not None and inputs.is_decode_only and graphs.can_run(*inputs.block_tables.shape):
-            return graphs.run(token_ids, rope_rows, inputs.slot_mapping, inputs.block_tables, inputs.context_lens)
+            return graphs.run(
+                token_ids,
+                _rope_rows(inputs),
+                inputs.slot_mapping,
+                inputs.block_tables,
+                inputs.context_lens,
+                inputs.token_lora_slots,
+            )
+        if inputs.token_lora_slots is not None:
+            return self._forward_lora(token_ids, inputs)
+        return self._forward_eager(token_ids, inputs)
+
+    def _forward_eager(self, token_ids: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
         num_decode, tables, context_lens = inputs.num_decode, inputs.block_tables, inputs.context_lens
         prefill_cu_seqlens = np.concatenate(([0], np.cumsum(inputs.lengths[num_decode:]))).astype(np.int32)
 
@@ -214,7 +239,22 @@ class ModelRunner:
             prefill_cu_seqlens_q=to_device(prefill_cu_seqlens, device),
             prefill_context_lens=to_device(context_lens[num_decode:], device),
         )
-        return self.model(token_ids, to_device(rope_rows, device), self.kv_caches, meta)
+        return self.model(token_ids, to_device(_rope_rows(inputs), device), self.kv_caches, meta)
+
+    def _forward_lora(self, token_ids: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+        """The eager forward with the step's LoRA index set for the adapted linears (pagedq/engine/lora/layers.py)."""
+        assert self.lora is not None and inputs.token_lora_slots is not None
+        self.lora.step_index = step_lora_index(inputs.token_lora_slots, self.lora.max_loras, self.device)
+        try:
+            return self._forward_eager(token_ids, inputs)
+        finally:
+            self.lora.step_index = None
+
+
+def _rope_rows(inputs: StepInputs) -> np.ndarray:
+    """The RoPE table row of each token: its position, except where LongRoPE reads the short rows (the model reads
+    `positions` only to index that table)."""
+    return inputs.positions if inputs.rope_rows is None else inputs.rope_rows
 
 
 def _lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -29,6 +29,8 @@ class StepInputs:
     # [T] int64: the RoPE table row each token reads, where that is not its position (LongRoPE's short rows,
     # pagedq/engine/layers/rotary.py); None: its position
     rope_rows: np.ndarray | None = None
+    # [T] int32: the LoRA slot each token is computed under (-1: the base model); None when no token uses one
+    token_lora_slots: np.ndarray | None = None
 
     @property
     def is_decode_only(self) -> bool:
