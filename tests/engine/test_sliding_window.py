@@ -5,7 +5,9 @@ outputs far longer than it, greedy token-exact against transformers in fp32 thro
 
 from __future__ import annotations
 
+import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -164,3 +166,20 @@ def test_given_back_blocks_and_the_prefix_cache(sliding_checkpoint):
     expected, _ = hf_greedy(hf, prompts[1], 12)
     assert [sample.token_ids for sample in forked.outputs] == [expected] * 3
     assert llm.stats()["num_free_blocks"] == blocks
+
+
+@pytest.mark.parametrize(
+    "patch,message",
+    [
+        ({"sliding_window": 0}, "sliding_window must be a positive integer or null, got 0"),
+        ({"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types must name 'full_attention' or"),
+    ],
+)
+def test_bad_window_settings_are_refused_before_any_weight(tmp_path, patch, message):
+    config = _config("mistral")
+    config.architectures = ["MistralForCausalLM"]
+    config.save_pretrained(tmp_path)  # a config alone: the error comes before any weight would load
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **patch}))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ModelConfig.from_pretrained(tmp_path)
