@@ -159,24 +159,41 @@ def paged_prefill_attention(
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    *,
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused residual add + RMSNorm, with transformers' numerics (variance in fp32, cast, then weight).
 
     Returns (normed, new_residual) where new_residual = x + residual (or x when residual is None).
-    x, residual [T, H]; weight [H].
+    x, residual [T, H]; weight [H]. unit_offset: Gemma's norm, see `_unit_offset_norm`.
     """
     if residual is not None:
         x = x + residual
+    if unit_offset:
+        return _unit_offset_norm(x, weight, eps), x
     variance = x.float().pow(2).mean(-1, keepdim=True)
     normed = (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
     return weight * normed, x
 
 
-def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of [T, H, D] (Qwen3's per-head q/k norm)."""
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim of [T, H, D] (Qwen3's per-head q/k norm; Gemma 3's with unit_offset)."""
+    if unit_offset:
+        return _unit_offset_norm(x, weight, eps)
     variance = x.float().pow(2).mean(-1, keepdim=True)
     return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def _unit_offset_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm (transformers' Gemma2RMSNorm/Gemma3RMSNorm): the checkpoint stores weight - 1, and the
+    normalised row is scaled by (1 + weight) in fp32 and rounded to x's dtype once."""
+    row = x.float()
+    normed = row * torch.rsqrt(row.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).to(x.dtype)
 
 
 def rotary_embedding(
@@ -201,6 +218,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] packed (gate | up) -> silu(gate) * up, [T, I]."""
     half = gate_up.shape[-1] // 2
     return torch.nn.functional.silu(gate_up[..., :half]) * gate_up[..., half:]
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] packed (gate | up) -> gelu(gate, approximate="tanh") * up, [T, I] (GeGLU: transformers'
+    gelu_pytorch_tanh)."""
+    half = gate_up.shape[-1] // 2
+    return torch.nn.functional.gelu(gate_up[..., :half], approximate="tanh") * gate_up[..., half:]
 
 
 def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
@@ -250,3 +274,63 @@ def gumbel_argmax(
     noisy = scaled + gumbel_noise(seeds, positions, logits.shape[-1])
     sampled = noisy.masked_fill(logits == float("-inf"), float("-inf")).argmax(dim=-1)  # filtered stay out
     return torch.where(temperature == 0, greedy, sampled)
+
+
+# gpt-oss's clamped SwiGLU (transformers' GptOssExperts: config.swiglu_alpha, config.swiglu_limit).
+SWIGLU_OAI_ALPHA = 1.702
+SWIGLU_OAI_LIMIT = 7.0
+MOE_ACTIVATIONS = ("silu", "swiglu_oai")
+
+
+def check_moe_activation(activation: str) -> None:
+    if activation not in MOE_ACTIVATIONS:
+        raise ValueError(f"fused_moe: activation must be one of {MOE_ACTIVATIONS}, got {activation!r}")
+
+
+def moe_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """[N, 2I] (gate | up) halves -> [N, I], in the input dtype, as transformers' experts compute it.
+
+    "silu": silu(gate) * up (Qwen3-MoE, Mixtral). "swiglu_oai" (gpt-oss): gate clamped above at the limit, up
+    clamped to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate).
+    """
+    check_moe_activation(activation)
+    half = gate_up.shape[-1] // 2
+    gate, up = gate_up[..., :half], gate_up[..., half:]
+    if activation == "silu":
+        return torch.nn.functional.silu(gate) * up
+    gate = gate.clamp(max=SWIGLU_OAI_LIMIT)
+    up = up.clamp(min=-SWIGLU_OAI_LIMIT, max=SWIGLU_OAI_LIMIT)
+    return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_OAI_ALPHA))
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """The routed experts' output, [T, H] in hidden's dtype: out[t] = sum_k topk_weights[t, k] * expert(hidden[t])
+    with expert e = topk_ids[t, k], expert_e(x) = act(x @ w13[e].T + w13_bias[e]) @ w2[e].T + w2_bias[e].
+
+    hidden [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; topk_weights [T, K] fp32; topk_ids
+    [T, K] int32/int64 in [0, E); biases [E, 2I] and [E, H] or None; activation as in `moe_activation`. Each
+    expert's projections run in hidden's dtype (as transformers'); the weighted sum over k accumulates in fp32.
+    Routing (router logits, softmax, top-k) is the caller's. The oracle: a loop over every expert, masking.
+    """
+    check_moe_activation(activation)
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for expert in range(w13.shape[0]):
+        tokens, slots = torch.where(topk_ids == expert)
+        if tokens.numel() == 0:
+            continue
+        bias13 = None if w13_bias is None else w13_bias[expert]
+        bias2 = None if w2_bias is None else w2_bias[expert]
+        gate_up = torch.nn.functional.linear(hidden[tokens], w13[expert], bias13)
+        expert_out = torch.nn.functional.linear(moe_activation(gate_up, activation), w2[expert], bias2)
+        out.index_add_(0, tokens, expert_out.float() * topk_weights[tokens, slots, None].float())
+    return out.to(hidden.dtype)
