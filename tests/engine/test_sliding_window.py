@@ -183,3 +183,21 @@ def test_bad_window_settings_are_refused_before_any_weight(tmp_path, patch, mess
     path.write_text(json.dumps({**json.loads(path.read_text()), **patch}))
     with pytest.raises(ValueError, match=re.escape(message)):
         ModelConfig.from_pretrained(tmp_path)
+
+
+def test_speculative_verify_rows_past_the_window(sliding_checkpoint):
+    """ngram speculation on a sliding model: verify rows (short chunks past the window, the native kernel's) and
+    the lookahead slots that rejected drafts trim, on a pool where blocks before the window go back. Token-exact."""
+    hf = _hf(sliding_checkpoint)
+    pattern = _prompts(seed=8, lengths=(7,))[0]
+    prompts = [pattern * 9, pattern[2:] * 6 + pattern[:3]]  # prompt lookup finds drafts in the repeats
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    blocks = 16 if ModelConfig.from_pretrained(sliding_checkpoint).every_layer_slides else 40
+    llm = LLM(sliding_checkpoint, block_size=8, num_kv_blocks=blocks, max_num_batched_tokens=16,
+              speculative_config=json.dumps(config))  # fmt: skip
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    assert llm.stats()["num_verify_rows"] > 0
+    for prompt, output in zip(prompts, outputs, strict=True):
+        expected, logits = hf_greedy(hf, prompt, 30)
+        assert assert_greedy_parity(output.outputs[0].token_ids, expected, logits) == 0
+    assert llm.stats()["num_free_blocks"] == blocks
