@@ -5,7 +5,9 @@ outputs far longer than it, greedy token-exact against transformers in fp32 thro
 
 from __future__ import annotations
 
+import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -90,8 +92,10 @@ def test_greedy_parity_past_the_window(sliding_checkpoint, preemption_mode):
     shared = prompts[0][:48]  # cached by a first request, then a prefix of a later prompt
     prompts.append(shared + _prompts(3, (30,))[0])
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    # 24 blocks of 8 cannot hold five requests of up to 136 tokens: preemption; 16-token chunks.
-    llm = LLM(sliding_checkpoint, block_size=8, num_kv_blocks=24, max_num_batched_tokens=16, max_num_seqs=8,
+    # Five requests of up to 136 tokens in 16-token chunks: 24 blocks of 8 cannot hold them with full tables
+    # (Qwen2), 12 cannot with Mistral's, each at most 4-6 blocks from its window on: preemption either way.
+    blocks = 12 if ModelConfig.from_pretrained(sliding_checkpoint).every_layer_slides else 24
+    llm = LLM(sliding_checkpoint, block_size=8, num_kv_blocks=blocks, max_num_batched_tokens=16, max_num_seqs=8,
               preemption_mode=preemption_mode)  # fmt: skip
     llm.generate([prompts[0]], SamplingParams(max_tokens=1, temperature=0.0))
     outputs = llm.generate(prompts, params)
@@ -118,3 +122,82 @@ def test_prompt_logprobs_past_the_window(sliding_checkpoint):
             assert set(entries[j]) == set(reference[j - 1].topk(2).indices.tolist()) | {prompt[j]}, j
             for token_id, logprob in entries[j].items():
                 assert logprob == pytest.approx(reference[j - 1, token_id].item(), abs=1e-4)
+
+
+def test_every_layer_sliding_gives_back_blocks_before_the_window(sliding_checkpoint):
+    """A 250-token sequence on a pool of 8 blocks of 8 (64 slots): with full tables it needs 32 blocks and is
+    refused (Qwen2, whose first layer attends to everything); where every layer slides (Mistral) its blocks before
+    the window go back as it goes, and it runs to the end without preemption, token-exact, never holding more
+    than the window's blocks, and with the slot utilisation of what it holds."""
+    prompt = _prompts(seed=5, lengths=(100,))[0]
+    params = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
+    llm = LLM(sliding_checkpoint, block_size=8, num_kv_blocks=8, max_num_batched_tokens=16)
+    if not ModelConfig.from_pretrained(sliding_checkpoint).every_layer_slides:
+        with pytest.raises(ValueError, match="needs 32 KV blocks but the whole cache has 8"):
+            llm.generate([prompt], params)
+        return
+    output = llm.generate([prompt], params)[0]
+    stats = llm.stats()
+    assert stats["num_preemptions"] == 0 and stats["num_free_blocks"] == 8
+    # at most the blocks of the window (19 earlier positions) and a 16-token chunk: ceil(35 / 8) + 1
+    assert stats["peak_used_blocks"] <= 6
+    assert stats["mean_kv_slot_utilization"] > 0.6  # given-back blocks count neither as used nor as filled
+    expected, logits = hf_greedy(_hf(sliding_checkpoint), prompt, 150)
+    assert assert_greedy_parity(output.outputs[0].token_ids, expected, logits) == 0
+
+
+def test_given_back_blocks_and_the_prefix_cache(sliding_checkpoint):
+    """Requests sharing a prefix far longer than the window, on a tight pool, after and alongside each other: a
+    given-back block is served from the prefix cache only while it still holds its prefix (evicted, it is
+    recomputed), with n > 1 samples forking a table whose first entries were given back. Token-exact."""
+    hf = _hf(sliding_checkpoint)
+    shared = _prompts(seed=6, lengths=(60,))[0]
+    prompts = [shared + tail for tail in _prompts(seed=7, lengths=(9, 30, 1))]
+    blocks = 14 if ModelConfig.from_pretrained(sliding_checkpoint).every_layer_slides else 20  # 20: full tables
+    llm = LLM(sliding_checkpoint, block_size=8, num_kv_blocks=blocks, max_num_batched_tokens=16, max_num_seqs=4)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    first = llm.generate([prompts[0]], params)  # its early blocks are given back to the cache as it runs
+    outputs = first + llm.generate(prompts[1:], params)
+    assert llm.stats()["prefix_cache_hit_rate"] > 0
+    for prompt, output in zip(prompts, outputs, strict=True):
+        expected, logits = hf_greedy(hf, prompt, 30)
+        assert assert_greedy_parity(output.outputs[0].token_ids, expected, logits) == 0
+    forked = llm.generate([prompts[1]], SamplingParams(max_tokens=12, n=3, temperature=0.0, ignore_eos=True))[0]
+    expected, _ = hf_greedy(hf, prompts[1], 12)
+    assert [sample.token_ids for sample in forked.outputs] == [expected] * 3
+    assert llm.stats()["num_free_blocks"] == blocks
+
+
+@pytest.mark.parametrize(
+    "patch,message",
+    [
+        ({"sliding_window": 0}, "sliding_window must be a positive integer or null, got 0"),
+        ({"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types must name 'full_attention' or"),
+    ],
+)
+def test_bad_window_settings_are_refused_before_any_weight(tmp_path, patch, message):
+    config = _config("mistral")
+    config.architectures = ["MistralForCausalLM"]
+    config.save_pretrained(tmp_path)  # a config alone: the error comes before any weight would load
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **patch}))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ModelConfig.from_pretrained(tmp_path)
+
+
+def test_speculative_verify_rows_past_the_window(sliding_checkpoint):
+    """ngram speculation on a sliding model: verify rows (short chunks past the window, the native kernel's) and
+    the lookahead slots that rejected drafts trim, on a pool where blocks before the window go back. Token-exact."""
+    hf = _hf(sliding_checkpoint)
+    pattern = _prompts(seed=8, lengths=(7,))[0]
+    prompts = [pattern * 9, pattern[2:] * 6 + pattern[:3]]  # prompt lookup finds drafts in the repeats
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    blocks = 16 if ModelConfig.from_pretrained(sliding_checkpoint).every_layer_slides else 40
+    llm = LLM(sliding_checkpoint, block_size=8, num_kv_blocks=blocks, max_num_batched_tokens=16,
+              speculative_config=json.dumps(config))  # fmt: skip
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    assert llm.stats()["num_verify_rows"] > 0
+    for prompt, output in zip(prompts, outputs, strict=True):
+        expected, logits = hf_greedy(hf, prompt, 30)
+        assert assert_greedy_parity(output.outputs[0].token_ids, expected, logits) == 0
+    assert llm.stats()["num_free_blocks"] == blocks

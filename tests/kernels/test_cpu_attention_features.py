@@ -11,7 +11,7 @@ from paged_cases import assert_close, make_paged_kv
 from pagedq import kernels
 from pagedq.engine.layers.attention import paged_attention
 from pagedq.engine.layers.metadata import AttentionMetadata
-from pagedq.kernels import cpu_attention, cpu_native, reference
+from pagedq.kernels import cpu_attention, cpu_gathered, cpu_native, reference
 
 NUM_KV_HEADS, GROUP, HEAD_DIM, BLOCK = 2, 3, 64, 16
 # (window, softcap, sinks): each feature, and all of them together; windows off the block size and on it
@@ -117,7 +117,7 @@ def test_layers_with_different_windows_share_a_step(monkeypatch):
 def test_manual_path_slices_rows(monkeypatch):
     """The manual softmax path scores a bounded slice of query rows at a time; slicing changes nothing."""
     monkeypatch.setenv("PAGEDQ_CPU_NATIVE", "0")
-    monkeypatch.setattr(cpu_attention, "MANUAL_SCORES_PER_SLICE", 200)
+    monkeypatch.setattr(cpu_gathered, "MANUAL_SCORES_PER_SLICE", 200)
     torch.manual_seed(7)
     k_cache, v_cache, tables, lens = make_paged_kv([90], NUM_KV_HEADS, HEAD_DIM, BLOCK, torch.float32, "cpu")
     query = torch.randn(50, NUM_KV_HEADS * GROUP, HEAD_DIM)
