@@ -25,11 +25,14 @@ def _flag(
     pattern: str | None = None,
     choices: tuple[str, ...] | None = None,
     factory: Callable[[], object] | None = None,
+    many: bool = False,
     **bounds: float,
 ) -> Any:
     """A field that is also a `pagedq worker` flag and PAGEDQ_* variable (pagedq/worker/flags.py reads this); `name`
-    when the flag is not the field's name, `factory` for a default computed per instance (the flag's is None)."""
-    metadata = {"option": {"help": help, "name": name, "bounds": bounds, "pattern": pattern, "choices": choices}}
+    when the flag is not the field's name, `factory` for a default computed per instance (the flag's is None);
+    `many`: a list, the flag taking one or more values (and repeatable), the variable comma-separated."""
+    spec = {"help": help, "name": name, "bounds": bounds, "pattern": pattern, "choices": choices}
+    metadata = {"option": spec | ({"append": True, "many": True} if many else {})}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -149,6 +152,16 @@ class WorkerSettings:
         "also export the metrics under another server's names: vllm (vllm:num_requests_waiting, "
         "vllm:kv_cache_usage_perc, ... labelled model_name)",
         choices=("none", "vllm"),
+    )
+
+    # LoRA adapters this worker serves from its start, vLLM's --lora-modules (service/loras.py); the queue's registry
+    # adds those loaded at run time through the gateway
+    lora_modules: tuple[str, ...] | None = _flag(
+        None,
+        "LoRA adapters served from the start, as name=path (PEFT folders; the engine needs --enable-lora); jobs "
+        "name them in `lora`, OpenAI requests in `model`",
+        pattern=r"^[^=]+=.+$",
+        many=True,
     )
 
     def __post_init__(self) -> None:

@@ -32,6 +32,7 @@ from pagedq.worker.service.heartbeat import Heartbeat
 from pagedq.worker.service.held import HeldJob, JobState
 from pagedq.worker.service.holding import Holding
 from pagedq.worker.service.leases import Leases
+from pagedq.worker.service.loras import WorkerLoras, parse_lora_modules
 from pagedq.worker.service.prompt_pool import Prompts
 from pagedq.worker.service.publisher import Publisher
 from pagedq.worker.service.recovery import REDIS_DOWN, Recovery
@@ -66,6 +67,7 @@ class ServiceLoop:
         self.heartbeat = Heartbeat(ctx, self.front_doors)
         self.timers = Timers(ctx, self.leases, self.holding, self.heartbeat, self.front_doors, metrics, self.snapshot)
         self.prompts = Prompts(engine, settings, self.log)  # prompt-making, on the loop thread or in its pool
+        self.loras = WorkerLoras(ctx, engine, parse_lora_modules(settings.lora_modules))  # adapters, by name
         self.admit_delays = AdmitDelays()  # read-to-admit, per band
         self.turn_clock = TurnClock()  # where the turns' time goes (bench worker reports it)
         self.cancel_possible = True  # the cancel set was non-empty at the last look
@@ -127,6 +129,7 @@ class ServiceLoop:
     def _start(self) -> None:
         self.leases.ensure_group()
         scripts.load_all(self.r)
+        self.loras.start()  # a --lora-modules adapter that cannot load stops the start, naming it
         publish_tokenizer(self.r, self.keys, self.s.model, self.engine, self.prompts.bound.chars_per_token)  # /tokenize
         recovered = 0
         for band in BANDS:
@@ -179,6 +182,7 @@ class ServiceLoop:
         clock.start()
         if self.timers.run_due(time.monotonic()):
             self.cancel_possible = True  # a revoke through a front door: check held jobs and the next ones read
+        self.loras.refresh(time.monotonic())  # adapters registered or unregistered on the queue
         if self.front_doors and not self.stopping:
             count = self.holding.room()
             room = count - count // 2  # the front doors take half of the room per turn, the streams the rest
@@ -250,7 +254,14 @@ class ServiceLoop:
         if t.engine_input is None or t.sampling_params is None:  # admission prepares every job before it reaches here
             raise RuntimeError(f"job {t.key} reached the engine unprepared")
         try:
-            self.engine.add_request(t.request_id, t.engine_input, t.sampling_params, priority=engine_priority(t))
+            if t.job.lora is None:
+                self.engine.add_request(t.request_id, t.engine_input, t.sampling_params, priority=engine_priority(t))
+            else:  # loaded on its first use; unknown or unloadable: RequestRejected, naming the problem
+                lora = self.loras.request_for(t.job.lora)
+                self.engine.add_request(
+                    t.request_id, t.engine_input, t.sampling_params, priority=engine_priority(t), lora=lora
+                )
+                self.loras.counted(t.job.lora, requests=1)
         except Exception as exc:
             self._engine_refused(t, exc)
             return
@@ -271,8 +282,11 @@ class ServiceLoop:
         self.recovery.step_succeeded()
         now = time.time()
         for out in outputs:
-            self.counters.generated(sum(len(c.token_ids) for c in out.outputs))
+            generated = sum(len(c.token_ids) for c in out.outputs)
+            self.counters.generated(generated)
             t = self.held.by_request_id(out.request_id)
+            if t is not None and t.job.lora is not None:
+                self.loras.counted(t.job.lora, tokens=generated)
             if t is not None and t.in_engine:
                 settled = absorb(t, out, now, self.publisher)
                 if settled is not None:
@@ -293,6 +307,9 @@ class ServiceLoop:
             preemptions=preemptions,
             seat_preemptions=seats,
             tenants=self.lanes.tenants.figures(self.held),
+            loras=self.loras.figures(self.held),
+            lora_modules=self.loras.modules,
+            max_loras=self.loras.max_loras,
             admit_delays=self.admit_delays.summary(),
             front_door_depths=depths,
         )

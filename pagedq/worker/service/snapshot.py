@@ -49,6 +49,10 @@ class WorkerSnapshot:
     # Per band: the read-to-admit delay (service/admit_delay.py): count, p50_ms, p99_ms, max_ms
     admit_delays: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     front_door_depths: Mapping[str, int] = field(default_factory=dict)  # door name -> jobs waiting behind it
+    # Per LoRA adapter (service/loras.py figures, the busiest by name): waiting, running, requests, tokens
+    loras: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    max_loras: int = 0  # the engine's adapter slots (0: it serves none)
+    lora_modules: Mapping[str, str] = field(default_factory=dict)  # the worker's --lora-modules, name -> path
 
 
 class MetricsSink(Protocol):

@@ -1,0 +1,189 @@
+"""The LoRA adapters a worker serves (issue 36): its own --lora-modules, loaded at start, and the queue's registry
+(protocol/keys.py `loras`, written by the gateway's /v1/load_lora_adapter), read from Redis and loaded into the
+engine on an adapter's first use, from a path this worker can read.
+
+A job naming an adapter that is in neither, or one the engine refuses to load (a missing file, a rank over
+--max-lora-rank, a target the model lacks, another base model), is rejected with the engine's reason
+(RequestRejected): one final record, and the worker goes on. An adapter leaving the registry (or registered again
+under another path) is removed from the engine, which lets its in-flight jobs finish first."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
+
+from pagedq.worker.protocol.replies import text
+from pagedq.worker.service.context import ServiceContext
+from pagedq.worker.service.engine_api import LoRARequest, RequestRejected
+from pagedq.worker.service.held import HeldJob
+
+REFRESH_S = 1.0  # how often the registry's version is looked at: how soon an unload reaches every worker
+MAX_SHOWN = 20  # adapters named in the heartbeat and the metrics labels (the rest summed under OTHER)
+OTHER = "(other)"  # not a valid adapter name (pagedq/engine/lora/request.py), so it never collides with one
+FIGURES = ("waiting", "running", "requests", "tokens")
+
+
+class LoraEngine(Protocol):
+    """The engine's adapter calls (engine.LLMEngine with enable_lora; the stub engine)."""
+
+    def add_lora(self, lora: LoRARequest) -> Any: ...
+
+    def remove_lora(self, name: str) -> Any: ...
+
+
+def parse_lora_modules(specs: list[str] | tuple[str, ...] | str | None) -> dict[str, str]:
+    """`name=path` items (vLLM's --lora-modules; a comma list from the environment) as name -> path; ValueError
+    naming the item that is not one, a bad name, or a name given twice."""
+    from pagedq.worker.protocol.registry import check_lora_name, check_lora_path
+
+    items = specs.split(",") if isinstance(specs, str) else list(specs or ())
+    modules: dict[str, str] = {}
+    for item in (i.strip() for i in items):
+        if not item:
+            continue
+        name, sep, path = item.partition("=")
+        if not sep:
+            raise ValueError(f"--lora-modules: {item!r} is not name=path")
+        name, path = check_lora_name(name.strip()), check_lora_path(path.strip())
+        if name in modules:
+            raise ValueError(f"--lora-modules: adapter {name!r} is given twice")
+        modules[name] = path
+    return modules
+
+
+class WorkerLoras:
+    """Name -> path of every adapter this worker may serve, and which of them the engine holds."""
+
+    def __init__(self, ctx: ServiceContext, engine: object, modules: Mapping[str, str]) -> None:
+        self.r, self.keys, self.log = ctx.redis, ctx.keys, ctx.log
+        self.engine = engine
+        self.modules = dict(modules)  # --lora-modules: always served, never dropped
+        self.registry: dict[str, str] = {}  # the queue's registry as last read
+        self.loaded: dict[str, str] = {}  # what the engine holds: name -> the path it was loaded from
+        self._version: bytes | str | None = None
+        self._next_refresh = 0.0
+        self.requests: dict[str, int] = {}  # jobs admitted per adapter (figures: pagedq status, metrics)
+        self.tokens: dict[str, int] = {}  # tokens generated per adapter
+
+    def start(self) -> None:
+        """Load the --lora-modules (a bad one stops the start, naming it) and read the registry."""
+        for name, path in self.modules.items():
+            self._load(name, path, at_start=True)
+        self.refresh(time.monotonic(), force=True)
+
+    def request_for(self, name: str) -> LoRARequest:
+        """The engine's request for adapter `name`, loading it first when the engine does not hold it; raises
+        RequestRejected naming the problem (unknown, or refused by the engine)."""
+        path = self.modules.get(name) or self.registry.get(name)
+        if path is None:
+            path = self._lookup(name)  # registered since the last refresh: its first use need not wait for it
+        if path is None:
+            raise RequestRejected(
+                f"unknown LoRA adapter {name!r}: neither among this worker's --lora-modules nor registered on the "
+                "queue (POST /v1/load_lora_adapter)"
+            )
+        if self.loaded.get(name) != path:
+            self._load(name, path)
+        return LoRARequest(name, path)
+
+    def counted(self, name: str, requests: int = 0, tokens: int = 0) -> None:
+        self.requests[name] = self.requests.get(name, 0) + requests
+        self.tokens[name] = self.tokens.get(name, 0) + tokens
+
+    def figures(self, held: Iterable[HeldJob], top: int | None = None) -> dict[str, dict[str, int]]:
+        """Per adapter: jobs held waiting, jobs in the engine, jobs admitted and tokens generated since start; the
+        `top` (default MAX_SHOWN) busiest by name, the rest summed under OTHER (what the heartbeat and the metrics
+        labels carry)."""
+        top = MAX_SHOWN if top is None else top
+        rows = {
+            name: {"waiting": 0, "running": 0, "requests": count, "tokens": self.tokens.get(name, 0)}
+            for name, count in self.requests.items()
+        }
+        for t in held:
+            if t.job.lora is not None:
+                row = rows.setdefault(t.job.lora, dict.fromkeys(FIGURES, 0))
+                row["running" if t.in_engine else "waiting"] += 1
+        busiest = sorted(rows, key=lambda x: (-(rows[x]["waiting"] + rows[x]["running"]), -rows[x]["requests"], x))
+        shown = {name: rows[name] for name in busiest[:top]}
+        rest = [rows[name] for name in busiest[top:]]
+        if rest:
+            shown[OTHER] = {key: sum(row[key] for row in rest) for key in FIGURES}
+        return shown
+
+    @property
+    def max_loras(self) -> int:
+        """The engine's adapter slots (0 for an engine without adapters)."""
+        return int(getattr(self.engine, "max_loras", 0) or 0)
+
+    def names(self) -> list[str]:
+        """Every adapter this worker serves now (its own and the registry's), sorted."""
+        return sorted(set(self.modules) | set(self.registry))
+
+    def refresh(self, now: float, force: bool = False) -> None:
+        """Reread the registry when its version moved (at most every REFRESH_S), and drop from the engine the
+        adapters that left it."""
+        if not force and now < self._next_refresh:
+            return
+        self._next_refresh = now + REFRESH_S
+        version = self.r.get(self.keys.loras_version)
+        if version == self._version and not force:
+            return
+        self._version = version
+        self.registry = registry_paths(self.r.hgetall(self.keys.loras))
+        for name, path in list(self.loaded.items()):
+            if self.modules.get(name, self.registry.get(name)) != path:
+                self._unload(name)
+
+    def _lookup(self, name: str) -> str | None:
+        raw = self.r.hget(self.keys.loras, name)
+        path = entry_path(raw) if raw is not None else None
+        if path is not None:
+            self.registry[name] = path
+        return path
+
+    def _load(self, name: str, path: str, at_start: bool = False) -> None:
+        if name in self.loaded:  # registered again under another path
+            self._unload(name)
+        add = getattr(self.engine, "add_lora", None)
+        if add is None:
+            raise RequestRejected(f"LoRA adapter {name!r}: this worker's engine does not serve adapters")
+        try:
+            add(LoRARequest(name, path))
+        except Exception as exc:
+            if at_start:
+                raise ValueError(f"--lora-modules: adapter {name!r} ({path}) cannot be loaded: {exc}") from exc
+            self.log.warning("lora_load_failed", lora=name, path=path, error=str(exc))
+            raise RequestRejected(f"LoRA adapter {name!r} ({path}) cannot be loaded: {exc}") from None
+        self.loaded[name] = path
+        self.log.info("lora_loaded", lora=name, path=path)
+
+    def _unload(self, name: str) -> None:
+        self.loaded.pop(name, None)
+        try:
+            self.engine.remove_lora(name)  # type: ignore[attr-defined]  # _load checked the engine has add_lora
+        except Exception as exc:  # already gone, or never fully loaded: nothing left to drop
+            self.log.warning("lora_unload_failed", lora=name, error=str(exc))
+        else:
+            self.log.info("lora_unloaded", lora=name)
+
+
+def entry_path(raw: Any) -> str | None:
+    """The path of one registry entry (JSON {"path", "added_at"}); None for an entry that is not one."""
+    try:
+        entry = json.loads(text(raw))
+    except (ValueError, UnicodeDecodeError):
+        return None
+    path = entry.get("path") if isinstance(entry, dict) else None
+    return path if isinstance(path, str) and path else None
+
+
+def registry_paths(raw: Mapping[Any, Any]) -> dict[str, str]:
+    """HGETALL of the registry as name -> path (entries that are not valid are left out)."""
+    out = {}
+    for name, value in raw.items():
+        path = entry_path(value)
+        if path is not None:
+            out[text(name)] = path
+    return out
