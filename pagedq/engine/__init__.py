@@ -13,6 +13,7 @@ _EXPORTS = {
     "LLM": "pagedq.engine.llm",
     "LLMEngine": "pagedq.engine.llm_engine",
     "RequestRejected": "pagedq.engine.errors",
+    "LoRARequest": "pagedq.engine.lora.request",
     "SamplingParams": "pagedq.engine.sample.sampling_params",
     "RequestOutputKind": "pagedq.engine.sample.sampling_params",
     "StructuredOutputsParams": "pagedq.engine.structured_output.params",

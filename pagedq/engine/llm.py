@@ -12,6 +12,7 @@ from pagedq.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSe
 from pagedq.engine.errors import RequestRejected
 from pagedq.engine.llm_engine import LLMEngine
 from pagedq.engine.output.outputs import CompletionOutput, RequestOutput
+from pagedq.engine.lora.request import LoRARequest
 from pagedq.engine.sample.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessage = dict[str, str]  # {"role": ..., "content": ...}, what tokenizer.apply_chat_template takes
@@ -30,9 +31,12 @@ class LLM:
         prompts: str | list[int] | Sequence[str | list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in input order. `use_tqdm`: a progress bar on stderr (None: only when stderr is a terminal)."""
+        """Outputs in input order. `use_tqdm`: a progress bar on stderr (None: only when stderr is a terminal).
+        `lora_request`: the LoRA adapter of every prompt, or one per prompt (None: the base model), as vLLM."""
         prompts = _as_prompt_list(prompts)
+        loras = _per_prompt_loras(lora_request, len(prompts))
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -42,10 +46,10 @@ class LLM:
         engine = self.llm_engine
         request_ids = []
         try:
-            for prompt, params in zip(prompts, params_list):
+            for prompt, params, lora in zip(prompts, params_list, loras):
                 request_id = f"llm-{next(self._ids)}"
                 final_only = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-                engine.add_request(request_id, prompt, final_only)
+                engine.add_request(request_id, prompt, final_only, lora=lora)
                 request_ids.append(request_id)
             finished = self._run_until_finished(set(request_ids), use_tqdm)
         except BaseException:
@@ -92,15 +96,20 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(
-        self, prompts: str | list[int] | Sequence[str | list[int]], params: BeamSearchParams
+        self,
+        prompts: str | list[int] | Sequence[str | list[int]],
+        params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[BeamSearchOutput]:
-        """Per prompt, the beam_width best beams, best first (all prompts' beams batched together)."""
+        """Per prompt, the beam_width best beams, best first (all prompts' beams batched together); lora_request as
+        generate's."""
         prompts = _as_prompt_list(prompts)
+        loras = _per_prompt_loras(lora_request, len(prompts))
         engine = self.llm_engine
         request_ids = [f"beam-{next(self._ids)}" for _ in prompts]
         try:
-            for request_id, prompt in zip(request_ids, prompts):
-                engine.add_beam_search_request(request_id, prompt, params)
+            for request_id, prompt, lora in zip(request_ids, prompts, loras):
+                engine.add_beam_search_request(request_id, prompt, params, lora=lora)
             finished = self._run_until_finished(set(request_ids))
         except BaseException:
             for request_id in request_ids:
@@ -136,6 +145,17 @@ class LLM:
 
     def stats(self) -> dict[str, float]:
         return self.llm_engine.stats()
+
+
+def _per_prompt_loras(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise RequestRejected(f"got {len(loras)} LoRA requests for {num_prompts} prompts")
+    return loras
 
 
 def _as_prompt_list(prompts) -> list[str | list[int]]:

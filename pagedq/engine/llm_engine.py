@@ -9,6 +9,7 @@ This is the API the Redis worker drives; `LLM` wraps it for offline batches.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import random
 import time
 from collections import deque
@@ -23,6 +24,9 @@ from pagedq.engine.core.seats import SeatPolicy
 from pagedq.engine.core.step_plan import ModelRunnerOutput
 from pagedq.engine.core.swap import SwapSpace
 from pagedq.engine.errors import RequestRejected, check_context_fits
+from pagedq.engine.lora.adapter import LoRALoadError
+from pagedq.engine.lora.manager import LoRAManager
+from pagedq.engine.lora.request import LoRARequest
 from pagedq.engine.output.output_processor import OutputProcessor
 from pagedq.engine.output.outputs import RequestOutput
 from pagedq.engine.runner.model_runner import ModelRunner, PreparedStep
@@ -57,6 +61,12 @@ class LLMEngine:
         )
         swap = SwapSpace(self.model_runner.num_host_blocks) if self.config.preemption_mode == "swap" else None
         seats = SeatPolicy(self.config.seat_preemption_interval, self.config.max_seat_preemptions)
+        self.lora: LoRAManager | None = None  # LoRA adapters (pagedq/engine/lora/), when enable_lora
+        if self.model_runner.lora is not None:
+            config = self.config
+            assert config.max_cpu_loras is not None  # EngineConfig resolved it
+            targets = self.model_runner.lora.targets
+            self.lora = LoRAManager(targets, config.max_loras, config.max_cpu_loras, config.max_lora_rank)
         self.scheduler = Scheduler(
             self.block_manager,
             self.config.max_num_seqs,
@@ -64,6 +74,7 @@ class LLMEngine:
             swap,
             self.max_model_len,
             seats,
+            self.lora,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.beam_search = BeamSearchManager(self.scheduler, self.tokenizer)
@@ -109,12 +120,65 @@ class LLMEngine:
         )
         self.speculation = Speculation(proposer, k, vocab, length, max_verify_tokens, self.structured, backoff)
 
+    # ---- LoRA adapters ---------------------------------------------------------------------------
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Load and check an adapter now, into the host cache (LoRALoadError, a ValueError, names the problem); a
+        request may then name it. A name already loaded from the same path is a no-op."""
+        self._lora_manager().add(lora, self._lora_keys_in_use)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter: no new request may use it from now on (a request naming it again loads it anew);
+        requests already using it finish with it, then its weights and slot are freed. KeyError if unknown."""
+        self._lora_manager().remove(name)
+        self._release_removed_loras()
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters requests may name, by name and path (those being removed are not listed)."""
+        return [] if self.lora is None else self.lora.list()
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters: start it with enable_lora=True")
+        return self.lora
+
+    def _lora_key(self, lora: LoRARequest | None) -> int:
+        """The load identity of the adapter a new request names (0: the base model); RequestRejected if it cannot
+        be served (the engine keeps serving everything else)."""
+        if lora is None:
+            return 0
+        if not isinstance(lora, LoRARequest):
+            raise RequestRejected(f"lora must be a LoRARequest, got {type(lora).__name__}")
+        if self.lora is None:
+            raise RequestRejected(
+                f"LoRA adapter {lora.name!r} asked for, but this engine serves none (start it with enable_lora=True)"
+            )
+        try:
+            return self.lora.key_for(lora, self._lora_keys_in_use)
+        except LoRALoadError as error:
+            raise RequestRejected(str(error)) from None
+
+    def _lora_keys_in_use(self) -> set[int]:
+        """Adapters of unfinished requests (queued, running, or waiting for their grammar, every wave of samples)."""
+        compiling = (w for r in self.structured.waiting_requests for w in (r, *r.later_waves))
+        requests = itertools.chain(self.scheduler.running, self.scheduler.waiting_unordered, compiling)
+        return {r.lora_key for r in requests if r.lora_key}
+
+    def _release_removed_loras(self) -> None:
+        if self.lora is not None and self.lora.has_removals:
+            self.lora.release_removed(self._lora_keys_in_use())
+
     # ---- admission -----------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        lora: LoRARequest | None = None,
     ) -> None:
-        """Queue a request. priority: vLLM's sense, a lower value is served sooner and preempted later. Raises
-        RequestRejected naming the problem; a refused request leaves no trace."""
+        """Queue a request. priority: vLLM's sense, a lower value is served sooner and preempted later. lora: the
+        adapter to run it under (None: the base model). Raises RequestRejected naming the problem; a refused
+        request leaves no trace (but an adapter it named that loaded stays registered, as add_lora would)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestRejected(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -125,8 +189,9 @@ class LLMEngine:
             raise RequestRejected(f"logit_bias token ids must be in [0, {vocab}), got {out_of_vocab[:5]}")
         # a constraint needs xgrammar and a tokenizer, and must convert to a grammar: RequestRejected now
         self.structured.check_available(params)
+        lora_key = self._lora_key(lora)
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
-        request = self._sample_waves(request_id, token_ids, text, params, int(priority), seed & (2**62 - 1))
+        request = self._sample_waves(request_id, token_ids, text, params, int(priority), seed & (2**62 - 1), lora_key)
         self.output_processor.add(request)
         if params.structured_outputs is not None:  # held until its grammar compiles, then handed to the scheduler
             self.structured.submit(request)
@@ -134,7 +199,14 @@ class LLMEngine:
             self._schedule_waves(request)
 
     def _sample_waves(
-        self, request_id: str, token_ids: list[int], text: str | None, params: SamplingParams, priority: int, seed: int
+        self,
+        request_id: str,
+        token_ids: list[int],
+        text: str | None,
+        params: SamplingParams,
+        priority: int,
+        seed: int,
+        lora_key: int = 0,
     ) -> Request:
         """The request's sequences to prefill: one whose first token forks the other samples, up to max_num_seqs in
         all; past that, more waves of them, queued behind it (`later_waves`), as vLLM queues the samples that find
@@ -152,6 +224,7 @@ class LLMEngine:
                 group_id=request_id,
                 index=first,
                 fan_out=min(wave, samples - first) - 1,
+                lora_key=lora_key,
             )
             for first in range(0, samples, wave)
         ]
@@ -163,9 +236,14 @@ class LLMEngine:
             self.scheduler.add_request(wave)
 
     def add_beam_search_request(
-        self, request_id: str, prompt: str | list[int], params: BeamSearchParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: BeamSearchParams,
+        priority: int = 0,
+        lora: LoRARequest | None = None,
     ) -> None:
-        """Queue a beam search; its final output holds the beam_width best beams, best first (priority as
+        """Queue a beam search; its final output holds the beam_width best beams, best first (priority and lora as
         add_request's)."""
         if not isinstance(params, BeamSearchParams):
             raise RequestRejected(f"beam search params must be a BeamSearchParams, got {type(params).__name__}")
@@ -173,6 +251,7 @@ class LLMEngine:
             raise RequestRejected("beam search is not supported with speculative decoding (speculative_config is set)")
         text, token_ids = self._validate_new(request_id, prompt, params.max_tokens)
         self._check_beam_group_fits(len(token_ids), params)
+        lora_key = self._lora_key(lora)
         root = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -180,6 +259,7 @@ class LLMEngine:
             prompt=text,
             eos_token_ids=self.model_config.eos_token_ids,
             priority=int(priority),
+            lora_key=lora_key,
         )
         self.beam_search.add(root, params, self.model_config.eos_token_ids)
 
@@ -286,6 +366,7 @@ class LLMEngine:
         drawn past a stop is dropped, never reported). Without it, the step launched is the one finished.
         """
         compiled = self._admit_compiled()  # (idle, it may first wait a little for a compile: not a step's time)
+        self._release_removed_loras()  # adapters being removed whose last request has finished
         clock = self.step_seconds
         started = time.perf_counter()
         # Speculation: drafts need every token before them, so a step that proposes waits for the one in flight
@@ -395,6 +476,10 @@ class LLMEngine:
             for item in scheduler_output.scheduled:
                 if item.request.status is RequestStatus.RUNNING:
                     self.scheduler.requeue_for_recompute(item.request)
+        if self.lora is not None:  # a slot these steps were to load may hold anything: load it again when needed
+            for scheduler_output in outputs:
+                for _slot, adapter in scheduler_output.plan.lora_loads:
+                    self.lora.slots.forget(adapter.key)
 
     def reset_step_stats(self) -> None:
         """Zero the per-step averages (benchmarks call this after their warm-up)."""

@@ -68,6 +68,15 @@ class EngineOptions:
         10.0, "a structured_outputs grammar not compiled within this many seconds fails its request"
     )
     structured_outputs_cache_mib: float = knob(256.0, "memory for compiled structured_outputs grammars (MiB)")
+    # LoRA adapters per request (pagedq/engine/lora/; docs/engine.md#lora-adapters). Defaults: vLLM's rank (16)
+    # and SGLang's adapters per batch (8: vLLM's 1 would serialise a batch mixing adapters).
+    enable_lora: bool = knob(False, "serve LoRA adapters named per request (PEFT folders)")
+    max_loras: int = knob(8, "LoRA adapters in one batch at most: the device slots, pre-allocated at --max-lora-rank")
+    max_lora_rank: int = knob(16, "highest LoRA rank served (1-256): every slot is pre-allocated at this rank")
+    max_cpu_loras: int | None = knob(
+        None, "LoRA adapters kept loaded on the host, least recently used dropped first (>= --max-loras; default: "
+        "--max-loras)"
+    )
 
 
 @dataclass(frozen=True)

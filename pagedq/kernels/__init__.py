@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedq.kernels import cpu_attention, reference
+from pagedq.kernels import cpu_attention, lora, reference
 
 _BACKENDS = ("triton", "cpu", "reference")
 CPU_ATTENTION_NAMES = ("paged_decode_attention", "paged_prefill_attention")  # what "cpu" takes from cpu_attention
@@ -32,7 +32,12 @@ KERNEL_NAMES = (
     "silu_and_mul",
     "copy_blocks",
     "gumbel_argmax",
+    # LoRA (issue 36)
+    "lora_shrink",
+    "lora_expand",
 )
+# What "cpu" takes from kernels.lora instead of the reference: the slot-grouped torch path.
+CPU_LORA_IMPLS = {"lora_shrink": lora.grouped_lora_shrink, "lora_expand": lora.grouped_lora_expand}
 
 
 def selected_backend(device: torch.device) -> str:
@@ -59,6 +64,8 @@ class KernelSet:
     silu_and_mul: Callable
     copy_blocks: Callable
     gumbel_argmax: Callable
+    lora_shrink: Callable
+    lora_expand: Callable
 
 
 def bind(device: torch.device | str) -> KernelSet:
@@ -69,6 +76,8 @@ def bind(device: torch.device | str) -> KernelSet:
     if backend in ("reference", "cpu"):
         fast = cpu_attention if backend == "cpu" else reference
         impls = {name: getattr(fast if name in CPU_ATTENTION_NAMES else reference, name) for name in KERNEL_NAMES}
+        if backend == "cpu":
+            impls.update(CPU_LORA_IMPLS)
         return KernelSet(backend, **impls)
     from pagedq.kernels import triton_ops  # imported lazily: Triton reads TRITON_INTERPRET when kernels are defined
 
@@ -103,5 +112,7 @@ rotary_embedding = _dispatch("rotary_embedding")
 silu_and_mul = _dispatch("silu_and_mul")
 copy_blocks = _dispatch("copy_blocks")
 gumbel_argmax = _dispatch("gumbel_argmax")
+lora_shrink = _dispatch("lora_shrink")
+lora_expand = _dispatch("lora_expand")
 
 __all__ = ["KERNEL_NAMES", "KernelSet", "bind", "selected_backend", *KERNEL_NAMES]

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from pagedq.kernels.lora import lora_expand as lora_expand  # the LoRA references live beside their index
+from pagedq.kernels.lora import lora_shrink as lora_shrink
+
 
 def store_kv_cache(
     key: torch.Tensor,

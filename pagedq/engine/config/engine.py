@@ -33,6 +33,13 @@ _DTYPES = {
     "half": torch.float16,
 }
 
+# LoRA bounds. Slots are pre-allocated at max_lora_rank for every adapted linear of every layer: at 256 an 8B model's
+# 8 slots take gigabytes, and an adapter of higher rank is better merged into its base. Slots are read per step by
+# every adapted linear; the host cache holds whole adapters in memory.
+MAX_LORA_RANK = 256
+MAX_LORAS = 64
+MAX_CPU_LORAS = 4096
+
 
 @dataclass
 class EngineConfig(EngineOptions):
@@ -65,11 +72,26 @@ class EngineConfig(EngineOptions):
             raise ValueError(f"swap_space_gib must be > 0, got {self.swap_space_gib!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        self._check_lora()
         self.dtype = resolve_dtype(self.dtype, self.device)
         if self.speculative_config is not None:  # ValueError naming the bad key
             from pagedq.engine.config.speculative import SpeculativeConfig
 
             self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+
+    def _check_lora(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
+        bounds = {"max_loras": MAX_LORAS, "max_lora_rank": MAX_LORA_RANK, "max_cpu_loras": MAX_CPU_LORAS}
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        for name, highest in bounds.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= highest:
+                raise ValueError(f"{name} must be an integer in [1, {highest}], got {value!r}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
 
 
 def resolve_device(device: str | torch.device) -> str:

@@ -142,7 +142,9 @@ class BlockManager:
                 fill[block_id] = new_fill
         return copies
 
-    def append_slot(self, request_id: str, position: int, token_ids: list[int], num_known: int) -> bool:
+    def append_slot(
+        self, request_id: str, position: int, token_ids: list[int], num_known: int, salt: bytes = b""
+    ) -> bool:
         """`allocate_slots(request_id, position, position + 1)` then `cache_full_blocks(request_id, token_ids,
         num_known)` for the common decode step, where `position` falls in a block the request already holds alone:
         no growth, no copy-on-write, only its fill counter moves. False (nothing changed) otherwise: then those two
@@ -156,7 +158,7 @@ class BlockManager:
         if self.enable_prefix_caching:
             hashes = self._block_hashes.get(request_id)
             if hashes is None or len(hashes) < num_known // self.block_size:  # a block filled: hash it
-                self.cache_full_blocks(request_id, token_ids, num_known)
+                self.cache_full_blocks(request_id, token_ids, num_known, salt)
         return True
 
     def trim(self, request_id: str, num_tokens: int) -> None:
@@ -193,8 +195,9 @@ class BlockManager:
     def _chain_hash(self, parent: bytes, tokens: list[int]) -> bytes:
         return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
-    def match_prefix(self, request_id: str, token_ids: list[int]) -> int:
+    def match_prefix(self, request_id: str, token_ids: list[int], salt: bytes = b"") -> int:
         """Give a request with no blocks the cached blocks of its longest cached prefix; returns tokens covered.
+        `salt` roots the hash chain (`Request.cache_salt`: the LoRA adapter whose weights computed the blocks).
 
         At least one token is always left to compute: its logits are what the request samples from.
         """
@@ -202,7 +205,7 @@ class BlockManager:
             return 0
         size = self.block_size
         hashes, table = [], []
-        parent = b""
+        parent = salt
         for start in range(0, len(token_ids) - 1 - (len(token_ids) - 1) % size, size):
             parent = self._chain_hash(parent, token_ids[start : start + size])
             block_id = self._block_of_hash.get(parent)
@@ -218,7 +221,7 @@ class BlockManager:
         self.num_prefix_hits += len(table) * size
         return len(table) * size
 
-    def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
+    def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed: int, salt: bytes = b"") -> None:
         """Register the hashes of a request's blocks that became full (computed) since the last call."""
         if not self.enable_prefix_caching:
             return
@@ -228,7 +231,7 @@ class BlockManager:
             return  # most steps: a decode token that does not fill its block
         table = self._block_tables[request_id]
         for index in range(len(hashes), num_computed // size):
-            parent = self._chain_hash(hashes[-1] if hashes else b"", token_ids[index * size : (index + 1) * size])
+            parent = self._chain_hash(hashes[-1] if hashes else salt, token_ids[index * size : (index + 1) * size])
             hashes.append(parent)
             block_id = table[index]
             if parent not in self._block_of_hash and block_id not in self._hash_of_block:

@@ -40,7 +40,8 @@ def schedule_decodes(
         if placeholders and request.waits_for_its_token(max_model_len):
             return index  # held back: the general path skips it
         # As Scheduler._scheduled: blocks of known tokens filled by now are hashed too (most steps: none).
-        if not append_slot(request.request_id, start, token_ids, start + 1 if start < num_tokens else num_tokens):
+        known = start + 1 if start < num_tokens else num_tokens
+        if not append_slot(request.request_id, start, token_ids, known, request.cache_salt):
             return index
         append(request.begin_decode())
         index += 1

@@ -115,6 +115,11 @@ class Request:
     later_waves: list[Request] = field(default_factory=list, repr=False)
     is_beam: bool = False  # beam sequences report candidates instead of appending a token
     beam_candidates: dict[int, float] | None = None  # token -> logprob, set by the step, taken by selection
+    # LoRA (pagedq/engine/lora/): the adapter's load identity (0: the base model), the device slot the scheduler
+    # gave it at admission (-1: none), and the schedule count since which the adapter limit has held it back
+    lora_key: int = 0
+    lora_slot: int = -1
+    lora_blocked_since: int = -1
     # Progress (the class doc: what each means; only the methods under "progress" change them)
     runner_num_tokens: int = 0
     runner_num_blocks: int = 0
@@ -122,9 +127,13 @@ class Request:
     num_in_flight: int = 0
     epoch: int = 0
     all_token_ids: list[int] = field(init=False)
+    # The root of its prefix-cache hash chain (from lora_key): blocks computed under another adapter's weights, or
+    # the base model's, never match. A field, not a property: the decode fast path reads it per sequence.
+    cache_salt: bytes = field(init=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        self.cache_salt = b"lora:%d" % self.lora_key if self.lora_key else b""
         self.group_id = self.group_id or self.request_id
         if self.sampling_params.prompt_logprobs is not None and not self.prompt_logprobs:
             self.prompt_logprobs = [None]
@@ -161,6 +170,8 @@ class Request:
             index=index,
             is_beam=self.is_beam,
             first_token_time=self.first_token_time,
+            lora_key=self.lora_key,
+            lora_slot=self.lora_slot,
         )
         child.all_token_ids = list(self.all_token_ids)
         child.cumulative_logprob = self.cumulative_logprob

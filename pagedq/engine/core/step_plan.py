@@ -12,11 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from pagedq.engine.core.block_manager import BlockManager
 from pagedq.engine.core.request import Request, SampledToken, ScheduledRequest
 from pagedq.engine.sample.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedq.engine.lora.adapter import LoRAAdapter
 
 
 class NewRequestData(NamedTuple):
@@ -38,6 +41,7 @@ class NewRequestData(NamedTuple):
     wants_logprobs: bool = False  # asked for, or needed for ranking (best_of, beams)
     num_prompt_logprobs_done: int = 0  # prompt log-probability entries the request already has
     draft_token_ids: tuple[int, ...] = ()  # speculative drafts after its last token (in num_new_tokens)
+    lora_slot: int = -1  # the device slot of its LoRA adapter (-1: the base model); fixed while it runs
 
 
 class CachedRequestData(NamedTuple):
@@ -65,6 +69,8 @@ class StepPlan:
     blocks_to_copy: tuple[tuple[int, int], ...] = ()  # copy-on-write (src, dst)
     blocks_to_swap_out: tuple[tuple[int, int], ...] = ()  # (device, host)
     blocks_to_swap_in: tuple[tuple[int, int], ...] = ()  # (host, device)
+    # LoRA adapters to load into device slots before this step's forward (pagedq/engine/lora/slots.py)
+    lora_loads: tuple[tuple[int, LoRAAdapter], ...] = ()
 
     @property
     def new_requests(self) -> list[NewRequestData]:
@@ -89,6 +95,7 @@ def build_plan(
     scheduled: Iterable[ScheduledRequest],
     blocks: tuple[Sequence[tuple[int, int]], Sequence[tuple[int, int]], Sequence[tuple[int, int]]],
     departed: tuple[str, ...],
+    lora_loads: tuple[tuple[int, LoRAAdapter], ...] = (),
 ) -> StepPlan:
     """The plan of a step; `blocks`: its (copy-on-write, swap-out, swap-in) pairs; `departed`: ids whose runner rows
     must go. Records on each request what the runner now holds of it."""
@@ -114,7 +121,7 @@ def build_plan(
             )
         request.sent_to_runner(num_blocks)
     copies, swap_out, swap_in = blocks
-    return StepPlan(tuple(chunks), departed, tuple(copies), tuple(swap_out), tuple(swap_in))
+    return StepPlan(tuple(chunks), departed, tuple(copies), tuple(swap_out), tuple(swap_in), lora_loads)
 
 
 def _new_request_data(
@@ -136,4 +143,5 @@ def _new_request_data(
         request.needs_logprobs,
         len(request.prompt_logprobs),
         drafts,
+        request.lora_slot,
     )

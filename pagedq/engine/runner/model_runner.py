@@ -18,6 +18,7 @@ import torch
 from pagedq.engine.config.engine import EngineConfig, ModelConfig, resolve_dtype
 from pagedq.engine.core.step_plan import ModelRunnerOutput, ScheduledChunk, StepPlan
 from pagedq.engine.layers import AttentionMetadata
+from pagedq.engine.lora.layers import LoRASlots
 from pagedq.engine.models.loader import load_model
 from pagedq.engine.runner.cuda_graphs import DecodeGraphRunner
 from pagedq.engine.sample.sampler import sample
@@ -27,6 +28,7 @@ from pagedq.engine.step.batch_state import BatchState, RowInfo, SamplingPlan
 from pagedq.engine.step.draws import draw_layout
 from pagedq.engine.step.runner_outputs import prompt_logprobs, sampled_tokens
 from pagedq.engine.step.step_inputs import StepInputs, build_step_inputs, decodes_first
+from pagedq.kernels.lora import LoRAIndex
 
 
 @dataclass
@@ -56,6 +58,10 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, config.device)  # as EngineConfig resolved it (typed for mypy)
         self.model = load_model(model_dir, model_config, self.dtype, config.device)
         self.kernels = self.model.kernels  # bound once, when the model was built
+        # LoRA: the adapted linears and their slots, before any CUDA graph is captured (graphs run base-only steps)
+        self.lora: LoRASlots | None = None
+        if config.enable_lora:
+            self.lora = LoRASlots(self.model, self.kernels, config.max_loras, config.max_lora_rank)
         self.state = BatchState(model_config.vocab_size, self.device, capacity=config.max_num_seqs)
         self.device_queue = DeviceQueue(self.device)
         self.num_device_fed_tokens = 0  # input tokens taken from the previous step's draws on the device (async)
@@ -131,6 +137,10 @@ class ModelRunner:
             return PreparedStep(plan, device_ops)
         ordered, rows, infos, lengths = decodes_first(plan.chunks, rows_of_chunks, infos_of_chunks)
         inputs = build_step_inputs(ordered, infos, rows, self.state.tables(rows), self.block_size, lengths)
+        if self.lora is not None:
+            slots = np.fromiter((info.lora_slot for info in infos), dtype=np.int32, count=len(infos))
+            if (slots >= 0).any():
+                inputs.token_lora_slots = np.repeat(slots, inputs.lengths)
         self.num_device_fed_tokens += len(inputs.placeholders)
         draws = draw_layout(ordered, infos, rows, inputs.lengths)
         if draws is None:
@@ -160,6 +170,9 @@ class ModelRunner:
         """Forward + sampler, and the persistent batch's queued device writes before them (device work only)."""
         for op in step.device_ops:
             op()
+        if self.lora is not None:  # after every step launched before this one, so no step reads a slot rewritten
+            for slot, adapter in step.plan.lora_loads:
+                self.lora.load(slot, adapter)
         self._move_blocks(step.plan)
         if step.inputs is None:
             return DeviceResult(None)
@@ -190,11 +203,16 @@ class ModelRunner:
         if len(inputs.placeholders):  # tokens the host has not seen yet: the previous step's draws, on the device
             rows = torch.from_numpy(inputs.placeholder_rows).to(self.device)
             token_ids[torch.from_numpy(inputs.placeholders).to(self.device)] = self.state.last_token[rows]
+        if inputs.token_lora_slots is not None:  # adapters: eager (graphs are captured without them)
+            return self._forward_lora(token_ids, inputs)
         graphs = self.decode_graphs
         if graphs is not None and inputs.is_decode_only and graphs.can_run(*inputs.block_tables.shape):
             return graphs.run(
                 token_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables, inputs.context_lens
             )
+        return self._forward_eager(token_ids, inputs)
+
+    def _forward_eager(self, token_ids: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
         num_decode, tables, context_lens = inputs.num_decode, inputs.block_tables, inputs.context_lens
         prefill_cu_seqlens = np.concatenate(([0], np.cumsum(inputs.lengths[num_decode:]))).astype(np.int32)
 
@@ -211,6 +229,16 @@ class ModelRunner:
             prefill_context_lens=to_device(context_lens[num_decode:]),
         )
         return self.model(token_ids, to_device(inputs.positions), self.kv_caches, meta)
+
+    def _forward_lora(self, token_ids: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
+        """The eager forward with the step's LoRA index set for the adapted linears (pagedq/engine/lora/layers.py)."""
+        assert self.lora is not None and inputs.token_lora_slots is not None
+        slots = torch.from_numpy(inputs.token_lora_slots).to(self.device)
+        self.lora.step_index = LoRAIndex.build(slots, self.lora.max_loras)
+        try:
+            return self._forward_eager(token_ids, inputs)
+        finally:
+            self.lora.step_index = None
 
 
 def _lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

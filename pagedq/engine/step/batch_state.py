@@ -65,6 +65,7 @@ class RowInfo:
     banned_ids: np.ndarray  # EOS and stop ids, masked until min_tokens outputs exist
     num_prompt_logprobs_done: int
     logit_bias: tuple[np.ndarray, np.ndarray] | None = None  # (int64 token ids, float32 biases); None without
+    lora_slot: int = -1  # the device slot of its LoRA adapter, -1 for the base model
 
     @property
     def num_output_tokens(self) -> int:
@@ -191,6 +192,7 @@ class BatchState:
             banned,
             new.num_prompt_logprobs_done,
             _bias_arrays(params.logit_bias),
+            new.lora_slot,
         )
         self._set_blocks(row, 0, new.block_ids)
         self.block_table[row, len(new.block_ids) :] = 0  # not read (context lengths bound it), but deterministic

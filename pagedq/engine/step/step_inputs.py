@@ -26,6 +26,8 @@ class StepInputs:
     # rows whose latest draw they are; their entries in token_ids are 0 until the device fills them in.
     placeholders: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     placeholder_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # [T] int32: the LoRA slot each token is computed under (-1: the base model); None when no token uses one
+    token_lora_slots: np.ndarray | None = None
 
     @property
     def is_decode_only(self) -> bool:
