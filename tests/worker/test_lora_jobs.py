@@ -95,7 +95,7 @@ def test_jobs_run_with_their_adapter(redis_url, r, tmp_path):
 
 
 def test_a_bad_start_module_stops_the_start(redis_url, tmp_path):
-    with pytest.raises(ValueError, match="--lora-modules: adapter 'gone'"):
+    with pytest.raises(ValueError, match="--lora-modules: LoRA adapter 'gone'"):
         run_burst(StubEngine(), redis_url, lora_modules=[f"gone={tmp_path / 'nothing'}"])
 
 

@@ -13,12 +13,13 @@ from typing import Any
 
 from pagedq.engine.lora.request import MAX_LORA_PATH_CHARS, check_lora_name
 from pagedq.worker.protocol import scripts
-from pagedq.worker.protocol.keys import QueueKeys
+from pagedq.worker.protocol.keys import WORKER_SET_WINDOW_S, QueueKeys
 from pagedq.worker.protocol.limits import MAX_REGISTERED_LORAS
 from pagedq.worker.protocol.replies import text
 
 __all__ = [
     "RegistryFull",
+    "adapter_names",
     "aregister",
     "aregistered",
     "aunregister",
@@ -84,3 +85,18 @@ def _registered(reply: Any) -> bool:
     if int(reply) < 0:
         raise RegistryFull(f"the queue's LoRA registry holds {MAX_REGISTERED_LORAS} adapters already")
     return bool(int(reply))
+
+
+def adapter_names(r: Any, keys: QueueKeys) -> set[str]:
+    """Every adapter the queue serves now: the registry's and the live workers' --lora-modules (their heartbeats),
+    what `pagedq bulk` maps an OpenAI line's `model` against (the gateway has its own view: gateway/workers.py)."""
+    names = {text(name) for name in r.hkeys(keys.loras)}
+    workers = [text(w) for w in r.zrangebyscore(keys.workers, time.time() - WORKER_SET_WINDOW_S, "+inf")]
+    for raw in r.mget([keys.heartbeat(w) for w in workers]) if workers else []:
+        try:
+            modules = json.loads(raw).get("lora_modules") if raw else None
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(modules, dict):
+            names.update(str(name) for name in modules)
+    return names

@@ -115,7 +115,13 @@ class WorkerLoras:
     @property
     def max_loras(self) -> int:
         """The engine's adapter slots (0 for an engine without adapters)."""
-        return int(getattr(self.engine, "max_loras", 0) or 0)
+        if getattr(self.engine, "lora", True) is None:  # engine.LLMEngine without enable_lora
+            return 0
+        for owner in (self.engine, getattr(self.engine, "config", None)):  # the stub's own, the engine's config
+            slots = getattr(owner, "max_loras", None)
+            if isinstance(slots, int):
+                return slots
+        return 0
 
     def names(self) -> list[str]:
         """Every adapter this worker serves now (its own and the registry's), sorted."""
@@ -152,10 +158,12 @@ class WorkerLoras:
         try:
             add(LoRARequest(name, path))
         except Exception as exc:
+            # the engine's LoRALoadError names the adapter and its folder already
+            reason = str(exc) if repr(name) in str(exc) else f"LoRA adapter {name!r} ({path}) cannot be loaded: {exc}"
             if at_start:
-                raise ValueError(f"--lora-modules: adapter {name!r} ({path}) cannot be loaded: {exc}") from exc
-            self.log.warning("lora_load_failed", lora=name, path=path, error=str(exc))
-            raise RequestRejected(f"LoRA adapter {name!r} ({path}) cannot be loaded: {exc}") from None
+                raise ValueError(f"--lora-modules: {reason}") from exc
+            self.log.warning("lora_load_failed", lora=name, path=path, error=reason)
+            raise RequestRejected(reason) from None
         self.loaded[name] = path
         self.log.info("lora_loaded", lora=name, path=path)
 
