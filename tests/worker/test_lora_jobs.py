@@ -16,9 +16,10 @@ from pagedq.worker.protocol.errors import JobRejected
 from pagedq.worker.protocol.job import build_job, parse_job
 from pagedq.worker.protocol.keys import QueueKeys
 from pagedq.worker.protocol.limits import MAX_REGISTERED_LORAS
+from pagedq.worker.protocol.registry import parse_lora_modules
 from pagedq.worker.service.engine_api import LoRARequest, RequestOutputKind, SamplingParams
 from pagedq.worker.service.held import HeldJob, JobKey, JobState
-from pagedq.worker.service.loras import OTHER, WorkerLoras, parse_lora_modules
+from pagedq.worker.service.loras import OTHER, WorkerLoras
 from pagedq.worker.testing.stub_engine import StubEngine
 
 from .helpers import KEYS, run_burst, scrape, wait_for, worker_thread
@@ -172,9 +173,17 @@ def test_held_jobs_count_as_waiting_or_running(r, redis_url):
 
     from .helpers import fast_settings
 
-    adapters = WorkerLoras(ServiceContext.build(r, fast_settings()), StubEngine(), {})
+    adapters = WorkerLoras(ServiceContext.build(r, fast_settings()), StubEngine())
     job = build_job(prompt="x", lora="a")
     held = [HeldJob(JobKey("default", str(i)), job, seq=i) for i in range(3)]
     held[0].move(JobState.IN_ENGINE)
     adapters.counted("a", requests=1, tokens=5)
-    assert adapters.figures(held) == {"a": {"waiting": 2, "running": 1, "requests": 1, "tokens": 5}}
+    assert adapters.figures(held).rows == {"a": {"waiting": 2, "running": 1, "requests": 1, "tokens": 5}}
+    two = {f"a{i}": {"waiting": 0, "running": 0, "requests": 1, "tokens": 1} for i in range(2)}
+    adapters.counted("a0", requests=1, tokens=1)
+    adapters.counted("a1", requests=1, tokens=1)
+    assert adapters.rows([], top=2) == {
+        "a": {"waiting": 0, "running": 0, "requests": 1, "tokens": 5},
+        "a0": two["a0"],
+        OTHER: two["a1"],
+    }

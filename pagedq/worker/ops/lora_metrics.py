@@ -28,7 +28,7 @@ class LoraMetrics:
         self._shown: set[str] = set()
 
     def update(self, snapshot: WorkerSnapshot) -> None:
-        shown = snapshot.loras
+        shown = snapshot.loras.rows
         for gone in self._shown - shown.keys():
             for gauge in self.gauges.values():
                 gauge.remove(self.queue, gone)

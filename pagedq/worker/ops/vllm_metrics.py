@@ -66,9 +66,10 @@ class VllmMetrics:
         self.running.set(engine.running)
         self.waiting.set(max(snapshot.held_jobs - engine.running, 0))
         self.kv_usage.set(1.0 - engine.free_blocks / engine.total_blocks if engine.total_blocks else 0.0)
-        running = ",".join(sorted(name for name, row in snapshot.loras.items() if row["running"]))
-        waiting = ",".join(sorted(name for name, row in snapshot.loras.items() if row["waiting"]))
-        labels = (running, str(snapshot.max_loras), waiting)
+        rows = snapshot.loras.rows
+        running = ",".join(sorted(name for name, row in rows.items() if row["running"]))
+        waiting = ",".join(sorted(name for name, row in rows.items() if row["waiting"]))
+        labels = (running, str(snapshot.loras.max_loras), waiting)
         if self._lora_labels is not None and self._lora_labels != labels:
             self.lora_info.remove(*self._lora_labels)  # one series: the adapters now, not every set there was
         self.lora_info.labels(*labels).set(time.time())

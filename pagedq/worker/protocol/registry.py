@@ -25,6 +25,7 @@ __all__ = [
     "aunregister",
     "check_lora_name",
     "check_lora_path",
+    "parse_lora_modules",
     "register",
     "unregister",
 ]
@@ -41,6 +42,24 @@ def check_lora_path(path: str) -> str:
     if any(ord(c) < 32 for c in path):
         raise ValueError("a LoRA adapter's path must not hold control characters")
     return path
+
+
+def parse_lora_modules(specs: list[str] | tuple[str, ...] | str | None) -> dict[str, str]:
+    """`name=path` items (vLLM's --lora-modules; a comma list from the environment) as name -> path; ValueError
+    naming the item that is not one, a bad name, or a name given twice."""
+    items = specs.split(",") if isinstance(specs, str) else list(specs or ())
+    modules: dict[str, str] = {}
+    for item in (i.strip() for i in items):
+        if not item:
+            continue
+        name, sep, path = item.partition("=")
+        if not sep:
+            raise ValueError(f"--lora-modules: {item!r} is not name=path")
+        name, path = check_lora_name(name.strip()), check_lora_path(path.strip())
+        if name in modules:
+            raise ValueError(f"--lora-modules: adapter {name!r} is given twice")
+        modules[name] = path
+    return modules
 
 
 def _args(keys: QueueKeys, name: str, path: str) -> tuple[list[str], list[Any]]:

@@ -10,6 +10,7 @@ from typing import Any
 
 from pagedq.worker.protocol.keys import QUEUE_PATTERN
 from pagedq.worker.protocol.limits import DEFAULT_TENANT_BURST, MAX_TENANT_BURST
+from pagedq.worker.protocol.registry import parse_lora_modules
 
 
 def default_worker_name() -> str:
@@ -167,6 +168,7 @@ class WorkerSettings:
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1 (the runs a job gets), got {self.max_attempts}")
+        parse_lora_modules(self.lora_modules)  # a malformed one: ValueError naming it, before any model loads
 
     @property
     def renew_interval(self) -> float:

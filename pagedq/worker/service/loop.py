@@ -32,7 +32,7 @@ from pagedq.worker.service.heartbeat import Heartbeat
 from pagedq.worker.service.held import HeldJob, JobState
 from pagedq.worker.service.holding import Holding
 from pagedq.worker.service.leases import Leases
-from pagedq.worker.service.loras import WorkerLoras, parse_lora_modules
+from pagedq.worker.service.loras import WorkerLoras
 from pagedq.worker.service.prompt_pool import Prompts
 from pagedq.worker.service.publisher import Publisher
 from pagedq.worker.service.recovery import REDIS_DOWN, Recovery
@@ -67,7 +67,7 @@ class ServiceLoop:
         self.heartbeat = Heartbeat(ctx, self.front_doors)
         self.timers = Timers(ctx, self.leases, self.holding, self.heartbeat, self.front_doors, metrics, self.snapshot)
         self.prompts = Prompts(engine, settings, self.log)  # prompt-making, on the loop thread or in its pool
-        self.loras = WorkerLoras(ctx, engine, parse_lora_modules(settings.lora_modules))  # adapters, by name
+        self.loras = WorkerLoras(ctx, engine)  # LoRA adapters by name: its --lora-modules load here, or it fails
         self.admit_delays = AdmitDelays()  # read-to-admit, per band
         self.turn_clock = TurnClock()  # where the turns' time goes (bench worker reports it)
         self.cancel_possible = True  # the cancel set was non-empty at the last look
@@ -129,7 +129,6 @@ class ServiceLoop:
     def _start(self) -> None:
         self.leases.ensure_group()
         scripts.load_all(self.r)
-        self.loras.start()  # a --lora-modules adapter that cannot load stops the start, naming it
         publish_tokenizer(self.r, self.keys, self.s.model, self.engine, self.prompts.bound.chars_per_token)  # /tokenize
         recovered = 0
         for band in BANDS:
@@ -251,17 +250,8 @@ class ServiceLoop:
             self.recovery.admission_failed(t, exc)
 
     def _add_to_engine(self, t: HeldJob, alone: bool) -> None:
-        if t.engine_input is None or t.sampling_params is None:  # admission prepares every job before it reaches here
-            raise RuntimeError(f"job {t.key} reached the engine unprepared")
         try:
-            if t.job.lora is None:
-                self.engine.add_request(t.request_id, t.engine_input, t.sampling_params, priority=engine_priority(t))
-            else:  # loaded on its first use; unknown or unloadable: RequestRejected, naming the problem
-                lora = self.loras.request_for(t.job.lora)
-                self.engine.add_request(
-                    t.request_id, t.engine_input, t.sampling_params, priority=engine_priority(t), lora=lora
-                )
-                self.loras.counted(t.job.lora, requests=1)
+            self.loras.add_request(t, engine_priority(t))  # under its adapter, if it names one
         except Exception as exc:
             self._engine_refused(t, exc)
             return
@@ -282,11 +272,8 @@ class ServiceLoop:
         self.recovery.step_succeeded()
         now = time.time()
         for out in outputs:
-            generated = sum(len(c.token_ids) for c in out.outputs)
-            self.counters.generated(generated)
             t = self.held.by_request_id(out.request_id)
-            if t is not None and t.job.lora is not None:
-                self.loras.counted(t.job.lora, tokens=generated)
+            self.counters.generated(self.loras.generated(t, out))  # counted per adapter too
             if t is not None and t.in_engine:
                 settled = absorb(t, out, now, self.publisher)
                 if settled is not None:
@@ -308,8 +295,6 @@ class ServiceLoop:
             seat_preemptions=seats,
             tenants=self.lanes.tenants.figures(self.held),
             loras=self.loras.figures(self.held),
-            lora_modules=self.loras.modules,
-            max_loras=self.loras.max_loras,
             admit_delays=self.admit_delays.summary(),
             front_door_depths=depths,
         )

@@ -10,68 +10,59 @@ under another path) is removed from the engine, which lets its in-flight jobs fi
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterable, Mapping
-from typing import Any, Protocol
+from typing import Any
 
+from pagedq.worker.protocol.registry import parse_lora_modules
 from pagedq.worker.protocol.replies import text
 from pagedq.worker.service.context import ServiceContext
-from pagedq.worker.service.engine_api import LoRARequest, RequestRejected
+from pagedq.worker.service.engine_api import LoRARequest, RequestOutput, RequestRejected, WorkerEngine
 from pagedq.worker.service.held import HeldJob
+from pagedq.worker.service.snapshot import LoraFigures
 
+_UNREAD = object()  # the registry's version before the first look
 REFRESH_S = 1.0  # how often the registry's version is looked at: how soon an unload reaches every worker
 MAX_SHOWN = 20  # adapters named in the heartbeat and the metrics labels (the rest summed under OTHER)
 OTHER = "(other)"  # not a valid adapter name (pagedq/engine/lora/request.py), so it never collides with one
 FIGURES = ("waiting", "running", "requests", "tokens")
 
 
-class LoraEngine(Protocol):
-    """The engine's adapter calls (engine.LLMEngine with enable_lora; the stub engine)."""
-
-    def add_lora(self, lora: LoRARequest) -> Any: ...
-
-    def remove_lora(self, name: str) -> Any: ...
-
-
-def parse_lora_modules(specs: list[str] | tuple[str, ...] | str | None) -> dict[str, str]:
-    """`name=path` items (vLLM's --lora-modules; a comma list from the environment) as name -> path; ValueError
-    naming the item that is not one, a bad name, or a name given twice."""
-    from pagedq.worker.protocol.registry import check_lora_name, check_lora_path
-
-    items = specs.split(",") if isinstance(specs, str) else list(specs or ())
-    modules: dict[str, str] = {}
-    for item in (i.strip() for i in items):
-        if not item:
-            continue
-        name, sep, path = item.partition("=")
-        if not sep:
-            raise ValueError(f"--lora-modules: {item!r} is not name=path")
-        name, path = check_lora_name(name.strip()), check_lora_path(path.strip())
-        if name in modules:
-            raise ValueError(f"--lora-modules: adapter {name!r} is given twice")
-        modules[name] = path
-    return modules
-
-
 class WorkerLoras:
     """Name -> path of every adapter this worker may serve, and which of them the engine holds."""
 
-    def __init__(self, ctx: ServiceContext, engine: object, modules: Mapping[str, str]) -> None:
+    def __init__(self, ctx: ServiceContext, engine: WorkerEngine) -> None:
+        """Loads the worker's --lora-modules into the engine: one that cannot load is a ValueError naming it, before
+        the worker takes any job."""
         self.r, self.keys, self.log = ctx.redis, ctx.keys, ctx.log
         self.engine = engine
-        self.modules = dict(modules)  # --lora-modules: always served, never dropped
+        self.modules = parse_lora_modules(ctx.settings.lora_modules)  # always served, never dropped
         self.registry: dict[str, str] = {}  # the queue's registry as last read
         self.loaded: dict[str, str] = {}  # what the engine holds: name -> the path it was loaded from
-        self._version: bytes | str | None = None
+        self._version: object = _UNREAD
         self._next_refresh = 0.0
         self.requests: dict[str, int] = {}  # jobs admitted per adapter (figures: pagedq status, metrics)
         self.tokens: dict[str, int] = {}  # tokens generated per adapter
-
-    def start(self) -> None:
-        """Load the --lora-modules (a bad one stops the start, naming it) and read the registry."""
         for name, path in self.modules.items():
             self._load(name, path, at_start=True)
-        self.refresh(time.monotonic(), force=True)
+
+    def add_request(self, t: HeldJob, priority: int) -> None:
+        """engine.add_request for a prepared job (admission.prepare), under the adapter it names (loaded on its
+        first use: RequestRejected naming the problem when it is unknown or cannot load)."""
+        if t.engine_input is None or t.sampling_params is None:  # admission prepares every job before it reaches here
+            raise RuntimeError(f"job {t.key} reached the engine unprepared")
+        if t.job.lora is None:
+            self.engine.add_request(t.request_id, t.engine_input, t.sampling_params, priority=priority)
+            return
+        lora = self.request_for(t.job.lora)
+        self.engine.add_request(t.request_id, t.engine_input, t.sampling_params, priority=priority, lora=lora)
+        self.counted(t.job.lora, requests=1)
+
+    def generated(self, t: HeldJob | None, out: RequestOutput) -> int:
+        """The tokens of one step's output, counted for its job's adapter; returns them."""
+        tokens = sum(len(c.token_ids) for c in out.outputs)
+        if t is not None and t.job.lora is not None:
+            self.counted(t.job.lora, tokens=tokens)
+        return tokens
 
     def request_for(self, name: str) -> LoRARequest:
         """The engine's request for adapter `name`, loading it first when the engine does not hold it; raises
@@ -92,7 +83,11 @@ class WorkerLoras:
         self.requests[name] = self.requests.get(name, 0) + requests
         self.tokens[name] = self.tokens.get(name, 0) + tokens
 
-    def figures(self, held: Iterable[HeldJob], top: int | None = None) -> dict[str, dict[str, int]]:
+    def figures(self, held: Iterable[HeldJob]) -> LoraFigures:
+        """What the heartbeat and the metrics carry (WorkerSnapshot.loras)."""
+        return LoraFigures(self.rows(held), self.modules, self.max_loras)
+
+    def rows(self, held: Iterable[HeldJob], top: int | None = None) -> dict[str, dict[str, int]]:
         """Per adapter: jobs held waiting, jobs in the engine, jobs admitted and tokens generated since start; the
         `top` (default MAX_SHOWN) busiest by name, the rest summed under OTHER (what the heartbeat and the metrics
         labels carry)."""
@@ -127,14 +122,14 @@ class WorkerLoras:
         """Every adapter this worker serves now (its own and the registry's), sorted."""
         return sorted(set(self.modules) | set(self.registry))
 
-    def refresh(self, now: float, force: bool = False) -> None:
-        """Reread the registry when its version moved (at most every REFRESH_S), and drop from the engine the
+    def refresh(self, now: float) -> None:
+        """Reread the registry when its version moved (looked at every REFRESH_S), and drop from the engine the
         adapters that left it."""
-        if not force and now < self._next_refresh:
+        if now < self._next_refresh:
             return
         self._next_refresh = now + REFRESH_S
         version = self.r.get(self.keys.loras_version)
-        if version == self._version and not force:
+        if version == self._version:
             return
         self._version = version
         self.registry = registry_paths(self.r.hgetall(self.keys.loras))
