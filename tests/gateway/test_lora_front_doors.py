@@ -18,7 +18,7 @@ from redis import Redis
 
 from pagedq.engine import LLMEngine
 from pagedq.engine.lora.request import LoRARequest
-from pagedq.worker import Client
+from pagedq.worker import Client, JobRejected
 from pagedq.worker.bulk.runner import BulkRun
 from pagedq.worker.client.async_client import AsyncClient
 from pagedq.worker.protocol.chat import ChatMessage, render_conversation
@@ -122,6 +122,10 @@ def test_native_clients_and_celery(stack, monkeypatch):
 
     celery_app = importlib.reload(celery_app)  # the module's app reads its broker URL at import
     assert celery_app.generate.delay(prompt=PROMPT, lora="sql", **GREEDY).get(timeout=30)["token_ids"] == sql
+    with pytest.raises(JobRejected, match="unknown LoRA adapter 'nobody'"):
+        celery_app.generate.delay(prompt=PROMPT, lora="nobody", max_tokens=2).get(timeout=30)
+    unknown = client.result(client.submit(PROMPT, lora="nobody", max_tokens=2), timeout=30)
+    assert unknown.status == "rejected" and "unknown LoRA adapter 'nobody'" in (unknown.error or "")
 
 
 def test_bulk_lines(stack, tmp_path):

@@ -187,3 +187,21 @@ def test_held_jobs_count_as_waiting_or_running(r, redis_url):
         "a0": two["a0"],
         OTHER: two["a1"],
     }
+
+
+@pytest.mark.slow
+def test_bad_lora_modules_are_one_line_at_start(redis_url, tmp_path):
+    """Each start-up mistake of --lora-modules: exit 2, one line naming it, before the model loads (no traceback)."""
+    from .test_startup_errors import assert_readable, run_cli
+
+    malformed = run_cli(["worker", "--redis", redis_url, "--engine", "stub", "--lora-modules", "no-equals"], tmp_path)
+    assert malformed.returncode == 2 and "Traceback" not in malformed.stderr
+    assert "--lora-modules='no-equals'" in malformed.stderr  # the flag's own check, as every flag's
+    cases = [
+        (["--engine", "stub", "--lora-modules", "bad name=/x"], "LoRA adapter name"),
+        (["--lora-modules", f"a={tmp_path}"], "--lora-modules needs --enable-lora"),  # the real engine: none loaded
+        (["--engine", "stub", "--lora-modules", f"gone={tmp_path / 'nothing'}"], "LoRA adapter 'gone'"),
+    ]
+    for args, needle in cases:
+        result = run_cli(["worker", "--redis", redis_url, "--burst", *args], tmp_path)
+        assert_readable(result, "lora_modules", needle)

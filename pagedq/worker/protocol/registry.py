@@ -18,6 +18,7 @@ from pagedq.worker.protocol.limits import MAX_REGISTERED_LORAS
 from pagedq.worker.protocol.replies import text
 
 __all__ = [
+    "LoraModulesError",
     "RegistryFull",
     "adapter_names",
     "aregister",
@@ -33,6 +34,11 @@ __all__ = [
 
 class RegistryFull(Exception):
     """The registry holds MAX_REGISTERED_LORAS adapters already."""
+
+
+class LoraModulesError(ValueError):
+    """A worker's --lora-modules that cannot be served: malformed, or an adapter that does not load (a start-up
+    mistake: pagedq/worker/cli/startup_errors.py reports it in one line)."""
 
 
 def check_lora_path(path: str) -> str:
@@ -54,10 +60,13 @@ def parse_lora_modules(specs: list[str] | tuple[str, ...] | str | None) -> dict[
             continue
         name, sep, path = item.partition("=")
         if not sep:
-            raise ValueError(f"--lora-modules: {item!r} is not name=path")
-        name, path = check_lora_name(name.strip()), check_lora_path(path.strip())
+            raise LoraModulesError(f"--lora-modules: {item!r} is not name=path")
+        try:
+            name, path = check_lora_name(name.strip()), check_lora_path(path.strip())
+        except ValueError as exc:
+            raise LoraModulesError(f"--lora-modules: {exc}") from None
         if name in modules:
-            raise ValueError(f"--lora-modules: adapter {name!r} is given twice")
+            raise LoraModulesError(f"--lora-modules: adapter {name!r} is given twice")
         modules[name] = path
     return modules
 

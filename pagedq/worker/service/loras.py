@@ -13,7 +13,7 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from pagedq.worker.protocol.registry import parse_lora_modules
+from pagedq.worker.protocol.registry import LoraModulesError, parse_lora_modules
 from pagedq.worker.protocol.replies import text
 from pagedq.worker.service.context import ServiceContext
 from pagedq.worker.service.engine_api import LoRARequest, RequestOutput, RequestRejected, WorkerEngine
@@ -156,7 +156,7 @@ class WorkerLoras:
             # the engine's LoRALoadError names the adapter and its folder already
             reason = str(exc) if repr(name) in str(exc) else f"LoRA adapter {name!r} ({path}) cannot be loaded: {exc}"
             if at_start:
-                raise ValueError(f"--lora-modules: {reason}") from exc
+                raise LoraModulesError(f"--lora-modules: {reason}") from exc
             self.log.warning("lora_load_failed", lora=name, path=path, error=reason)
             raise RequestRejected(reason) from None
         self.loaded[name] = path
