@@ -58,6 +58,7 @@ ENGINE_LAYERS: dict[str, int] = {
     "pagedq.engine.structured_output": 1,  # grammars: constraints, compilation, matchers, per-step masks
     "pagedq.engine.sample": 2,  # sampling parameters and the sampler
     "pagedq.engine.layers": 2,
+    "pagedq.engine.lora": 2,  # LoRA adapters: PEFT folders, host cache, slot bookkeeping, the adapted linears
     "pagedq.engine.core": 3,  # requests, blocks, seats, swap, the scheduler and its plan for the runner
     "pagedq.engine.models": 3,
     "pagedq.engine.output": 4,  # outputs, detokenizer, output processor

@@ -23,6 +23,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from pagedq.bench.kernels_lora import lora_bench_cases
+
 # ----------------------------------------------------------------------------------------------------------------
 # Byte and FLOP accounting (pure functions; unit-tested on CPU).
 
@@ -283,6 +285,14 @@ def bench_copy_and_sampling(device, copy_gbps: float, num_layers: int = 32, num_
                 same_as_torch=same)  # fmt: skip
 
 
+def bench_lora(device, copy_gbps: float, **shapes) -> None:
+    """The batched LoRA kernels (`bench.kernels_lora`'s cases), each next to the slot-grouped torch path."""
+    for case in lora_bench_cases(device, DTYPE, **shapes):
+        ms = _time_ms(case.triton)
+        metrics = _bandwidth_metrics(case.num_bytes, ms, copy_gbps)
+        _report(case.kernel, case.shape, ms, **metrics, torch_speedup=_time_ms(case.torch_path) / ms)
+
+
 # CUDA measures one fixed shape (Llama-3-8B's attention, bf16); the CPU path defaults to SmolLM2-135M's, fp32.
 _CPU_ONLY = ("heads", "head_dim", "dtype", "repeats", "prefill_lens")
 _DEFAULTS = {
@@ -379,6 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.skip_elementwise:
         bench_elementwise(device, copy_gbps)
         bench_copy_and_sampling(device, copy_gbps)
+        bench_lora(device, copy_gbps)
     return 0
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 from pagedq.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagedq.engine.errors import RequestRejected
 from pagedq.engine.llm_engine import LLMEngine
-from pagedq.engine.output.outputs import CompletionOutput, RequestOutput
 from pagedq.engine.lora.request import LoRARequest
+from pagedq.engine.output.outputs import CompletionOutput, RequestOutput
 from pagedq.engine.sample.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessage = dict[str, str]  # {"role": ..., "content": ...}, what tokenizer.apply_chat_template takes

@@ -134,7 +134,7 @@ class LLMEngine:
 
     def list_loras(self) -> list[LoRARequest]:
         """The adapters requests may name, by name and path (those being removed are not listed)."""
-        return [] if self.lora is None else self.lora.list()
+        return [] if self.lora is None else self.lora.registered()
 
     def _lora_manager(self) -> LoRAManager:
         if self.lora is None:

@@ -74,8 +74,9 @@ class EngineOptions:
     max_loras: int = knob(8, "LoRA adapters in one batch at most: the device slots, pre-allocated at --max-lora-rank")
     max_lora_rank: int = knob(16, "highest LoRA rank served (1-256): every slot is pre-allocated at this rank")
     max_cpu_loras: int | None = knob(
-        None, "LoRA adapters kept loaded on the host, least recently used dropped first (>= --max-loras; default: "
-        "--max-loras)"
+        None,
+        "LoRA adapters kept loaded on the host, least recently used dropped first (>= --max-loras; default: "
+        "--max-loras)",
     )
 
 

@@ -16,6 +16,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 import triton
@@ -23,7 +24,18 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from pagedq.kernels import activation, block_copy, decode_attention, kv_cache, norm, prefill_attention, rotary, sampling
+from pagedq.kernels import (
+    activation,
+    block_copy,
+    decode_attention,
+    kv_cache,
+    lora_segments,
+    norm,
+    prefill_attention,
+    rotary,
+    sampling,
+)
+from pagedq.kernels.lora import LoRAIndex
 
 SM90_TARGET = GPUTarget("cuda", 90, 32)
 SM90_MAX_SHARED_BYTES = 232448  # 227 KiB opt-in shared memory per block on H100/H200
@@ -150,6 +162,7 @@ def _production_calls() -> list[tuple[str, object, list[str], Callable[[], objec
     decode = decode_attention.paged_decode_attention
     prefill = prefill_attention.paged_prefill_attention
     return [
+        *_lora_calls(),
         ("store_kv_cache", kv_cache, ["_store_kv_cache_kernel"],
          lambda: kv_cache.store_kv_cache(_meta(64, 8, 128), _meta(64, 8, 128), *caches, _meta(64, dtype=torch.int64))),
         ("decode bf16 gqa4", decode_attention, ["_decode_partition_kernel", "_decode_reduce_kernel"],
@@ -182,6 +195,37 @@ def _production_calls() -> list[tuple[str, object, list[str], Callable[[], objec
          lambda: sampling.gumbel_argmax_split(_meta(256, 151936, dtype=torch.float32), _meta(256, dtype=torch.float32),
                                               _meta(256, dtype=torch.int64), _meta(256, dtype=torch.int64), 4)),
     ]  # fmt: skip
+
+
+def _meta_lora_index(num_tokens: int, num_slots: int, max_segment_length: int) -> LoRAIndex:
+    i32 = torch.int32
+    tokens, slots = _meta(num_tokens, dtype=i32), _meta(num_slots, dtype=i32)
+    return LoRAIndex(tokens, tokens, slots, slots, True, max_segment_length, ())
+
+
+def _lora_calls() -> list[tuple[str, object, list[str], Callable[[], object]]]:
+    """Batched LoRA, 8 slots: decode (64 tokens, segments of 8) and prefill (4096 tokens) on a Llama-8B-like qkv
+    (4096 -> 4096 + 1024 + 1024, rank 64) and down_proj (14336 -> 4096, rank 16), bf16 and fp32."""
+    shrink, expand = lora_segments.lora_shrink, lora_segments.lora_expand
+    f32 = torch.float32
+    calls: list[tuple[str, object, list[str], Callable[[], object]]] = []
+    for label, t, longest in (("decode", 64, 8), ("prefill", 4096, 4096)):
+        index = _meta_lora_index(t, 8, longest)
+        for dtype, name in ((torch.bfloat16, "bf16"), (f32, "fp32")):
+            calls += [
+                (f"lora_shrink {label} {name} qkv r64", lora_segments, ["_lora_shrink_kernel"],
+                 partial(shrink, _meta(t, 4096, dtype=dtype), _meta(8, 3, 64, 4096, dtype=dtype), index)),
+                (f"lora_expand {label} {name} qkv r64", lora_segments, ["_lora_expand_kernel"],
+                 partial(expand, _meta(t, 6144, dtype=dtype), _meta(3, t, 64, dtype=f32),
+                         _meta(8, 3, 4096, 64, dtype=dtype), index, (4096, 1024, 1024))),
+            ]  # fmt: skip
+        calls += [
+            (f"lora_shrink {label} bf16 down r16", lora_segments, ["_lora_shrink_kernel"],
+             partial(shrink, _meta(t, 14336), _meta(8, 1, 16, 14336), index)),
+            (f"lora_expand {label} bf16 down r16", lora_segments, ["_lora_expand_kernel"],
+             partial(expand, _meta(t, 4096), _meta(1, t, 16, dtype=f32), _meta(8, 1, 4096, 16), index, (4096,))),
+        ]  # fmt: skip
+    return calls
 
 
 def _ptx_ok(kernel_name: str, ptx: str) -> bool:

@@ -135,7 +135,7 @@ def check_lora_shapes(
         raise ValueError(f"{fn}: at most {MAX_SLICES} slices per packed linear, got {weights.shape[1]}")
 
 
-def _check_expand(
+def check_lora_expand_shapes(
     fn: str, y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, index: LoRAIndex, out_sizes: tuple[int, ...]
 ) -> None:
     check_lora_shapes(fn, y, lora_b, index, buf.shape[-1], "[S, N, max_out, R]")
@@ -155,14 +155,14 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, index: LoRAIndex) -> torc
     active = slots >= 0
     weights = lora_a[slots.clamp(min=0)].float()  # [T, N, R, in]
     buf = torch.einsum("ti,tnri->ntr", x.float(), weights)
-    return buf * active[None, :, None]
+    return (buf * active[None, :, None]).contiguous()
 
 
 def lora_expand(
     y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, index: LoRAIndex, out_sizes: tuple[int, ...]
 ) -> None:
     """Reference: y [T, sum(out_sizes)] += per slice buf[n, t] @ lora_b[slot_t, n, :out_n].T, adapter tokens only."""
-    _check_expand("lora_expand", y, buf, lora_b, index, out_sizes)
+    check_lora_expand_shapes("lora_expand", y, buf, lora_b, index, out_sizes)
     slots = index.token_slots.long()
     active = slots >= 0
     weights = lora_b[slots.clamp(min=0)].float()  # [T, N, max_out, R]
@@ -193,7 +193,7 @@ def grouped_lora_expand(
     y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, index: LoRAIndex, out_sizes: tuple[int, ...]
 ) -> None:
     """CPU path of `lora_expand`: per slot present and slice, one matmul over that slot's rows."""
-    _check_expand("lora_expand", y, buf, lora_b, index, out_sizes)
+    check_lora_expand_shapes("lora_expand", y, buf, lora_b, index, out_sizes)
     order = index.token_order.long()
     for slot, start, length in index.host_segments:
         rows = order[start : start + length]

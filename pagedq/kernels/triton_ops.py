@@ -10,6 +10,7 @@ from pagedq.kernels.activation import silu_and_mul
 from pagedq.kernels.block_copy import copy_blocks
 from pagedq.kernels.decode_attention import paged_decode_attention
 from pagedq.kernels.kv_cache import store_kv_cache
+from pagedq.kernels.lora_segments import lora_expand, lora_shrink
 from pagedq.kernels.norm import head_rms_norm, rms_norm
 from pagedq.kernels.prefill_attention import paged_prefill_attention
 from pagedq.kernels.rotary import rotary_embedding
@@ -19,6 +20,8 @@ __all__ = [
     "copy_blocks",
     "gumbel_argmax",
     "head_rms_norm",
+    "lora_expand",
+    "lora_shrink",
     "paged_decode_attention",
     "paged_prefill_attention",
     "rms_norm",

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagedq.bench import kernels as bench
+from pagedq.bench import kernels_lora
 
 
 def _nbytes(*tensors: torch.Tensor) -> int:
@@ -55,6 +56,16 @@ def test_elementwise_bytes_match_the_tensors_touched():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU exit")
+def test_lora_bytes_match_the_tensors_touched():
+    t, hidden, n, r, slots = 5, 12, 3, 4, 2
+    x, a_used = torch.empty(t, hidden, dtype=torch.bfloat16), torch.empty(slots, n, r, hidden, dtype=torch.bfloat16)
+    buf = torch.empty(n, t, r)
+    assert kernels_lora.lora_shrink_bytes(t, hidden, n, r, slots, 2) == _nbytes(x, a_used, buf)
+    out_sizes = (12, 4, 4)
+    y, b_used = torch.empty(t, 20, dtype=torch.bfloat16), torch.empty(slots, 20, r, dtype=torch.bfloat16)
+    assert kernels_lora.lora_expand_bytes(t, out_sizes, r, slots, 2) == _nbytes(buf, b_used, y, y)
+
+
 def test_bench_without_gpu_exits_2(capsys):
     assert bench.main(["--device", "cuda"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().out
@@ -93,7 +104,8 @@ def test_bench_glue_runs_on_tiny_shapes(device, monkeypatch, capsys):
     bench.bench_decode(device, batch=2, context_len=20, copy_gbps=100.0)
     bench.bench_prefill(device, [5, 3], [0, 17], matmul_tflops=100.0)
     bench.bench_elementwise(device, 100.0, tokens=2, hidden=64, intermediate=64)
+    bench.bench_lora(device, 100.0, hidden=32, kv_out=16, num_slots=2, cases=((3, 16),))
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("JSON ")]
-    assert len(lines) == 2 + 1 + 5
+    assert len(lines) == 2 + 1 + 5 + 2
     decode_vs_sdpa = json.loads(lines[1][5:])
     assert decode_vs_sdpa["max_abs_diff"] < 2e-2  # bf16 paged decode agrees with SDPA on gathered K/V

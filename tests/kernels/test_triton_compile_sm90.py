@@ -34,3 +34,7 @@ def test_all_kernels_compile_for_sm90():
     prefill = re.findall(r"^ok   prefill (\w+) .*, (\d+) bytes spilled, \d+ warps: (\d+) CTAs/SM$", report, re.M)
     assert {dtype for dtype, _, _ in prefill} == {"bf16", "fp16", "fp32"}, report
     assert all(int(spilled) == 0 and int(ctas) >= 2 for _, spilled, ctas in prefill), prefill
+    # Batched LoRA, decode and prefill: every launch compiles; the bf16 ones do not spill.
+    lora_lines = re.findall(r"^ok   lora_(?:shrink|expand) (\w+) (\w+) .*, (\d+) bytes spilled", report, re.M)
+    assert len(lora_lines) == 12, report
+    assert all(int(spilled) == 0 for _, dtype, spilled in lora_lines if dtype == "bf16"), lora_lines

@@ -93,7 +93,6 @@ class EngineConfig(EngineOptions):
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
 
 
-
 def resolve_device(device: str | torch.device) -> str:
     device = str(device)
     if device == "auto":

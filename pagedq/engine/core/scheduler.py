@@ -13,12 +13,7 @@ Seats are preempted too (pagedq/engine/core/seats.py): when a waiting request ou
 free, the lowest-priority, most recently admitted of them gives up its seat, by the same recompute or swap,
 within bounds.
 
-LoRA adapters (pagedq/engine/lora/): the adapters of running requests stay within `max_loras` (the device slots), so
-every step's fit. A waiting request whose adapter finds no slot is passed over by those behind it whose adapter
-runs already (or who use the base model) for at most LORA_PASS_LIMIT schedules; after that admission stops behind
-it, the running requests drain, and the first adapter whose last request finishes gives it its slot. So it waits
-at most LORA_PASS_LIMIT schedules plus the longest remaining run of the requests running then (tested as a
-property in tests/engine/test_lora_scheduler.py).
+Admission keeps the LoRA adapters of running requests within the device slots (core/adapter_admission.py).
 """
 
 from __future__ import annotations
@@ -29,6 +24,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import TYPE_CHECKING, Protocol
 
+from pagedq.engine.core.adapter_admission import AdapterAdmission, take_slot_loads
 from pagedq.engine.core.block_manager import BlockManager
 from pagedq.engine.core.decode_fast_path import schedule_decodes
 from pagedq.engine.core.request import Request, RequestStatus, ScheduledRequest
@@ -38,10 +34,6 @@ from pagedq.engine.core.swap import SwapSpace
 
 if TYPE_CHECKING:
     from pagedq.engine.lora.manager import LoRAManager
-
-# Schedules a request held back by the adapter limit lets others pass it (module doc): long enough that a burst of
-# requests for adapters already running keeps the batch full, short enough to bound its wait.
-LORA_PASS_LIMIT = 32
 
 
 class Lookahead(Protocol):
@@ -241,9 +233,7 @@ class Scheduler:
     def _plan(self, output: SchedulerOutput) -> StepPlan:
         """The runner's copy of the step (pagedq/engine/core/step_plan.py)."""
         blocks = (output.blocks_to_copy, output.blocks_to_swap_out, output.blocks_to_swap_in)
-        loads = ()
-        if self.lora is not None and (pending := self.lora.slots.take_loads()):
-            loads = tuple((slot, self.lora.weights(key)) for slot, key in pending)
+        loads = take_slot_loads(self.lora)
         return build_plan(self.block_manager, output.scheduled, blocks, self.take_departures(), loads)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, output: SchedulerOutput) -> bool:
@@ -321,12 +311,12 @@ class Scheduler:
         if not self._waiting:
             return
         free_seats = self._free_seats()
-        lora_keys = None if self.lora is None else {r.lora_key for r in self.running if r.lora_key}
+        adapters = None if self.lora is None else AdapterAdmission(self.lora, self.running, self.num_schedules)
         passed: list[Request] = []  # held back by the adapter limit this step: queued again below
         while self._waiting and budget > 0 and free_seats > 0:
             group = self._waiting_group(self._waiting[0][-1])
-            if lora_keys is not None and not self._adapter_fits(group[0], lora_keys):
-                if not self._may_be_passed(group[0]):
+            if adapters is not None and not adapters.fits(group[0]):
+                if not adapters.may_be_passed(group[0]):
                     break
                 self._leave_waiting(group)
                 passed += group
@@ -353,26 +343,10 @@ class Scheduler:
                 request.status = RequestStatus.RUNNING
                 request.seat_since_step = self.num_schedules
                 self.running.append(request)
-                if lora_keys is not None:
-                    self._give_slot(request, lora_keys)
+                if adapters is not None:
+                    adapters.admitted(request)
         for request in passed:
             self._push_waiting(request)
-
-    def _adapter_fits(self, request: Request, running_keys: set[int]) -> bool:
-        return not request.lora_key or self.lora is None or self.lora.slots.fits(request.lora_key, running_keys)
-
-    def _may_be_passed(self, request: Request) -> bool:
-        """Whether requests behind one held back by the adapter limit may still be admitted before it."""
-        if request.lora_blocked_since < 0:
-            request.lora_blocked_since = self.num_schedules
-        return self.num_schedules - request.lora_blocked_since < LORA_PASS_LIMIT
-
-    def _give_slot(self, request: Request, running_keys: set[int]) -> None:
-        """The device slot of an admitted request's adapter (loaded with the step's plan if it holds none)."""
-        request.lora_blocked_since = -1
-        if request.lora_key and self.lora is not None:
-            request.lora_slot = self.lora.slots.assign(request.lora_key, running_keys)
-            running_keys.add(request.lora_key)
 
     def _waiting_group(self, head: Request) -> list[Request]:
         """What must be admitted together with the head of the queue: all waiting beams of its group, or itself."""
@@ -391,7 +365,9 @@ class Scheduler:
         manager = self.block_manager
         swapped = request.status is RequestStatus.SWAPPED
         if not swapped and not request.needs_prompt_logprobs:  # cached prompt blocks would skip their logits
-            request.start_computed_at(manager.match_prefix(request.request_id, request.all_token_ids, request.cache_salt))
+            request.start_computed_at(
+                manager.match_prefix(request.request_id, request.all_token_ids, request.cache_salt)
+            )
         start = request.num_computed_tokens
         num_new = min(request.num_tokens - start, budget)
         # A swapped request needs device blocks for what it had computed too: allocate from position 0.

@@ -154,14 +154,18 @@ def _pair_weights(
     for key, tensor in weights.items():
         match = _WEIGHT.fullmatch(key)
         if match is None:
-            raise fail(f"weight {key!r} is not a LoRA A/B matrix of a layer's projection (embeddings, lm_head, "
-                       "DoRA magnitudes and biases are not supported)")
+            raise fail(
+                f"weight {key!r} is not a LoRA A/B matrix of a layer's projection (embeddings, lm_head, "
+                "DoRA magnitudes and biases are not supported)"
+            )
         layer, module, half = int(match[1]), match[2], match[3]
         if module not in TARGET_NAMES or module not in targets.shapes:
             raise fail(f"weight {key!r} targets {module}, which the served model does not have")
         if layer >= targets.num_layers:
-            raise fail(f"weight {key!r} is for layer {layer}; the served model has {targets.num_layers} layers "
-                       "(an adapter of another base model)")
+            raise fail(
+                f"weight {key!r} is for layer {layer}; the served model has {targets.num_layers} layers "
+                "(an adapter of another base model)"
+            )
         halves.setdefault((layer, module), {})[half] = tensor
     if not halves:
         raise fail("its weights hold no LoRA matrices")
@@ -172,7 +176,9 @@ def _pair_weights(
         a, b = pair["A"], pair["B"]
         in_features, out_features = targets.shapes[module]
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
-            raise fail(f"layer {layer} {module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} are not of rank {rank}")
+            raise fail(
+                f"layer {layer} {module}: lora_A {list(a.shape)} and lora_B {list(b.shape)} are not of rank {rank}"
+            )
         if a.shape[1] != in_features or b.shape[0] != out_features:
             raise fail(
                 f"layer {layer} {module}: lora_A {list(a.shape)}, lora_B {list(b.shape)} do not fit the served "

@@ -15,6 +15,8 @@ served). A step without adapter tokens has no index and costs nothing here.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -34,18 +36,21 @@ _ADAPTED = (
 class LoRALinear(nn.Module):
     """A linear layer plus the adapters of `max_loras` slots on its projections (see the module doc)."""
 
+    lora_a: torch.Tensor  # [max_loras, projections, max_rank, in]
+    lora_b: torch.Tensor  # [max_loras, projections, max out, max_rank]
+
     def __init__(
         self, base: nn.Linear, projections: tuple[str, ...], slots: LoRASlots, max_loras: int, max_rank: int
     ) -> None:
         super().__init__()
         self.base, self.projections, self.slots, self.ops = base, projections, slots, slots.ops
         offsets = getattr(base, "shard_offsets", [0, base.out_features])
-        self.out_sizes = tuple(hi - lo for lo, hi in zip(offsets, offsets[1:]))
-        weight = base.weight
-        kind = {"dtype": weight.dtype, "device": weight.device}
-        count = len(projections)
-        self.register_buffer("lora_a", torch.zeros(max_loras, count, max_rank, base.in_features, **kind), False)
-        self.register_buffer("lora_b", torch.zeros(max_loras, count, max(self.out_sizes), max_rank, **kind), False)
+        self.out_sizes = tuple(hi - lo for lo, hi in itertools.pairwise(offsets))
+        dtype, device, count = base.weight.dtype, base.weight.device, len(projections)
+        a_shape = (max_loras, count, max_rank, base.in_features)
+        b_shape = (max_loras, count, max(self.out_sizes), max_rank)
+        self.register_buffer("lora_a", torch.zeros(a_shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(b_shape, dtype=dtype, device=device), persistent=False)
 
     @property
     def in_features(self) -> int:
@@ -89,7 +94,7 @@ class LoRASlots:
         self.step_index: LoRAIndex | None = None  # set by the model runner for the step being computed
         self.layers: list[tuple[int, LoRALinear]] = []
         shapes: dict[str, tuple[int, int]] = {}
-        decoder_layers = model.model.layers  # type: ignore[union-attr]
+        decoder_layers: nn.ModuleList = model.model.layers  # type: ignore[union-attr,assignment]
         for number, layer in enumerate(decoder_layers):
             for parent_name, attribute, projections in _ADAPTED:
                 parent = getattr(layer, parent_name, None)

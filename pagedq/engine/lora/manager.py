@@ -57,7 +57,7 @@ class LoRAManager:
             raise KeyError(f"no LoRA adapter named {name!r} is loaded")
         self._removed[adapter.key] = adapter
 
-    def list(self) -> list[LoRARequest]:
+    def registered(self) -> list[LoRARequest]:
         return [LoRARequest(a.name, a.path) for a in self._registered.values()]
 
     def key_for(self, lora: LoRARequest, in_use: Callable[[], set[int]]) -> int:

@@ -17,6 +17,12 @@ Triton has compiled every kernel before the capture; all rows are padding, so no
 graphs share one memory pool: only one runs at a time, and its output is consumed before the next replay.
 Without CUDA (`capture=False`) the same padded path runs eagerly: that is how the CPU tests check
 everything here but the capture and replay calls themselves.
+
+With LoRA adapters every graph holds the adapted linears' shrink / expand kernels, reading one static
+`LoRAIndex` per batch bucket (fixed shapes for a fixed (batch, slots): pagedq/kernels/lora.py); each replay first
+refills it from the step's token slots, padding rows on the base model (slot -1). A step without adapter tokens
+replays the same graphs: its index has no segment, so the LoRA kernels' programs return at once. Slots are loaded
+before the step's work, in order with the steps, as for eager steps (pagedq/engine/lora/slots.py).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import numpy as np
 import torch
 
 from pagedq.engine.layers import AttentionMetadata
+from pagedq.engine.lora.layers import LoRASlots
+from pagedq.kernels.lora import LoRAIndex
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE  # torch's own type for graph pools (private, but what its API is typed with)
@@ -69,8 +77,10 @@ class DecodeGraphRunner:
         device: torch.device,
         capture: bool,
         first_width_tokens: int = PARTITION_TOKENS,
+        lora: LoRASlots | None = None,
     ) -> None:
         self.model, self.kv_caches, self.device, self.capture = model, kv_caches, device, capture
+        self.lora = lora
         self.batch_sizes = batch_buckets(max_num_seqs)
         self.widths = width_buckets(max_blocks_per_seq, block_size, first_width_tokens)
         rows, width = self.batch_sizes[-1], self.widths[-1]
@@ -88,6 +98,10 @@ class DecodeGraphRunner:
             buffer(1, dtype=torch.int32),
             buffer(0, dtype=torch.int32),
         )
+        # LoRA: the static index each bucket's graphs read (the module doc)
+        self.lora_indexes: dict[int, LoRAIndex] = {}
+        if lora is not None and capture:
+            self.lora_indexes = {b: LoRAIndex.static(b, lora.max_loras, device) for b in self.batch_sizes}
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: _POOL_HANDLE | None = None  # the graphs' shared memory pool, from the first capture
         self.num_runs = 0  # decode steps served (replayed, or run padded when not capturing)
@@ -116,21 +130,37 @@ class DecodeGraphRunner:
         slot_mapping: np.ndarray,
         block_tables: np.ndarray,
         context_lens: np.ndarray,
+        token_lora_slots: np.ndarray | None = None,
     ) -> torch.Tensor:
-        """Hidden states [num_seqs, hidden] of one decode token per sequence (host arrays in, device out)."""
+        """Hidden states [num_seqs, hidden] of one decode token per sequence (host arrays in, device out);
+        token_lora_slots: each sequence's LoRA slot (-1: the base model; None: all on the base model)."""
         num_seqs, table_width = block_tables.shape
         batch = bucket_for(num_seqs, self.batch_sizes)
         width = bucket_for(table_width, self.widths)
         self._fill(token_ids, positions, slot_mapping, block_tables, context_lens, batch, width)
+        lora_index = self._lora_index(token_lora_slots, num_seqs, batch)
         self.num_runs += 1
         if not self.capture:
-            return self._forward(batch, width)[:num_seqs]
+            return self._forward(batch, width, lora_index)[:num_seqs]
         key = (batch, width)
         if key not in self.graphs:
             self.graphs[key] = self._capture(batch, width)
         graph, output = self.graphs[key]
         graph.replay()
         return output[:num_seqs]
+
+    def _lora_index(self, token_lora_slots: np.ndarray | None, num_seqs: int, batch: int) -> LoRAIndex | None:
+        """The step's LoRA index over the padded batch: copied into the bucket's static one when capturing."""
+        if self.lora is None:
+            return None
+        padded = np.full(batch, -1, dtype=np.int32)
+        if token_lora_slots is not None:
+            padded[:num_seqs] = token_lora_slots
+        index = LoRAIndex.build(torch.from_numpy(padded), self.lora.max_loras, self.device)
+        if not self.capture:
+            return index if index.has_adapter else None
+        self.lora_indexes[batch].copy_from(index)
+        return self.lora_indexes[batch]
 
     def _fill(self, token_ids, positions, slot_mapping, block_tables, context_lens, batch: int, width: int) -> None:
         n, w = block_tables.shape
@@ -150,7 +180,7 @@ class DecodeGraphRunner:
         self.block_tables[:n, :w].copy_(torch.from_numpy(block_tables), non_blocking=True)
         self.block_tables[n:batch, 0] = 0
 
-    def _forward(self, batch: int, width: int) -> torch.Tensor:
+    def _forward(self, batch: int, width: int, lora_index: LoRAIndex | None = None) -> torch.Tensor:
         no_tables, no_cu_seqlens, no_lens = self._no_prefill
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:batch],
@@ -161,16 +191,23 @@ class DecodeGraphRunner:
             prefill_cu_seqlens_q=no_cu_seqlens,
             prefill_context_lens=no_lens,
         )
-        return self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches, meta)
+        if self.lora is None:
+            return self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches, meta)
+        self.lora.step_index = lora_index
+        try:
+            return self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches, meta)
+        finally:
+            self.lora.step_index = None
 
     def _capture(self, batch: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # The warm-up compiles the Triton kernels for these shapes and lets cuBLAS pick its algorithms: neither
         # may happen inside a capture. Its cache writes, if any, are the ones the next replay repeats.
-        self._forward(batch, width)
+        lora_index = self.lora_indexes.get(batch)
+        self._forward(batch, width, lora_index)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            output = self._forward(batch, width)
+            output = self._forward(batch, width, lora_index)
         if self.pool is None:
             self.pool = graph.pool()
         return graph, output

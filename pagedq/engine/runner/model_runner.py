@@ -88,6 +88,7 @@ class ModelRunner:
                 self.block_size,
                 self.device,
                 capture=True,
+                lora=self.lora,
             )
             with torch.inference_mode():
                 self.graph_capture_seconds = self.decode_graphs.capture_all()
@@ -203,13 +204,18 @@ class ModelRunner:
         if len(inputs.placeholders):  # tokens the host has not seen yet: the previous step's draws, on the device
             rows = torch.from_numpy(inputs.placeholder_rows).to(self.device)
             token_ids[torch.from_numpy(inputs.placeholders).to(self.device)] = self.state.last_token[rows]
-        if inputs.token_lora_slots is not None:  # adapters: eager (graphs are captured without them)
-            return self._forward_lora(token_ids, inputs)
         graphs = self.decode_graphs
         if graphs is not None and inputs.is_decode_only and graphs.can_run(*inputs.block_tables.shape):
             return graphs.run(
-                token_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables, inputs.context_lens
+                token_ids,
+                inputs.positions,
+                inputs.slot_mapping,
+                inputs.block_tables,
+                inputs.context_lens,
+                inputs.token_lora_slots,
             )
+        if inputs.token_lora_slots is not None:
+            return self._forward_lora(token_ids, inputs)
         return self._forward_eager(token_ids, inputs)
 
     def _forward_eager(self, token_ids: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
