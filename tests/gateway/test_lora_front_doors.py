@@ -128,6 +128,16 @@ def test_native_clients_and_celery(stack, monkeypatch):
     assert unknown.status == "rejected" and "unknown LoRA adapter 'nobody'" in (unknown.error or "")
 
 
+def test_adapters_and_the_base_mixed_in_one_batch(stack):
+    """The same prompt under the adapter and the base model, submitted together: the worker admits them into the
+    same steps, and each equals its own oracle (the prefix cache, keyed by adapter, shares nothing across them)."""
+    client = Client(stack.url)
+    names = ["sql", None, "sql", None, "sql", None]
+    job_ids = client.submit_many([{"prompt": PROMPT, "lora": name, **GREEDY} for name in names])
+    for name, job_id in zip(names, job_ids):
+        assert client.result(job_id, timeout=30).token_ids == stack.oracle[name or "base"].completion.ids
+
+
 def test_bulk_lines(stack, tmp_path):
     """A plain line's `lora`, an OpenAI line's `model` naming the adapter, and the base model's id."""
     lines = [

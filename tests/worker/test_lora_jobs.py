@@ -17,7 +17,7 @@ from pagedq.worker.protocol.job import build_job, parse_job
 from pagedq.worker.protocol.keys import QueueKeys
 from pagedq.worker.protocol.limits import MAX_REGISTERED_LORAS
 from pagedq.worker.protocol.registry import parse_lora_modules
-from pagedq.worker.service.engine_api import LoRARequest, RequestOutputKind, SamplingParams
+from pagedq.worker.service.engine_api import LoRARequest, RequestOutputKind, RequestRejected, SamplingParams
 from pagedq.worker.service.held import HeldJob, JobKey, JobState
 from pagedq.worker.service.loras import OTHER, WorkerLoras
 from pagedq.worker.testing.stub_engine import StubEngine
@@ -93,6 +93,44 @@ def test_jobs_run_with_their_adapter(redis_url, r, tmp_path):
     assert got["unknown"].status == "rejected" and "unknown LoRA adapter 'nobody'" in got["unknown"].error
     assert got["broken"].status == "rejected" and "'broken'" in got["broken"].error
     assert "is not a folder" in got["broken"].error
+
+
+def test_a_broken_adapter_is_read_once_while_its_jobs_flood_in(redis_url, r, tmp_path, monkeypatch):
+    """Jobs naming an adapter that failed to load are refused with the same reason without reading its folder
+    again, until RETRY_FAILED_S has passed (its folder may have appeared by then)."""
+    from pagedq.worker.service import loras
+    from pagedq.worker.service.context import ServiceContext
+
+    from .helpers import fast_settings
+
+    engine, missing = StubEngine(), tmp_path / "later"
+    calls = []
+    real_add = engine.add_lora
+    monkeypatch.setattr(engine, "add_lora", lambda lora: (calls.append(lora.name), real_add(lora)))
+    registry.register(r, KEYS, "later", str(missing))
+    client = Client(redis_url)
+    ids = [client.submit("hi", lora="later", **GREEDY) for _ in range(5)]
+    run_burst(engine, redis_url)
+    assert {client.result(i, timeout=5).status for i in ids} == {"rejected"} and calls == ["later"]
+
+    adapters = loras.WorkerLoras(ServiceContext.build(r, fast_settings()), engine)
+    monkeypatch.setattr(loras, "RETRY_FAILED_S", 0.2)
+    for _ in range(3):
+        with pytest.raises(RequestRejected, match="is not a folder"):
+            adapters.request_for("later")
+    missing.mkdir()
+    with pytest.raises(RequestRejected):  # within the retry time: the same answer, the folder unread
+        adapters.request_for("later")
+    assert calls == ["later", "later"]
+
+    def served() -> bool:
+        try:
+            return bool(adapters.request_for("later"))
+        except RequestRejected:
+            return False
+
+    wait_for(served, timeout=2, interval=0.05, what="the retry, once RETRY_FAILED_S has passed")
+    assert calls == ["later", "later", "later"]
 
 
 def test_a_bad_start_module_stops_the_start(redis_url, tmp_path):

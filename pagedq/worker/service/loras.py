@@ -10,6 +10,7 @@ under another path) is removed from the engine, which lets its in-flight jobs fi
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -22,6 +23,8 @@ from pagedq.worker.service.snapshot import LoraFigures
 
 _UNREAD = object()  # the registry's version before the first look
 REFRESH_S = 1.0  # how often the registry's version is looked at: how soon an unload reaches every worker
+# an adapter that failed to load is refused without another try for this long (its folder may still be being copied)
+RETRY_FAILED_S = 10.0
 MAX_SHOWN = 20  # adapters named in the heartbeat and the metrics labels (the rest summed under OTHER)
 OTHER = "(other)"  # not a valid adapter name (pagedq/engine/lora/request.py), so it never collides with one
 FIGURES = ("waiting", "running", "requests", "tokens")
@@ -31,8 +34,8 @@ class WorkerLoras:
     """Name -> path of every adapter this worker may serve, and which of them the engine holds."""
 
     def __init__(self, ctx: ServiceContext, engine: WorkerEngine) -> None:
-        """Loads the worker's --lora-modules into the engine: one that cannot load is a ValueError naming it, before
-        the worker takes any job."""
+        """Loads the worker's --lora-modules into the engine: one that cannot load is a LoraModulesError naming it,
+        before the worker takes any job."""
         self.r, self.keys, self.log = ctx.redis, ctx.keys, ctx.log
         self.engine = engine
         self.modules = parse_lora_modules(ctx.settings.lora_modules)  # always served, never dropped
@@ -42,6 +45,7 @@ class WorkerLoras:
         self._next_refresh = 0.0
         self.requests: dict[str, int] = {}  # jobs admitted per adapter (figures: pagedq status, metrics)
         self.tokens: dict[str, int] = {}  # tokens generated per adapter
+        self.failed: dict[str, tuple[str, float, str]] = {}  # name -> (path, retry after, reason) of a failed load
         for name, path in self.modules.items():
             self._load(name, path, at_start=True)
 
@@ -76,6 +80,9 @@ class WorkerLoras:
                 "queue (POST /v1/load_lora_adapter)"
             )
         if self.loaded.get(name) != path:
+            failed = self.failed.get(name)
+            if failed is not None and failed[0] == path and time.monotonic() < failed[1]:
+                raise RequestRejected(failed[2])  # a flood of jobs naming a broken adapter reads its folder once
             self._load(name, path)
         return LoRARequest(name, path)
 
@@ -118,10 +125,6 @@ class WorkerLoras:
                 return slots
         return 0
 
-    def names(self) -> list[str]:
-        """Every adapter this worker serves now (its own and the registry's), sorted."""
-        return sorted(set(self.modules) | set(self.registry))
-
     def refresh(self, now: float) -> None:
         """Reread the registry when its version moved (looked at every REFRESH_S), and drop from the engine the
         adapters that left it."""
@@ -158,7 +161,9 @@ class WorkerLoras:
             if at_start:
                 raise LoraModulesError(f"--lora-modules: {reason}") from exc
             self.log.warning("lora_load_failed", lora=name, path=path, error=reason)
+            self.failed[name] = (path, time.monotonic() + RETRY_FAILED_S, reason)
             raise RequestRejected(reason) from None
+        self.failed.pop(name, None)
         self.loaded[name] = path
         self.log.info("lora_loaded", lora=name, path=path)
 
