@@ -58,6 +58,7 @@ def stack(chat_llama_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("adapters")
     paths = {name: str(write_adapter(chat_llama_dir, folder / name, seed)) for name, seed in (("sql", 1), ("chat", 2))}
     paths["too-big"] = str(write_adapter(chat_llama_dir, folder / "too-big", 3, rank=16))  # over max_lora_rank 8
+    paths["other-base"] = str(write_adapter(chat_llama_dir, folder / "other-base", 4, hidden_size=32))
     oracle_engine = _engine(chat_llama_dir)
     chat_ids = oracle_engine.tokenizer.encode(
         render_conversation(oracle_engine.tokenizer, [ChatMessage(**m) for m in CHAT], None, None),
@@ -247,6 +248,7 @@ def test_a_bad_adapter_is_the_requests_error_and_the_worker_keeps_serving(stack,
     sdk = stack.sdk
     for name, path, problem in (
         ("too-big", stack.paths["too-big"], "rank"),
+        ("other-base", stack.paths["other-base"], "an adapter of another base model"),
         ("missing", str(tmp_path / "nothing-here"), "no such folder"),
     ):
         assert _post(stack, "/load_lora_adapter", {"lora_name": name, "lora_path": path}).status_code == 200
