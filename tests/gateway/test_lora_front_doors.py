@@ -184,6 +184,12 @@ def test_openai_model_field_selects_the_adapter(stack):
     )
     assert response.model == "sql" and response.output_text == sql.chat_to_eos.text
 
+    # /tokenize names an adapter like a request does: its base model's tokenizer
+    root = stack.base.removesuffix("/v1")
+    by_adapter = httpx.post(root + "/tokenize", json={"model": "sql", "prompt": PROMPT}, timeout=30).json()
+    by_base = httpx.post(root + "/tokenize", json={"model": stack.model, "prompt": PROMPT}, timeout=30).json()
+    assert by_adapter == by_base and by_adapter["count"] == len(stack.worker.engine.tokenizer.encode(PROMPT))
+
     with pytest.raises(openai.NotFoundError) as caught:
         sdk.completions.create(model="no-such-adapter", prompt=PROMPT, max_tokens=2)
     assert caught.value.code == "model_not_found" and caught.value.param == "model"
