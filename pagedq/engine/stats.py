@@ -13,6 +13,9 @@ SPEC_STATS_OFF = {
     "num_spec_off_steps": 0,
 }
 
+# LoRA's figures (pagedq/engine/lora/manager.py), zero while it is off.
+LORA_STATS_OFF = {"num_loras_loaded": 0, "num_lora_disk_loads": 0, "num_lora_slot_loads": 0}
+
 
 def engine_stats(engine: Any) -> dict[str, float]:
     """`engine`: an engine.llm_engine.LLMEngine (not imported: that module imports this one)."""
@@ -37,5 +40,6 @@ def engine_stats(engine: Any) -> dict[str, float]:
         "num_running_requests": engine.num_running_requests,
         "num_waiting_requests": engine.num_waiting_requests,
         **(engine.speculation.stats() if engine.speculation is not None else SPEC_STATS_OFF),
+        **(engine.lora.stats() if engine.lora is not None else LORA_STATS_OFF),
         **engine.step_seconds.per_step_ms(),
     }

@@ -103,6 +103,8 @@ def test_the_host_cache_drops_the_least_recently_used_idle_adapter_and_reloads_i
     got = _tokens(llm.generate([prompt] * 3, GREEDY, lora_request=loras))
     assert got == expected
     assert manager.slots.num_loads == 3  # into the one slot: loras[0] (kept there), then the other two in turn
+    stats = llm.stats()
+    assert (stats["num_lora_slot_loads"], stats["num_lora_disk_loads"], stats["num_loras_loaded"]) == (3, 6, 3)
 
 
 def _serve_stream(engine: LLMEngine, loras, arrivals) -> dict[str, tuple[int, int, int | None]]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from pagedq.engine.lora.adapter import LoRAAdapter, LoRALoadError, ModelTargets, load_adapter
 from pagedq.engine.lora.request import LoRARequest
@@ -109,6 +109,10 @@ class LoRAManager:
     def num_cached(self) -> int:
         return len(self._cache)
 
-    def names_of(self, keys: Iterable[int]) -> list[str]:
-        by_key = {a.key: a.name for a in (*self._registered.values(), *self._removed.values())}
-        return [by_key[k] for k in keys if k in by_key]
+    def stats(self) -> dict[str, int]:
+        """Adapters loaded on the host, reads from disk, loads into device slots (the engine's stats())."""
+        return {
+            "num_loras_loaded": len(self._cache),
+            "num_lora_disk_loads": self.num_disk_loads,
+            "num_lora_slot_loads": self.slots.num_loads,
+        }

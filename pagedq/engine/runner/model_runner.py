@@ -239,8 +239,9 @@ class ModelRunner:
     def _forward_lora(self, token_ids: torch.Tensor, inputs: StepInputs) -> torch.Tensor:
         """The eager forward with the step's LoRA index set for the adapted linears (pagedq/engine/lora/layers.py)."""
         assert self.lora is not None and inputs.token_lora_slots is not None
-        slots = torch.from_numpy(inputs.token_lora_slots).to(self.device)
-        self.lora.step_index = LoRAIndex.build(slots, self.lora.max_loras)
+        # built from the host array (the index's host fields come from it), moved to the device in one copy
+        slots = torch.from_numpy(inputs.token_lora_slots)
+        self.lora.step_index = LoRAIndex.build(slots, self.lora.max_loras, self.device)
         try:
             return self._forward_eager(token_ids, inputs)
         finally:
