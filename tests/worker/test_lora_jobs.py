@@ -147,9 +147,9 @@ def test_unregistering_reaches_the_worker(redis_url, r, tmp_path):
         assert registry.register(r, KEYS, "late", path) is True
         first = client.result(client.submit("hi", lora="late", **GREEDY), timeout=10)
         assert first.status == "completed" and first.text == _alone("hi", LoRARequest("late", path))
-        assert engine.list_loras() == ["late"]
+        assert engine.list_loras() == [LoRARequest("late", path)]
         assert registry.unregister(r, KEYS, "late") is True
-        wait_for(lambda: engine.list_loras() == [], timeout=10, what="the worker to drop the adapter")
+        wait_for(lambda: not engine.list_loras(), timeout=10, what="the worker to drop the adapter")
         after = client.result(client.submit("hi", lora="late", **GREEDY), timeout=10)
         assert after.status == "rejected" and "unknown LoRA adapter 'late'" in after.error
     assert registry.unregister(r, KEYS, "late") is False

@@ -136,8 +136,8 @@ class StubEngine:
         if self.loras.pop(name, None) is None:
             raise KeyError(f"LoRA adapter {name!r} is not loaded")
 
-    def list_loras(self) -> list[str]:
-        return sorted(self.loras)
+    def list_loras(self) -> list[LoRARequest]:
+        return [LoRARequest(name, path) for name, path in sorted(self.loras.items())]
 
     # --- requests
     def add_request(
