@@ -24,6 +24,7 @@ from pagedq.worker import Client
 from pagedq.worker.testing.stub_engine import StubEngine
 from tests.gateway import conftest as gateway_fixtures
 from tests.gateway.conftest import gateway_thread, wait_live
+from tests.gateway.lora_adapters import write_adapter
 from tests.worker.helpers import offline, worker_thread
 
 # The gateway tests' fixtures, used here too: one fresh redis-server per test, the tiny llama with a chat template.
@@ -31,6 +32,14 @@ redis_url = gateway_fixtures.redis_url
 chat_llama_dir = gateway_fixtures.chat_llama_dir
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+LORA = {"enable_lora": True, "max_loras": 1, "max_lora_rank": 8}  # the engine's options for the README's adapter
+
+
+def sql_adapter(base: Path, tmp_path: Path) -> Path:
+    """The README's LoRA adapter "sql": a random-weight PEFT folder for `base`."""
+    return write_adapter(base, tmp_path / "sql-adapter", seed=1)
+
+
 REDIS_PLACEHOLDER = '"redis://localhost:6379/0"'
 
 # Each ```python block holds exactly one of these lines; each has its test below.
@@ -91,8 +100,8 @@ def test_engine_snippet(chat_llama_dir: Path) -> None:
     assert ns["picked"] in ("yes", "no")  # the constraint holds even on random weights
 
 
-def test_client_snippet(redis_url: str) -> None:
-    with worker_thread(StubEngine(), redis_url):
+def test_client_snippet(redis_url: str, tmp_path: Path) -> None:
+    with worker_thread(StubEngine(), redis_url, lora_modules=(f"sql={tmp_path}",)):
         ns = run("client", {REDIS_PLACEHOLDER: repr(redis_url)})
         record = ns["record"]
         assert record.status == "completed" and record.text
@@ -102,6 +111,9 @@ def test_client_snippet(redis_url: str) -> None:
         assert Client(redis_url).cancel(ns["job_id"]) is False  # what the snippet's cancel line returned
         invoice = Client(redis_url).result(ns["invoice"], timeout=60)  # the stub engine ignores the schema
         assert invoice.status == "completed"
+        tuned = Client(redis_url).result(ns["tuned"], timeout=60)
+        base = offline("Top customers, as SQL:", max_tokens=32, temperature=0.0)[0]  # the stub hashes the name in
+        assert tuned.status == "completed" and tuned.text != base
 
 
 def test_async_client_snippet(redis_url: str) -> None:
@@ -111,7 +123,7 @@ def test_async_client_snippet(redis_url: str) -> None:
     assert len(texts) == 2 and all(isinstance(t, str) and t for t in texts)
 
 
-def test_celery_snippet(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_celery_snippet(redis_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import pagedq.worker.celery.app as celery_app
 
     for name in ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND", "PAGEDQ_CELERY_QUEUE"):
@@ -119,11 +131,13 @@ def test_celery_snippet(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("PAGEDQ_REDIS_URL", redis_url)  # the snippet's comment: else PAGEDQ_REDIS_URL
     importlib.reload(celery_app)  # the module's app reads its broker URL at import
     try:
-        with worker_thread(StubEngine(), redis_url, celery_broker=redis_url, celery_poll_s=0.01):
+        adapter = (f"sql={tmp_path}",)
+        with worker_thread(StubEngine(), redis_url, celery_broker=redis_url, celery_poll_s=0.01, lora_modules=adapter):
             ns = run("celery", {})
         record = ns["record"]
         assert record["status"] == "completed"
         assert record["text"] == offline("What is the capital of France?", max_tokens=32, temperature=0.0)[0]
+        assert ns["tuned"]["status"] == "completed"
     finally:
         monkeypatch.undo()
         importlib.reload(celery_app)
@@ -143,17 +157,19 @@ def test_bulk_snippet(
     (tmp_path / argv[2]).write_text(requests)
     previous = signal.getsignal(signal.SIGTERM)  # the command installs its own SIGTERM handler
     try:
-        # the real engine (a tiny random checkpoint with a chat template): the tool line's forced call is a grammar
-        engine = LLMEngine(str(chat_llama_dir), device="cpu", num_kv_blocks=128)
-        with worker_thread(engine, redis_url):
+        # the real engine (a tiny random checkpoint with a chat template): the tool line's forced call is a grammar;
+        # q4 runs under a real PEFT adapter
+        engine = LLMEngine(str(chat_llama_dir), device="cpu", num_kv_blocks=128, **LORA)
+        with worker_thread(engine, redis_url, lora_modules=(f"sql={sql_adapter(chat_llama_dir, tmp_path)}",)):
             code = main([*argv[1:], "--redis", redis_url, "--no-progress"])
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert code == 0
     (summary,) = [json.loads(s) for s in capsys.readouterr().out.splitlines() if s.startswith('{"run_id"')]
-    assert summary["completed"] == 3 and summary["errors"] == 0, summary
+    assert summary["completed"] == 4 and summary["errors"] == 0, summary
     lines = {line["custom_id"]: line for line in map(json.loads, (tmp_path / argv[3]).read_text().splitlines())}
-    assert sorted(lines) == ["q1", "q2", "q3"]
+    assert sorted(lines) == ["q1", "q2", "q3", "q4"]
+    assert lines["q4"]["response"]["body"]["model"] == "sql"
     assert all(line["response"]["status_code"] == 200 and line["error"] is None for line in lines.values())
     (choice,) = lines["q3"]["response"]["body"]["choices"]
     # tool_choice "required": finish_reason "tool_calls" (OpenAI's and vLLM's), or "length" when the random model
@@ -167,9 +183,11 @@ def test_bulk_snippet(
         assert call["function"]["name"] == "set_unit" and isinstance(json.loads(call["function"]["arguments"]), dict)
 
 
-def test_openai_snippet(redis_url: str, chat_llama_dir) -> None:
-    engine = LLMEngine(str(chat_llama_dir), device="cpu", num_kv_blocks=64)  # real logprobs for the scoring request
-    with worker_thread(engine, redis_url), gateway_thread(redis_url) as base:
+def test_openai_snippet(redis_url: str, chat_llama_dir, tmp_path: Path) -> None:
+    # real logprobs for the scoring request; a real PEFT adapter for the LoRA one
+    engine = LLMEngine(str(chat_llama_dir), device="cpu", num_kv_blocks=64, **LORA)
+    adapter = (f"sql={sql_adapter(chat_llama_dir, tmp_path)}",)
+    with worker_thread(engine, redis_url, lora_modules=adapter), gateway_thread(redis_url) as base:
         wait_live(base)
         ns = run("openai", {'"http://127.0.0.1:8000/v1"': repr(base)})
     assert ns["answer_logprob"] < 0 and ns["scored"].choices[0].text == ns["context"] + ns["answer"]
@@ -180,3 +198,4 @@ def test_openai_snippet(redis_url: str, chat_llama_dir) -> None:
     assert out.startswith(r.choices[0].message.content)
     assert "completion_tokens" in out  # the stream's last chunk: usage (stream_options.include_usage)
     assert json.loads(ns["arguments"])["unit"] in ("celsius", "fahrenheit")  # a forced tool call, valid
+    assert ns["tuned"].model == "sql" and ns["tuned"].usage.completion_tokens >= 1

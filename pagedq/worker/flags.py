@@ -44,6 +44,7 @@ class Option:
     nullable: bool = False  # None allowed (the default means "unset")
     negatable: bool = False  # a bool as --x/--no-x; else --x sets True
     append: bool = False  # a list: the flag repeats, the variable is comma-separated
+    many: bool = False  # with append: the flag also takes several values at once (vLLM's `--lora-modules a=x b=y`)
     pattern: str | None = None  # a str value (each, for a list) must match
     target: str | None = None  # the WorkerSettings field it fills, when its name differs
 
@@ -72,10 +73,13 @@ def dataclass_options(cls: type) -> tuple[Option, ...]:
         default = None if f.default is dataclasses.MISSING else f.default
         extra = {k: v for k, v in spec.items() if k not in ("help", "name")}
         nullable = type(None) in typing.get_args(hints[name]) or default is None
+        hint = hints[name]
+        if spec.get("append"):  # tuple[T, ...] | None: the flag's values are Ts
+            hint = next(typing.get_args(a)[0] for a in typing.get_args(hint) if typing.get_origin(a) is tuple)
         out.append(
             Option(
                 spec["name"] or name,
-                value_type(hints[name]),
+                value_type(hint),
                 default,
                 spec["help"],
                 nullable=nullable,
@@ -138,6 +142,8 @@ def add_options(parser: argparse.ArgumentParser, options: Sequence[Option]) -> N
             kwargs["action"] = argparse.BooleanOptionalAction if opt.negatable else "store_true"
         elif opt.append:
             kwargs["action"] = "append"
+            if opt.many:
+                kwargs.update(action="extend", nargs="+")
         else:  # pydantic converts and checks the value (choices too), so a flag and a variable fail the same way
             kwargs["metavar"] = "{" + ",".join(opt.choices) + "}" if opt.choices else opt.name.upper()
         parser.add_argument(opt.flag, **kwargs)  # type: ignore[arg-type]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,9 @@ from pagedq.worker.protocol.chat import HERMES
 from pagedq.worker.protocol.job import SAMPLING_FIELDS, from_vllm_priority
 from pagedq.worker.protocol.tool_calls import RequestFieldError, ToolSpec
 
-OPENAI_IGNORED = {"model", "user"}  # the worker serves one model (model is echoed in the output); user: informational
+# model: the worker serves one model (model is echoed in the output), and a body's model naming a LoRA adapter runs
+# the line under it (read_request's `adapters`); user: informational
+OPENAI_IGNORED = {"model", "user"}
 OPENAI_RENAMED = {"max_completion_tokens": "max_tokens"}
 # What a line may set: the prompt (one of three forms), the job's sampling fields (protocol/job.py, the one list) and
 # its scheduling fields. `n` is not among them: a bulk line is one completion.
@@ -39,6 +42,7 @@ JOB_FIELDS = {
     "deadline",
     "metadata",
     "tenant",  # who the line is for: tenants share the band (pagedq/worker/service/tenants.py)
+    "lora",  # the LoRA adapter to run it under (an OpenAI body names it in `model`)
 }
 
 
@@ -74,8 +78,12 @@ def parse_request(line: str) -> tuple[str, dict[str, Any], str, str | None]:
     return request.custom_id, request.fields, request.kind, request.model
 
 
-def read_request(line: str, max_tool_calls: int = tool_calls.DEFAULT_MAX_TOOL_CALLS) -> Request:
-    """The line as a Request; LineError otherwise. max_tool_calls bounds a tool_choice "required" list of calls."""
+def read_request(
+    line: str, max_tool_calls: int = tool_calls.DEFAULT_MAX_TOOL_CALLS, adapters: Collection[str] = ()
+) -> Request:
+    """The line as a Request; LineError otherwise. max_tool_calls bounds a tool_choice "required" list of calls.
+    adapters: the LoRA adapters served on the queue (protocol/registry.py's adapter_names): an OpenAI body whose
+    `model` names one runs under it, as the gateway's requests do; any other model is the served one."""
     try:
         data = json.loads(line)
     except ValueError as exc:
@@ -93,6 +101,8 @@ def read_request(line: str, max_tool_calls: int = tool_calls.DEFAULT_MAX_TOOL_CA
         if fields.get("tool_call_parser") == HERMES:  # a plain line asking for its calls parsed: "auto"
             spec = _spec(fields.get("tools"), None)
     model = data["body"].get("model") if "body" in data else None
+    if isinstance(model, str) and model in adapters and "lora" not in fields:
+        fields["lora"] = model
     unknown = sorted(set(fields) - JOB_FIELDS)
     if unknown:
         raise LineError("invalid_request", f"unsupported field(s): {', '.join(unknown)}")

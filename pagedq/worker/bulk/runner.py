@@ -31,6 +31,7 @@ from pagedq.worker.protocol.connection import SyncRedis
 from pagedq.worker.protocol.errors import JobRejected
 from pagedq.worker.protocol.job import Job
 from pagedq.worker.protocol.keys import QueueKeys, check_band
+from pagedq.worker.protocol.registry import adapter_names
 from pagedq.worker.protocol.replies import text as reply_text
 from pagedq.worker.protocol.tool_calls import DEFAULT_MAX_TOOL_CALLS
 
@@ -138,6 +139,7 @@ class BulkRun:
         """(line number, Job, the parsed line) of every line still to do; writes line errors as it goes. Lines are
         split on "\\n" only: a JSON string may hold U+2028 and the like unescaped."""
         seen: set[str] = set()
+        adapters = adapter_names(self.r, self.keys)  # an OpenAI body's model naming one runs under it
         with open(self.input, "rb") as fh:
             for line_no, raw in enumerate(fh, 1):
                 if not raw.strip(JSON_WHITESPACE.encode()):
@@ -146,7 +148,7 @@ class BulkRun:
                 text, custom_id = "", None
                 try:
                     text = _decoded(raw, line_no)
-                    request = read_request(text, self.max_tool_calls)
+                    request = read_request(text, self.max_tool_calls, adapters)
                     custom_id = request.custom_id
                     if custom_id in seen:
                         raise LineError("duplicate_custom_id", f"custom_id {custom_id!r} appeared on an earlier line")

@@ -173,6 +173,7 @@ def run_worker(args: argparse.Namespace, engine_builder: EngineBuilder) -> int:
     try:
         redis_client = connect(args.redis)
         redis_client.ping()  # a wrong or unreachable Redis is reported now, not after a model load of minutes
+        check_lora_modules(args)  # likewise
         engine, model = engine_builder(args)
         if args.engine == "llm":
             from pagedq.engine.structured_output import backend
@@ -186,6 +187,14 @@ def run_worker(args: argparse.Namespace, engine_builder: EngineBuilder) -> int:
         telemetry.shutdown()
         if embedded is not None:
             embedded.stop()
+
+
+def check_lora_modules(args: argparse.Namespace) -> None:
+    """--lora-modules well formed, and the real engine started with adapter slots for them (LoraModulesError)."""
+    from pagedq.worker.protocol.registry import LoraModulesError, parse_lora_modules
+
+    if parse_lora_modules(args.lora_modules) and args.engine == "llm" and not args.enable_lora:
+        raise LoraModulesError("--lora-modules needs --enable-lora (the engine's LoRA adapter slots)")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -26,6 +26,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pagedq.worker.protocol.connection import CLUSTER_URL_SCHEME, ClusterUnsupported, is_cluster_url, redact
 from pagedq.worker.protocol.errors import MetricsPortError
+from pagedq.worker.protocol.registry import LoraModulesError
 
 EXIT_STARTUP = 2
 # Replies only a Redis Cluster node gives: a plain URL pointed at one of its nodes.
@@ -86,6 +87,8 @@ def explain(exc: BaseException, args: argparse.Namespace) -> StartupProblem | No
     if isinstance(exc, ClusterUnsupported):
         message = str(exc).replace(exc.url, redact(exc.url))
         return StartupProblem("cluster_unsupported", message, {"what": exc.what, "redis_url": redact(exc.url)})
+    if isinstance(exc, LoraModulesError):
+        return StartupProblem("lora_modules", str(exc), {"flag": "--lora-modules"})
     if getattr(args, "celery", False) and _is_broker_error(exc):
         return _broker_problem(exc, args)
     if isinstance(exc, (RedisConnectionError, RedisTimeoutError, ResponseError, RedisClusterException, ValueError)):

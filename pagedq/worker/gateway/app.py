@@ -21,7 +21,8 @@ from pagedq.worker.gateway.errors import NO_RETRY, OpenAIError, failure_after_su
 from pagedq.worker.gateway.files import FileStore
 from pagedq.worker.gateway.files import router as file_router
 from pagedq.worker.gateway.intake import Intake, KeyRing, parse_body, require_key
-from pagedq.worker.gateway.jobs import build, check_model, submit, wait_timeout
+from pagedq.worker.gateway.jobs import build, resolve_model, submit, wait_timeout
+from pagedq.worker.gateway.lora_routes import lora_router
 from pagedq.worker.gateway.metrics import GatewayMetrics, ObserveRequests
 from pagedq.worker.gateway.preflight import say_what_is_missing
 from pagedq.worker.gateway.prompt_limits import PromptLimits
@@ -67,14 +68,16 @@ class Gateway:
 
     async def generate(self, endpoint: CompletionEndpoint, request: Request) -> Response:
         body = endpoint.request_body()
-        endpoint.model = await check_model(self.live, body.model, self.settings.queue)
-        jobs = [build(fields) for fields in endpoint.jobs_fields(self.settings)]
+        base, lora = await resolve_model(self.live, body.model, self.settings.queue)
+        endpoint.model = lora or base  # an adapter's answers name the adapter, as vLLM's
+        adapter = {"lora": lora} if lora is not None else {}
+        jobs = [build(fields | adapter) for fields in endpoint.jobs_fields(self.settings)]
         if (tenant := getattr(request.state, "tenant", None)) is not None:  # set with the API key (_authenticate)
             jobs = [job.model_copy(update={"tenant": tenant}) for job in jobs]
         if body.stream_options is not None and not body.stream:
             raise OpenAIError(400, "stream_options is only allowed with stream: true", param="stream_options")
         # too long by its size alone: 400 before queuing
-        await self.prompt_limits.check(endpoint.model, jobs, endpoint.prompt_param)
+        await self.prompt_limits.check(base, jobs, endpoint.prompt_param)
         job_ids = await submit(self.client, jobs, self.settings.retry_after_s)  # all or none: backpressure counts each
         timeout = wait_timeout(body, self.settings)
         if body.stream:
@@ -101,17 +104,26 @@ class Gateway:
         return JSONResponse(endpoint.response(records))
 
     async def models(self) -> dict[str, Any]:
-        """GET /v1/models: what the live workers serve."""
+        """GET /v1/models: what the live workers serve, then the LoRA adapters (`parent`: their base model)."""
         served = await self.live.models()
-        return {"object": "list", "data": [_model_object(name, info) for name, info in sorted(served.items())]}
+        adapters = await self.live.adapters()
+        return {
+            "object": "list",
+            "data": [_model_object(name, info) for name, info in sorted(served.items())]
+            + [_adapter_object(name, info) for name, info in sorted(adapters.items())],
+        }
 
     async def model(self, model: str) -> dict[str, Any]:
-        """GET /v1/models/{model}: a served model by its id (or its workers' path, as requests may name it)."""
+        """GET /v1/models/{model}: a served model by its id (or its workers' path, as requests may name it), or a
+        LoRA adapter by its name."""
         served = await self.live.models()
         for name, info in served.items():
             if model in (name, info.get("path")):
                 return _model_object(name, info)
-        listed = ", ".join(sorted(served)) or "none: no live worker"
+        adapters = await self.live.adapters() if served else {}
+        if model in adapters:
+            return _adapter_object(model, adapters[model])
+        listed = ", ".join([*sorted(served), *sorted(adapters)]) or "none: no live worker"
         raise OpenAIError(
             404, f"model {model!r} is not served here (served: {listed})", param="model", code="model_not_found"
         )
@@ -158,7 +170,27 @@ class Gateway:
 
 
 def _model_object(name: str, info: dict[str, Any]) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": info["created"], "owned_by": "pagedq", "workers": info["workers"]}
+    return {
+        "id": name,
+        "object": "model",
+        "created": info["created"],
+        "owned_by": "pagedq",
+        "root": info.get("path") or name,
+        "parent": None,
+        "workers": info["workers"],
+    }
+
+
+def _adapter_object(name: str, info: dict[str, Any]) -> dict[str, Any]:
+    """A LoRA adapter as vLLM lists one: `root` its folder, `parent` the model it adapts."""
+    return {
+        "id": name,
+        "object": "model",
+        "created": info["created"],
+        "owned_by": "pagedq",
+        "root": info["root"],
+        "parent": info["parent"],
+    }
 
 
 async def _disconnected(request: Request) -> None:
@@ -204,6 +236,8 @@ def create_app(settings: GatewaySettings | None = None, redis: AsyncRedis | None
     app.include_router(batch_router(gateway.batches, auth))
     app.include_router(tokenize_router(gateway.tokenizers, auth))
     app.include_router(responses_router(gateway.generate, auth))
+    if settings.allow_runtime_lora_updating:  # as vLLM: the routes exist only when switched on
+        app.include_router(lora_router(gateway.client.r, gateway.live, settings.admin_api_keys, auth))
     if (tracer_provider := provider()) is not None:  # tracing on (OTEL_* variables): the standard instrumentations
         from pagedq.worker.gateway.tracing import instrument
 

@@ -91,6 +91,7 @@ class BatchRun:
                 },
             )
             return
+        self.adapters = set(await b.live.adapters())  # a line whose body's model names one runs under it
         source = self._requests(content, answered)
         await self._loop(source)
         status = await self._status()
@@ -137,7 +138,7 @@ class BatchRun:
             if not text.strip(JSON_WHITESPACE):
                 continue
             try:
-                request = bulk_lines.read_request(text, self.b.s.max_tool_calls)
+                request = bulk_lines.read_request(text, self.b.s.max_tool_calls, self.adapters)
                 custom_id, fields, kind = request.custom_id, request.fields, request.kind
                 if custom_id in seen:
                     raise LineError("duplicate_custom_id", f"custom_id {custom_id!r} appeared on an earlier line")
@@ -193,11 +194,12 @@ class BatchRun:
         return finished
 
     async def _answer(self, job_id: str, record: FinalRecord) -> None:
-        custom_id, kind, k, tools, _ = self.pending.pop(job_id)
+        custom_id, kind, k, tools, job = self.pending.pop(job_id)
         if not self.model:
             self.model = next(iter(sorted(await self.b.live.models())), "")
         if record.status == "completed":
-            args = (None, self.model, int(time.time()), k)  # chat: tool_calls, finish_reason as the endpoint's
+            # chat: tool_calls, finish_reason as the endpoint's; a line run under an adapter names it, as the API's
+            args = (None, job.lora or self.model, int(time.time()), k)
             endpoint = ChatEndpoint(*args, tools) if kind == "chat" else CompletionEndpoint(*args)
             line = bulk_lines.output_line(custom_id, job_id, {}, kind, body=endpoint.response([record]))
             await self._write("output", custom_id, line)

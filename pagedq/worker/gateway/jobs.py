@@ -54,7 +54,14 @@ def build(fields: dict[str, Any]) -> Job:
 
 
 async def check_model(live: LiveWorkers, model: str, queue: str) -> str:
-    """503 when no worker is alive on the queue, 404 when none serves the model; the model id otherwise."""
+    """resolve_model's base model id (a LoRA adapter's name: the model it adapts)."""
+    return (await resolve_model(live, model, queue))[0]
+
+
+async def resolve_model(live: LiveWorkers, model: str, queue: str) -> tuple[str, str | None]:
+    """What a request's `model` names: (the base model's id, None), or (its base model's id, the adapter's name) for
+    a LoRA adapter (the workers' --lora-modules and the queue's registry, as vLLM's `model` field selects one).
+    503 when no worker is alive on the queue, 404 (OpenAI's model_not_found) when nothing of that name is served."""
     models = await live.models()
     if not models:
         raise OpenAIError(
@@ -62,10 +69,14 @@ async def check_model(live: LiveWorkers, model: str, queue: str) -> str:
         )
     for name, info in models.items():
         if model in (name, info.get("path")):
-            return name
+            return name, None
+    adapters = await live.adapters()
+    if model in adapters:
+        return adapters[model]["parent"], model
+    listed = ", ".join([*sorted(models), *sorted(adapters)])
     raise OpenAIError(
         404,
-        f"model {model!r} is not served here (served: {', '.join(sorted(models))})",
+        f"model {model!r} is not served here (served: {listed})",
         param="model",
         code="model_not_found",
     )

@@ -12,7 +12,12 @@ from pydantic import ValidationError
 from pagedq.worker.flags import Option, add_options
 from pagedq.worker.gateway.settings import GatewaySettings
 
-SECRETS = ("redis_url", "api_keys", "api_key_tenants")  # values never shown; the keys have no flag (argv is public)
+SECRETS = (
+    "redis_url",
+    "api_keys",
+    "api_key_tenants",
+    "admin_api_keys",
+)  # values never shown; the keys have no flag (argv is public)
 
 
 def _options() -> tuple[Option, ...]:

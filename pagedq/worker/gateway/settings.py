@@ -32,6 +32,14 @@ class GatewaySettings(QueueSettings):
     # Tenants (pagedq/worker/service/tenants.py): API key -> tenant, each key also accepted as an API key.
     # PAGEDQ_API_KEY_TENANTS takes KEY=TENANT pairs, comma-separated.
     api_key_tenants: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
+    # LoRA adapters at run time (POST /v1/load_lora_adapter, /v1/unload_lora_adapter: gateway/lora_routes.py), off
+    # as vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING is: a registered path is read by every worker of the queue, for every
+    # tenant. With API keys, only PAGEDQ_ADMIN_API_KEYS (environment only, never a flag) may call them.
+    allow_runtime_lora_updating: bool = Field(
+        default=False,
+        description="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with API keys: admin keys only)",
+    )
+    admin_api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
     api_key_file: Path | None = Field(
         default=None, description="file of API keys, one KEY or KEY=TENANT a line (# comments), added to the others"
     )
@@ -148,14 +156,14 @@ class GatewaySettings(QueueSettings):
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field(default="info", description="log level")
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "admin_api_keys", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
         if isinstance(value, str):
             return [k.strip() for k in value.split(",") if k.strip()]
         return value
 
-    @field_validator("api_keys")
+    @field_validator("api_keys", "admin_api_keys")
     @classmethod
     def _keys_not_empty(cls, value: list[str]) -> list[str]:
         if any(not k for k in value):
@@ -214,10 +222,19 @@ class GatewaySettings(QueueSettings):
             self.api_key_tenants[key.strip()] = tenant.strip()
         return self
 
+    @model_validator(mode="after")
+    def _lora_updates_need_an_admin(self) -> GatewaySettings:
+        if self.allow_runtime_lora_updating and self.accepted_keys and not self.admin_api_keys:
+            raise ValueError(
+                "allow_runtime_lora_updating with API keys needs PAGEDQ_ADMIN_API_KEYS: the adapters one registers "
+                "serve every tenant, so a tenant's key may not"
+            )
+        return self
+
     @property
     def accepted_keys(self) -> list[str]:
-        """Every API key: those of api_keys and those mapped to a tenant."""
-        return list(dict.fromkeys([*self.api_keys, *self.api_key_tenants]))
+        """Every API key: those of api_keys, those mapped to a tenant, and the admin keys."""
+        return list(dict.fromkeys([*self.api_keys, *self.api_key_tenants, *self.admin_api_keys]))
 
 
 def _check_tenant(tenant: str, where: str) -> None:

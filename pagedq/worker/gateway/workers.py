@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 from pagedq.worker.protocol.keys import WORKER_SET_WINDOW_S, QueueKeys, model_id
+from pagedq.worker.protocol.registry import aregistered
 
 
 class LiveWorkers:
@@ -15,6 +16,7 @@ class LiveWorkers:
         self.r, self.keys, self.cache_s = redis_client, keys, cache_s
         self._cached: tuple[float, list[dict]] | None = None
         self._models: tuple[list[dict], dict[str, dict]] | None = None  # derived from the cached heartbeats
+        self._registry: tuple[float, dict[str, dict[str, Any]]] | None = None  # the queue's LoRA registry
 
     async def heartbeats(self) -> list[dict]:
         """Heartbeats of the workers that are alive and admitting (draining ones are not)."""
@@ -42,3 +44,33 @@ class LiveWorkers:
             entry["workers"] += 1
         self._models = (beats, served)
         return served
+
+    async def adapters(self) -> dict[str, dict]:
+        """LoRA adapter name -> {"parent": its base model's id, "root": its path, "created"}: the live workers'
+        --lora-modules (their heartbeats) and the queue's registry (protocol/registry.py), whose adapters every
+        worker of the queue serves (listed under the first model served: a queue serves one model)."""
+        served = await self.models()
+        if not served:
+            return {}
+        out: dict[str, dict] = {}
+        for beat in await self.heartbeats():
+            parent = model_id(str(beat.get("model") or "unknown"))
+            modules = beat.get("lora_modules")
+            for name, path in (modules if isinstance(modules, dict) else {}).items():
+                out.setdefault(name, {"parent": parent, "root": path, "created": int(beat.get("started_at") or 0)})
+        parent = min(served)
+        for name, entry in (await self.registry()).items():
+            added = entry.get("added_at")
+            created = int(added) if isinstance(added, int | float) else 0
+            out.setdefault(name, {"parent": parent, "root": entry.get("path"), "created": created})
+        return out
+
+    async def registry(self) -> dict[str, dict[str, Any]]:
+        now = time.monotonic()
+        if self._registry is None or now - self._registry[0] >= self.cache_s:
+            self._registry = (now, await aregistered(self.r, self.keys))
+        return self._registry[1]
+
+    def forget_registry(self) -> None:
+        """This gateway changed the registry: its next look reads it again."""
+        self._registry = None

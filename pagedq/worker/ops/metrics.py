@@ -24,6 +24,7 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
+from pagedq.worker.ops.lora_metrics import LoraMetrics
 from pagedq.worker.ops.tenant_metrics import BandsAndTenantsMetrics
 from pagedq.worker.ops.vllm_metrics import VllmMetrics
 from pagedq.worker.protocol.connection import SyncRedis, probe_client
@@ -117,6 +118,7 @@ class Metrics:
             self.ttft.labels(queue, band)
             self.e2e.labels(queue, band)
         self.bands_and_tenants = BandsAndTenantsMetrics(reg, queue)  # seat preemptions, admit delay, tenants
+        self.loras = LoraMetrics(reg, queue)  # per LoRA adapter
         self.vllm = VllmMetrics(reg, model_name, LATENCY_BUCKETS) if compat == "vllm" else None
         self._beating: set[str] = set()  # the workers exported last time (a worker that left is removed)
         self._seen = {"tokens": 0, "preemptions": 0, "outages": 0}
@@ -200,6 +202,7 @@ class Metrics:
         self._advance(self.preemptions, "preemptions", snapshot.preemptions)
         self._advance(self.outages, "outages", snapshot.redis_outages)
         self.bands_and_tenants.update(snapshot)
+        self.loras.update(snapshot)
         if self.vllm is not None:
             self.vllm.update(snapshot)
         for status, count in snapshot.stats.items():

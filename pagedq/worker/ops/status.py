@@ -75,6 +75,7 @@ def queue_status(r: SyncRedis, queue: str, now: float | None = None) -> dict[str
         "cancel_requests": int(cancels),
         "workers": workers,
         "tenants": tenant_totals([w for w in workers if w["state"] != "gone"]),
+        "loras": tenant_totals([w for w in workers if w["state"] != "gone"], "loras"),
     }
 
 
@@ -113,16 +114,18 @@ def _worker_row(name: str, last_beat: float, raw: bytes | str | None, now: float
             pid=hb.get("pid"),
             celery_queue=hb.get("celery_queue"),
             tenants=hb.get("tenants") or {},
+            loras=hb.get("loras") or {},
             admit_delay=hb.get("admit_delay") or {},
         )
     return row
 
 
-def tenant_totals(workers: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
-    """Per tenant, summed over the live workers' heartbeats (each names its busiest tenants)."""
+def tenant_totals(workers: list[dict[str, Any]], key: str = "tenants") -> dict[str, dict[str, int]]:
+    """Per tenant (or per LoRA adapter: key "loras"), summed over the live workers' heartbeats (each names its
+    busiest)."""
     totals: dict[str, dict[str, int]] = {}
     for w in workers:
-        for tenant, figures in (w.get("tenants") or {}).items():
+        for tenant, figures in (w.get(key) or {}).items():
             row = totals.setdefault(tenant, {})
             for key, value in figures.items():
                 row[key] = row.get(key, 0) + int(value)
@@ -183,6 +186,14 @@ def render(statuses: list[dict[str, Any]]) -> str:
                 lines,
                 ["TENANT", *(k.upper().replace("_", " ") for k in keys)],
                 [[name or "(none)", *(_n(figures.get(k)) for k in keys)] for name, figures in tenants.items()],
+            )
+        loras = st.get("loras") or {}
+        if loras:
+            keys = ("waiting", "running", "requests", "tokens")
+            _table(
+                lines,
+                ["LORA ADAPTER", *(k.upper() for k in keys)],
+                [[name, *(_n(figures.get(k)) for k in keys)] for name, figures in sorted(loras.items())],
             )
     return "\n".join(lines)
 

@@ -8,10 +8,15 @@ a pagedq worker unchanged. Label `model_name`, as vLLM's; values from what the w
 - vllm:kv_cache_usage_perc: the fraction of KV blocks in use, 0 to 1 (vLLM's "1 means 100 percent");
 - vllm:time_to_first_token_seconds, vllm:e2e_request_latency_seconds: from arrival (the job's enqueue time, as the
   final record's timings count it) to the first token and to the final record of a completed job;
-- vllm:prompt_tokens_total, vllm:generation_tokens_total: the final records' usage, counted as each job finishes.
+- vllm:prompt_tokens_total, vllm:generation_tokens_total: the final records' usage, counted as each job finishes;
+- vllm:lora_requests_info: one series whose labels name the adapters of the jobs running and waiting in this worker
+  (comma-joined, at most service/loras.py's MAX_SHOWN of them and "(other)") and `max_lora` (the engine's adapter
+  slots), its value the time of the update, as vLLM's.
 """
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -39,6 +44,13 @@ class VllmMetrics:
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed")
+        self.lora_info = Gauge(
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            ["running_lora_adapters", "max_lora", "waiting_lora_adapters"],
+            registry=registry,
+        )
+        self._lora_labels: tuple[str, str, str] | None = None
 
     def observe(self, record: FinalRecord) -> None:
         timings = record.timings
@@ -54,3 +66,11 @@ class VllmMetrics:
         self.running.set(engine.running)
         self.waiting.set(max(snapshot.held_jobs - engine.running, 0))
         self.kv_usage.set(1.0 - engine.free_blocks / engine.total_blocks if engine.total_blocks else 0.0)
+        rows = snapshot.loras.rows
+        running = ",".join(sorted(name for name, row in rows.items() if row["running"]))
+        waiting = ",".join(sorted(name for name, row in rows.items() if row["waiting"]))
+        labels = (running, str(snapshot.loras.max_loras), waiting)
+        if self._lora_labels is not None and self._lora_labels != labels:
+            self.lora_info.remove(*self._lora_labels)  # one series: the adapters now, not every set there was
+        self.lora_info.labels(*labels).set(time.time())
+        self._lora_labels = labels

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pagedq.engine import limits as sampling
 from pagedq.engine.limits import SAMPLING_LIMITS, D, Limit, Num
+from pagedq.engine.lora.request import MAX_LORA_NAME_CHARS, check_lora_name
 from pagedq.engine.sample.sampling_params import RequestOutputKind, SamplingParams
 from pagedq.engine.structured_output.params import StructuredOutputsParams
 from pagedq.worker.protocol import limits
@@ -42,7 +43,7 @@ LATER_SAMPLING_DEFAULTS = {
 } | {"include_stop_str_in_output": False, "logit_bias": None, "structured_outputs": None}
 # and the later fields that are not sampling
 LATER_JOB_DEFAULTS = {**LATER_SAMPLING_DEFAULTS, "echo": False} | dict.fromkeys(
-    ("tools", "tool_call_parser", "traceparent", "tracestate")
+    ("tools", "tool_call_parser", "traceparent", "tracestate", "lora")
 )
 
 
@@ -150,12 +151,17 @@ class Job(BaseModel):
     # The producer's W3C trace context (protocol/trace_context.py): the worker's spans of this job continue its trace
     traceparent: Traceparent | None = None
     tracestate: Tracestate | None = None
+    # The LoRA adapter to run the job with (its name in the worker's --lora-modules or the queue's registry,
+    # protocol/keys.py `loras`); None: the base model. An unknown or unloadable adapter: `rejected`, naming it
+    lora: str | None = Field(default=None, max_length=MAX_LORA_NAME_CHARS)
 
     _metadata_is_json = field_validator("metadata")(check_metadata)
 
     _logit_bias_keys = field_validator("logit_bias", mode="before")(lambda value: token_id_keys(value))
 
     _structured_outputs = field_validator("structured_outputs", mode="before")(structured_outputs_wire)
+
+    _lora_name = field_validator("lora")(lambda name: None if name is None else check_lora_name(name))
 
     @model_validator(mode="after")
     def _check(self) -> Job:

@@ -185,6 +185,18 @@ class QueueKeys:
         workers at start for the gateway's /tokenize and /detokenize, and its prompt size check."""
         return f"{self.base}:tokenizer:{model_id}"
 
+    @property
+    def loras(self) -> str:
+        """Hash of the LoRA adapters registered at run time (the gateway's /v1/load_lora_adapter): name -> JSON
+        {"path", "added_at"}; every worker of the queue reads it, loading an adapter from its path on first use and
+        dropping the ones that leave it (service/loras.py)."""
+        return f"{self.base}:loras"
+
+    @property
+    def loras_version(self) -> str:
+        """Counter bumped with every change of the registry: a worker rereads the registry only when it moved."""
+        return f"{self.base}:loras:version"
+
     def heartbeat(self, worker: str) -> str:
         """A worker's heartbeat: JSON status, expires unless refreshed."""
         return f"{self.base}:worker:{worker}"

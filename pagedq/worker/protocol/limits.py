@@ -33,6 +33,9 @@ MAX_TENANTS_WEIGHTED = 10_000
 DEFAULT_TENANT_BURST = 8  # rounds of catch-up credit a tenant back from idle may claim (0: plain DRR)
 MAX_TENANT_BURST = 1_000
 MAX_TENANT_QUEUED = 1_000_000  # a tenant's unfinished jobs under a per-tenant limit (the SUBMIT script scans them)
+# LoRA adapters (issue 36): a job's `lora` names one (the name's rule: pagedq/engine/lora/request.py); the registry
+# (QueueKeys.loras) maps names to folders
+MAX_REGISTERED_LORAS = 1024  # adapters one queue's registry holds (each worker reads it whole when it changes)
 
 # A string literal; one never closed runs to the end (the document is invalid JSON then, its brackets no matter), so
 # the scan never backtracks: without that, each quote of an unterminated string restarts it, quadratic in the entry.

@@ -179,6 +179,30 @@ redis.call('XADD', KEYS[2], '*', ARGV[3], ARGV[2])
 return 1
 """
 
+# The LoRA adapter registry (protocol/registry.py): add an adapter unless its name is taken or the registry is full,
+# and bump the version workers watch. KEYS: registry hash, version. ARGV: name, entry JSON, the most adapters.
+# Returns 1 (added), 0 (the name is registered already), -1 (full).
+LORA_REGISTER = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then
+  return 0
+end
+if redis.call('HLEN', KEYS[1]) >= tonumber(ARGV[3]) then
+  return -1
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('INCR', KEYS[2])
+return 1
+"""
+
+# KEYS: registry hash, version. ARGV: name. Returns 1 when it was registered.
+LORA_UNREGISTER = """
+local gone = redis.call('HDEL', KEYS[1], ARGV[1])
+if gone == 1 then
+  redis.call('INCR', KEYS[2])
+end
+return gone
+"""
+
 ALL = {
     "finalize": FINALIZE,
     "submit": SUBMIT,
@@ -193,6 +217,8 @@ ALL = {
     "reserve_file": RESERVE_FILE,
     "release_file": RELEASE_FILE,
     "index_add": INDEX_ADD,
+    "lora_register": LORA_REGISTER,
+    "lora_unregister": LORA_UNREGISTER,
 }
 SHA = {name: hashlib.sha1(src.encode()).hexdigest() for name, src in ALL.items()}
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from pagedq.worker.protocol.keys import QUEUE_PATTERN
 from pagedq.worker.protocol.limits import DEFAULT_TENANT_BURST, MAX_TENANT_BURST
+from pagedq.worker.protocol.registry import parse_lora_modules
 
 
 def default_worker_name() -> str:
@@ -25,11 +26,14 @@ def _flag(
     pattern: str | None = None,
     choices: tuple[str, ...] | None = None,
     factory: Callable[[], object] | None = None,
+    many: bool = False,
     **bounds: float,
 ) -> Any:
     """A field that is also a `pagedq worker` flag and PAGEDQ_* variable (pagedq/worker/flags.py reads this); `name`
-    when the flag is not the field's name, `factory` for a default computed per instance (the flag's is None)."""
-    metadata = {"option": {"help": help, "name": name, "bounds": bounds, "pattern": pattern, "choices": choices}}
+    when the flag is not the field's name, `factory` for a default computed per instance (the flag's is None);
+    `many`: a list, the flag taking one or more values (and repeatable), the variable comma-separated."""
+    spec = {"help": help, "name": name, "bounds": bounds, "pattern": pattern, "choices": choices}
+    metadata = {"option": spec | ({"append": True, "many": True} if many else {})}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -151,9 +155,20 @@ class WorkerSettings:
         choices=("none", "vllm"),
     )
 
+    # LoRA adapters this worker serves from its start, vLLM's --lora-modules (service/loras.py); the queue's registry
+    # adds those loaded at run time through the gateway
+    lora_modules: tuple[str, ...] | None = _flag(
+        None,
+        "LoRA adapters served from the start, as name=path (PEFT folders; the engine needs --enable-lora); jobs "
+        "name them in `lora`, OpenAI requests in `model`",
+        pattern=r"^[^=]+=.+$",
+        many=True,
+    )
+
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1 (the runs a job gets), got {self.max_attempts}")
+        parse_lora_modules(self.lora_modules)  # a malformed one: ValueError naming it, before any model loads
 
     @property
     def renew_interval(self) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from pagedq.engine.errors import ContextLengthExceeded, RequestRejected, check_context_fits  # noqa: F401
+from pagedq.engine.lora.request import LoRARequest
 from pagedq.engine.output.outputs import CompletionOutput, RequestOutput  # noqa: F401
 from pagedq.engine.sample.sampling_params import RequestOutputKind, SamplingParams  # noqa: F401
 
@@ -17,14 +18,20 @@ from pagedq.engine.sample.sampling_params import RequestOutputKind, SamplingPara
 class WorkerEngine(Protocol):
     """What the worker drives between its Redis round trips: engine.LLMEngine, worker.testing.stub_engine.StubEngine
     and worker.testing.faults.FaultyEngine (around either) implement it. Optional extras the worker reads when
-    present: `tokenizer` (chat templates), `kv_slot_utilization`, `stats()`.
+    present: `tokenizer` (chat templates), `kv_slot_utilization`, `stats()`, and the adapter calls `add_lora`,
+    `remove_lora` (service/loras.py) of an engine serving LoRA adapters.
 
     Admission asks the engine instead of mirroring its state: how many tokens a prompt is, how many KV
     blocks a request of that shape takes, and how many its waiting queue will take (num_free_blocks minus
     that is what is left for new requests)."""
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        lora: LoRARequest | None = None,
     ) -> None: ...
 
     def abort_request(self, request_id: str) -> RequestOutput | None: ...

@@ -47,6 +47,9 @@ class Heartbeat:
             "kv_slot_utilization": engine.kv_slot_utilization,
             "tenants": snapshot.tenants,  # the busiest by name (service/tenants.py)
             "admit_delay": snapshot.admit_delays,  # read-to-admit per band (service/admit_delay.py)
+            "loras": snapshot.loras.rows,  # per adapter, the busiest by name (service/loras.py)
+            # name -> path: the gateway's /v1/models lists them as this model's adapters (with the queue's registry)
+            "lora_modules": snapshot.loras.modules,
         }
         ttl = max(int(self.interval * 3), 2)
         pipe = self.r.pipeline(transaction=False)

@@ -32,6 +32,7 @@ from pagedq.worker.service.heartbeat import Heartbeat
 from pagedq.worker.service.held import HeldJob, JobState
 from pagedq.worker.service.holding import Holding
 from pagedq.worker.service.leases import Leases
+from pagedq.worker.service.loras import WorkerLoras
 from pagedq.worker.service.prompt_pool import Prompts
 from pagedq.worker.service.publisher import Publisher
 from pagedq.worker.service.recovery import REDIS_DOWN, Recovery
@@ -66,6 +67,7 @@ class ServiceLoop:
         self.heartbeat = Heartbeat(ctx, self.front_doors)
         self.timers = Timers(ctx, self.leases, self.holding, self.heartbeat, self.front_doors, metrics, self.snapshot)
         self.prompts = Prompts(engine, settings, self.log)  # prompt-making, on the loop thread or in its pool
+        self.loras = WorkerLoras(ctx, engine)  # LoRA adapters by name: its --lora-modules load here, or it fails
         self.admit_delays = AdmitDelays()  # read-to-admit, per band
         self.turn_clock = TurnClock()  # where the turns' time goes (bench worker reports it)
         self.cancel_possible = True  # the cancel set was non-empty at the last look
@@ -179,6 +181,7 @@ class ServiceLoop:
         clock.start()
         if self.timers.run_due(time.monotonic()):
             self.cancel_possible = True  # a revoke through a front door: check held jobs and the next ones read
+        self.loras.refresh(time.monotonic())  # adapters registered or unregistered on the queue
         if self.front_doors and not self.stopping:
             count = self.holding.room()
             room = count - count // 2  # the front doors take half of the room per turn, the streams the rest
@@ -247,10 +250,8 @@ class ServiceLoop:
             self.recovery.admission_failed(t, exc)
 
     def _add_to_engine(self, t: HeldJob, alone: bool) -> None:
-        if t.engine_input is None or t.sampling_params is None:  # admission prepares every job before it reaches here
-            raise RuntimeError(f"job {t.key} reached the engine unprepared")
         try:
-            self.engine.add_request(t.request_id, t.engine_input, t.sampling_params, priority=engine_priority(t))
+            self.loras.add_request(t, engine_priority(t))  # under its adapter, if it names one
         except Exception as exc:
             self._engine_refused(t, exc)
             return
@@ -271,8 +272,8 @@ class ServiceLoop:
         self.recovery.step_succeeded()
         now = time.time()
         for out in outputs:
-            self.counters.generated(sum(len(c.token_ids) for c in out.outputs))
             t = self.held.by_request_id(out.request_id)
+            self.counters.generated(self.loras.generated(t, out))  # counted per adapter too
             if t is not None and t.in_engine:
                 settled = absorb(t, out, now, self.publisher)
                 if settled is not None:
@@ -293,6 +294,7 @@ class ServiceLoop:
             preemptions=preemptions,
             seat_preemptions=seats,
             tenants=self.lanes.tenants.figures(self.held),
+            loras=self.loras.figures(self.held),
             admit_delays=self.admit_delays.summary(),
             front_door_depths=depths,
         )

@@ -33,6 +33,16 @@ class EngineFigures:
 
 
 @dataclass(frozen=True)
+class LoraFigures:
+    """The LoRA adapters of a worker (service/loras.py)."""
+
+    # per adapter, the busiest by name (the rest summed under "(other)"): waiting, running, requests, tokens
+    rows: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    modules: Mapping[str, str] = field(default_factory=dict)  # the worker's --lora-modules, name -> path
+    max_loras: int = 0  # the engine's adapter slots (0: it serves none)
+
+
+@dataclass(frozen=True)
 class WorkerSnapshot:
     state: str  # "running" or "draining"
     held_jobs: int
@@ -49,6 +59,7 @@ class WorkerSnapshot:
     # Per band: the read-to-admit delay (service/admit_delay.py): count, p50_ms, p99_ms, max_ms
     admit_delays: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     front_door_depths: Mapping[str, int] = field(default_factory=dict)  # door name -> jobs waiting behind it
+    loras: LoraFigures = field(default_factory=lambda: LoraFigures())  # LoRA adapters (service/loras.py)
 
 
 class MetricsSink(Protocol):

@@ -27,8 +27,11 @@ class FaultyEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    def add_request(self, request_id: str, prompt: Any, params: Any, priority: int = 0) -> None:
-        self._engine.add_request(request_id, prompt, params, priority=priority)
+    def add_request(self, request_id: str, prompt: Any, params: Any, priority: int = 0, lora: Any = None) -> None:
+        if lora is None:  # an engine without adapters need not take the keyword
+            self._engine.add_request(request_id, prompt, params, priority=priority)
+        else:
+            self._engine.add_request(request_id, prompt, params, priority=priority, lora=lora)
         if isinstance(prompt, str) and self._poison in prompt:
             self._live.add(request_id)
 

@@ -4,6 +4,8 @@ Faithful to the interface the worker uses: priority-ordered waiting queue, max_n
 (blocks reserved at admission for prompt + max_tokens, freed on finish or abort), max_tokens, EOS, stop
 token ids and stop strings, DELTA / CUMULATIVE / FINAL_ONLY outputs, seeded sampling, abort. Tokens are
 one character each, so text concatenates exactly like token ids. ``step_delay_s`` makes steps slow.
+LoRA adapters (add_lora/remove_lora/list_loras, add_request's `lora`): an adapter's greedy tokens differ from the
+base model's and from other adapters' (its name is hashed in), and add_lora refuses a folder that does not exist.
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import os
 import random
 import time
 from dataclasses import dataclass, field
 
 from pagedq.worker.service.engine_api import (
     CompletionOutput,
+    LoRARequest,
     RequestOutput,
     RequestOutputKind,
     RequestRejected,
@@ -70,6 +74,7 @@ class _Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text: str = ""
+    lora: str = ""  # the adapter's name, "" for the base model
 
 
 class StubEngine:
@@ -84,6 +89,7 @@ class StubEngine:
         step_delay_s: float = 0.0,
         eos_every: int = 0,
         chat_template: str | None = None,
+        max_loras: int = 4,
         **_ignored: object,
     ) -> None:
         self.tokenizer = StubTokenizer(chat_template)
@@ -97,6 +103,8 @@ class StubEngine:
         self._running: dict[str, _Request] = {}
         self._seq = itertools.count()
         self._ids: set[str] = set()  # unfinished request ids
+        self.loras: dict[str, str] = {}  # adapter name -> its folder
+        self.max_loras = max_loras  # reported only: the stub holds any number
 
     # --- counters the worker reads
     @property
@@ -118,8 +126,30 @@ class StubEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._waiting or self._running)
 
+    # --- LoRA adapters
+    def add_lora(self, lora: LoRARequest) -> None:
+        if not os.path.isdir(lora.path):
+            raise ValueError(f"LoRA adapter {lora.name!r}: {lora.path} is not a folder")
+        self.loras[lora.name] = lora.path
+
+    def remove_lora(self, name: str) -> None:
+        if self.loras.pop(name, None) is None:
+            raise KeyError(f"LoRA adapter {name!r} is not loaded")
+
+    def list_loras(self) -> list[LoRARequest]:
+        return [LoRARequest(name, path) for name, path in sorted(self.loras.items())]
+
     # --- requests
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        lora: LoRARequest | None = None,
+    ) -> None:
+        if lora is not None and self.loras.get(lora.name) != lora.path:
+            raise ValueError(f"LoRA adapter {lora.name!r} is not loaded")
         if request_id in self._ids:
             raise RequestRejected(f"request_id {request_id!r} is already in use")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -142,6 +172,7 @@ class StubEngine:
                 priority,
                 next(self._seq),
                 random.Random(seed),
+                lora="" if lora is None else lora.name,
             )
         )
 
@@ -208,7 +239,8 @@ class StubEngine:
         if req.params.temperature == 0:
             if self.eos_every and pos + 1 == self.eos_every:
                 return EOS_ID
-            digest = hashlib.blake2b(f"{req.prompt_ids[-8:]}|{pos}".encode(), digest_size=4).digest()
+            key = f"{req.prompt_ids[-8:]}|{pos}" + (f"|{req.lora}" if req.lora else "")
+            digest = hashlib.blake2b(key.encode(), digest_size=4).digest()
             return FIRST_TEXT_ID + int.from_bytes(digest, "little") % len(ALPHABET)
         return FIRST_TEXT_ID + req.rng.randrange(len(ALPHABET))
 
