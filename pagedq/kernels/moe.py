@@ -36,7 +36,9 @@ from pagedq.kernels.triton_common import (
     check_ndim,
     check_same_device,
     dot_fp32_acc,
+    needs_bf16_rounding_by_hand,
     needs_dot_upcast,
+    round_to,
 )
 
 # Average pairs per expert above which the tall tile pays: decode batches leave most experts with a few rows.
@@ -98,6 +100,7 @@ def _moe_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    RNE_BY_HAND: tl.constexpr,
 ):
     num_col_blocks = tl.cdiv(intermediate, BLOCK_N)
     block_m = tl.program_id(0) // num_col_blocks
@@ -131,16 +134,19 @@ def _moe_gate_up_kernel(
         acc_gate += tl.load(bias_row + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         acc_up += tl.load(bias_row + intermediate + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     out_ty = act_ptr.dtype.element_ty
-    gate = acc_gate.to(out_ty).to(tl.float32)
-    up = acc_up.to(out_ty).to(tl.float32)
-    if SWIGLU_OAI:
+    gate = round_to(acc_gate, out_ty, RNE_BY_HAND).to(tl.float32)
+    up = round_to(acc_up, out_ty, RNE_BY_HAND).to(tl.float32)
+    if SWIGLU_OAI:  # rounded after every operation, as the reference's elementwise torch ops round
         gate = tl.minimum(gate, LIMIT)
         up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
-        act = (up + 1.0) * (gate / (1.0 + tl.exp(-gate * ALPHA)))
+        scaled = round_to(gate * ALPHA, out_ty, RNE_BY_HAND).to(tl.float32)
+        sigmoid = round_to(1.0 / (1.0 + tl.exp(-scaled)), out_ty, RNE_BY_HAND).to(tl.float32)
+        glu = round_to(gate * sigmoid, out_ty, RNE_BY_HAND).to(tl.float32)
+        act = round_to(up + 1.0, out_ty, RNE_BY_HAND).to(tl.float32) * glu
     else:
-        act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32) * up
+        act = round_to(gate / (1.0 + tl.exp(-gate)), out_ty, RNE_BY_HAND).to(tl.float32) * up
     act_ptrs = act_ptr + pairs.to(tl.int64)[:, None] * intermediate + cols[None, :]
-    tl.store(act_ptrs, act.to(out_ty), mask=row_mask[:, None] & col_mask[None, :])
+    tl.store(act_ptrs, round_to(act, out_ty, RNE_BY_HAND), mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
@@ -164,6 +170,7 @@ def _moe_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    RNE_BY_HAND: tl.constexpr,
 ):
     num_col_blocks = tl.cdiv(hidden_size, BLOCK_N)
     block_m = tl.program_id(0) // num_col_blocks
@@ -191,9 +198,9 @@ def _moe_down_kernel(
         acc += tl.load(bias_ptr + expert * stride_bias_expert + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     out_ty = out_ptr.dtype.element_ty
     routing_weight = tl.load(weights_ptr + rows, mask=row_mask, other=0.0)
-    weighted = acc.to(out_ty).to(tl.float32) * routing_weight[:, None]
+    weighted = round_to(acc, out_ty, RNE_BY_HAND).to(tl.float32) * routing_weight[:, None]
     out_ptrs = out_ptr + rows[:, None] * hidden_size + cols[None, :]
-    tl.store(out_ptrs, weighted.to(out_ty), mask=row_mask[:, None] & col_mask[None, :])
+    tl.store(out_ptrs, round_to(weighted, out_ty, RNE_BY_HAND), mask=row_mask[:, None] & col_mask[None, :])
 
 
 def _check_inputs(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation) -> None:
@@ -272,20 +279,23 @@ def fused_moe(
     sorted_pair_ids, block_experts = align_pairs_by_expert(topk_ids, num_experts, block_m)
     num_blocks = block_experts.shape[0]
     act = torch.empty((num_pairs, intermediate), dtype=hidden.dtype, device=hidden.device)
-    upcast = needs_dot_upcast(_moe_gate_up_kernel, hidden.dtype)
+    interpreter_fixes = {
+        "UPCAST_DOT": needs_dot_upcast(_moe_gate_up_kernel, hidden.dtype),
+        "RNE_BY_HAND": needs_bf16_rounding_by_hand(_moe_gate_up_kernel, hidden.dtype),
+    }
     bias13 = w13 if w13_bias is None else w13_bias  # any pointer when there is no bias: HAS_BIAS skips the loads
     _moe_gate_up_kernel[(num_blocks * triton.cdiv(intermediate, block_n),)](
         hidden, w13, bias13, act, sorted_pair_ids, block_experts,
         num_pairs, hidden_size, intermediate, hidden.stride(0), w13.stride(0), w13.stride(1), w13.stride(2),
         bias13.stride(0), TOP_K=top_k, HAS_BIAS=w13_bias is not None, SWIGLU_OAI=activation == "swiglu_oai",
-        ALPHA=SWIGLU_OAI_ALPHA, LIMIT=SWIGLU_OAI_LIMIT, UPCAST_DOT=upcast, **config,
+        ALPHA=SWIGLU_OAI_ALPHA, LIMIT=SWIGLU_OAI_LIMIT, **interpreter_fixes, **config,
     )  # fmt: skip
     weighted = torch.empty((num_pairs, hidden_size), dtype=hidden.dtype, device=hidden.device)
     bias2 = w2 if w2_bias is None else w2_bias
     _moe_down_kernel[(num_blocks * triton.cdiv(hidden_size, block_n),)](
         act, w2, bias2, topk_weights.reshape(-1).float(), weighted, sorted_pair_ids, block_experts,
         num_pairs, hidden_size, intermediate, w2.stride(0), w2.stride(1), w2.stride(2), bias2.stride(0),
-        HAS_BIAS=w2_bias is not None, UPCAST_DOT=upcast, **config,
+        HAS_BIAS=w2_bias is not None, **interpreter_fixes, **config,
     )  # fmt: skip
     return weighted.view(num_tokens, top_k, hidden_size).sum(dim=1)
 
