@@ -88,6 +88,8 @@ def _step_parts(engine, workload: Workload) -> dict:
 
     if engine.config.device != "cpu":  # host timers and host tensors: a GPU step needs events and device inputs
         return {"step_parts_skipped": "measured on CPU only so far"}
+    if engine.model_config.moe is not None:  # its parts list the dense MLP's matmuls, not a routed step's
+        return {"step_parts_skipped": "not split for mixture-of-experts layers yet"}
     batch = min(len(workload.prompts), engine.config.max_num_seqs)
     contexts = [len(p) + out // 2 for p, out in zip(workload.prompts[:batch], workload.output_lens[:batch])]
     runner = engine.model_runner
