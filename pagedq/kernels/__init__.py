@@ -2,7 +2,8 @@
 
 Every public function here has a plain-PyTorch reference in `kernels.reference` with the same signature and a
 Triton implementation in `kernels.triton_ops`. `bind(device)` picks the backend once (Triton on CUDA; on CPU
-"cpu": the reference with its paged attention replaced by `kernels.cpu_attention`, index_select + torch's SDPA;
+"cpu": the reference with its paged attention replaced by `kernels.cpu_attention`, index_select + torch's SDPA,
+and fused_moe by `kernels.cpu_moe`, grouped by expert;
 `PAGEDQ_KERNELS=triton|cpu|reference` forces one, and with `TRITON_INTERPRET=1` the Triton path runs on CPU
 through Triton's interpreter) and returns a `KernelSet`: the engine binds one when it builds the
 model, so the environment is read once, not per call. A kernel missing from the Triton backend raises at bind
