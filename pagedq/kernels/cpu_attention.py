@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from pagedq.kernels import cpu_native
+from pagedq.kernels import cpu_native, reference
 
 
 @dataclass(frozen=True)
@@ -72,11 +72,17 @@ def use_native(k_cache: torch.Tensor) -> bool:
 
 
 def plan_decode(
-    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, native: bool = False
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    native: bool = False,
+    *,
+    window: int = 0,
 ) -> DecodePlan:
     """The step's plan for block_tables [S, M] int32 and context_lens [S] int32 (CPU tensors: no device sync to
     pay). native (callers pass use_native(k_cache)): a plan for the native kernel, just the tables and lengths as
-    contiguous int32; else the length groups (length_groups), the blocks each gathers and its length mask."""
+    contiguous int32; else the length groups (length_groups), the blocks each gathers and its length mask (and
+    window mask: the SDPA path gathers the blocks before a window too, and masks them)."""
     if native:
         int_tables, int_lens = block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous()
         return DecodePlan(torch.zeros(0, dtype=torch.long), (), None, None, int_tables, int_lens)
@@ -95,9 +101,12 @@ def plan_decode(
         blocks.append(tables[start:end, :num_blocks].reshape(-1))
         group_lens = sorted_lens[start:end]
         mask = None
-        if int(group_lens.min()) < num_blocks * block_size:  # some row ends before its last gathered slot
-            positions = torch.arange(num_blocks * block_size)
-            mask = (positions[None, :] < group_lens[:, None])[:, None, None, :]
+        slides = window and int(group_lens.max()) > window
+        if slides or int(group_lens.min()) < num_blocks * block_size:  # some row ends before its last slot
+            positions = torch.arange(num_blocks * block_size)[None, :]
+            lens_column = group_lens[:, None].long()
+            visible = (positions < lens_column) & (positions >= reference.window_start(lens_column - 1, window))
+            mask = visible[:, None, None, :]
         planned.append(DecodeGroup(start, end, num_blocks, mask))
     flat = torch.cat(blocks).long() if blocks else torch.zeros(0, dtype=torch.long)
     return DecodePlan(flat, tuple(planned), order, inverse)
@@ -110,18 +119,30 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence at position context_len-1 over its context_len cached tokens.
 
     query [S, Hq, D]; block_tables [S, M] int32; context_lens [S] int32 -> [S, Hq, D].
     Plans the step (plan_decode) and runs it; the engine's layers plan once a step and call planned_decode.
     """
-    plan = plan_decode(block_tables, context_lens, k_cache.shape[1], use_native(k_cache))
-    return planned_decode(query, k_cache, v_cache, plan, scale)
+    plan = plan_decode(block_tables, context_lens, k_cache.shape[1], use_native(k_cache), window=window)
+    return planned_decode(query, k_cache, v_cache, plan, scale, window=window, softcap=softcap, sinks=sinks)
 
 
 def planned_decode(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: DecodePlan,
+    scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention as `plan` lays it out: one index_select per cache gathers every group's blocks, then one
     SDPA per group over its part of them.
@@ -137,14 +158,17 @@ def planned_decode(
     _, block_size, num_kv_heads, _ = k_cache.shape
     if plan.tables is not None and plan.lens is not None:
         if cpu_native.supports(query, k_cache, v_cache):
-            return cpu_native.run_decode(query, k_cache, v_cache, plan.tables, plan.lens, scale)
-        plan = plan_decode(plan.tables, plan.lens, block_size, native=False)
+            return cpu_native.run_decode(
+                query, k_cache, v_cache, plan.tables, plan.lens, scale, window=window, softcap=softcap, sinks=sinks
+            )
+        plan = plan_decode(plan.tables, plan.lens, block_size, native=False, window=window)
     if num_seqs == 0:
         return torch.empty_like(query)
     keys, values = k_cache.index_select(0, plan.blocks), v_cache.index_select(0, plan.blocks)
     if plan.order is not None:
         query = query.index_select(0, plan.order)
     query = query.reshape(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    row_sinks = None if sinks is None else sinks.view(1, num_kv_heads, num_q_heads // num_kv_heads, 1)
     outs, offset = [], 0
     for group in plan.groups:
         rows, width = group.end - group.start, group.num_blocks
@@ -153,7 +177,7 @@ def planned_decode(
         k = keys[part].view(rows, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
         v = values[part].view(rows, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
         q = query[group.start : group.end]
-        outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale))
+        outs.append(attend(q, k, v, group.mask, scale, softcap=softcap, sinks=row_sinks))
     out = (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(num_seqs, num_q_heads, head_dim)
     return out if plan.inverse is None else out.index_select(0, plan.inverse)
 
@@ -198,14 +222,22 @@ MAX_BATCHED_QUERY_TOKENS = 17
 
 @dataclass(frozen=True)
 class PrefillChunk:
-    """One sequence's query chunk: rows [q_start, q_end) of the step's prefill queries, attending to context_len
-    cached tokens held by the plan's blocks [block_start, block_start + ceil(context_len / block_size))."""
+    """One sequence's query chunk: rows [q_start, q_end) of the step's prefill queries, attending to its cached
+    tokens [key_start, context_len), held by the plan's blocks [block_start, block_start + num_blocks). key_start
+    is 0 but with a sliding window, where it is the first block of the chunk's first query's window: blocks
+    before it are not gathered."""
 
     q_start: int
     q_end: int
     context_len: int
     block_start: int
-    mask: torch.Tensor | None  # [q_len, context_len] bool after a cached prefix; None: is_causal from token 0
+    # [q_len, context_len - key_start] bool after a cached prefix or with a window; None: is_causal from token 0
+    mask: torch.Tensor | None
+    key_start: int = 0
+
+    @property
+    def num_keys(self) -> int:
+        return self.context_len - self.key_start
 
 
 @dataclass(frozen=True)
@@ -249,10 +281,13 @@ def plan_prefill(
     block_size: int,
     heads_per_kv: int = 1,
     native: bool = False,
+    *,
+    window: int = 0,
 ) -> PrefillPlan:
     """The chunks of a prefill step (empty ones left out), their blocks and causal masks: once a step. Chunks of
     up to MAX_BATCHED_QUERY_TOKENS queries go to the native kernel's Chunks if `native` (use_native), else to
-    length groups (length_groups); the others one call each."""
+    length groups (length_groups); the others one call each, over the blocks from their first query's window on
+    (window > 0: the blocks wholly before it are not gathered)."""
     starts, lens = cu_seqlens_q.tolist(), context_lens.tolist()
     blocks, chunks, short, block_start = [], [], [], 0
     for seq, context_len in enumerate(lens):
@@ -262,13 +297,17 @@ def plan_prefill(
         if q_end - q_start <= MAX_BATCHED_QUERY_TOKENS:
             short.append(seq)
             continue
-        num_blocks = -(-context_len // block_size)
-        blocks.append(block_tables[seq, :num_blocks])
         prefix = context_len - (q_end - q_start)
+        q_pos = torch.arange(prefix, context_len)[:, None]
+        first_block = int(reference.window_start(torch.tensor(prefix), window)) // block_size
+        num_blocks = -(-context_len // block_size) - first_block
+        blocks.append(block_tables[seq, first_block : first_block + num_blocks])
+        key_start = first_block * block_size
         mask = None
-        if prefix:  # SDPA's is_causal aligns query 0 with key 0: right only without a cached prefix
-            mask = torch.arange(context_len)[None, :] <= torch.arange(prefix, context_len)[:, None]
-        chunks.append(PrefillChunk(q_start, q_end, context_len, block_start, mask))
+        if prefix or (window and context_len > window):  # SDPA's is_causal: query 0 sees key 0, and no window
+            k_pos = torch.arange(key_start, context_len)[None, :]
+            mask = (k_pos <= q_pos) & (k_pos >= reference.window_start(q_pos, window))
+        chunks.append(PrefillChunk(q_start, q_end, context_len, block_start, mask, key_start))
         block_start += num_blocks
     flat = torch.cat(blocks).long() if blocks else torch.zeros(0, dtype=torch.long)
     if short and native:
@@ -279,7 +318,7 @@ def plan_prefill(
     if short:
         seqs = np.array(short)[np.argsort(np.array(lens)[short], kind="stable")]
         for start, end, longest in length_groups(np.array(lens)[seqs], block_size):
-            group = _short_group(seqs[start:end], starts, lens, longest, block_size, heads_per_kv, block_start)
+            group = _short_group(seqs[start:end], starts, lens, longest, block_size, heads_per_kv, block_start, window)
             blocks.append(block_tables[torch.from_numpy(seqs[start:end]), : group.num_blocks].reshape(-1))
             block_start += group.rows * group.num_blocks
             groups.append(group)
@@ -288,7 +327,14 @@ def plan_prefill(
 
 
 def _short_group(
-    seqs: np.ndarray, starts: list[int], lens: list[int], longest: int, block_size: int, heads: int, block_start: int
+    seqs: np.ndarray,
+    starts: list[int],
+    lens: list[int],
+    longest: int,
+    block_size: int,
+    heads: int,
+    block_start: int,
+    window: int,
 ) -> ShortChunkGroup:
     """The gather and scatter indices and the causal mask of short chunks `seqs` (sorted by context length)."""
     q_starts = torch.tensor([starts[s] for s in seqs])
@@ -300,7 +346,8 @@ def _short_group(
     queries = q_starts[:, None] + torch.minimum(step[None, :], q_lens[:, None] - 1)
     # a padding query sits where its chunk's last one does: its row is a copy, never all masked (no NaN)
     positions = context[:, None] - q_lens[:, None] + torch.minimum(step[None, :], q_lens[:, None] - 1)
-    mask = torch.arange(num_blocks * block_size)[None, None, :] <= positions[:, :, None]  # [rows, width, keys]
+    keys, positions = torch.arange(num_blocks * block_size)[None, None, :], positions[:, :, None]
+    mask = (keys <= positions) & (keys >= reference.window_start(positions, window))  # [rows, width, keys]
     mask = mask.repeat_interleave(heads, dim=1)[:, None]  # query i's heads_per_kv folded rows share its mask
     flat_real = real.reshape(-1)
     return ShortChunkGroup(
@@ -323,6 +370,10 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for a packed batch of query chunks whose K/V are already in the cache.
 
@@ -332,12 +383,20 @@ def paged_prefill_attention(
     """
     _, block_size, num_kv_heads, _ = k_cache.shape
     heads = query.shape[1] // num_kv_heads
-    plan = plan_prefill(block_tables, cu_seqlens_q, context_lens, block_size, heads, use_native(k_cache))
-    return planned_prefill(query, k_cache, v_cache, plan, scale)
+    plan = plan_prefill(block_tables, cu_seqlens_q, context_lens, block_size, heads, use_native(k_cache), window=window)
+    return planned_prefill(query, k_cache, v_cache, plan, scale, window=window, softcap=softcap, sinks=sinks)
 
 
 def planned_prefill(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PrefillPlan, scale: float
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: PrefillPlan,
+    scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One SDPA call per long chunk over its part of one gather: a chunk's work (q_len x context_len) dwarfs the
     call, and padding the chunks of a step to one batch wasted more than the loop costs (prompt lengths vary a
@@ -345,29 +404,45 @@ def planned_prefill(
     out = torch.empty_like(query)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     if plan.native_short is not None and plan.inputs is not None and not cpu_native.supports(query, k_cache, v_cache):
-        plan = plan_prefill(*plan.inputs, query.shape[1] // num_kv_heads, native=False)
+        plan = plan_prefill(*plan.inputs, query.shape[1] // num_kv_heads, native=False, window=window)
     if plan.short_groups and query.shape[1] != plan.heads_per_kv * num_kv_heads:
         raise ValueError(f"the plan folds {plan.heads_per_kv} query heads per KV head, the query has {query.shape[1]}")
     keys, values = k_cache.index_select(0, plan.blocks), v_cache.index_select(0, plan.blocks)
+    heads = query.shape[1] // num_kv_heads
     for chunk in plan.chunks:
-        width = -(-chunk.context_len // block_size)
+        width, num_keys = -(-chunk.num_keys // block_size), chunk.num_keys
         part = slice(chunk.block_start, chunk.block_start + width)
-        k = keys[part].view(1, width * block_size, num_kv_heads, head_dim)[:, : chunk.context_len].transpose(1, 2)
-        v = values[part].view(1, width * block_size, num_kv_heads, head_dim)[:, : chunk.context_len].transpose(1, 2)
+        k = keys[part].view(1, width * block_size, num_kv_heads, head_dim)[:, :num_keys].transpose(1, 2)
+        v = values[part].view(1, width * block_size, num_kv_heads, head_dim)[:, :num_keys].transpose(1, 2)
         q = query[chunk.q_start : chunk.q_end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
-        attended = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=True
-        )
+        if softcap or sinks is not None:  # the manual path: K/V repeated per query head, an explicit causal mask
+            k, v = k.repeat_interleave(heads, dim=1), v.repeat_interleave(heads, dim=1)
+            mask = chunk.mask if chunk.mask is not None else torch.ones(q.shape[2], num_keys, dtype=torch.bool).tril()
+            row_sinks = None if sinks is None else sinks.view(1, -1, 1, 1)
+            attended = attend(q, k, v, mask[None, None], scale, softcap=softcap, sinks=row_sinks)
+        else:
+            attended = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=True
+            )
         out[chunk.q_start : chunk.q_end] = attended[0].transpose(0, 1)
     if plan.native_short is not None:
-        cpu_native.run_chunks(query, k_cache, v_cache, plan.native_short, scale, out)
+        chunks = plan.native_short
+        cpu_native.run_chunks(query, k_cache, v_cache, chunks, scale, out, window=window, softcap=softcap, sinks=sinks)
     for group in plan.short_groups:
-        out.index_copy_(0, group.targets, _attend_short_group(query, keys, values, group, block_size, scale))
+        attended = _attend_short_group(query, keys, values, group, block_size, scale, softcap, sinks)
+        out.index_copy_(0, group.targets, attended)
     return out
 
 
 def _attend_short_group(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: ShortChunkGroup, block_size: int, scale: float
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    group: ShortChunkGroup,
+    block_size: int,
+    scale: float,
+    softcap: float,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """The group's real queries' outputs [n, Hq, D], in the order of group.targets."""
     rows, width, num_blocks = group.rows, group.width, group.num_blocks
@@ -379,6 +454,43 @@ def _attend_short_group(
     v = values[part].view(rows, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
     q = query.index_select(0, group.queries).view(rows, width, num_kv_heads, heads, head_dim)
     q = q.transpose(1, 2).reshape(rows, num_kv_heads, width * heads, head_dim)  # row j = query j // heads
-    attended = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)
+    row_sinks = None  # row j of a KV head is query j // heads, query head j % heads
+    if sinks is not None:
+        per_row = sinks.view(num_kv_heads, 1, heads).expand(num_kv_heads, width, heads)
+        row_sinks = per_row.reshape(1, num_kv_heads, width * heads, 1)
+    attended = attend(q, k, v, group.mask, scale, softcap=softcap, sinks=row_sinks)
     attended = attended.view(rows, num_kv_heads, width, heads, head_dim).transpose(1, 2)
     return attended.reshape(rows * width, num_q_heads, head_dim).index_select(0, group.kept)
+
+
+# The manual path (soft-cap or sinks, which SDPA cannot take) scores this many query rows x keys at once, at most.
+MANUAL_SCORES_PER_SLICE = 1 << 22
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    *,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of q [B, H, R, D] over k, v [B, H, L, D] with a bool mask broadcastable to [B, H, R, L] (True =
+    attend; None: all): by SDPA, or, with a soft-cap or sinks (broadcastable to [B, H, R, 1]), by scores and
+    reference.attention_probs in fp32, R sliced so no slice's scores pass MANUAL_SCORES_PER_SLICE per head."""
+    if not softcap and sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+    keys, values = k.float(), v.float()
+    visible = torch.ones(1, 1, 1, 1, dtype=torch.bool) if mask is None else mask
+    rows = max(1, MANUAL_SCORES_PER_SLICE // max(1, k.shape[2] * q.shape[0]))
+    for start in range(0, q.shape[2], rows):
+        part = slice(start, start + rows)
+        scores = torch.matmul(q[:, :, part].float(), keys.transpose(-1, -2)) * scale
+        row_mask = visible[:, :, part] if visible.shape[2] > 1 else visible
+        row_sinks = None if sinks is None else (sinks[:, :, part] if sinks.shape[2] > 1 else sinks)
+        probs = reference.attention_probs(scores, row_mask, softcap, row_sinks)
+        out[:, :, part] = torch.matmul(probs, values).to(q.dtype)
+    return out

@@ -287,6 +287,12 @@ def add_host_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts (default 0)")
     parser.add_argument("--device", default="cpu", help="cpu (stand-in device) or cuda (the real model, --model)")
     parser.add_argument("--model", default=None, help="checkpoint folder, for --device cuda")
+    parser.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default=None,
+        help="for --device cuda instead of --model: a reference workload's model shape, random weights",
+    )
 
 
 def _positive_list(text: str) -> list[int]:

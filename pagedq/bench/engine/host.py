@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedq.bench.engine.args import SAMPLINGS
+from pagedq.bench.engine.args import SAMPLINGS, WORKLOADS
 
 _STAND_IN_SHAPE = dict(
     hidden_size=64,
@@ -167,13 +167,18 @@ def run_mode(args: argparse.Namespace, model_dir: str, async_scheduling: bool) -
 
 
 def run(args: argparse.Namespace) -> dict:
-    if args.device.startswith("cuda"):
-        if not args.model:
-            raise SystemExit("pagedq bench host --device cuda: give --model DIR (the real model runs)")
-        model_dir = args.model
-    else:
-        from pagedq.bench.engine.throughput import _config_only_folder
+    from pagedq.bench.engine.throughput import _config_only_folder
 
+    if args.device.startswith("cuda"):
+        if args.workload:
+            model_dir = str(_config_only_folder(WORKLOADS[args.workload]["shape"]))
+        elif args.model:
+            model_dir = args.model
+        else:
+            raise SystemExit("pagedq bench host --device cuda: give --model DIR or --workload W1|W8 (a model runs)")
+    elif args.model or args.workload:
+        raise SystemExit("pagedq bench host: --model and --workload are for --device cuda (the CPU runs a stand-in)")
+    else:
         model_dir = str(_config_only_folder({**_STAND_IN_SHAPE, "vocab_size": args.vocab_size}))
     results = {mode: run_mode(args, model_dir, mode == "async") for mode in ("async", "sync")}
     if results["async"].pop("tokens") != results["sync"].pop("tokens"):

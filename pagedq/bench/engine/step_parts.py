@@ -26,11 +26,15 @@ REPEATS = 7
 
 
 def _median_ms(fn: Callable[[], object], repeats: int = REPEATS) -> float:
+    """Median wall time of fn; on a GPU each run is synchronised before and after, so it is the device's time."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else lambda: None
     fn()  # warm: first-touch page faults and lazy initialisation are not the step's
     times = []
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 
@@ -69,8 +73,22 @@ def _linear_shapes(model) -> list[tuple[str, torch.Tensor]]:
 def measure_step_parts(model, kv_caches, block_size: int, context_lens: list[int]) -> dict[str, float]:
     """Milliseconds of one decode step at these contexts (one sequence each), part by part, and its roofline."""
     config, ops = model.config, model.kernels
-    num_seqs, dtype = len(context_lens), kv_caches[0][0].dtype
-    meta = decode_metadata(context_lens, block_size, kv_caches[0][0].shape[0])
+    num_seqs, dtype, device = len(context_lens), kv_caches[0][0].dtype, kv_caches[0][0].device
+    meta = _on(decode_metadata(context_lens, block_size, kv_caches[0][0].shape[0]), device)
+    with torch.device(device):
+        return _measure(model, ops, config, kv_caches, meta, num_seqs, dtype, context_lens)
+
+
+def _on(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    tensors = (
+        *("slot_mapping", "decode_block_tables", "decode_context_lens"),
+        *("prefill_block_tables", "prefill_cu_seqlens_q", "prefill_context_lens"),
+    )
+    moved = {name: getattr(meta, name).to(device) for name in tensors}
+    return AttentionMetadata(num_decode_tokens=meta.num_decode_tokens, **moved)
+
+
+def _measure(model, ops, config, kv_caches, meta, num_seqs, dtype, context_lens) -> dict[str, float]:
     token_ids = torch.randint(10, config.vocab_size - 10, (num_seqs,))
     positions = meta.decode_context_lens.long() - 1
     query = torch.randn(num_seqs, config.num_heads, config.head_dim, dtype=dtype)

@@ -86,8 +86,6 @@ def _step_parts(engine, workload: Workload) -> dict:
     outputs), timed part by part on the engine's model and cache (pagedq/bench/engine/step_parts.py)."""
     from pagedq.bench.engine.step_parts import measure_step_parts
 
-    if engine.config.device != "cpu":  # host timers and host tensors: a GPU step needs events and device inputs
-        return {"step_parts_skipped": "measured on CPU only so far"}
     if engine.model_config.moe is not None:  # its parts list the dense MLP's matmuls, not a routed step's
         return {"step_parts_skipped": "not split for mixture-of-experts layers yet"}
     batch = min(len(workload.prompts), engine.config.max_num_seqs)
@@ -96,7 +94,11 @@ def _step_parts(engine, workload: Workload) -> dict:
     needed = sum(-(-n // runner.block_size) for n in contexts)
     if needed > runner.num_blocks:
         return {"step_parts_skipped": f"the step needs {needed} KV blocks, the pool has {runner.num_blocks}"}
-    return measure_step_parts(runner.model, runner.kv_caches, runner.block_size, contexts)
+    try:
+        return measure_step_parts(runner.model, runner.kv_caches, runner.block_size, contexts)
+    except torch.cuda.OutOfMemoryError as error:  # the KV pool holds most of the GPU: keep the run's own figures
+        torch.cuda.empty_cache()
+        return {"step_parts_skipped": f"out of GPU memory beside the KV pool: {str(error).splitlines()[0]}"}
 
 
 def _run_engine_once(engine, workload: Workload, kinds, params_cls) -> int:

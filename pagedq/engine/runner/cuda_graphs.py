@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from pagedq.engine.layers import AttentionMetadata
+from pagedq.engine.step.uploads import copy_to_device
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE  # torch's own type for graph pools (private, but what its API is typed with)
@@ -137,8 +138,7 @@ class DecodeGraphRunner:
 
         def put(buffer: torch.Tensor, values: np.ndarray | torch.Tensor, pad: int) -> None:
             # token ids may already be on the device (async scheduling fills in the previous step's draws there)
-            values = values if isinstance(values, torch.Tensor) else torch.from_numpy(values)
-            buffer[:n].copy_(values, non_blocking=True)
+            copy_to_device(buffer[:n], values)
             buffer[n:batch].fill_(pad)
 
         put(self.input_ids, token_ids, 0)
@@ -147,7 +147,7 @@ class DecodeGraphRunner:
         put(self.context_lens, context_lens, 1)  # ... and attend to one slot of block 0
         # Entries past a row's context are never read, so stale ones from earlier steps may stay; padding rows
         # read entry 0, which must name a real block: block 0.
-        self.block_tables[:n, :w].copy_(torch.from_numpy(block_tables), non_blocking=True)
+        copy_to_device(self.block_tables[:n, :w], block_tables)
         self.block_tables[n:batch, 0] = 0
 
     def _forward(self, batch: int, width: int) -> torch.Tensor:

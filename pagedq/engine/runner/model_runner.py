@@ -18,6 +18,7 @@ import torch
 from pagedq.engine.config.engine import EngineConfig, ModelConfig, resolve_dtype
 from pagedq.engine.core.step_plan import ModelRunnerOutput, ScheduledChunk, StepPlan
 from pagedq.engine.layers import AttentionMetadata
+from pagedq.engine.layers.rotary import rope_table_rows
 from pagedq.engine.models.loader import load_model
 from pagedq.engine.runner.cuda_graphs import DecodeGraphRunner
 from pagedq.engine.sample.sampler import sample
@@ -27,6 +28,7 @@ from pagedq.engine.step.batch_state import BatchState, RowInfo, SamplingPlan
 from pagedq.engine.step.draws import draw_layout
 from pagedq.engine.step.runner_outputs import prompt_logprobs, sampled_tokens
 from pagedq.engine.step.step_inputs import StepInputs, build_step_inputs, decodes_first
+from pagedq.engine.step.uploads import to_device
 
 
 @dataclass
@@ -131,6 +133,10 @@ class ModelRunner:
             return PreparedStep(plan, device_ops)
         ordered, rows, infos, lengths = decodes_first(plan.chunks, rows_of_chunks, infos_of_chunks)
         inputs = build_step_inputs(ordered, infos, rows, self.state.tables(rows), self.block_size, lengths)
+        if self.model_config.rope_short_until is not None:  # LongRoPE: each sequence's rows by its longest length
+            longest = (info.num_prompt_tokens + info.params.max_tokens for info in infos)
+            max_lengths = np.repeat(np.fromiter(longest, dtype=np.int64, count=len(infos)), inputs.lengths)
+            inputs.rope_rows = rope_table_rows(self.model_config, inputs.positions, max_lengths)
         self.num_device_fed_tokens += len(inputs.placeholders)
         draws = draw_layout(ordered, infos, rows, inputs.lengths)
         if draws is None:
@@ -167,7 +173,8 @@ class ModelRunner:
         extra = prompt_logprobs(step.ordered, step.infos, hidden, self.model)
         if step.sampling is None:
             return DeviceResult(None, extra)
-        logits = self.model.compute_logits(hidden[torch.from_numpy(step.last_index).to(self.device)])
+        assert step.last_index is not None  # every sampling plan has its draws' token indices
+        logits = self.model.compute_logits(hidden[to_device(step.last_index, self.device)])
         result = sample(logits, self.state.sampling_batch(step.sampling), self.kernels, step.constrain)
         self.state.record_draws(step.sampling, result.token_ids)
         if step.sampling.verify is not None:  # speculative decoding: accept, and drop the draws past a rejection
@@ -181,36 +188,33 @@ class ModelRunner:
         if plan.blocks_to_swap_in:
             _copy_between(self.host_caches, self.kv_caches, plan.blocks_to_swap_in)
         if plan.blocks_to_copy:
-            mapping = torch.tensor(plan.blocks_to_copy, dtype=torch.long, device=self.device)
+            mapping = to_device(torch.tensor(plan.blocks_to_copy, dtype=torch.long), self.device)
             self.kernels.copy_blocks([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """Final hidden states of the step's tokens: from a CUDA graph for a decode-only step, else eagerly."""
-        token_ids = torch.from_numpy(inputs.token_ids).to(self.device)
+        token_ids = to_device(inputs.token_ids, self.device)
         if len(inputs.placeholders):  # tokens the host has not seen yet: the previous step's draws, on the device
-            rows = torch.from_numpy(inputs.placeholder_rows).to(self.device)
-            token_ids[torch.from_numpy(inputs.placeholders).to(self.device)] = self.state.last_token[rows]
+            rows = to_device(inputs.placeholder_rows, self.device)
+            token_ids[to_device(inputs.placeholders, self.device)] = self.state.last_token[rows]
         graphs = self.decode_graphs
+        rope_rows = inputs.positions if inputs.rope_rows is None else inputs.rope_rows  # the model reads them only
         if graphs is not None and inputs.is_decode_only and graphs.can_run(*inputs.block_tables.shape):
-            return graphs.run(
-                token_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables, inputs.context_lens
-            )
+            return graphs.run(token_ids, rope_rows, inputs.slot_mapping, inputs.block_tables, inputs.context_lens)
         num_decode, tables, context_lens = inputs.num_decode, inputs.block_tables, inputs.context_lens
         prefill_cu_seqlens = np.concatenate(([0], np.cumsum(inputs.lengths[num_decode:]))).astype(np.int32)
 
-        def to_device(array: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(array).to(self.device)
-
+        device = self.device
         meta = AttentionMetadata(
-            slot_mapping=to_device(inputs.slot_mapping),
+            slot_mapping=to_device(inputs.slot_mapping, device),
             num_decode_tokens=num_decode,
-            decode_block_tables=to_device(tables[:num_decode]),
-            decode_context_lens=to_device(context_lens[:num_decode]),
-            prefill_block_tables=to_device(tables[num_decode:]),
-            prefill_cu_seqlens_q=to_device(prefill_cu_seqlens),
-            prefill_context_lens=to_device(context_lens[num_decode:]),
+            decode_block_tables=to_device(tables[:num_decode], device),
+            decode_context_lens=to_device(context_lens[:num_decode], device),
+            prefill_block_tables=to_device(tables[num_decode:], device),
+            prefill_cu_seqlens_q=to_device(prefill_cu_seqlens, device),
+            prefill_context_lens=to_device(context_lens[num_decode:], device),
         )
-        return self.model(token_ids, to_device(inputs.positions), self.kv_caches, meta)
+        return self.model(token_ids, to_device(rope_rows, device), self.kv_caches, meta)
 
 
 def _lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
+
+from pagedq.engine.step.uploads import to_device
 
 if TYPE_CHECKING:
     from pagedq.engine.step.batch_state import BatchState
@@ -32,14 +33,13 @@ def accept(token_ids: torch.Tensor, plan: VerifyPlan) -> tuple[torch.Tensor, tor
     verify row, whether each verify draw is emitted)."""
     device = token_ids.device
 
-    def to_device(array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(device)
-
     match = torch.zeros(len(plan.rows) * plan.width, dtype=torch.long, device=device)
-    match[to_device(plan.pad_index)] = (token_ids[to_device(plan.draft_draws)] == to_device(plan.drafts)).long()
+    match[to_device(plan.pad_index, device)] = (
+        token_ids[to_device(plan.draft_draws, device)] == to_device(plan.drafts, device)
+    ).long()
     accepted = match.view(len(plan.rows), plan.width).cumprod(dim=1).sum(dim=1)
-    draws = to_device(plan.draws)
-    emitted = to_device(plan.draw_step) <= accepted[to_device(plan.draw_row)]
+    draws = to_device(plan.draws, device)
+    emitted = to_device(plan.draw_step, device) <= accepted[to_device(plan.draw_row, device)]
     masked = token_ids.clone()
     masked[draws] = torch.where(emitted, token_ids[draws], -1)
     return masked, accepted, emitted
@@ -50,12 +50,12 @@ def record_verified(state: BatchState, plan: VerifyPlan, token_ids: torch.Tensor
     with penalties, every emitted token is one more output count. Returns the token ids with rejected draws -1."""
     device = token_ids.device
     masked, accepted, emitted = accept(token_ids, plan)
-    rows = torch.from_numpy(plan.rows).to(device)
-    state.last_token[rows] = token_ids[torch.from_numpy(plan.first).to(device) + accepted]
+    rows = to_device(plan.rows, device)
+    state.last_token[rows] = token_ids[to_device(plan.first, device) + accepted]
     penalised = state.uses_penalties[plan.rows[plan.draw_row]]
     if penalised.any():
-        draws = torch.from_numpy(plan.draws[penalised]).to(device)
-        draw_rows = torch.from_numpy(plan.rows[plan.draw_row[penalised]]).to(device)
+        draws = to_device(plan.draws[penalised], device)
+        draw_rows = to_device(plan.rows[plan.draw_row[penalised]], device)
         counts = state.penalty_counts()
-        counts.index_put_((draw_rows, token_ids[draws]), emitted[torch.from_numpy(penalised).to(device)].float(), True)
+        counts.index_put_((draw_rows, token_ids[draws]), emitted[to_device(penalised, device)].float(), True)
     return masked

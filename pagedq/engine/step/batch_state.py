@@ -26,6 +26,7 @@ import torch
 from pagedq.engine.core.step_plan import NewRequestData, StepPlan
 from pagedq.engine.sample.sampler import SamplingBatch
 from pagedq.engine.sample.sampling_params import SamplingParams
+from pagedq.engine.step.uploads import copy_to_device, to_device
 
 if TYPE_CHECKING:
     from pagedq.engine.step.draws import VerifyPlan
@@ -201,8 +202,8 @@ class BatchState:
         self.has_logit_bias[row] = bool(params.logit_bias)
 
         def write_row() -> None:
-            self.device_floats[row] = floats.to(self.device)
-            self.device_top_k_seed[row] = top_k_seed.to(self.device)
+            copy_to_device(self.device_floats[row], floats)
+            copy_to_device(self.device_top_k_seed[row], top_k_seed)
             if params.needs_penalties:
                 self._init_penalty_row(row, new)
 
@@ -214,8 +215,8 @@ class BatchState:
             rows = len(self.info)
             self.prompt_mask = torch.zeros(rows, self.vocab_size, dtype=torch.bool, device=self.device)
             self.output_counts = torch.zeros(rows, self.vocab_size, device=self.device)
-        prompt = torch.tensor(new.token_ids[: new.num_prompt_tokens], dtype=torch.long, device=self.device)
-        outputs = torch.tensor(new.token_ids[new.num_prompt_tokens :], dtype=torch.long, device=self.device)
+        prompt = to_device(torch.tensor(new.token_ids[: new.num_prompt_tokens], dtype=torch.long), self.device)
+        outputs = to_device(torch.tensor(new.token_ids[new.num_prompt_tokens :], dtype=torch.long), self.device)
         prompt_mask, output_counts = self._penalty_state()
         prompt_mask[row] = False
         prompt_mask[row, prompt] = True
@@ -277,10 +278,10 @@ class BatchState:
     def sampling_batch(self, plan: SamplingPlan) -> SamplingBatch:
         """The settings gathered on the device (device work: reads the per-row tensors)."""
         device = self.device
-        index = torch.from_numpy(plan.rows).to(device)
+        index = to_device(plan.rows, device)
         temperature, top_p, min_p, repetition, presence, frequency = self.device_floats[index].T
         top_k, seeds = self.device_top_k_seed[index].T
-        positions, offsets = torch.from_numpy(np.stack([plan.positions, plan.draw_index])).to(device)
+        positions, offsets = to_device(np.stack([plan.positions, plan.draw_index]), device)
         batch = SamplingBatch(
             temperature=temperature,
             top_k=top_k,
@@ -297,16 +298,16 @@ class BatchState:
             prompt_mask, output_counts = self._penalty_state()
             batch.prompt_token_mask, batch.output_token_counts = prompt_mask[index], output_counts[index]
             if plan.verify is not None:  # a verify draw's penalties count the drafts before its position
-                draft_draws, drafts = (torch.from_numpy(a).to(device) for a in plan.verify.count_pairs())
+                draft_draws, drafts = (to_device(a, device) for a in plan.verify.count_pairs())
                 ones = torch.ones(len(draft_draws), device=device)
                 batch.output_token_counts.index_put_((draft_draws, drafts), ones, accumulate=True)
         batch.banned_token_mask = self._banned_mask(plan.infos, plan.positions)
         if plan.logit_bias is not None:
             draws, ids, values = plan.logit_bias
             batch.logit_bias = (
-                torch.from_numpy(draws).to(device),
-                torch.from_numpy(ids).to(device),
-                torch.from_numpy(values).to(device),
+                to_device(draws, device),
+                to_device(ids, device),
+                to_device(values, device),
             )
         return batch
 
@@ -314,11 +315,11 @@ class BatchState:
         """Device work after sampling: each row's first draw becomes its latest token (the next step's input if
         the host does not know it yet) and, for rows with penalties, one more output-token count."""
         device = self.device
-        first = torch.from_numpy(plan.first_draws).to(device)
-        self.last_token[torch.from_numpy(plan.rows[plan.first_draws]).to(device)] = token_ids[first]
+        first = to_device(plan.first_draws, device)
+        self.last_token[to_device(plan.rows[plan.first_draws], device)] = token_ids[first]
         if len(plan.penalised_draws):
-            draws = torch.from_numpy(plan.penalised_draws).to(device)
-            rows = torch.from_numpy(plan.rows[plan.penalised_draws]).to(device)
+            draws = to_device(plan.penalised_draws, device)
+            rows = to_device(plan.rows[plan.penalised_draws], device)
             self._penalty_state()[1].index_put_(
                 (rows, token_ids[draws]), torch.ones(len(draws), device=device), accumulate=True
             )
@@ -335,7 +336,7 @@ class BatchState:
         rows = np.concatenate([np.full(len(ids), i) for i, ids in banned])
         ids = np.concatenate([ids for _, ids in banned])
         mask = torch.zeros(len(infos), self.vocab_size, dtype=torch.bool, device=self.device)
-        mask[torch.from_numpy(rows).to(self.device), torch.from_numpy(ids).to(self.device)] = True
+        mask[to_device(rows, self.device), to_device(ids, self.device)] = True
         return mask
 
 
