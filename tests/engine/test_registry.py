@@ -33,6 +33,10 @@ def test_the_registry_serves_every_supported_architecture():
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
         "Phi3ForCausalLM",
+        # mixture of experts
+        "MixtralForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "Qwen3MoeForCausalLM",
     }
     assert all(
         registry.model_class(name) is LlamaForCausalLM for name in set(registry.supported_architectures()) - gemmas

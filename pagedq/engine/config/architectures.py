@@ -18,6 +18,10 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("pagedq.engine.models.gemma", "GemmaForCausalLM"),
     # Phi-3: the Llama tree, its checkpoint already holding qkv_proj and gate_up_proj packed as ours
     "Phi3ForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
+    # mixture of experts: the same tree, whose sparse layers take the expert block for their MLP (ModelConfig.moe)
+    "MixtralForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
+    "Qwen2MoeForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
+    "Qwen3MoeForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
 }
 
 
