@@ -2,7 +2,8 @@
 
 The reference scans all T*K routing ids once per expert (E `where` passes, most of them empty with many
 experts). Here the (token, slot) pairs are sorted by expert once, the expert sizes read back once, and each
-expert with work runs two matmuls over its contiguous group of rows; the weighted rows go back to their tokens
+expert with work runs two matmuls over its contiguous group of rows (in the CPU's few-row layout for a few rows,
+pagedq/kernels/cpu_linear.py); the weighted rows go back to their tokens
 in one index_add. Same projections in the input dtype and the same fp32 sum over k as `reference.fused_moe`.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedq.kernels.cpu_linear import cpu_linear
 from pagedq.kernels.reference import check_moe_activation, moe_activation
 
 
@@ -44,8 +46,8 @@ def fused_moe(
         if count == 0:
             continue
         rows = slice(start, start + count)
-        gate_up = _linear(grouped[rows], w13[expert], None if w13_bias is None else w13_bias[expert])
-        _linear(_activate(gate_up, activation), w2[expert], None if w2_bias is None else w2_bias[expert],
+        gate_up = cpu_linear(grouped[rows], w13[expert], None if w13_bias is None else w13_bias[expert])
+        cpu_linear(_activate(gate_up, activation), w2[expert], None if w2_bias is None else w2_bias[expert],
                 out=expert_out[rows])  # fmt: skip
         start += count
     weighted = expert_out.float()  # expert_out itself when fp32: it is ours to scale in place
@@ -53,15 +55,6 @@ def fused_moe(
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     out.index_add_(0, tokens, weighted)
     return out.to(hidden.dtype)
-
-
-def _linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """x @ weight.T (+ bias), written into `out` when given: F.linear's product, without the copy into place."""
-    if bias is None:
-        return torch.mm(x, weight.t(), out=out)
-    return torch.addmm(bias, x, weight.t(), out=out)
 
 
 def _activate(gate_up: torch.Tensor, activation: str) -> torch.Tensor:

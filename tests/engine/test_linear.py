@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedq.engine.layers.linear import CPU_FEW_ROWS, Linear, PackedLinear
+from pagedq.engine.layers.linear import Linear, PackedLinear
+from pagedq.kernels.cpu_linear import CPU_FEW_ROWS
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 17, CPU_FEW_ROWS, CPU_FEW_ROWS + 1])

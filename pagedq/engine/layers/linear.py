@@ -6,10 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-# Rows up to which a CPU linear runs as weight @ x^T: torch's F.linear (x @ weight^T) of a few rows is slower than
-# the same product in that layout on the CPU's BLAS, and decode steps and verify rows live in that range, prefill
-# does not (docs/benchmarks.md#cpu-few-row-products).
-CPU_FEW_ROWS = 128
+from pagedq.kernels.cpu_linear import cpu_linear, uses_few_row_layout
 
 
 class Linear(nn.Linear):
@@ -17,10 +14,9 @@ class Linear(nn.Linear):
     rounding aside), in the layout the CPU's BLAS runs fastest for a skinny operand."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or x.dim() != 2 or not 2 <= x.shape[0] <= CPU_FEW_ROWS:  # one row: as fast
+        if not uses_few_row_layout(x):
             return super().forward(x)
-        out = torch.mm(self.weight, x.t()).t().contiguous()  # row-major, as F.linear's (in-place users need it)
-        return out if self.bias is None else out + self.bias
+        return cpu_linear(x, self.weight, self.bias)
 
 
 class PackedLinear(Linear):
