@@ -9,6 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without a GPU, Triton kernels run only through Triton's interpreter, which Triton reads when a kernel is defined:
+# set it before any test (an engine test on the Triton path, say) imports them in a worker that later runs
+# tests/kernels. .ci/gpu-check sets TRITON_INTERPRET=0 itself.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Tests compare against transformers on CPU in fp32: keep torch's threading predictable on 2 cores, and with
 # pytest-xdist's parallel workers (PYTEST_XDIST_WORKER_COUNT) share the cores out instead of oversubscribing them.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
