@@ -97,7 +97,35 @@ def _tiny_config(architecture: str):
     if architecture == "qwen3":
         # head_dim 32 with hidden 64 and 4 heads: head_dim != hidden / heads.
         return transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True, use_sliding_window=False)
+    moe = _tiny_moe_config(architecture, common)
+    if moe is not None:
+        return moe
     raise ValueError(architecture)
+
+
+def _tiny_moe_config(architecture: str, common: dict):
+    """Mixture-of-experts checkpoints: 8 experts top-2 (Mixtral 4), a dense layer between sparse ones where the
+    family has them, renormalised top-k and not, and Qwen2-MoE's shared expert."""
+    import transformers
+
+    experts = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, use_sliding_window=False)
+    if architecture == "qwen3_moe":  # layers 0 and 2 sparse, 1 dense
+        return transformers.Qwen3MoeConfig(
+            **{**common, "num_hidden_layers": 3}, **experts, head_dim=32, norm_topk_prob=True, mlp_only_layers=[1]
+        )
+    if architecture == "qwen3_moe_unnormalised":  # every second layer sparse: layer 1 of 2
+        return transformers.Qwen3MoeConfig(
+            **common, **experts, norm_topk_prob=False, decoder_sparse_step=2, tie_word_embeddings=True
+        )
+    if architecture == "mixtral":
+        return transformers.MixtralConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2, sliding_window=None, tie_word_embeddings=False
+        )
+    if architecture == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(
+            **common, **experts, shared_expert_intermediate_size=64, norm_topk_prob=False
+        )
+    return None
 
 
 _MODEL_CLASSES = {
@@ -107,6 +135,14 @@ _MODEL_CLASSES = {
     "qwen3": "Qwen3ForCausalLM",
 }
 ARCHITECTURES = tuple(_MODEL_CLASSES)
+MOE_MODEL_CLASSES = {
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_moe_unnormalised": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+}
+MOE_ARCHITECTURES = tuple(MOE_MODEL_CLASSES)
+_MODEL_CLASSES.update(MOE_MODEL_CLASSES)
 
 
 def build_checkpoint(folder: Path, architecture: str, seed: int = 0) -> Path:

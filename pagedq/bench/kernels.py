@@ -379,6 +379,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.skip_elementwise:
         bench_elementwise(device, copy_gbps)
         bench_copy_and_sampling(device, copy_gbps)
+        from pagedq.bench.kernels_moe import bench_fused_moe
+
+        bench_fused_moe(device, matmul_tflops, _time_ms, _report)
     return 0
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedq.kernels import cpu_attention, reference
+from pagedq.kernels import cpu_attention, cpu_moe, reference
 
 _BACKENDS = ("triton", "cpu", "reference")
 CPU_ATTENTION_NAMES = ("paged_decode_attention", "paged_prefill_attention")  # what "cpu" takes from cpu_attention
@@ -32,6 +32,7 @@ KERNEL_NAMES = (
     "silu_and_mul",
     "copy_blocks",
     "gumbel_argmax",
+    "fused_moe",
 )
 
 
@@ -59,6 +60,7 @@ class KernelSet:
     silu_and_mul: Callable
     copy_blocks: Callable
     gumbel_argmax: Callable
+    fused_moe: Callable
 
 
 def bind(device: torch.device | str) -> KernelSet:
@@ -69,6 +71,8 @@ def bind(device: torch.device | str) -> KernelSet:
     if backend in ("reference", "cpu"):
         fast = cpu_attention if backend == "cpu" else reference
         impls = {name: getattr(fast if name in CPU_ATTENTION_NAMES else reference, name) for name in KERNEL_NAMES}
+        if backend == "cpu":
+            impls["fused_moe"] = cpu_moe.fused_moe  # grouped by expert; the reference masks per expert
         return KernelSet(backend, **impls)
     from pagedq.kernels import triton_ops  # imported lazily: Triton reads TRITON_INTERPRET when kernels are defined
 
@@ -103,5 +107,6 @@ rotary_embedding = _dispatch("rotary_embedding")
 silu_and_mul = _dispatch("silu_and_mul")
 copy_blocks = _dispatch("copy_blocks")
 gumbel_argmax = _dispatch("gumbel_argmax")
+fused_moe = _dispatch("fused_moe")
 
 __all__ = ["KERNEL_NAMES", "KernelSet", "bind", "selected_backend", *KERNEL_NAMES]

@@ -23,7 +23,17 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from pagedq.kernels import activation, block_copy, decode_attention, kv_cache, norm, prefill_attention, rotary, sampling
+from pagedq.kernels import (
+    activation,
+    block_copy,
+    decode_attention,
+    kv_cache,
+    moe,
+    norm,
+    prefill_attention,
+    rotary,
+    sampling,
+)
 
 SM90_TARGET = GPUTarget("cuda", 90, 32)
 SM90_MAX_SHARED_BYTES = 232448  # 227 KiB opt-in shared memory per block on H100/H200
@@ -74,8 +84,9 @@ def _scalar_type(value) -> str:
 def compile_recorded(kernel: JITFunction, args: tuple, kwargs: dict):
     """Compile `kernel` for sm_90 with the arguments a launcher passed it."""
     meta = {k: v for k, v in kwargs.items() if k not in _LAUNCH_OPTIONS}
-    if "UPCAST_DOT" in meta:
-        meta["UPCAST_DOT"] = False  # on meta tensors the launcher saw a recorder, not a JIT kernel
+    for interpreter_fix in ("UPCAST_DOT", "RNE_BY_HAND"):
+        if interpreter_fix in meta:
+            meta[interpreter_fix] = False  # on meta tensors the launcher saw a recorder, not a JIT kernel
     values = dict(zip(kernel.arg_names, args))
     values.update(meta)
     # Specialise like a real JIT launch: ints equal to 1 become constants, and pointers (torch allocations
@@ -181,6 +192,36 @@ def _production_calls() -> list[tuple[str, object, list[str], Callable[[], objec
         ("gumbel_argmax 4 splits", sampling, ["_gumbel_argmax_partial_kernel", "_gumbel_argmax_reduce_kernel"],
          lambda: sampling.gumbel_argmax_split(_meta(256, 151936, dtype=torch.float32), _meta(256, dtype=torch.float32),
                                               _meta(256, dtype=torch.int64), _meta(256, dtype=torch.int64), 4)),
+        *_moe_calls(),
+    ]  # fmt: skip
+
+
+def _moe_calls() -> list[tuple[str, object, list[str], Callable[[], object]]]:
+    """fused_moe at Qwen3-30B-A3B (E 128, K 8, H 2048, I 768), Mixtral-8x7B (E 8, K 2, H 4096, I 14336) and
+    gpt-oss-20b (E 32, K 4, H 2880, I 2880, biases, clamped SwiGLU) sizes; decode batches take 16-row tiles,
+    prefill chunks 64-row ones."""
+    kernels = ["_moe_gate_up_kernel", "_moe_down_kernel"]
+
+    def call(tokens: int, experts: int, top_k: int, hidden: int, inter: int, dtype=torch.bfloat16, bias=False):
+        biases = {"w13_bias": _meta(experts, 2 * inter, dtype=dtype), "w2_bias": _meta(experts, hidden, dtype=dtype)}
+        return lambda: moe.fused_moe(
+            _meta(tokens, hidden, dtype=dtype),
+            _meta(experts, 2 * inter, hidden, dtype=dtype),
+            _meta(experts, hidden, inter, dtype=dtype),
+            _meta(tokens, top_k, dtype=torch.float32),
+            _meta(tokens, top_k, dtype=torch.int32),
+            **(biases if bias else {}),
+            activation="swiglu_oai" if bias else "silu",
+        )
+
+    return [
+        ("fused_moe qwen3-moe decode bf16", moe, kernels, call(64, 128, 8, 2048, 768)),
+        ("fused_moe qwen3-moe prefill bf16", moe, kernels, call(4096, 128, 8, 2048, 768)),
+        ("fused_moe qwen3-moe prefill fp16", moe, kernels, call(4096, 128, 8, 2048, 768, dtype=torch.float16)),
+        ("fused_moe qwen3-moe decode fp32", moe, kernels, call(64, 128, 8, 2048, 768, dtype=torch.float32)),
+        ("fused_moe mixtral decode bf16", moe, kernels, call(8, 8, 2, 4096, 14336)),
+        ("fused_moe mixtral prefill bf16", moe, kernels, call(4096, 8, 2, 4096, 14336)),
+        ("fused_moe gpt-oss prefill bf16", moe, kernels, call(4096, 32, 4, 2880, 2880, bias=True)),
     ]  # fmt: skip
 
 

@@ -206,3 +206,63 @@ def gumbel_argmax(
     noisy = scaled + gumbel_noise(seeds, positions, logits.shape[-1])
     sampled = noisy.masked_fill(logits == float("-inf"), float("-inf")).argmax(dim=-1)  # filtered stay out
     return torch.where(temperature == 0, greedy, sampled)
+
+
+# gpt-oss's clamped SwiGLU (transformers' GptOssExperts: config.swiglu_alpha, config.swiglu_limit).
+SWIGLU_OAI_ALPHA = 1.702
+SWIGLU_OAI_LIMIT = 7.0
+MOE_ACTIVATIONS = ("silu", "swiglu_oai")
+
+
+def check_moe_activation(activation: str) -> None:
+    if activation not in MOE_ACTIVATIONS:
+        raise ValueError(f"fused_moe: activation must be one of {MOE_ACTIVATIONS}, got {activation!r}")
+
+
+def moe_activation(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """[N, 2I] (gate | up) halves -> [N, I], in the input dtype, as transformers' experts compute it.
+
+    "silu": silu(gate) * up (Qwen3-MoE, Mixtral). "swiglu_oai" (gpt-oss): gate clamped above at the limit, up
+    clamped to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate).
+    """
+    check_moe_activation(activation)
+    half = gate_up.shape[-1] // 2
+    gate, up = gate_up[..., :half], gate_up[..., half:]
+    if activation == "silu":
+        return torch.nn.functional.silu(gate) * up
+    gate = gate.clamp(max=SWIGLU_OAI_LIMIT)
+    up = up.clamp(min=-SWIGLU_OAI_LIMIT, max=SWIGLU_OAI_LIMIT)
+    return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_OAI_ALPHA))
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """The routed experts' output, [T, H] in hidden's dtype: out[t] = sum_k topk_weights[t, k] * expert(hidden[t])
+    with expert e = topk_ids[t, k], expert_e(x) = act(x @ w13[e].T + w13_bias[e]) @ w2[e].T + w2_bias[e].
+
+    hidden [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; topk_weights [T, K] fp32; topk_ids
+    [T, K] int32/int64 in [0, E); biases [E, 2I] and [E, H] or None; activation as in `moe_activation`. Each
+    expert's projections run in hidden's dtype (as transformers'); the weighted sum over k accumulates in fp32.
+    Routing (router logits, softmax, top-k) is the caller's. The oracle: a loop over every expert, masking.
+    """
+    check_moe_activation(activation)
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for expert in range(w13.shape[0]):
+        tokens, slots = torch.where(topk_ids == expert)
+        if tokens.numel() == 0:
+            continue
+        bias13 = None if w13_bias is None else w13_bias[expert]
+        bias2 = None if w2_bias is None else w2_bias[expert]
+        gate_up = torch.nn.functional.linear(hidden[tokens], w13[expert], bias13)
+        expert_out = torch.nn.functional.linear(moe_activation(gate_up, activation), w2[expert], bias2)
+        out.index_add_(0, tokens, expert_out.float() * topk_weights[tokens, slots, None].float())
+    return out.to(hidden.dtype)

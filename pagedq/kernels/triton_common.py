@@ -39,6 +39,27 @@ def dot_fp32_acc(a, b, acc, UPCAST: tl.constexpr):
     return tl.dot(a, b, acc, input_precision="ieee")
 
 
+def needs_bf16_rounding_by_hand(kernel, dtype: torch.dtype) -> bool:
+    """Whether fp32 -> `dtype` casts must round to nearest even by hand (`round_to`).
+
+    Triton's interpreter truncates fp32 -> bf16 (3.6 through 3.9) where the GPU and torch round to nearest even;
+    a kernel that rounds several intermediates as its torch reference does would drift a few ulps low there.
+    On a GPU this is always False and the plain cast rounds.
+    """
+    return dtype == torch.bfloat16 and runs_in_interpreter(kernel)
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr, BY_HAND: tl.constexpr):
+    """fp32 x rounded to nearest even in `dtype`; BY_HAND (bf16 in the interpreter only) rounds the fp32 bits to
+    their top 16 first, so that the interpreter's truncating cast is exact. Finite values only."""
+    if BY_HAND:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
 def padded_pow2(n: int, minimum: int = 1) -> int:
     """Smallest power of two >= max(n, minimum): Triton block shapes must be powers of two."""
     return max(triton.next_power_of_2(n), minimum)

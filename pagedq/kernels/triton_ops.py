@@ -10,6 +10,7 @@ from pagedq.kernels.activation import silu_and_mul
 from pagedq.kernels.block_copy import copy_blocks
 from pagedq.kernels.decode_attention import paged_decode_attention
 from pagedq.kernels.kv_cache import store_kv_cache
+from pagedq.kernels.moe import fused_moe
 from pagedq.kernels.norm import head_rms_norm, rms_norm
 from pagedq.kernels.prefill_attention import paged_prefill_attention
 from pagedq.kernels.rotary import rotary_embedding
@@ -17,6 +18,7 @@ from pagedq.kernels.sampling import gumbel_argmax
 
 __all__ = [
     "copy_blocks",
+    "fused_moe",
     "gumbel_argmax",
     "head_rms_norm",
     "paged_decode_attention",

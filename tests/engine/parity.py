@@ -14,7 +14,9 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[i
         input_ids,
         attention_mask=torch.ones_like(input_ids),
         max_new_tokens=max_new_tokens,
-        min_new_tokens=max_new_tokens,
+        # ignored as our ignore_eos ignores it: never a stop, never masked (min_new_tokens would mask EOS, and a
+        # model whose argmax is EOS would then diverge from ours)
+        eos_token_id=None,
         do_sample=False,
         return_dict_in_generate=True,
         output_logits=True,

@@ -94,3 +94,25 @@ def test_sharing_bench_lines_report_memory_saved(tiny_llama_dir, capsys, kind):
     if kind != "beam":  # same requests, same tokens generated, with and without sharing
         assert result["sharing_on"]["generated"] == result["sharing_off"]["generated"]
         assert result["sharing_on"]["peak_used_blocks"] < result["sharing_off"]["peak_used_blocks"]
+
+
+def test_moe_workloads_are_qwen3_moe_shapes_and_the_bench_runs_a_moe_checkpoint(checkpoint_factory, capsys):
+    from pagedq.bench.engine.args import MOE_WORKLOADS
+    from pagedq.bench.engine.throughput import _workload_folder
+    from pagedq.engine.config.engine import ModelConfig
+
+    for name, (experts, top_k) in {"MOE-S": (8, 2), "MOE-M": (32, 4)}.items():
+        config = ModelConfig.from_pretrained(_workload_folder(name))
+        assert config.architecture == "Qwen3MoeForCausalLM" and config.moe is not None
+        assert (config.moe.num_experts, config.moe.num_experts_per_tok) == (experts, top_k)
+        assert config.hidden_size == MOE_WORKLOADS[name]["shape"]["hidden_size"]
+    args = ["throughput", "--model", str(checkpoint_factory("qwen3_moe")), "--num-prompts", "4", "--input-len", "8:24"]
+    assert main([*args, "--output-len", "4:8", "--baseline", "hf", "--hf-batch-size", "4", "--max-num-seqs", "4"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (
+        result["engine_generated_tokens"]
+        == result["output_tokens"]
+        == sum(draw_workload(4, (8, 24), (4, 8), 512).output_lens)
+    )
+    assert result["hf_batch_size"] == 4 and result["ratio"] > 0
+    assert result["step_parts_skipped"] == "not split for mixture-of-experts layers yet"

@@ -29,6 +29,10 @@ def test_the_registry_serves_every_supported_architecture():
         "MistralForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
+        # mixture of experts
+        "MixtralForCausalLM",
+        "Qwen2MoeForCausalLM",
+        "Qwen3MoeForCausalLM",
     }
     assert all(registry.model_class(name) is LlamaForCausalLM for name in registry.supported_architectures())
     with pytest.raises(ValueError, match=r"unsupported architecture 'GPT2LMHeadModel'.*LlamaForCausalLM"):

@@ -26,6 +26,10 @@ class WorkloadSpec(TypedDict):
     num_prompts: int
 
 
+class MoeWorkloadSpec(WorkloadSpec):
+    model_type: str  # transformers' model type the shape is a config of (the Llama ones have none: "llama")
+
+
 WORKLOADS: dict[str, WorkloadSpec] = {
     "W1": {
         "shape": dict(
@@ -56,6 +60,48 @@ WORKLOADS: dict[str, WorkloadSpec] = {
         "num_prompts": 128,
     },
 }
+# Mixture-of-experts shapes, random weights (docs/benchmarks.md#mixture-of-experts). MOE-S: a small Qwen3-MoE
+# (8 experts, top-2) for the CPU; MOE-M: a Qwen3-MoE-like shape for a GPU (32 experts, top-4, hidden 1024).
+MOE_WORKLOADS: dict[str, MoeWorkloadSpec] = {
+    "MOE-S": {
+        "model_type": "qwen3_moe",
+        "shape": dict(
+            hidden_size=512,
+            intermediate_size=1024,
+            moe_intermediate_size=512,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=64,
+            vocab_size=8192,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+        ),
+        "num_prompts": 32,
+    },
+    "MOE-M": {
+        "model_type": "qwen3_moe",
+        "shape": dict(
+            hidden_size=1024,
+            intermediate_size=3072,
+            moe_intermediate_size=512,
+            num_experts=32,
+            num_experts_per_tok=4,
+            norm_topk_prob=True,
+            num_hidden_layers=12,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            head_dim=64,
+            vocab_size=32000,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+        ),
+        "num_prompts": 64,
+    },
+}
 
 
 SAMPLINGS = {
@@ -77,10 +123,10 @@ def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="checkpoint folder (a folder with only config.json: random weights)")
     parser.add_argument(
         "--workload",
-        choices=[*sorted(WORKLOADS), GROUNDED],
-        help="reference workload of shared/anchors, or grounded: documents from Python's reference docs with "
-        "rewrite / quote / extract instructions, in the model's chat template (default model: the demo model), "
-        "run at each --batch-sizes",
+        choices=[*sorted(WORKLOADS), *sorted(MOE_WORKLOADS), GROUNDED],
+        help="reference workload of shared/anchors, a mixture-of-experts shape (MOE-S: CPU, MOE-M: GPU), or "
+        "grounded: documents from Python's reference docs with rewrite / quote / extract instructions, in the "
+        "model's chat template (default model: the demo model), run at each --batch-sizes",
     )
     parser.add_argument(
         "--num-prompts", type=int, default=None, help="prompts to run (default: the workload's, else 64)"

@@ -18,17 +18,28 @@ from typing import Any
 
 import torch
 
-from pagedq.bench.engine.args import GROUNDED, OWN_FLAGS, WORKLOADS
+from pagedq.bench.engine.args import GROUNDED, MOE_WORKLOADS, OWN_FLAGS, WORKLOADS
 from pagedq.bench.engine.workload import Workload, draw_workload, left_padded
 from pagedq.engine.options import engine_kwargs_from
 
 
-def _config_only_folder(shape: dict) -> Path:
-    from transformers import LlamaConfig
+def _config_only_folder(shape: dict, model_type: str = "llama") -> Path:
+    """A folder holding only the config.json of `shape` (random weights), as transformers' `model_type` config."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     folder = Path(tempfile.mkdtemp(prefix="pagedq-shape-"))
-    LlamaConfig(**shape, architectures=["LlamaForCausalLM"]).save_pretrained(folder)
+    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    AutoConfig.for_model(model_type, **shape, architectures=[architecture]).save_pretrained(folder)
     return folder
+
+
+def _workload_folder(name: str) -> Path:
+    """The config-only folder of a named workload (reference or mixture-of-experts shape)."""
+    if name in MOE_WORKLOADS:
+        spec = MOE_WORKLOADS[name]
+        return _config_only_folder(spec["shape"], spec["model_type"])
+    return _config_only_folder(WORKLOADS[name]["shape"])
 
 
 def run_engine(model_dir: str, workload: Workload, engine_kwargs: dict, step_parts: bool = False) -> dict:
@@ -75,6 +86,8 @@ def _step_parts(engine, workload: Workload) -> dict:
     outputs), timed part by part on the engine's model and cache (pagedq/bench/engine/step_parts.py)."""
     from pagedq.bench.engine.step_parts import measure_step_parts
 
+    if engine.model_config.moe is not None:  # its parts list the dense MLP's matmuls, not a routed step's
+        return {"step_parts_skipped": "not split for mixture-of-experts layers yet"}
     batch = min(len(workload.prompts), engine.config.max_num_seqs)
     contexts = [len(p) + out // 2 for p, out in zip(workload.prompts[:batch], workload.output_lens[:batch])]
     runner = engine.model_runner
@@ -165,13 +178,13 @@ def run(args: argparse.Namespace) -> dict:
     if args.workload == GROUNDED or args.batch_sizes or args.speculative_config:
         return _run_sweep(args)
     if args.workload:
-        spec = WORKLOADS[args.workload]
-        model_dir = str(_config_only_folder(spec["shape"]))
+        spec = MOE_WORKLOADS.get(args.workload) or WORKLOADS[args.workload]
+        model_dir = str(_workload_folder(args.workload))
         num_prompts = args.num_prompts or spec["num_prompts"]
     elif args.model:
         model_dir, num_prompts = args.model, args.num_prompts or 64
     else:
-        raise SystemExit("pagedq bench throughput: give --model DIR or --workload W1|W8")
+        raise SystemExit("pagedq bench throughput: give --model DIR or --workload W1|W8|MOE-S|MOE-M")
     from pagedq.engine.config.engine import ModelConfig
 
     vocab = ModelConfig.from_pretrained(model_dir).vocab_size
@@ -204,8 +217,8 @@ def _run_sweep(args: argparse.Namespace) -> dict:
     from pagedq.bench.engine.speculative import run_sweep
     from pagedq.engine.config.engine import ModelConfig
 
-    if args.workload in WORKLOADS:
-        model_dir = str(_config_only_folder(WORKLOADS[args.workload]["shape"]))
+    if args.workload in WORKLOADS or args.workload in MOE_WORKLOADS:
+        model_dir = str(_workload_folder(args.workload))
     elif args.model:
         model_dir = args.model
     elif args.workload == GROUNDED:

@@ -13,6 +13,10 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
+    # mixture of experts: the same tree, whose sparse layers take the expert block for their MLP (ModelConfig.moe)
+    "MixtralForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
+    "Qwen2MoeForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
+    "Qwen3MoeForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
 }
 
 

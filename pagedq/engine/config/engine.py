@@ -113,6 +113,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 2048
     eos_token_ids: tuple[int, ...] = ()
+    # the expert facts of a mixture-of-experts architecture (pagedq/engine/layers/moe.py); None for a dense one
+    moe: MoeConfig | None = None
 
     @classmethod
     def from_pretrained(cls, folder: str | Path) -> ModelConfig:
@@ -142,12 +144,70 @@ class ModelConfig:
             num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
             head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads,
             rms_norm_eps=hf.rms_norm_eps,
-            qkv_bias=architecture == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False)),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qkv_bias=architecture == "Qwen2ForCausalLM"
+            or bool(getattr(hf, "attention_bias", False))
+            or (architecture == "Qwen2MoeForCausalLM" and bool(getattr(hf, "qkv_bias", True))),
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             max_position_embeddings=_max_model_len(hf),
             eos_token_ids=_eos_token_ids(folder, hf),
+            moe=MoeConfig.from_hf(architecture, hf),
         )
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts model's expert facts, named as transformers' configs name them."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int  # each routed expert's SwiGLU width
+    norm_topk_prob: bool  # renormalise the top-k probabilities to sum to 1
+    sparse_layers: tuple[int, ...]  # the layers whose MLP is the expert block; the others are dense
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    # transformers' Qwen routers cast the top-k weights to the model dtype before the experts use them; Mixtral's
+    # keep them in fp32
+    weights_in_model_dtype: bool = True
+
+    @classmethod
+    def from_hf(cls, architecture: str, hf) -> MoeConfig | None:
+        """None for a dense architecture; ValueError naming the field for a routing we do not serve."""
+        if architecture == "MixtralForCausalLM":
+            moe = cls(
+                num_experts=hf.num_local_experts,
+                num_experts_per_tok=hf.num_experts_per_tok,
+                moe_intermediate_size=hf.intermediate_size,
+                norm_topk_prob=True,
+                sparse_layers=tuple(range(hf.num_hidden_layers)),
+                weights_in_model_dtype=False,
+            )
+        elif architecture in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
+            step, dense = hf.decoder_sparse_step, set(hf.mlp_only_layers or ())
+            if not isinstance(step, int) or step < 1:
+                raise ValueError(f"decoder_sparse_step must be a positive integer, got {step!r}")
+            moe = cls(
+                num_experts=hf.num_experts,
+                num_experts_per_tok=hf.num_experts_per_tok,
+                moe_intermediate_size=hf.moe_intermediate_size,
+                norm_topk_prob=bool(hf.norm_topk_prob),
+                sparse_layers=tuple(
+                    i
+                    for i in range(hf.num_hidden_layers)
+                    if i not in dense and hf.num_experts > 0 and (i + 1) % step == 0
+                ),
+                shared_expert_intermediate_size=getattr(hf, "shared_expert_intermediate_size", 0) or 0,
+            )
+        else:
+            return None
+        if not isinstance(moe.num_experts, int) or moe.num_experts < 0:
+            raise ValueError(f"num_experts must be a non-negative integer, got {moe.num_experts!r}")
+        if moe.sparse_layers and not 1 <= moe.num_experts_per_tok <= moe.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in 1..num_experts ({moe.num_experts}), got {moe.num_experts_per_tok!r}"
+            )
+        if moe.sparse_layers and moe.moe_intermediate_size < 1:
+            raise ValueError(f"moe_intermediate_size must be a positive integer, got {moe.moe_intermediate_size!r}")
+        return moe
 
 
 def _max_model_len(hf) -> int:

@@ -11,10 +11,11 @@ from pagedq.kernels import KernelSet
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelSet) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelSet, intermediate_size: int | None = None) -> None:
+        """intermediate_size: the config's unless given (a MoE model's shared expert has its own)."""
         super().__init__()
         self.ops = ops
-        size = config.intermediate_size
+        size = intermediate_size or config.intermediate_size
         self.gate_up_proj = PackedLinear(config.hidden_size, [size, size], bias=False)
         self.down_proj = Linear(size, config.hidden_size, bias=False)
 

@@ -1,9 +1,11 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flattened token batch and a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3; and with expert blocks Mixtral, Qwen2-MoE, Qwen3-MoE) over
+a flattened token batch and a paged KV cache.
 
 No padding anywhere: the batch is [T] tokens from many requests; attention finds each token's request
 through `AttentionMetadata`. Q/K/V and gate/up are packed into one matmul each. The numerics follow
 transformers (RMSNorm variance in fp32, neox RoPE from transformers' own inv_freq functions) so greedy
-outputs match it token for token in fp32. The layers live in pagedq/engine/layers/; this file only composes them.
+outputs match it token for token in fp32. A MoE model's sparse layers take the expert block for their MLP
+(`layers.moe.feed_forward`). The layers live in pagedq/engine/layers/; this file only composes them.
 """
 
 from __future__ import annotations
@@ -12,16 +14,17 @@ import torch
 from torch import nn
 
 from pagedq.engine.config.engine import ModelConfig
-from pagedq.engine.layers import MLP, Attention, AttentionMetadata, RMSNorm, rope_cos_sin_cache
+from pagedq.engine.layers import Attention, AttentionMetadata, RMSNorm, rope_cos_sin_cache
 from pagedq.engine.layers.linear import Linear
+from pagedq.engine.layers.moe import feed_forward
 from pagedq.kernels import KernelSet
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ops: KernelSet) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelSet, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = Attention(config, ops)
-        self.mlp = MLP(config, ops)
+        self.mlp = feed_forward(config, ops, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -36,7 +39,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, ops: KernelSet) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, ops) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, ops, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
 

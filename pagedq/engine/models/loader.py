@@ -1,7 +1,8 @@
 """Build our model from a local Hugging Face checkpoint folder.
 
 Weights come from *.safetensors (preferred) or pytorch_model*.bin. The checkpoint's separate q/k/v and
-gate/up projections are copied into our packed matrices. A folder holding only config.json gets random
+gate/up projections are copied into our packed matrices, and a MoE checkpoint's per-expert matrices into the
+stacked expert tensors (pagedq/engine/layers/moe.py). A folder holding only config.json gets random
 weights (for benchmarks of a model shape without its weights).
 """
 
@@ -18,6 +19,7 @@ from torch import nn
 from pagedq import kernels
 from pagedq.engine.config.engine import ModelConfig
 from pagedq.engine.layers import PackedLinear
+from pagedq.engine.layers.moe import Experts
 from pagedq.engine.models.registry import model_class
 
 if TYPE_CHECKING:
@@ -33,6 +35,21 @@ _PACKED_SHARDS = {
 }
 _PACKED_NAME = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+# One expert's projection: Qwen-MoE's mlp.experts.N.{gate,up,down}_proj, Mixtral's block_sparse_moe.experts.N.w1/w3/w2.
+_EXPERT_NAME = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_PROJECTIONS = {
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+    "w1": "gate",
+    "w3": "up",
+    "w2": "down",
+}
+# Every expert at once, as transformers 5 holds them in memory: gate_up_proj [E, 2I, H] (gate rows first), down_proj.
+_STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+_STACKED_TARGETS = {"gate_up_proj": ("w13", ("gate", "up")), "down_proj": ("w2", ("down",))}
+# Mixtral's checkpoint calls the expert block block_sparse_moe; ours is mlp, as the Qwen MoE checkpoints call it.
+_RENAMED = ((".block_sparse_moe.", ".mlp."),)
 
 
 def load_model(folder: str | Path, config: ModelConfig, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
@@ -72,8 +89,13 @@ def _load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Te
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     loaded: set[str] = set()
-    for name, tensor in tensors:
-        if _IGNORED.search(name):
+    for checkpoint_name, tensor in tensors:
+        if _IGNORED.search(checkpoint_name):
+            continue
+        name = _our_name(checkpoint_name)
+        expert = _EXPERT_NAME.match(name) or _STACKED_EXPERTS.match(name)
+        if expert:
+            loaded |= _load_experts(modules.get(expert.group(1)), expert, checkpoint_name, tensor)
             continue
         packed = _PACKED_NAME.match(name)
         if packed:
@@ -96,9 +118,48 @@ def _load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Te
     _check_complete(model, loaded)
 
 
+def _our_name(checkpoint_name: str) -> str:
+    for theirs, ours in _RENAMED:
+        checkpoint_name = checkpoint_name.replace(theirs, ours)
+    return checkpoint_name
+
+
+def _load_experts(
+    module: nn.Module | None, match: re.Match[str], checkpoint_name: str, tensor: torch.Tensor
+) -> set[str]:
+    """Copy one expert's projection, or every expert's stacked tensor, into `module`; the names it loaded."""
+    if not isinstance(module, Experts):
+        raise ValueError(f"checkpoint tensor {checkpoint_name} has no place in the model")
+    prefix, which = match.group(1), match.groups()[-1]
+    if match.re is _STACKED_EXPERTS:
+        param_name, projections = _STACKED_TARGETS[which]
+        param = getattr(module, param_name)
+        if tensor.shape != param.shape:
+            raise ValueError(
+                f"checkpoint tensor {checkpoint_name} has shape {tuple(tensor.shape)}, "
+                f"model expects {tuple(param.shape)}"
+            )
+        param.data.copy_(tensor)
+        return {f"{prefix}.{e}.{p}" for e in range(module.num_experts) for p in projections}
+    expert, projection = int(match.group(2)), _EXPERT_PROJECTIONS[which]
+    try:
+        module.load_expert(expert, projection, tensor)
+    except ValueError as error:
+        raise ValueError(f"checkpoint tensor {checkpoint_name}: {error}") from None
+    return {f"{prefix}.{expert}.{projection}"}
+
+
 def _check_complete(model: LlamaForCausalLM, loaded: set[str]) -> None:
     missing = []
     for module_name, module in model.named_modules():
+        if isinstance(module, Experts):
+            missing += [
+                f"{module_name}.{e}.{p}"
+                for e in range(module.num_experts)
+                for p in Experts.PROJECTIONS
+                if f"{module_name}.{e}.{p}" not in loaded
+            ]
+            continue
         for kind in ("weight", "bias"):
             if getattr(module, kind, None) is None or not isinstance(getattr(module, kind), torch.nn.Parameter):
                 continue
