@@ -52,8 +52,10 @@ class LLMEngine:
         self.max_model_len = min(self.config.max_model_len, self.model_config.max_position_embeddings)
         self.tokenizer = _load_tokenizer(self.model_dir)
         self.model_runner = ModelRunner(self.model_dir, self.model_config, self.config)
+        # Only where every layer slides through one window can a request give back the blocks before it.
+        window = self.model_config.sliding_window if self.model_config.every_layer_slides else 0
         self.block_manager = BlockManager(
-            self.model_runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching
+            self.model_runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching, window or 0
         )
         swap = SwapSpace(self.model_runner.num_host_blocks) if self.config.preemption_mode == "swap" else None
         seats = SeatPolicy(self.config.seat_preemption_interval, self.config.max_seat_preemptions)
@@ -212,7 +214,7 @@ class LLMEngine:
     def _check_fits(self, token_ids: list[int], max_tokens: int) -> None:
         check_context_fits(self.max_model_len, len(token_ids), max_tokens)
         total = len(token_ids) + max_tokens
-        blocks = self.block_manager.blocks_for_tokens(total)
+        blocks = self.block_manager.max_blocks_held(total, self.config.max_num_batched_tokens)
         if blocks > self.block_manager.num_total_blocks:
             raise RequestRejected(
                 f"prompt + max_tokens needs {blocks} KV blocks but the whole cache has "
@@ -246,7 +248,7 @@ class LLMEngine:
         ends it before its KV is written); with n samples (best_of), the prompt's full blocks once, shared by
         the samples, the rest per sample."""
         manager = self.block_manager
-        whole = manager.blocks_for_tokens(num_prompt_tokens + max(max_tokens, 1) - 1)
+        whole = manager.max_blocks_held(num_prompt_tokens + max(max_tokens, 1) - 1, self.config.max_num_batched_tokens)
         shared = num_prompt_tokens // manager.block_size if n > 1 else 0
         return shared + n * (whole - shared)
 

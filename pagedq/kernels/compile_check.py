@@ -178,6 +178,18 @@ def _production_calls() -> list[tuple[str, object, list[str], Callable[[], objec
          lambda: prefill(_meta(4096, 8, 64), _meta(64, 16, 8, 64), _meta(64, 16, 8, 64), tables, cu, lens, 0.125)),
         ("prefill fp32 gqa8", prefill_attention, ["_prefill_kernel"],
          lambda: prefill(_meta(4096, 64, 128, dtype=torch.float32), *fp32_caches, tables, cu, lens, 0.088)),
+        # attention variants (constexpr switches, so the plain kernels above are unchanged): gpt-oss's sliding
+        # window with sinks, Gemma 2's soft-cap with a window, each in both kernels
+        ("decode bf16 gqa8 window+sinks", decode_attention, ["_decode_partition_kernel", "_decode_reduce_kernel"],
+         lambda: decode(_meta(64, 64, 64), _meta(64, 16, 8, 64), _meta(64, 16, 8, 64), tables, lens, 0.125,
+                        window=128, sinks=_meta(64, dtype=torch.float32))),
+        ("decode bf16 gqa4 window+softcap", decode_attention, ["_decode_partition_kernel", "_decode_reduce_kernel"],
+         lambda: decode(_meta(64, 32, 128), *caches, tables, lens, 0.088, window=4096, softcap=50.0)),
+        ("prefill bf16 gqa8 window+sinks", prefill_attention, ["_prefill_kernel"],
+         lambda: prefill(_meta(4096, 64, 64), _meta(64, 16, 8, 64), _meta(64, 16, 8, 64), tables, cu, lens, 0.125,
+                         window=128, sinks=_meta(64, dtype=torch.float32))),
+        ("prefill bf16 gqa4 window+softcap", prefill_attention, ["_prefill_kernel"],
+         lambda: prefill(_meta(4096, 32, 128), *caches, tables, cu, lens, 0.088, window=4096, softcap=50.0)),
         ("rms_norm", norm, ["_rms_norm_kernel"],
          lambda: norm.rms_norm(_meta(64, 4096), _meta(4096), 1e-6, _meta(64, 4096))),
         ("head_rms_norm", norm, ["_head_rms_norm_kernel"],

@@ -21,6 +21,8 @@ oracle these are tested against). Why this shape, measured on the 2-core CPU (do
     plan built once a step (`plan_decode`, `plan_prefill`; pagedq/engine/layers/attention.py keeps it on the step's
     metadata), and each layer then gathers all its blocks with one index_select per cache. The native path's
     plan is only the tables and lengths as contiguous int32.
+Prefill's plan lives in pagedq/kernels/cpu_prefill.py, the length groups and the call over gathered K/V (SDPA, or a
+manual softmax for soft-cap and sinks) in pagedq/kernels/cpu_gathered.py; this module re-exports their names.
 SDPA and the native kernel accumulate in fp32 for bf16 inputs, as the reference does; only the summation order
 differs. torch.compile (inductor's C++) over a gather-reduce formulation was tried before the native kernel:
 106 s to compile on 2 cores and no faster than the gather (docs/kernels.md).
@@ -32,9 +34,23 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.nn import functional as F
 
-from pagedq.kernels import cpu_native
+from pagedq.kernels import cpu_native, reference
+from pagedq.kernels.cpu_gathered import (
+    GROUP_COST_TOKENS,
+    MANUAL_SCORES_PER_SLICE,
+    MAX_LENGTH_GROUPS,
+    attend,
+    length_groups,
+)
+from pagedq.kernels.cpu_prefill import (
+    MAX_BATCHED_QUERY_TOKENS,
+    PrefillChunk,
+    PrefillPlan,
+    ShortChunkGroup,
+    plan_prefill,
+    planned_prefill,
+)
 
 
 @dataclass(frozen=True)
@@ -72,11 +88,17 @@ def use_native(k_cache: torch.Tensor) -> bool:
 
 
 def plan_decode(
-    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, native: bool = False
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    native: bool = False,
+    *,
+    window: int = 0,
 ) -> DecodePlan:
     """The step's plan for block_tables [S, M] int32 and context_lens [S] int32 (CPU tensors: no device sync to
     pay). native (callers pass use_native(k_cache)): a plan for the native kernel, just the tables and lengths as
-    contiguous int32; else the length groups (length_groups), the blocks each gathers and its length mask."""
+    contiguous int32; else the length groups (length_groups), the blocks each gathers and its length mask (and
+    window mask: the SDPA path gathers the blocks before a window too, and masks them)."""
     if native:
         int_tables, int_lens = block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous()
         return DecodePlan(torch.zeros(0, dtype=torch.long), (), None, None, int_tables, int_lens)
@@ -95,9 +117,12 @@ def plan_decode(
         blocks.append(tables[start:end, :num_blocks].reshape(-1))
         group_lens = sorted_lens[start:end]
         mask = None
-        if int(group_lens.min()) < num_blocks * block_size:  # some row ends before its last gathered slot
-            positions = torch.arange(num_blocks * block_size)
-            mask = (positions[None, :] < group_lens[:, None])[:, None, None, :]
+        slides = window and int(group_lens.max()) > window
+        if slides or int(group_lens.min()) < num_blocks * block_size:  # some row ends before its last slot
+            positions = torch.arange(num_blocks * block_size)[None, :]
+            lens_column = group_lens[:, None].long()
+            visible = (positions < lens_column) & (positions >= reference.window_start(lens_column - 1, window))
+            mask = visible[:, None, None, :]
         planned.append(DecodeGroup(start, end, num_blocks, mask))
     flat = torch.cat(blocks).long() if blocks else torch.zeros(0, dtype=torch.long)
     return DecodePlan(flat, tuple(planned), order, inverse)
@@ -110,18 +135,30 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence at position context_len-1 over its context_len cached tokens.
 
     query [S, Hq, D]; block_tables [S, M] int32; context_lens [S] int32 -> [S, Hq, D].
     Plans the step (plan_decode) and runs it; the engine's layers plan once a step and call planned_decode.
     """
-    plan = plan_decode(block_tables, context_lens, k_cache.shape[1], use_native(k_cache))
-    return planned_decode(query, k_cache, v_cache, plan, scale)
+    plan = plan_decode(block_tables, context_lens, k_cache.shape[1], use_native(k_cache), window=window)
+    return planned_decode(query, k_cache, v_cache, plan, scale, window=window, softcap=softcap, sinks=sinks)
 
 
 def planned_decode(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan, scale: float
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: DecodePlan,
+    scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention as `plan` lays it out: one index_select per cache gathers every group's blocks, then one
     SDPA per group over its part of them.
@@ -137,14 +174,17 @@ def planned_decode(
     _, block_size, num_kv_heads, _ = k_cache.shape
     if plan.tables is not None and plan.lens is not None:
         if cpu_native.supports(query, k_cache, v_cache):
-            return cpu_native.run_decode(query, k_cache, v_cache, plan.tables, plan.lens, scale)
-        plan = plan_decode(plan.tables, plan.lens, block_size, native=False)
+            return cpu_native.run_decode(
+                query, k_cache, v_cache, plan.tables, plan.lens, scale, window=window, softcap=softcap, sinks=sinks
+            )
+        plan = plan_decode(plan.tables, plan.lens, block_size, native=False, window=window)
     if num_seqs == 0:
         return torch.empty_like(query)
     keys, values = k_cache.index_select(0, plan.blocks), v_cache.index_select(0, plan.blocks)
     if plan.order is not None:
         query = query.index_select(0, plan.order)
     query = query.reshape(num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
+    row_sinks = None if sinks is None else sinks.view(1, num_kv_heads, num_q_heads // num_kv_heads, 1)
     outs, offset = [], 0
     for group in plan.groups:
         rows, width = group.end - group.start, group.num_blocks
@@ -153,166 +193,9 @@ def planned_decode(
         k = keys[part].view(rows, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
         v = values[part].view(rows, width * block_size, num_kv_heads, head_dim).transpose(1, 2)
         q = query[group.start : group.end]
-        outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale))
+        outs.append(attend(q, k, v, group.mask, scale, softcap=softcap, sinks=row_sinks))
     out = (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(num_seqs, num_q_heads, head_dim)
     return out if plan.inverse is None else out.index_select(0, plan.inverse)
-
-
-# A group's fixed cost (an index_select pair and an SDPA call, ~40 us) in the units of its work, sequences x padded
-# tokens (~0.2 us each at head dim 64 on the 2-core CPU): a split must save more padded work than this to pay.
-GROUP_COST_TOKENS = 256
-MAX_LENGTH_GROUPS = 4
-
-
-def length_groups(context_lens: np.ndarray, block_size: int) -> list[tuple[int, int, int]]:
-    """(start, end, longest context) of each group of the sequences sorted by context length: the cut that saves the
-    most padded work, applied again to each side while it saves more than a group costs (at most 4 groups)."""
-    padded = -(-np.sort(context_lens) // block_size) * block_size  # what a group gathers per sequence, at most
-    groups = [(0, len(padded))]
-    while len(groups) < MAX_LENGTH_GROUPS:
-        best = max(((*_best_cut(padded, start, end), i) for i, (start, end) in enumerate(groups)), default=None)
-        if best is None or best[0] <= GROUP_COST_TOKENS:
-            break
-        _, cut, i = best
-        start, end = groups[i]
-        groups[i : i + 1] = [(start, cut), (cut, end)]
-    return [(start, end, int(padded[end - 1])) for start, end in groups]
-
-
-def _best_cut(padded: np.ndarray, start: int, end: int) -> tuple[int, int]:
-    """(padded work saved, cut) of the best split of sorted padded[start:end] into two groups; (0, start) if none."""
-    if end - start < 2:
-        return 0, start
-    cuts = np.arange(start + 1, end)
-    split_cost = (cuts - start) * padded[cuts - 1] + (end - cuts) * padded[end - 1]
-    best = int(np.argmin(split_cost))
-    return int((end - start) * padded[end - 1] - split_cost[best]), int(cuts[best])
-
-
-# Chunks of at most this many query tokens (a verify row: its last token and up to 16 drafts,
-# the speculative config's bound; a one-token chunk) are attended in batches, like decode rows: such a chunk's
-# work (q_len x context_len) is too small to pay its own gather slice, mask and SDPA call in every layer. Longer chunks
-# keep one call each.
-MAX_BATCHED_QUERY_TOKENS = 17
-
-
-@dataclass(frozen=True)
-class PrefillChunk:
-    """One sequence's query chunk: rows [q_start, q_end) of the step's prefill queries, attending to context_len
-    cached tokens held by the plan's blocks [block_start, block_start + ceil(context_len / block_size))."""
-
-    q_start: int
-    q_end: int
-    context_len: int
-    block_start: int
-    mask: torch.Tensor | None  # [q_len, context_len] bool after a cached prefix; None: is_causal from token 0
-
-
-@dataclass(frozen=True)
-class ShortChunkGroup:
-    """Short chunks attended by one SDPA call, each padded to `width` queries and num_blocks gathered blocks (the
-    plan's blocks [block_start, block_start + rows * num_blocks), row after row).
-
-    queries [rows * width]: the prefill rows gathered (a padding query repeats its chunk's last one); kept
-    [n]: which of them are real, scattered back to their prefill rows `targets` [n]. mask [rows, 1, width *
-    heads_per_kv, num_blocks * block_size] bool: query i of a chunk (each KV head's query heads folded in as
-    heads_per_kv rows per query, as decode folds them) sees the keys up to its position context_len - q_len + i.
-    """
-
-    rows: int
-    width: int
-    num_blocks: int
-    block_start: int
-    queries: torch.Tensor
-    kept: torch.Tensor
-    targets: torch.Tensor
-    mask: torch.Tensor
-
-
-@dataclass(frozen=True)
-class PrefillPlan:
-    blocks: torch.Tensor  # every chunk's and group's blocks: one index_select per cache and layer
-    chunks: tuple[PrefillChunk, ...]
-    short_groups: tuple[ShortChunkGroup, ...] = ()
-    heads_per_kv: int = 1  # query heads per KV head, which the short groups' masks are laid out for
-    # A native plan's short chunks, for the native kernel instead of short groups (none are built), and the
-    # plan's inputs (block_tables, cu_seqlens_q, context_lens, block_size), to plan again for SDPA should the
-    # query not suit the kernel (as a native decode plan keeps its tables and lengths).
-    native_short: cpu_native.Chunks | None = None
-    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
-
-
-def plan_prefill(
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    block_size: int,
-    heads_per_kv: int = 1,
-    native: bool = False,
-) -> PrefillPlan:
-    """The chunks of a prefill step (empty ones left out), their blocks and causal masks: once a step. Chunks of
-    up to MAX_BATCHED_QUERY_TOKENS queries go to the native kernel's Chunks if `native` (use_native), else to
-    length groups (length_groups); the others one call each."""
-    starts, lens = cu_seqlens_q.tolist(), context_lens.tolist()
-    blocks, chunks, short, block_start = [], [], [], 0
-    for seq, context_len in enumerate(lens):
-        q_start, q_end = starts[seq], starts[seq + 1]
-        if q_end == q_start:
-            continue
-        if q_end - q_start <= MAX_BATCHED_QUERY_TOKENS:
-            short.append(seq)
-            continue
-        num_blocks = -(-context_len // block_size)
-        blocks.append(block_tables[seq, :num_blocks])
-        prefix = context_len - (q_end - q_start)
-        mask = None
-        if prefix:  # SDPA's is_causal aligns query 0 with key 0: right only without a cached prefix
-            mask = torch.arange(context_len)[None, :] <= torch.arange(prefix, context_len)[:, None]
-        chunks.append(PrefillChunk(q_start, q_end, context_len, block_start, mask))
-        block_start += num_blocks
-    flat = torch.cat(blocks).long() if blocks else torch.zeros(0, dtype=torch.long)
-    if short and native:
-        inputs = (block_tables, cu_seqlens_q, context_lens, block_size)
-        native_short = cpu_native.short_chunks(block_tables, starts, lens, short)
-        return PrefillPlan(flat, tuple(chunks), (), heads_per_kv, native_short, inputs)
-    groups = []
-    if short:
-        seqs = np.array(short)[np.argsort(np.array(lens)[short], kind="stable")]
-        for start, end, longest in length_groups(np.array(lens)[seqs], block_size):
-            group = _short_group(seqs[start:end], starts, lens, longest, block_size, heads_per_kv, block_start)
-            blocks.append(block_tables[torch.from_numpy(seqs[start:end]), : group.num_blocks].reshape(-1))
-            block_start += group.rows * group.num_blocks
-            groups.append(group)
-    flat = torch.cat(blocks).long() if blocks else torch.zeros(0, dtype=torch.long)
-    return PrefillPlan(flat, tuple(chunks), tuple(groups), heads_per_kv)
-
-
-def _short_group(
-    seqs: np.ndarray, starts: list[int], lens: list[int], longest: int, block_size: int, heads: int, block_start: int
-) -> ShortChunkGroup:
-    """The gather and scatter indices and the causal mask of short chunks `seqs` (sorted by context length)."""
-    q_starts = torch.tensor([starts[s] for s in seqs])
-    q_lens = torch.tensor([starts[s + 1] - starts[s] for s in seqs])
-    context = torch.tensor([lens[s] for s in seqs])
-    width, num_blocks = int(q_lens.max()), -(-longest // block_size)
-    step = torch.arange(width)
-    real = step[None, :] < q_lens[:, None]  # [rows, width]
-    queries = q_starts[:, None] + torch.minimum(step[None, :], q_lens[:, None] - 1)
-    # a padding query sits where its chunk's last one does: its row is a copy, never all masked (no NaN)
-    positions = context[:, None] - q_lens[:, None] + torch.minimum(step[None, :], q_lens[:, None] - 1)
-    mask = torch.arange(num_blocks * block_size)[None, None, :] <= positions[:, :, None]  # [rows, width, keys]
-    mask = mask.repeat_interleave(heads, dim=1)[:, None]  # query i's heads_per_kv folded rows share its mask
-    flat_real = real.reshape(-1)
-    return ShortChunkGroup(
-        len(seqs),
-        width,
-        num_blocks,
-        block_start,
-        queries.reshape(-1),
-        flat_real.nonzero().reshape(-1),
-        queries.reshape(-1)[flat_real],
-        mask,
-    )
 
 
 def paged_prefill_attention(
@@ -323,6 +206,10 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for a packed batch of query chunks whose K/V are already in the cache.
 
@@ -332,53 +219,27 @@ def paged_prefill_attention(
     """
     _, block_size, num_kv_heads, _ = k_cache.shape
     heads = query.shape[1] // num_kv_heads
-    plan = plan_prefill(block_tables, cu_seqlens_q, context_lens, block_size, heads, use_native(k_cache))
-    return planned_prefill(query, k_cache, v_cache, plan, scale)
+    plan = plan_prefill(block_tables, cu_seqlens_q, context_lens, block_size, heads, use_native(k_cache), window=window)
+    return planned_prefill(query, k_cache, v_cache, plan, scale, window=window, softcap=softcap, sinks=sinks)
 
 
-def planned_prefill(
-    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PrefillPlan, scale: float
-) -> torch.Tensor:
-    """One SDPA call per long chunk over its part of one gather: a chunk's work (q_len x context_len) dwarfs the
-    call, and padding the chunks of a step to one batch wasted more than the loop costs (prompt lengths vary a
-    lot). Then the short chunks (verify rows): by the native kernel, or one call per group, as decode does."""
-    out = torch.empty_like(query)
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    if plan.native_short is not None and plan.inputs is not None and not cpu_native.supports(query, k_cache, v_cache):
-        plan = plan_prefill(*plan.inputs, query.shape[1] // num_kv_heads, native=False)
-    if plan.short_groups and query.shape[1] != plan.heads_per_kv * num_kv_heads:
-        raise ValueError(f"the plan folds {plan.heads_per_kv} query heads per KV head, the query has {query.shape[1]}")
-    keys, values = k_cache.index_select(0, plan.blocks), v_cache.index_select(0, plan.blocks)
-    for chunk in plan.chunks:
-        width = -(-chunk.context_len // block_size)
-        part = slice(chunk.block_start, chunk.block_start + width)
-        k = keys[part].view(1, width * block_size, num_kv_heads, head_dim)[:, : chunk.context_len].transpose(1, 2)
-        v = values[part].view(1, width * block_size, num_kv_heads, head_dim)[:, : chunk.context_len].transpose(1, 2)
-        q = query[chunk.q_start : chunk.q_end].transpose(0, 1)[None]  # [1, Hq, q_len, D]
-        attended = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None, scale=scale, enable_gqa=True
-        )
-        out[chunk.q_start : chunk.q_end] = attended[0].transpose(0, 1)
-    if plan.native_short is not None:
-        cpu_native.run_chunks(query, k_cache, v_cache, plan.native_short, scale, out)
-    for group in plan.short_groups:
-        out.index_copy_(0, group.targets, _attend_short_group(query, keys, values, group, block_size, scale))
-    return out
-
-
-def _attend_short_group(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: ShortChunkGroup, block_size: int, scale: float
-) -> torch.Tensor:
-    """The group's real queries' outputs [n, Hq, D], in the order of group.targets."""
-    rows, width, num_blocks = group.rows, group.width, group.num_blocks
-    _, num_q_heads, head_dim = query.shape
-    num_kv_heads = keys.shape[2]
-    heads = num_q_heads // num_kv_heads
-    part = slice(group.block_start, group.block_start + rows * num_blocks)
-    k = keys[part].view(rows, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
-    v = values[part].view(rows, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
-    q = query.index_select(0, group.queries).view(rows, width, num_kv_heads, heads, head_dim)
-    q = q.transpose(1, 2).reshape(rows, num_kv_heads, width * heads, head_dim)  # row j = query j // heads
-    attended = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scale)
-    attended = attended.view(rows, num_kv_heads, width, heads, head_dim).transpose(1, 2)
-    return attended.reshape(rows * width, num_q_heads, head_dim).index_select(0, group.kept)
+__all__ = [
+    "GROUP_COST_TOKENS",
+    "MANUAL_SCORES_PER_SLICE",
+    "MAX_BATCHED_QUERY_TOKENS",
+    "MAX_LENGTH_GROUPS",
+    "DecodeGroup",
+    "DecodePlan",
+    "PrefillChunk",
+    "PrefillPlan",
+    "ShortChunkGroup",
+    "attend",
+    "length_groups",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "plan_decode",
+    "plan_prefill",
+    "planned_decode",
+    "planned_prefill",
+    "use_native",
+]

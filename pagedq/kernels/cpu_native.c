@@ -5,6 +5,11 @@
    per sequence over its context_len cached tokens (a chunk's query i sees context_len - q_len + i + 1 of them),
    scores and softmax and P.V in fp32 (bf16 is widened on load), the output rounded to the input dtype (bf16: to
    nearest even, as torch rounds). No torch headers, so it compiles in about two seconds.
+   The attention variants, as the reference defines them: a sliding window (a query at position p sees keys
+   p - window + 1 .. p; the walk starts at the task's first visible token, so blocks before every row's window
+   are never read), a logit soft-cap (scores = softcap * tanh(scores / softcap)), and sinks (one logit per query
+   head in the denominator: the running max and sum start at (sink, 1) instead of (-inf, 0), as if the sink were
+   one more key whose value is zero).
 
    Layout (fixed for the project): k_cache, v_cache [num_blocks, block_size, Hkv, D] contiguous; token t of block
    b, head h at ((b * block_size + t) * Hkv + h) * D. query [S, Hq, D] with row strides q_seq, q_head (elements;
@@ -107,16 +112,16 @@ static inline void accumulate(float *acc, float alpha, const float *p, const flo
     }
 }
 
-/* Running state of one task: q [G][D] (fp32), acc [G][D], running max m [G] and sum l [G]. */
-/* Running state of one task (one per (sequence, KV head)), rows = its queries x the KV head's G query heads (row i * G + g): q [rows][D]
-   (fp32), acc [rows][D], running max m and sum l [rows], and limit [rows]: how many tokens from the start of the
-   context the row sees (decode: all of them; query i of a chunk of q_len: context_len - q_len + i + 1). */
+/* Running state of one task (one per (sequence, KV head)), rows = its queries x the KV head's G query heads
+   (row i * G + g): q [rows][D] (fp32), acc [rows][D], running max m and sum l [rows], and the tokens
+   [first[r], limit[r]) row r sees (decode: the whole context, or its window; query i of a chunk of q_len: up to
+   context_len - q_len + i + 1). softcap 0: none. */
 typedef struct {
     const float *q;
     float *acc, *m, *l;
-    const int *limit;
+    const int *first, *limit;
     int rows;
-    float scale;
+    float scale, softcap;
 } State;
 
 /* One tile of n <= TILE tokens from token `start`, K/V rows `stride` floats apart: per row, the scores of the
@@ -126,12 +131,16 @@ static inline void attend_tile(State *st, const float *k, const float *v, ptrdif
     float p[TILE] __attribute__((aligned(32)));
     for (int r = 0; r < st->rows; r++) {
         const int seen = st->limit[r] - start < n ? st->limit[r] - start : n;
-        if (seen <= 0) continue;
+        const int skip = st->first[r] > start ? st->first[r] - start : 0; /* before the row's window */
+        if (seen <= skip) continue;
         const float *q = st->q + (ptrdiff_t)r * d_size;
         float block_max = -INFINITY;
-        for (int t = 0; t < seen; t++) {
-            p[t] = dot(q, k + t * stride, d_size) * st->scale;
-            block_max = p[t] > block_max ? p[t] : block_max;
+        for (int t = 0; t < skip; t++) p[t] = -INFINITY;
+        for (int t = skip; t < seen; t++) {
+            float score = dot(q, k + t * stride, d_size) * st->scale;
+            if (st->softcap != 0.0f) score = st->softcap * tanhf(score / st->softcap);
+            p[t] = score;
+            block_max = score > block_max ? score : block_max;
         }
         for (int t = seen; t < TILE; t++) p[t] = -INFINITY;
         float m_new = block_max > st->m[r] ? block_max : st->m[r];
@@ -173,7 +182,9 @@ typedef struct {
     int64_t q_seq, q_head, out_seq, out_head, num_blocks;
     int block_size, num_kv_heads, head_dim, num_q_heads, table_width, bf16;
     const int32_t *tables, *lens, *q_starts, *q_lens;
-    float scale;
+    float scale, softcap;
+    int window;
+    const float *sinks; /* [num_q_heads] or NULL */
     void *out;
 } Args;
 
@@ -193,12 +204,13 @@ static inline void prefetch_tile(const Args *a, int seq, int head, int start, in
         }
 }
 
-/* Walk sequence seq's context for KV head `head`, TILE tokens at a time (a tile never crosses a block). */
-static inline __attribute__((always_inline)) int walk_context(const Args *a, State *st, int seq, int head, int len,
-                                                              float *kbuf, float *vbuf, int d_size) {
+/* Walk sequence seq's context [from, len) for KV head `head`, TILE tokens at a time (a tile never crosses a
+   block). */
+static inline __attribute__((always_inline)) int walk_context(const Args *a, State *st, int seq, int head, int from,
+                                                              int len, float *kbuf, float *vbuf, int d_size) {
     const int bs = a->block_size;
     const ptrdiff_t row = (ptrdiff_t)a->num_kv_heads * d_size;
-    for (int start = 0, tile; start < len; start += tile) {
+    for (int start = from, tile; start < len; start += tile) {
         const int32_t block = a->tables[(ptrdiff_t)seq * a->table_width + start / bs];
         if (block < 0 || block >= a->num_blocks) return 1;
         const int n = len - start < TILE ? len - start : TILE, in_block = start % bs;
@@ -227,19 +239,23 @@ static inline __attribute__((always_inline)) int run_task(const Args *a, int seq
     if (len > a->table_width * a->block_size) len = a->table_width * a->block_size; /* as the reference's mask */
     /* q, acc [rows][D]; m, l [rows]; kbuf, vbuf [TILE][D] (bf16 only): a chunk's rows may not fit a stack */
     float *buf = malloc(sizeof(float) * ((size_t)rows * (2 * d_size + 2) + 2 * (size_t)wide));
-    int *limit = malloc(sizeof(int) * (size_t)rows);
+    int *limit = malloc(sizeof(int) * 2 * (size_t)rows), *seen_from = limit + rows;
     if (!buf || !limit) return free(buf), free(limit), 3;
     float *q = buf, *acc = q + rows * d_size, *m = acc + rows * d_size, *l = m + rows, *kbuf = l + rows;
+    int from = len;
     for (int r = 0; r < rows; r++) {
-        const int i = r / groups, g = r % groups;
-        const ptrdiff_t off = (first + i) * a->q_seq + (ptrdiff_t)(head * groups + g) * a->q_head;
+        const int i = r / groups, g = r % groups, q_head = head * groups + g;
+        const ptrdiff_t off = (first + i) * a->q_seq + (ptrdiff_t)q_head * a->q_head;
         for (int d = 0; d < d_size; d++)
             q[r * d_size + d] = a->bf16 ? bf16_to_f32(((const uint16_t *)a->q)[off + d]) : ((const float *)a->q)[off + d];
-        m[r] = -INFINITY, l[r] = 0.0f, limit[r] = a->lens[seq] - queries + i + 1;
+        m[r] = a->sinks ? a->sinks[q_head] : -INFINITY, l[r] = a->sinks ? 1.0f : 0.0f;
+        limit[r] = a->lens[seq] - queries + i + 1;
+        seen_from[r] = a->window > 0 && limit[r] > a->window ? limit[r] - a->window : 0;
+        from = seen_from[r] < from ? seen_from[r] : from;
     }
     memset(acc, 0, sizeof(float) * (size_t)rows * d_size);
-    State st = {q, acc, m, l, limit, rows, a->scale};
-    const int status = walk_context(a, &st, seq, head, len, kbuf, kbuf + wide, d_size);
+    State st = {q, acc, m, l, seen_from, limit, rows, a->scale, a->softcap};
+    const int status = walk_context(a, &st, seq, head, from, len, kbuf, kbuf + wide, d_size);
     for (int r = 0; status == 0 && r < rows; r++) {
         const int i = r / groups, g = r % groups;
         const ptrdiff_t off = (first + i) * a->out_seq + (ptrdiff_t)(head * groups + g) * a->out_head;
@@ -265,20 +281,22 @@ static int run_task_any(const Args *a, int seq, int head) {
 
 /* Paged attention of num_seqs query groups over their contexts: decode (q_starts = NULL: query row s of
    sequence s, one token at position context_lens[s] - 1) or short chunks (rows q_starts[s] + [0, q_lens[s]) of
-   query, query i at position context_lens[s] - q_lens[s] + i, seeing the keys up to it). Strides in elements,
-   the head dim contiguous. Returns 0; 1 if a block table entry within a context is out of range, 2 if the
+   query, query i at position context_lens[s] - q_lens[s] + i, seeing the keys up to it), with a sliding window
+   (0: none), a soft-cap (0: none) and sinks (NULL: none; else [num_q_heads] fp32). Strides in elements, the head
+   dim contiguous. Returns 0; 1 if a block table entry within a context is out of range, 2 if the
    shapes are inconsistent, 3 if memory ran out. */
 int pagedq_paged_attention(const void *query, int64_t q_seq, int64_t q_head, const void *k_cache,
                            const void *v_cache, int64_t num_blocks, int block_size, int num_kv_heads, int head_dim,
                            int num_seqs, int num_q_heads, const int32_t *block_tables, int table_width,
                            const int32_t *context_lens, const int32_t *q_starts, const int32_t *q_lens, float scale,
-                           void *out, int64_t out_seq, int64_t out_head, int bf16, int num_threads) {
+                           void *out, int64_t out_seq, int64_t out_head, int bf16, int num_threads, int window,
+                           float softcap, const float *sinks) {
     if (num_kv_heads <= 0 || num_q_heads % num_kv_heads || block_size <= 0 || head_dim <= 0 || num_seqs < 0 ||
-        (q_starts == NULL) != (q_lens == NULL))
+        (q_starts == NULL) != (q_lens == NULL) || window < 0 || softcap < 0.0f)
         return 2;
     const Args a = {query, k_cache, v_cache, q_seq, q_head, out_seq, out_head, num_blocks, block_size,
                     num_kv_heads, head_dim, num_q_heads, table_width, bf16, block_tables, context_lens, q_starts,
-                    q_lens, scale, out};
+                    q_lens, scale, softcap, window, sinks, out};
     const int64_t tasks = (int64_t)num_seqs * num_kv_heads;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic) num_threads(num_threads)

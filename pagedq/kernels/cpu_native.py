@@ -104,7 +104,7 @@ def _load() -> ctypes.CDLL:
     fn = library.pagedq_paged_attention
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i32, i32, i32, i32, i32, ptr, i32, ptr, ptr, ptr, ctypes.c_float]
-    fn.argtypes += [ptr, i64, i64, i32, i32]
+    fn.argtypes += [ptr, i64, i64, i32, i32, i32, ctypes.c_float, ptr]
     fn.restype = i32
     return library
 
@@ -158,16 +158,23 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     num_threads: int | None = None,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """pagedq.kernels.reference.paged_decode_attention, read in place: query [S, Hq, D]; block_tables [S, M] int32;
-    context_lens [S] int32 -> [S, Hq, D] in the query's dtype. Raises RuntimeError if the kernel is unavailable,
-    ValueError for tensors it does not take (supports), IndexError for a block index out of the pool."""
+    context_lens [S] int32 -> [S, Hq, D] in the query's dtype; window, softcap and sinks as the reference's. Raises
+    RuntimeError if the kernel is unavailable, ValueError for tensors it does not take (supports), IndexError for a
+    block index out of the pool."""
     if not available():
         raise RuntimeError(f"native CPU attention unavailable: {_failure or 'PAGEDQ_CPU_NATIVE=0'}")
     if not supports(query, k_cache, v_cache):
         raise ValueError("unsupported tensors for native CPU attention (see cpu_native.supports)")
     tables, lens = block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous()
-    return run_decode(query, k_cache, v_cache, tables, lens, scale, num_threads)
+    return run_decode(
+        query, k_cache, v_cache, tables, lens, scale, num_threads, window=window, softcap=softcap, sinks=sinks
+    )
 
 
 def run_decode(
@@ -178,6 +185,10 @@ def run_decode(
     lens: torch.Tensor,
     scale: float,
     num_threads: int | None = None,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """paged_decode_attention without its checks, for a caller that made them once (kernels.cpu_attention's plan):
     available() and supports() hold, tables [S, M] and lens [S] are contiguous int32 CPU tensors.
@@ -187,8 +198,28 @@ def run_decode(
     if tables.dim() != 2 or tables.shape[0] != num_seqs or lens.shape != (num_seqs,):
         raise ValueError(f"block_tables {tuple(tables.shape)} / context_lens {tuple(lens.shape)} for {num_seqs} rows")
     out = torch.empty(num_seqs, num_q_heads, head_dim, dtype=query.dtype)
-    _call(query, k_cache, v_cache, tables, lens, None, scale, out, num_threads)
+    _call(query, k_cache, v_cache, tables, lens, None, scale, out, num_threads, Variant(window, softcap, sinks))
     return out
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The attention variant a call runs (pagedq/kernels/reference.py defines them): window 0 and softcap 0 are
+    none, sinks None is none."""
+
+    window: int = 0
+    softcap: float = 0.0
+    sinks: torch.Tensor | None = None
+
+    def checked_sinks(self, num_q_heads: int) -> torch.Tensor | None:
+        """The sinks as the kernel reads them, [num_q_heads] contiguous fp32 on the CPU (ValueError otherwise)."""
+        if self.window < 0 or not self.softcap >= 0:
+            raise ValueError(f"window must be >= 0 and softcap >= 0, got {self.window} and {self.softcap}")
+        if self.sinks is None:
+            return None
+        if self.sinks.shape != (num_q_heads,) or self.sinks.device.type != "cpu":
+            raise ValueError(f"sinks must be a [{num_q_heads}] CPU tensor, got {tuple(self.sinks.shape)}")
+        return self.sinks.float().contiguous()
 
 
 @dataclass(frozen=True)
@@ -221,6 +252,10 @@ def run_chunks(
     scale: float,
     out: torch.Tensor,
     num_threads: int | None = None,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Causal attention of short query chunks (Chunks) into their rows of `out` (the query's shape and dtype, head
     dim contiguous; other rows are left as they are), with available() and supports() checked by the caller."""
@@ -230,7 +265,8 @@ def run_chunks(
     if len(ends) and (int(ends.max()) > query.shape[0] or int(chunks.q_starts.min()) < 0):
         raise ValueError(f"chunk rows outside the query's {query.shape[0]} rows")
     limits = (chunks.q_starts, chunks.q_lens)
-    _call(query, k_cache, v_cache, chunks.tables, chunks.lens, limits, scale, out, num_threads)
+    variant = Variant(window, softcap, sinks)
+    _call(query, k_cache, v_cache, chunks.tables, chunks.lens, limits, scale, out, num_threads, variant)
 
 
 def _call(
@@ -243,10 +279,12 @@ def _call(
     scale: float,
     out: torch.Tensor,
     num_threads: int | None,
+    variant: Variant,
 ) -> None:
     assert _library is not None, "call available() first"
     if lens.shape[0] == 0:
         return
+    sinks = variant.checked_sinks(query.shape[1])
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     starts, q_lens = (None, None) if chunks is None else (chunks[0].data_ptr(), chunks[1].data_ptr())
     status = _library.pagedq_paged_attention(
@@ -254,6 +292,7 @@ def _call(
         num_blocks, block_size, num_kv_heads, head_dim, lens.shape[0], query.shape[1], tables.data_ptr(),
         tables.shape[1], lens.data_ptr(), starts, q_lens, scale, out.data_ptr(), out.stride(0), out.stride(1),
         query.dtype == torch.bfloat16, num_threads or torch.get_num_threads(),
+        variant.window, variant.softcap, None if sinks is None else sinks.data_ptr(),
     )  # fmt: skip
     if status == 1:
         raise IndexError(f"a block table entry within a context is outside the pool of {num_blocks} blocks")

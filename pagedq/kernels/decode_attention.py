@@ -18,6 +18,13 @@ max m_p, sum l_p and unnormalised accumulator acc_p (fp32), and a reduction kern
 When every context fits in one partition the first kernel writes the normalised output directly.
 The partition count comes from the block-table width M (a host-side shape), not from context_lens, so the
 launch never synchronises with the GPU and stays CUDA-graph friendly; partitions past a sequence's end exit.
+
+Variants (constexpr switches: without them the kernels compile exactly as before). A sliding window: the query
+sees [context_len - window, context_len); partitions wholly before it exit at once (their blocks are never
+read), the one holding its start begins there, and the reduction combines only the partitions from that one on.
+A soft-cap bends the scores before the online softmax (triton_common.scaled_scores). Sinks join the denominator
+once: the single-partition kernel starts its running max and sum at (sink, 1), the reduction adds 2^(sink - g)
+to the total (g then also covers the sink).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import triton
 import triton.language as tl
 
 from pagedq.kernels.triton_common import (
+    AttentionVariant,
     check_int_dtype,
     check_ndim,
     check_paged_attention_inputs,
@@ -37,6 +45,7 @@ from pagedq.kernels.triton_common import (
     needs_dot_upcast,
     padded_pow2,
     paged_kv_offsets,
+    scaled_scores,
 )
 
 # vLLM's paged-attention v2 partition size: long enough to amortise the reduction, short enough that a batch of
@@ -53,14 +62,15 @@ MIN_DOT_ROWS = 16
 @triton.jit
 def _decode_partition_kernel(
     query_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr,
-    scale_log2,
+    out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, sinks_ptr,
+    scale_log2, cap_inner, cap_outer, window,
     stride_q_seq, stride_q_head, stride_out_seq, stride_out_head,
     stride_cache_block, stride_cache_slot, stride_cache_head, stride_table_seq,
     num_q_heads, max_partitions,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     TILE_N: tl.constexpr, PARTITION_SIZE: tl.constexpr, SPLIT: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -70,6 +80,11 @@ def _decode_partition_kernel(
     if part_start >= context_len:
         return  # the reduction only reads partitions that hold tokens
     part_end = tl.minimum(part_start + PARTITION_SIZE, context_len)
+    if HAS_WINDOW:
+        window_start = tl.maximum(context_len - window, 0)
+        if part_end <= window_start:
+            return  # wholly before the window: the reduction starts after it
+        part_start = tl.maximum(part_start, window_start)
 
     rows = tl.arange(0, GROUP_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
@@ -81,6 +96,9 @@ def _decode_partition_kernel(
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
+    if HAS_SINKS and not SPLIT:  # the sink as one more score whose value row is zero
+        m_i = tl.load(sinks_ptr + q_heads, mask=row_mask, other=0.0) * 1.4426950408889634
+        l_i = tl.full([GROUP_PAD], 1.0, tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
     table_row = block_tables_ptr + seq * stride_table_seq
     for tile_start in range(part_start, part_end, TILE_N):
@@ -101,7 +119,8 @@ def _decode_partition_kernel(
         kv_mask = token_mask[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         scores = dot_fp32_acc(q, tl.trans(k), tl.zeros([GROUP_PAD, TILE_N], tl.float32), UPCAST_DOT)
-        scores = tl.where(token_mask[None, :], scores * scale_log2, float("-inf"))
+        scores = scaled_scores(scores, scale_log2, cap_inner, cap_outer, SOFTCAP)
+        scores = tl.where(token_mask[None, :], scores, float("-inf"))
         # Online softmax; the first tile always holds part_start < context_len, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -125,28 +144,36 @@ def _decode_partition_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, context_lens_ptr,
+    out_ptr, part_max_ptr, part_sum_ptr, part_acc_ptr, context_lens_ptr, sinks_ptr, window,
     stride_out_seq, stride_out_head, num_q_heads, max_partitions,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    PARTITION_SIZE: tl.constexpr, PARTITIONS_PAD: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr, PARTITIONS_PAD: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     seq = tl.program_id(0)
     q_head = tl.program_id(1)
     context_len = tl.load(context_lens_ptr + seq)
     num_partitions = tl.cdiv(context_len, PARTITION_SIZE)
+    first_partition = 0
+    if HAS_WINDOW:  # the partitions before the one holding the window's start wrote nothing
+        first_partition = tl.maximum(context_len - window, 0) // PARTITION_SIZE
     stat_base = (seq * num_q_heads + q_head) * max_partitions
 
     parts = tl.arange(0, PARTITIONS_PAD)
-    part_mask = parts < num_partitions
+    part_mask = (parts >= first_partition) & (parts < num_partitions)
     part_max = tl.load(part_max_ptr + stat_base + parts, mask=part_mask, other=float("-inf"))
     part_sum = tl.load(part_sum_ptr + stat_base + parts, mask=part_mask, other=0.0)
     global_max = tl.max(part_max, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + q_head) * 1.4426950408889634
+        global_max = tl.maximum(global_max, sink)
     total = tl.sum(part_sum * tl.exp2(part_max - global_max), axis=0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - global_max)
 
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = dims < HEAD_DIM
     acc = tl.zeros([HEAD_DIM_PAD], tl.float32)
-    for part in range(0, num_partitions):
+    for part in range(first_partition, num_partitions):
         weight = tl.exp2(tl.load(part_max_ptr + stat_base + part) - global_max)
         part_acc = tl.load(part_acc_ptr + (stat_base + part) * HEAD_DIM + dims, mask=dim_mask, other=0.0)
         acc += weight * part_acc
@@ -176,18 +203,35 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query per sequence at position context_len-1 over its paged K/V. query [S, Hq, D] -> [S, Hq, D]."""
+    """One query per sequence at position context_len-1 over its paged K/V. query [S, Hq, D] -> [S, Hq, D].
+    window, softcap and sinks as pagedq/kernels/reference.py defines them."""
     return paged_decode_attention_with_partition(
-        query, k_cache, v_cache, block_tables, context_lens, scale, DEFAULT_PARTITION_SIZE
-    )
+        query, k_cache, v_cache, block_tables, context_lens, scale, DEFAULT_PARTITION_SIZE,
+        window=window, softcap=softcap, sinks=sinks,
+    )  # fmt: skip
 
 
 def paged_decode_attention_with_partition(
-    query, k_cache, v_cache, block_tables, context_lens, scale: float, partition_size: int
+    query,
+    k_cache,
+    v_cache,
+    block_tables,
+    context_lens,
+    scale: float,
+    partition_size: int,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """paged_decode_attention with an explicit partition size (tests use small ones to exercise the split)."""
     _check_decode_args(query, k_cache, v_cache, block_tables, context_lens)
+    variant = AttentionVariant.of("paged_decode_attention", query, scale, window, softcap, sinks)
     num_seqs, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     if partition_size < 16 or partition_size & (partition_size - 1):
@@ -210,8 +254,8 @@ def paged_decode_attention_with_partition(
     head_dim_pad = padded_pow2(head_dim, 16)
     _decode_partition_kernel[(num_seqs, num_kv_heads, max_partitions)](
         query, k_cache, v_cache, block_tables, context_lens,
-        out, part_max, part_sum, part_acc,
-        scale * math.log2(math.e),
+        out, part_max, part_sum, part_acc, variant.sinks,
+        variant.scale_log2, variant.cap_inner, variant.cap_outer, variant.window,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         num_q_heads, max_partitions,
@@ -219,14 +263,16 @@ def paged_decode_attention_with_partition(
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         TILE_N=tile_tokens, PARTITION_SIZE=partition_size, SPLIT=split,
         UPCAST_DOT=needs_dot_upcast(_decode_partition_kernel, k_cache.dtype),
+        HAS_WINDOW=variant.has_window, SOFTCAP=variant.softcap, HAS_SINKS=variant.has_sinks,
         num_warps=4, num_stages=2,
     )  # fmt: skip
     if split:
         _decode_reduce_kernel[(num_seqs, num_q_heads)](
-            out, part_max, part_sum, part_acc, context_lens,
+            out, part_max, part_sum, part_acc, context_lens, variant.sinks, variant.window,
             out.stride(0), out.stride(1), num_q_heads, max_partitions,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
             PARTITION_SIZE=partition_size, PARTITIONS_PAD=padded_pow2(max_partitions),
+            HAS_WINDOW=variant.has_window, HAS_SINKS=variant.has_sinks,
             num_warps=4,
         )  # fmt: skip
     return out

@@ -17,17 +17,22 @@ once for the whole GQA group (BLOCK_Q = BLOCK_M // GROUP; rows past BLOCK_Q * GR
 Chunk s owns query tiles [cu[s] // BLOCK_Q + s, cu[s+1] // BLOCK_Q + s + 1): a bound on ceil(q_len / BLOCK_Q)
 that needs no host-side max over the chunk lengths, so the grid is T // BLOCK_Q + S and each program finds its
 chunk by binary search over cu_seqlens_q; tiles past a chunk's end exit at once.
+
+Variants (constexpr switches: without them the kernel compiles exactly as before). A sliding window: a query at
+pos sees (pos - window, pos]; the K/V loop starts at the tile's first query's window, so tiles before it are
+never read, and a row that sees none of a tile keeps its state (its max stays -inf, rescaled against 0, not
+itself). A soft-cap bends the scores (triton_common.scaled_scores). Sinks: each row's running max and sum start
+at (sink, 1), as if the sink were one more score with a zero value row.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
 import triton.language as tl
 
 from pagedq.kernels.triton_common import (
+    AttentionVariant,
     check_int_dtype,
     check_ndim,
     check_paged_attention_inputs,
@@ -36,6 +41,7 @@ from pagedq.kernels.triton_common import (
     needs_dot_upcast,
     padded_pow2,
     paged_kv_offsets,
+    scaled_scores,
 )
 
 # (BLOCK_M rows, BLOCK_N kv tokens, num_warps, num_stages), sized by registers for sm_90 (kernels.compile_check
@@ -67,12 +73,13 @@ def _find_chunk(cu_seqlens_q_ptr, num_seqs, tile_id, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _prefill_kernel(
-    query_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
-    scale_log2, num_seqs,
+    query_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr, sinks_ptr,
+    scale_log2, cap_inner, cap_outer, window, num_seqs,
     stride_q_token, stride_q_head, stride_out_token, stride_out_head,
     stride_cache_block, stride_cache_slot, stride_cache_head, stride_table_seq,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     tile_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -97,11 +104,17 @@ def _prefill_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:
+        m_i = tl.load(sinks_ptr + q_heads) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     # Causal bound: the last query of this tile sees positions < kv_end; later tiles are all masked.
     kv_end = context_len - q_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
+    kv_first = 0
+    if HAS_WINDOW:  # the tile's first query sees nothing before its window, and the later ones less
+        kv_first = tl.maximum(context_len - q_len + q_tile * BLOCK_Q - window + 1, 0)
     table_row = block_tables_ptr + seq * stride_table_seq
-    for kv_start in range(0, kv_end, BLOCK_N):
+    for kv_start in range(kv_first, kv_end, BLOCK_N):
         k_pos = kv_start + tl.arange(0, BLOCK_N)
         k_mask = k_pos < kv_end
         kv_offsets = paged_kv_offsets(
@@ -118,12 +131,19 @@ def _prefill_kernel(
         kv_mask = k_mask[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         scores = dot_fp32_acc(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], tl.float32), UPCAST_DOT)
-        # Every row sees position 0 in the first tile, so m_i is finite from then on and no row turns NaN.
+        # Without a window every row sees position 0 in the first tile, so m_i is finite from then on and no row
+        # turns NaN; with one, a row may see none of a tile (m_new -inf), and is rescaled against 0 instead.
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_mask[None, :]
-        scores = tl.where(visible, scores * scale_log2, float("-inf"))
+        if HAS_WINDOW:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+        scores = scaled_scores(scores, scale_log2, cap_inner, cap_outer, SOFTCAP)
+        scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
+        m_ref = m_new
+        if HAS_WINDOW:
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(scores - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
         acc = dot_fp32_acc(p.to(v.dtype), v, acc * alpha[:, None], UPCAST_DOT)
@@ -158,9 +178,15 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention for packed query chunks [T, Hq, D] whose K/V are already cached -> [T, Hq, D]."""
+    """Causal attention for packed query chunks [T, Hq, D] whose K/V are already cached -> [T, Hq, D].
+    window, softcap and sinks as pagedq/kernels/reference.py defines them."""
     _check_prefill_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens)
+    variant = AttentionVariant.of("paged_prefill_attention", query, scale, window, softcap, sinks)
     num_tokens, num_q_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = context_lens.shape[0]
@@ -173,13 +199,14 @@ def paged_prefill_attention(
     block_q = block_m // group
     cu_seqlens_q = cu_seqlens_q.contiguous()
     _prefill_kernel[(num_tokens // block_q + num_seqs, num_kv_heads)](
-        query, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens,
-        scale * math.log2(math.e), num_seqs,
+        query, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens, variant.sinks,
+        variant.scale_log2, variant.cap_inner, variant.cap_outer, variant.window, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=padded_pow2(head_dim, 16),
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         UPCAST_DOT=needs_dot_upcast(_prefill_kernel, k_cache.dtype),
+        HAS_WINDOW=variant.has_window, SOFTCAP=variant.softcap, HAS_SINKS=variant.has_sinks,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out

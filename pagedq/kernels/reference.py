@@ -39,16 +39,46 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) 
     return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:context_len]
 
 
+def attention_probs(
+    scores: torch.Tensor, visible: torch.Tensor, softcap: float, sinks: torch.Tensor | None
+) -> torch.Tensor:
+    """softmax over the last dim of fp32 scores (already scaled), with the attention features every backend shares:
+    softcap (Gemma 2: softcap * tanh(scores / softcap), before the mask), the mask (visible: True = attend), and
+    sinks (gpt-oss: one logit per query head, broadcast to scores[..., :1], that joins the denominator only)."""
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+
+
+def window_start(query_position: torch.Tensor, window: int) -> torch.Tensor:
+    """The first key position a query at `query_position` sees: it sees [start, query_position]. window 0 is full
+    attention (start 0); else the window's `window` positions up to and including its own, as transformers'
+    sliding masks have it (key k visible iff k > q - window: masking_utils.sliding_window_overlay)."""
+    if not window:
+        return torch.zeros_like(query_position)
+    return (query_position - window + 1).clamp_min(0)
+
+
 def _attend(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [Q, Hq, D], key/value [K, Hkv, D], mask [Q, K] (True = attend) -> [Q, Hq, D] fp32."""
     num_q_heads, num_kv_heads = query.shape[1], key.shape[1]
     group = num_q_heads // num_kv_heads
     q = query.float().view(query.shape[0], num_kv_heads, group, query.shape[2])
     scores = torch.einsum("qhgd,khd->hgqk", q, key.float()) * scale
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    head_sinks = None if sinks is None else sinks.view(num_kv_heads, group, 1, 1)
+    probs = attention_probs(scores, mask, softcap, head_sinks)
     out = torch.einsum("hgqk,khd->qhgd", probs, value.float())
     return out.reshape(query.shape[0], num_q_heads, query.shape[2])
 
@@ -60,10 +90,17 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query per sequence at position context_len-1, attending to all context_len cached tokens.
+    """One query per sequence at position context_len-1, attending to its context_len cached tokens (the last
+    `window` of them when window > 0: window_start).
 
     query [S, Hq, D]; block_tables [S, M] int32; context_lens [S] int32 -> [S, Hq, D].
+    softcap > 0: scores = softcap * tanh(scale * q.k / softcap); sinks [Hq] fp32: per query head, a logit that
+    joins the softmax's denominator only (gpt-oss).
     Vectorised over sequences (gather padded to M blocks, mask the tail): this is also the CPU hot path.
     """
     num_seqs, num_q_heads, head_dim = query.shape
@@ -76,9 +113,10 @@ def paged_decode_attention(
     q = query.float().view(num_seqs, num_kv_heads, group, head_dim)
     scores = torch.einsum("shgd,skhd->shgk", q, keys) * scale
     positions = torch.arange(max_len, device=query.device)
-    valid = positions[None, :] < context_lens[:, None].long()
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    lens = context_lens[:, None].long()
+    valid = (positions[None, :] < lens) & (positions[None, :] >= window_start(lens - 1, window))
+    head_sinks = None if sinks is None else sinks.view(1, num_kv_heads, group, 1)
+    probs = attention_probs(scores, valid[:, None, None, :], softcap, head_sinks)
     out = torch.einsum("shgk,skhd->shgd", probs, values)
     return out.reshape(num_seqs, num_q_heads, head_dim).to(query.dtype)
 
@@ -91,11 +129,16 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for a packed batch of query chunks whose K/V are already in the cache.
 
     query [T, Hq, D]; cu_seqlens_q [S+1] int32; context_lens [S] int32 (cached prefix + this chunk).
-    Query i of sequence s sits at position context_len - q_len + i and sees positions <= its own.
+    Query i of sequence s sits at position context_len - q_len + i and sees positions <= its own (and, with
+    window > 0, >= its window_start). softcap and sinks as in paged_decode_attention.
     """
     out = torch.empty_like(query)
     starts = cu_seqlens_q.tolist()
@@ -109,8 +152,9 @@ def paged_prefill_attention(
         values = gather_kv(v_cache, block_tables[seq], context_len)
         q_pos = torch.arange(context_len - q_len, context_len, device=query.device)
         k_pos = torch.arange(context_len, device=query.device)
-        mask = k_pos[None, :] <= q_pos[:, None]
-        out[q_start:q_end] = _attend(query[q_start:q_end], keys, values, mask, scale).to(query.dtype)
+        mask = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= window_start(q_pos, window)[:, None])
+        attended = _attend(query[q_start:q_end], keys, values, mask, scale, softcap, sinks)
+        out[q_start:q_end] = attended.to(query.dtype)
     return out
 
 

@@ -6,6 +6,8 @@ with messages that name the public function and the offending tensor.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -148,3 +150,55 @@ def paged_kv_offsets(
     blocks = tl.load(table_row + positions // BLOCK_SIZE, mask=mask, other=0).to(tl.int64)
     token_offsets = blocks * stride_cache_block + (positions % BLOCK_SIZE) * stride_cache_slot
     return (token_offsets + kv_head * stride_cache_head)[:, None] + dims[None, :]
+
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class AttentionVariant:
+    """The attention kernels' variant arguments (pagedq/kernels/reference.py defines them), checked and laid out
+    for a launch: the constexpr switches (a kernel without a feature compiles without its code), the base-2 score
+    factors, and the sinks as [Hq] fp32 (the query itself stands in when there are none: never read)."""
+
+    window: int
+    has_window: bool
+    softcap: bool
+    scale_log2: float  # scores = dots * scale_log2 without a soft-cap
+    cap_inner: float  # with one: scores = softcap * log2(e) * tanh(dots * scale / softcap) = cap_outer * tanh(...)
+    cap_outer: float
+    has_sinks: bool
+    sinks: torch.Tensor
+
+    @classmethod
+    def of(
+        cls, fn: str, query: torch.Tensor, scale: float, window: int, softcap: float, sinks: torch.Tensor | None
+    ) -> AttentionVariant:
+        if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+            raise ValueError(f"{fn}: window must be an integer >= 0 (0: full attention), got {window!r}")
+        if not (0 <= softcap < float("inf")):
+            raise ValueError(f"{fn}: softcap must be a finite number >= 0 (0: none), got {softcap!r}")
+        if sinks is not None:
+            if sinks.shape != (query.shape[1],) or sinks.device != query.device:
+                raise ValueError(
+                    f"{fn}: sinks must be [Hq] = [{query.shape[1]}] on {query.device}, got {tuple(sinks.shape)} "
+                    f"on {sinks.device}"
+                )
+            sinks = sinks.to(torch.float32).contiguous()
+        cap_inner, cap_outer = (scale / softcap, softcap * LOG2E) if softcap else (1.0, 1.0)
+        return cls(
+            window, window > 0, softcap > 0, scale * LOG2E, cap_inner, cap_outer, sinks is not None,
+            query if sinks is None else sinks,
+        )  # fmt: skip
+
+
+@triton.jit
+def scaled_scores(dots, scale_log2, cap_inner, cap_outer, SOFTCAP: tl.constexpr):
+    """Attention scores in base 2 from q.k dot products: dots * scale * log2(e), or with a soft-cap
+    softcap * tanh(dots * scale / softcap) * log2(e). tanh(x) = 1 - 2 / (exp(2x) + 1), through exp2 (which every
+    Triton backend has): exp2 overflowing to inf gives 1, underflowing to 0 gives -1."""
+    if SOFTCAP:
+        tanh = 1.0 - 2.0 / (tl.exp2(dots * cap_inner * (2.0 * 1.4426950408889634)) + 1.0)
+        return tanh * cap_outer
+    else:
+        return dots * scale_log2

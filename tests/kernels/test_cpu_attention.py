@@ -131,9 +131,9 @@ def test_one_step_plan_serves_every_layer(monkeypatch):
 
 
 def _counted(fn, calls):
-    def wrapper(*args):
+    def wrapper(*args, **kwargs):
         calls.append(fn.__name__)
-        return fn(*args)
+        return fn(*args, **kwargs)
 
     return wrapper
 

@@ -124,7 +124,7 @@ def test_decode_path_runs_native_when_available(monkeypatch):
     the step is planned once for all layers."""
     calls: list[int] = []
     native = cpu_native.run_decode
-    monkeypatch.setattr(cpu_native, "run_decode", lambda *args: calls.append(1) or native(*args))
+    monkeypatch.setattr(cpu_native, "run_decode", lambda *args, **kwargs: calls.append(1) or native(*args, **kwargs))
     query, k_cache, v_cache, tables, lens, scale = _inputs(_spread_lens(3), 3, 64, torch.float32)
     expected = reference.paged_decode_attention(query, k_cache, v_cache, tables, lens, scale)
     assert_close(cpu_attention.paged_decode_attention(query, k_cache, v_cache, tables, lens, scale), expected)
@@ -148,7 +148,7 @@ def test_fallback_is_index_select_and_sdpa(monkeypatch, how, dtype):
         monkeypatch.setattr(cpu_native, "available", lambda: False)
     else:
         dtype = torch.float16
-    monkeypatch.setattr(cpu_native, "run_decode", lambda *args: pytest.fail("the native kernel ran"))
+    monkeypatch.setattr(cpu_native, "run_decode", lambda *args, **kwargs: pytest.fail("the native kernel ran"))
     query, k_cache, v_cache, tables, lens, scale = _inputs(torch.randint(1, 300, (24,)).tolist(), 3, 64, dtype)
     assert not cpu_attention.use_native(k_cache)
     plan = cpu_attention.plan_decode(tables, lens, 16, cpu_attention.use_native(k_cache))
@@ -247,7 +247,7 @@ def test_prefill_plan_sends_short_chunks_to_native(monkeypatch, dtype):
     torch.manual_seed(12)
     calls: list[int] = []
     native = cpu_native.run_chunks
-    monkeypatch.setattr(cpu_native, "run_chunks", lambda *args: calls.append(1) or native(*args))
+    monkeypatch.setattr(cpu_native, "run_chunks", lambda *args, **kwargs: calls.append(1) or native(*args, **kwargs))
     chunks = [*VERIFY_CHUNKS, (0, 40), (35, 25)]  # and two longer than the batched bound
     for cache_dtype, runs in ((dtype, [1]), (torch.float16, [1])):
         query, k_cache, v_cache, tables, cu_seqlens, lens, scale = _chunk_inputs(chunks, 3, 64, cache_dtype)

@@ -13,6 +13,7 @@ from pagedq.engine.config.architectures import check_supported
 from pagedq.engine.options import EngineOptions
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"  # transformers' layer_types values
 # None: per device, ASYNC_SCHEDULING_BY_DEVICE; the tests set it for every engine (PAGEDQ_TEST_SCHEDULING,
 # tests/conftest.py).
 DEFAULT_ASYNC_SCHEDULING: bool | None = None
@@ -115,6 +116,23 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     # the expert facts of a mixture-of-experts architecture (pagedq/engine/layers/moe.py); None for a dense one
     moe: MoeConfig | None = None
+    # Attention variants (wt-attn). layer_types: per layer "full_attention" | "sliding_attention"; a sliding layer's
+    # query sees the sliding_window keys up to and including its own (pagedq/kernels/reference.py window_start).
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap)
+    attention_sinks: bool = False  # gpt-oss: a learned per-head logit in every softmax's denominator
+
+    def layer_window(self, layer_idx: int) -> int:
+        """Layer layer_idx's sliding window for the attention kernels: 0 (full attention) unless it slides."""
+        if self.layer_types and self.layer_types[layer_idx] == SLIDING_ATTENTION and self.sliding_window:
+            return self.sliding_window
+        return 0
+
+    @property
+    def every_layer_slides(self) -> bool:
+        """Whether every layer attends through the same sliding window (then blocks before it can be freed)."""
+        return bool(self.sliding_window) and all(kind == SLIDING_ATTENTION for kind in self.layer_types)
 
     @classmethod
     def from_pretrained(cls, folder: str | Path) -> ModelConfig:
@@ -133,6 +151,7 @@ class ModelConfig:
         if getattr(hf, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {hf.hidden_act!r}; only 'silu' is supported")
         num_heads = hf.num_attention_heads
+        layer_types, sliding_window, softcap = _attention_variants(hf)
         return cls(
             architecture=architecture,
             hf_config=hf,
@@ -149,9 +168,13 @@ class ModelConfig:
             or (architecture == "Qwen2MoeForCausalLM" and bool(getattr(hf, "qkv_bias", True))),
             qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            max_position_embeddings=_max_model_len(hf),
+            max_position_embeddings=hf.max_position_embeddings,
             eos_token_ids=_eos_token_ids(folder, hf),
             moe=MoeConfig.from_hf(architecture, hf),
+            layer_types=layer_types,
+            sliding_window=sliding_window,
+            attn_logit_softcapping=softcap,
+            attention_sinks=hf.model_type == "gpt_oss",
         )
 
 
@@ -210,13 +233,28 @@ class MoeConfig:
         return moe
 
 
-def _max_model_len(hf) -> int:
-    """Sliding-window models are served up to their window only: there full attention is exact."""
-    max_len = hf.max_position_embeddings
+def _attention_variants(hf) -> tuple[tuple[str, ...], int | None, float | None]:
+    """(layer_types, sliding_window, attn_logit_softcapping) from an HF config: the per-layer types where the config
+    has them (transformers 5 derives them for Qwen2 from use_sliding_window and max_window_layers, and Gemma 2/3 and
+    gpt-oss write them), else every layer sliding when sliding_window is set (Mistral), else full."""
     window = getattr(hf, "sliding_window", None)
-    if window and getattr(hf, "use_sliding_window", True):
-        max_len = min(max_len, window)
-    return max_len
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"sliding_window must be a positive integer or null, got {window!r}")
+    kinds = getattr(hf, "layer_types", None)
+    if kinds is None:
+        kinds = [SLIDING_ATTENTION if window else FULL_ATTENTION] * hf.num_hidden_layers
+    kinds = tuple(kinds)
+    if len(kinds) != hf.num_hidden_layers or not set(kinds) <= {FULL_ATTENTION, SLIDING_ATTENTION}:
+        raise ValueError(
+            f"layer_types must name {FULL_ATTENTION!r} or {SLIDING_ATTENTION!r} for each of the "
+            f"{hf.num_hidden_layers} layers, got {list(kinds)}"
+        )
+    if SLIDING_ATTENTION in kinds and not window:
+        raise ValueError("layer_types has sliding_attention layers but the config sets no sliding_window")
+    softcap = getattr(hf, "attn_logit_softcapping", None)
+    if softcap is not None and not (isinstance(softcap, (int, float)) and 0 < softcap < float("inf")):
+        raise ValueError(f"attn_logit_softcapping must be a positive number or null, got {softcap!r}")
+    return kinds, window if SLIDING_ATTENTION in kinds else None, None if softcap is None else float(softcap)
 
 
 def _eos_token_ids(folder: Path, hf) -> tuple[int, ...]:

@@ -267,7 +267,9 @@ class Scheduler:
             and not request.is_beam
             and not (request.num_in_flight and request.fan_out)
         ):
-            swapped = self.swap_space.swap_out(request.request_id, self.block_manager.block_table(request.request_id))
+            manager = self.block_manager
+            held, first = manager.held_blocks(request.request_id), manager.first_held(request.request_id)
+            swapped = self.swap_space.swap_out(request.request_id, held, first)
         self.block_manager.free(request.request_id)
         self._forget_in_runner(request)
         if swapped is not None:
@@ -288,7 +290,7 @@ class Scheduler:
                 del output.scheduled[position]
                 request.cancel_chunk(item)
                 self.block_manager.uncache_uncomputed(request.request_id, item.start_position)
-                own = set(self.block_manager.block_table(request.request_id))
+                own = set(self.block_manager.held_blocks(request.request_id))
                 output.blocks_to_copy = [(src, dst) for src, dst in output.blocks_to_copy if dst not in own]
                 return True
         return False
@@ -343,7 +345,7 @@ class Scheduler:
         start = request.num_computed_tokens
         num_new = min(request.num_tokens - start, budget)
         # A swapped request needs device blocks for what it had computed too: allocate from position 0.
-        copies = manager.allocate_slots(request.request_id, 0 if swapped else start, start + num_new)
+        copies = manager.allocate_slots(request.request_id, 0 if swapped else start, start + num_new, first_query=start)
         if copies is None:
             if not swapped:
                 manager.free(request.request_id)  # give back the prefix blocks it took
@@ -351,8 +353,8 @@ class Scheduler:
             return False
         output.blocks_to_copy += copies
         if swapped:
-            table = manager.block_table(request.request_id)
-            output.blocks_to_swap_in += self._swap_space().swap_in(request.request_id, table)
+            held, first = manager.held_blocks(request.request_id), manager.first_held(request.request_id)
+            output.blocks_to_swap_in += self._swap_space().swap_in(request.request_id, held, first)
         if request.num_cached_tokens < 0:  # as vLLM: the hits of the first admission (a recompute is not reported)
             request.num_cached_tokens = start
         output.scheduled.append(self._scheduled(request, num_new))

@@ -23,7 +23,7 @@ from pagedq.kernels import KernelSet
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, ops: KernelSet, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = Attention(config, ops)
+        self.self_attn = Attention(config, ops, layer_idx)
         self.mlp = feed_forward(config, ops, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
