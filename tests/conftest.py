@@ -100,6 +100,8 @@ def _tiny_config(architecture: str):
     moe = _tiny_moe_config(architecture, common)
     if moe is not None:
         return moe
+    if architecture == "phi3":  # fused qkv_proj and gate_up_proj in the checkpoint
+        return transformers.Phi3Config(**common, sliding_window=None, tie_word_embeddings=False)
     raise ValueError(architecture)
 
 
@@ -133,6 +135,7 @@ _MODEL_CLASSES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 ARCHITECTURES = tuple(_MODEL_CLASSES)
 MOE_MODEL_CLASSES = {

@@ -23,6 +23,7 @@ from pagedq.engine.core.seats import SeatPolicy
 from pagedq.engine.core.step_plan import ModelRunnerOutput
 from pagedq.engine.core.swap import SwapSpace
 from pagedq.engine.errors import RequestRejected, check_context_fits
+from pagedq.engine.layers.rotary import rope_cache_namespace
 from pagedq.engine.output.output_processor import OutputProcessor
 from pagedq.engine.output.outputs import RequestOutput
 from pagedq.engine.runner.model_runner import ModelRunner, PreparedStep
@@ -149,6 +150,7 @@ class LLMEngine:
                 sampling_params=params,
                 prompt=text,
                 eos_token_ids=self.model_config.eos_token_ids,
+                cache_namespace=rope_cache_namespace(self.model_config, len(token_ids) + params.max_tokens),
                 priority=priority,
                 sampling_seed=seed + first,
                 group_id=request_id,
@@ -181,6 +183,7 @@ class LLMEngine:
             sampling_params=SamplingParams(),
             prompt=text,
             eos_token_ids=self.model_config.eos_token_ids,
+            cache_namespace=rope_cache_namespace(self.model_config, len(token_ids) + params.max_tokens),
             priority=int(priority),
         )
         self.beam_search.add(root, params, self.model_config.eos_token_ids)

@@ -33,6 +33,7 @@ def test_the_registry_serves_every_supported_architecture():
         "MixtralForCausalLM",
         "Qwen2MoeForCausalLM",
         "Qwen3MoeForCausalLM",
+        "Phi3ForCausalLM",
     }
     assert all(registry.model_class(name) is LlamaForCausalLM for name in registry.supported_architectures())
     with pytest.raises(ValueError, match=r"unsupported architecture 'GPT2LMHeadModel'.*LlamaForCausalLM"):

@@ -17,6 +17,8 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
     "Qwen2MoeForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
     "Qwen3MoeForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
+    # Phi-3: the Llama tree, its checkpoint already holding qkv_proj and gate_up_proj packed as ours
+    "Phi3ForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
 }
 
 

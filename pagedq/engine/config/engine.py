@@ -12,7 +12,7 @@ import torch
 from pagedq.engine.config.architectures import check_supported
 from pagedq.engine.options import EngineOptions
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", "longrope", "dynamic")
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"  # transformers' layer_types values
 # None: per device, ASYNC_SCHEDULING_BY_DEVICE; the tests set it for every engine (PAGEDQ_TEST_SCHEDULING,
 # tests/conftest.py).
@@ -116,6 +116,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     # the expert facts of a mixture-of-experts architecture (pagedq/engine/layers/moe.py); None for a dense one
     moe: MoeConfig | None = None
+    # LongRoPE's original_max_position_embeddings: a sequence whose prompt + max_tokens fits it reads the short
+    # factors (pagedq/engine/layers/rotary.py); None for every other RoPE type
+    rope_short_until: int | None = None
     # Attention variants (wt-attn). layer_types: per layer "full_attention" | "sliding_attention"; a sliding layer's
     # query sees the sliding_window keys up to and including its own (pagedq/kernels/reference.py window_start).
     layer_types: tuple[str, ...] = ()
@@ -145,12 +148,9 @@ class ModelConfig:
         hf = AutoConfig.from_pretrained(folder)
         architecture = (getattr(hf, "architectures", None) or ["?"])[0]
         check_supported(architecture)
-        rope_type = (getattr(hf, "rope_parameters", None) or {}).get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-        if getattr(hf, "hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {hf.hidden_act!r}; only 'silu' is supported")
+        check_checkpoint_options(hf)
         num_heads = hf.num_attention_heads
+        rope = rope_parameters_of(hf)
         layer_types, sliding_window, softcap = _attention_variants(hf)
         return cls(
             architecture=architecture,
@@ -168,9 +168,10 @@ class ModelConfig:
             or (architecture == "Qwen2MoeForCausalLM" and bool(getattr(hf, "qkv_bias", True))),
             qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            max_position_embeddings=hf.max_position_embeddings,
+            max_position_embeddings=_rope_max_len(hf),
             eos_token_ids=_eos_token_ids(folder, hf),
             moe=MoeConfig.from_hf(architecture, hf),
+            rope_short_until=rope["original_max_position_embeddings"] if rope.get("rope_type") == "longrope" else None,
             layer_types=layer_types,
             sliding_window=sliding_window,
             attn_logit_softcapping=softcap,
@@ -231,6 +232,53 @@ class MoeConfig:
         if moe.sparse_layers and moe.moe_intermediate_size < 1:
             raise ValueError(f"moe_intermediate_size must be a positive integer, got {moe.moe_intermediate_size!r}")
         return moe
+# ---- what a checkpoint may ask for (one error naming the option, before any weight loads) ------------------------
+SUPPORTED_HIDDEN_ACTS = ("silu",)
+
+
+def rope_parameters_of(hf: object, layer_type: str | None = None) -> dict[str, Any]:
+    """The checkpoint's RoPE settings (transformers 5 normalizes old `rope_scaling` into `rope_parameters`); with
+    `layer_type`, that layer type's entry of a per-layer-type dict."""
+    params = getattr(hf, "rope_parameters", None) or {}
+    return dict(params[layer_type] if layer_type is not None else params)
+
+
+def check_checkpoint_options(hf: object) -> None:
+    """ValueError naming the first option of config.json pagedq does not serve, and what it serves instead."""
+    quantization = getattr(hf, "quantization_config", None)
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else type(quantization)
+        raise ValueError(
+            f"unsupported quantization_config (quant_method {method!r}): pagedq serves unquantized weights only "
+            "(float32, float16 or bfloat16 checkpoints)"
+        )
+    rope = rope_parameters_of(hf)
+    # one dict, or one per layer type (Gemma 3: sliding_attention / full_attention, each its own base)
+    per_layer_type = bool(rope) and all(isinstance(entry, dict) for entry in rope.values())
+    for entry in rope.values() if per_layer_type else [rope]:
+        rope_type = entry.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        partial = entry.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
+        if partial is not None and partial != 1.0:
+            raise ValueError(f"unsupported partial_rotary_factor {partial!r}: pagedq rotates the whole head (1.0 only)")
+    hidden_act = getattr(hf, "hidden_act", "silu")
+    if hidden_act not in SUPPORTED_HIDDEN_ACTS:
+        raise ValueError(f"unsupported hidden_act {hidden_act!r}; supported: {', '.join(SUPPORTED_HIDDEN_ACTS)}")
+    if getattr(hf, "mlp_bias", False):
+        raise ValueError("unsupported mlp_bias true: pagedq's MLP projections have no bias")
+
+
+def _rope_max_len(hf) -> int:
+    """Longest context the RoPE settings serve, as vLLM derives it: YaRN's original_max_position_embeddings * factor,
+    dynamic NTK's max_position_embeddings * factor; the checkpoint's max_position_embeddings otherwise."""
+    rope = rope_parameters_of(hf)
+    rope_type, factor = rope.get("rope_type", "default"), rope.get("factor")
+    if rope_type == "yarn" and factor:
+        return int(rope.get("original_max_position_embeddings", hf.max_position_embeddings) * factor)
+    if rope_type == "dynamic":
+        return int(hf.max_position_embeddings * factor)
+    return hf.max_position_embeddings
 
 
 def _attention_variants(hf) -> tuple[tuple[str, ...], int | None, float | None]:

@@ -250,16 +250,17 @@ class BlockManager:
     def _chain_hash(self, parent: bytes, tokens: list[int]) -> bytes:
         return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
-    def match_prefix(self, request_id: str, token_ids: list[int]) -> int:
+    def match_prefix(self, request_id: str, token_ids: list[int], namespace: bytes = b"") -> int:
         """Give a request with no blocks the cached blocks of its longest cached prefix; returns tokens covered.
 
-        At least one token is always left to compute: its logits are what the request samples from.
+        At least one token is always left to compute: its logits are what the request samples from. `namespace`
+        seeds the hash chain: requests whose K/V over the same tokens differ pass different ones.
         """
         if not self.enable_prefix_caching or self._block_tables.get(request_id):
             return 0
         size = self.block_size
         hashes, table = [], []
-        parent = b""
+        parent = namespace
         for start in range(0, len(token_ids) - 1 - (len(token_ids) - 1) % size, size):
             parent = self._chain_hash(parent, token_ids[start : start + size])
             block_id = self._block_of_hash.get(parent)
@@ -275,8 +276,11 @@ class BlockManager:
         self.num_prefix_hits += len(table) * size
         return len(table) * size
 
-    def cache_full_blocks(self, request_id: str, token_ids: list[int], num_computed: int) -> None:
-        """Register the hashes of a request's blocks that became full (computed) since the last call."""
+    def cache_full_blocks(
+        self, request_id: str, token_ids: list[int], num_computed: int, namespace: bytes = b""
+    ) -> None:
+        """Register the hashes of a request's blocks that became full (computed) since the last call (`namespace`:
+        match_prefix's)."""
         if not self.enable_prefix_caching:
             return
         hashes = self._block_hashes.setdefault(request_id, [])
@@ -286,7 +290,7 @@ class BlockManager:
         table = self._block_tables[request_id]
         first_held = self._first_held.get(request_id, 0)
         for index in range(len(hashes), num_computed // size):
-            parent = self._chain_hash(hashes[-1] if hashes else b"", token_ids[index * size : (index + 1) * size])
+            parent = self._chain_hash(hashes[-1] if hashes else namespace, token_ids[index * size : (index + 1) * size])
             hashes.append(parent)
             block_id = table[index]
             if index < first_held:

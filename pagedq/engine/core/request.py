@@ -115,6 +115,9 @@ class Request:
     later_waves: list[Request] = field(default_factory=list, repr=False)
     is_beam: bool = False  # beam sequences report candidates instead of appending a token
     beam_candidates: dict[int, float] | None = None  # token -> logprob, set by the step, taken by selection
+    # Seeds its prefix-cache hash chain: sequences whose K/V over the same tokens differ (LongRoPE's short and long
+    # rows, pagedq/engine/layers/rotary.py) never share blocks
+    cache_namespace: bytes = b""
     # Progress (the class doc: what each means; only the methods under "progress" change them)
     runner_num_tokens: int = 0
     runner_num_blocks: int = 0
@@ -161,6 +164,7 @@ class Request:
             index=index,
             is_beam=self.is_beam,
             first_token_time=self.first_token_time,
+            cache_namespace=self.cache_namespace,
         )
         child.all_token_ids = list(self.all_token_ids)
         child.cumulative_logprob = self.cumulative_logprob

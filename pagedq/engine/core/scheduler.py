@@ -341,7 +341,9 @@ class Scheduler:
         manager = self.block_manager
         swapped = request.status is RequestStatus.SWAPPED
         if not swapped and not request.needs_prompt_logprobs:  # cached prompt blocks would skip their logits
-            request.start_computed_at(manager.match_prefix(request.request_id, request.all_token_ids))
+            request.start_computed_at(
+                manager.match_prefix(request.request_id, request.all_token_ids, request.cache_namespace)
+            )
         start = request.num_computed_tokens
         num_new = min(request.num_tokens - start, budget)
         # A swapped request needs device blocks for what it had computed too: allocate from position 0.
@@ -367,5 +369,5 @@ class Scheduler:
         # step may then reuse them, since every layer stores the whole batch's K/V before attending. Only blocks
         # of known tokens: one holding a placeholder is hashed once its token is in.
         end = min(request.num_computed_tokens + num_new, len(request.all_token_ids))
-        self.block_manager.cache_full_blocks(request.request_id, request.all_token_ids, end)
+        self.block_manager.cache_full_blocks(request.request_id, request.all_token_ids, end, request.cache_namespace)
         return request.begin_chunk(num_new, drafts)

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3; and with expert blocks Mixtral, Qwen2-MoE, Qwen3-MoE) over
-a flattened token batch and a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3; and with expert blocks Mixtral, Qwen2-MoE,
+Qwen3-MoE) over a flattened token batch and a paged KV cache.
 
 No padding anywhere: the batch is [T] tokens from many requests; attention finds each token's request
 through `AttentionMetadata`. Q/K/V and gate/up are packed into one matmul each. The numerics follow
@@ -66,7 +66,8 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, hidden]."""
+        """input_ids, positions [T] -> final hidden states [T, hidden]. positions index the RoPE table only (each
+        token's row: its position, or LongRoPE's short-factor row, pagedq/engine/layers/rotary.py)."""
         hidden = self.model.embed_tokens(input_ids)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):

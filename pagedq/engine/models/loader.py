@@ -1,8 +1,9 @@
 """Build our model from a local Hugging Face checkpoint folder.
 
 Weights come from *.safetensors (preferred) or pytorch_model*.bin. The checkpoint's separate q/k/v and
-gate/up projections are copied into our packed matrices, and a MoE checkpoint's per-expert matrices into the
-stacked expert tensors (pagedq/engine/layers/moe.py). A folder holding only config.json gets random
+gate/up projections are copied into our packed matrices; a checkpoint that packs them already (Phi-3's qkv_proj and
+gate_up_proj, in our order) is copied whole, and a MoE checkpoint's per-expert matrices go into the stacked expert
+tensors (pagedq/engine/layers/moe.py). A folder holding only config.json gets random
 weights (for benchmarks of a model shape without its weights).
 """
 
@@ -115,6 +116,9 @@ def _load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Te
             )
         params[name].data.copy_(tensor)
         loaded.add(name)
+        module = modules.get(name.rpartition(".")[0])
+        if isinstance(module, PackedLinear):  # a checkpoint that packs them too (Phi-3): every shard at once
+            loaded.update(f"{name}#{i}" for i in range(len(module.shard_offsets) - 1))
     _check_complete(model, loaded)
 
 

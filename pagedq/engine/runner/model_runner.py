@@ -18,6 +18,7 @@ import torch
 from pagedq.engine.config.engine import EngineConfig, ModelConfig, resolve_dtype
 from pagedq.engine.core.step_plan import ModelRunnerOutput, ScheduledChunk, StepPlan
 from pagedq.engine.layers import AttentionMetadata
+from pagedq.engine.layers.rotary import rope_table_rows
 from pagedq.engine.models.loader import load_model
 from pagedq.engine.runner.cuda_graphs import DecodeGraphRunner
 from pagedq.engine.sample.sampler import sample
@@ -132,6 +133,10 @@ class ModelRunner:
             return PreparedStep(plan, device_ops)
         ordered, rows, infos, lengths = decodes_first(plan.chunks, rows_of_chunks, infos_of_chunks)
         inputs = build_step_inputs(ordered, infos, rows, self.state.tables(rows), self.block_size, lengths)
+        if self.model_config.rope_short_until is not None:  # LongRoPE: each sequence's rows by its longest length
+            longest = (info.num_prompt_tokens + info.params.max_tokens for info in infos)
+            max_lengths = np.repeat(np.fromiter(longest, dtype=np.int64, count=len(infos)), inputs.lengths)
+            inputs.rope_rows = rope_table_rows(self.model_config, inputs.positions, max_lengths)
         self.num_device_fed_tokens += len(inputs.placeholders)
         draws = draw_layout(ordered, infos, rows, inputs.lengths)
         if draws is None:
@@ -193,10 +198,9 @@ class ModelRunner:
             rows = to_device(inputs.placeholder_rows, self.device)
             token_ids[to_device(inputs.placeholders, self.device)] = self.state.last_token[rows]
         graphs = self.decode_graphs
+        rope_rows = inputs.positions if inputs.rope_rows is None else inputs.rope_rows  # the model reads them only
         if graphs is not None and inputs.is_decode_only and graphs.can_run(*inputs.block_tables.shape):
-            return graphs.run(
-                token_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables, inputs.context_lens
-            )
+            return graphs.run(token_ids, rope_rows, inputs.slot_mapping, inputs.block_tables, inputs.context_lens)
         num_decode, tables, context_lens = inputs.num_decode, inputs.block_tables, inputs.context_lens
         prefill_cu_seqlens = np.concatenate(([0], np.cumsum(inputs.lengths[num_decode:]))).astype(np.int32)
 
@@ -210,7 +214,7 @@ class ModelRunner:
             prefill_cu_seqlens_q=to_device(prefill_cu_seqlens, device),
             prefill_context_lens=to_device(context_lens[num_decode:], device),
         )
-        return self.model(token_ids, to_device(inputs.positions, device), self.kv_caches, meta)
+        return self.model(token_ids, to_device(rope_rows, device), self.kv_caches, meta)
 
 
 def _lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

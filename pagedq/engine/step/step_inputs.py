@@ -26,6 +26,9 @@ class StepInputs:
     # rows whose latest draw they are; their entries in token_ids are 0 until the device fills them in.
     placeholders: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     placeholder_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # [T] int64: the RoPE table row each token reads, where that is not its position (LongRoPE's short rows,
+    # pagedq/engine/layers/rotary.py); None: its position
+    rope_rows: np.ndarray | None = None
 
     @property
     def is_decode_only(self) -> bool:
