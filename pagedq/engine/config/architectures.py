@@ -17,6 +17,9 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
     "Qwen2MoeForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
     "Qwen3MoeForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
+    # gpt-oss: the same tree; its expert block's options (router, biases, clamped SwiGLU) are ModelConfig.moe's, its
+    # attention's (sliding/full layers, sinks, o_proj bias) ModelConfig's
+    "GptOssForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
     # Phi-3: the Llama tree, its checkpoint already holding qkv_proj and gate_up_proj packed as ours
     "Phi3ForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
 }

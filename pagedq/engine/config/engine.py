@@ -111,6 +111,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     qkv_bias: bool = False
     qk_norm: bool = False
+    o_proj_bias: bool = False  # config.attention_bias: a bias on o_proj as on q/k/v (gpt-oss; Llama when set)
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 2048
     eos_token_ids: tuple[int, ...] = ()
@@ -167,6 +168,7 @@ class ModelConfig:
             or bool(getattr(hf, "attention_bias", False))
             or (architecture == "Qwen2MoeForCausalLM" and bool(getattr(hf, "qkv_bias", True))),
             qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            o_proj_bias=bool(getattr(hf, "attention_bias", False)),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             max_position_embeddings=_rope_max_len(hf),
             eos_token_ids=_eos_token_ids(folder, hf),
@@ -192,6 +194,13 @@ class MoeConfig:
     # transformers' Qwen routers cast the top-k weights to the model dtype before the experts use them; Mixtral's
     # keep them in fp32
     weights_in_model_dtype: bool = True
+    # gpt-oss: "topk_softmax" (the k largest router logits, then a softmax over those k, in the logits' dtype) where
+    # the others take "softmax_topk"; a bias on the router and on both expert projections; the clamped SwiGLU; and a
+    # checkpoint whose stacked experts are [E, in, out] with gate and up columns interleaved (the loader reorders)
+    scoring: str = "softmax_topk"
+    biases: bool = False
+    activation: str = "silu"
+    interleaved_gate_up: bool = False
 
     @classmethod
     def from_hf(cls, architecture: str, hf) -> MoeConfig | None:
@@ -221,6 +230,20 @@ class MoeConfig:
                 ),
                 shared_expert_intermediate_size=getattr(hf, "shared_expert_intermediate_size", 0) or 0,
             )
+        elif architecture == "GptOssForCausalLM":
+            _check_swiglu_oai(hf)
+            moe = cls(
+                num_experts=hf.num_local_experts,
+                num_experts_per_tok=hf.num_experts_per_tok,
+                moe_intermediate_size=hf.intermediate_size,
+                norm_topk_prob=False,
+                sparse_layers=tuple(range(hf.num_hidden_layers)),
+                weights_in_model_dtype=False,
+                scoring="topk_softmax",
+                biases=True,
+                activation="swiglu_oai",
+                interleaved_gate_up=True,
+            )
         else:
             return None
         if not isinstance(moe.num_experts, int) or moe.num_experts < 0:
@@ -232,6 +255,8 @@ class MoeConfig:
         if moe.sparse_layers and moe.moe_intermediate_size < 1:
             raise ValueError(f"moe_intermediate_size must be a positive integer, got {moe.moe_intermediate_size!r}")
         return moe
+
+
 # ---- what a checkpoint may ask for (one error naming the option, before any weight loads) ------------------------
 SUPPORTED_HIDDEN_ACTS = ("silu",)
 
@@ -251,6 +276,11 @@ def check_checkpoint_options(hf: object) -> None:
         raise ValueError(
             f"unsupported quantization_config (quant_method {method!r}): pagedq serves unquantized weights only "
             "(float32, float16 or bfloat16 checkpoints)"
+            + (
+                "; dequantize it first (transformers: Mxfp4Config(dequantize=True), then save_pretrained)"
+                if method == "mxfp4"
+                else ""
+            )
         )
     rope = rope_parameters_of(hf)
     # one dict, or one per layer type (Gemma 3: sliding_attention / full_attention, each its own base)
@@ -279,6 +309,17 @@ def _rope_max_len(hf) -> int:
     if rope_type == "dynamic":
         return int(hf.max_position_embeddings * factor)
     return hf.max_position_embeddings
+
+
+def _check_swiglu_oai(hf) -> None:
+    """gpt-oss's clamped SwiGLU runs with the kernels' alpha and limit (transformers' defaults, every released
+    checkpoint's); ValueError naming the field for another value."""
+    from pagedq.kernels.reference import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+
+    for name, served in (("swiglu_alpha", SWIGLU_OAI_ALPHA), ("swiglu_limit", SWIGLU_OAI_LIMIT)):
+        value = getattr(hf, name, served)
+        if value != served:
+            raise ValueError(f"unsupported {name} {value!r}: pagedq's gpt-oss experts serve {served} only")
 
 
 def _attention_variants(hf) -> tuple[tuple[str, ...], int | None, float | None]:
