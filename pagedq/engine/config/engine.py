@@ -327,8 +327,10 @@ def _attention_variants(hf) -> tuple[tuple[str, ...], int | None, float | None]:
     has them (transformers 5 derives them for Qwen2 from use_sliding_window and max_window_layers, and Gemma 2/3 and
     gpt-oss write them), else every layer sliding when sliding_window is set (Mistral), else full."""
     window = getattr(hf, "sliding_window", None)
+    if window == 0 and not isinstance(window, bool):  # transformers' Qwen2-MoE config: 0 when use_sliding_window is off
+        window = None
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-        raise ValueError(f"sliding_window must be a positive integer or null, got {window!r}")
+        raise ValueError(f"sliding_window must be a positive integer, 0 or null, got {window!r}")
     kinds = getattr(hf, "layer_types", None)
     if kinds is None:
         kinds = [SLIDING_ATTENTION if window else FULL_ATTENTION] * hf.num_hidden_layers
