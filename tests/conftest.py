@@ -61,6 +61,37 @@ def build_tokenizer(folder: Path):
     return tokenizer
 
 
+# Untied: with tied embeddings scaled by sqrt(hidden), a random Gemma repeats its last token, and greedy parity
+# would check little (tests/engine/test_gemma.py covers the tied checkpoints through their logprobs).
+def _gemma2_config(common: dict):
+    """4 layers alternating sliding (window 8, shorter than most test prompts) and global; both soft-caps small
+    enough to bind on random weights; query_pre_attn_scalar != head_dim, so the attention scale is its own."""
+    import transformers
+
+    return transformers.Gemma2Config(
+        **{**common, "num_hidden_layers": 4}, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+        attn_logit_softcapping=2.0, final_logit_softcapping=4.0, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def _gemma3_config(common: dict):
+    """Gemma 3 text: per-head q/k norms, a local RoPE base for sliding layers and a linearly scaled global one."""
+    import transformers
+
+    rope = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+    }
+    layer_types = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    return transformers.Gemma3TextConfig(
+        **{**common, "num_hidden_layers": 4}, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+        layer_types=layer_types, rope_parameters=rope, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+GEMMA_CONFIGS = {"gemma2": _gemma2_config, "gemma3": _gemma3_config}
+
+
 def _tiny_config(architecture: str):
     import transformers
 
@@ -78,6 +109,8 @@ def _tiny_config(architecture: str):
         pad_token_id=0,
         initializer_range=0.2,
     )
+    if architecture in GEMMA_CONFIGS:
+        return GEMMA_CONFIGS[architecture](common)
     if architecture == "llama":
         rope = {
             "rope_type": "llama3",
@@ -97,13 +130,13 @@ def _tiny_config(architecture: str):
     if architecture == "qwen3":
         # head_dim 32 with hidden 64 and 4 heads: head_dim != hidden / heads.
         return transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=True, use_sliding_window=False)
+    if architecture == "phi3":  # fused qkv_proj and gate_up_proj in the checkpoint
+        return transformers.Phi3Config(**common, sliding_window=None, tie_word_embeddings=False)
     moe = _tiny_moe_config(architecture, common)
     if moe is not None:
         return moe
     if architecture == "gpt_oss":
         return _tiny_gpt_oss_config(common)
-    if architecture == "phi3":  # fused qkv_proj and gate_up_proj in the checkpoint
-        return transformers.Phi3Config(**common, sliding_window=None, tie_word_embeddings=False)
     raise ValueError(architecture)
 
 
@@ -165,6 +198,8 @@ _MODEL_CLASSES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
 }
 ARCHITECTURES = tuple(_MODEL_CLASSES)
@@ -193,11 +228,21 @@ def build_checkpoint(folder: Path, architecture: str, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     model = getattr(transformers, _MODEL_CLASSES[architecture])(_tiny_config(architecture))
+    if architecture in GEMMA_CONFIGS:
+        randomize_norms(model)
     if architecture == "gpt_oss":
         _randomize_gpt_oss_biases(model)
     model.save_pretrained(folder)
     build_tokenizer(folder)
     return folder
+
+
+def randomize_norms(model) -> None:
+    """Random norm weights (a fresh model's are all equal): each norm's scale then shows where it is applied."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.normal_(0.0, 0.5)
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,11 @@
 """fused_moe benchmarks. On CUDA, `pagedq bench kernels` (bench.kernels) calls `bench_fused_moe`: the Triton kernels'
 TFLOP/s next to the dense bf16 matmul and to the "cpu" backend's torch path on the same GPU tensors. On the CPU,
 `python -m pagedq.bench.kernels_moe` compares that grouped path (kernels.cpu_moe) with the reference's loop over
-every expert (kernels.reference, the oracle) on the same inputs: medians over --repeats calls after one warm-up,
-one JSON line per case (prefix "JSON "): `grouped_ms`, `reference_ms`, `speedup_over_reference`,
-`max_abs_diff_vs_reference`. Routing everywhere is a softmax top-k over random logits.
+every expert (kernels.reference, the oracle) on the same inputs: medians of the process's CPU time over --repeats
+calls after one warm-up (on a shared machine wall time mostly measures the neighbours; run it with
+OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE for a figure per core), one JSON line per case (prefix "JSON "):
+`grouped_ms`, `reference_ms`, `speedup_over_reference`, `max_abs_diff_vs_reference`. Routing everywhere is a
+softmax top-k over random logits.
 """
 
 from __future__ import annotations
@@ -71,9 +73,9 @@ def _median_ms(fn: Callable[[], object], repeats: int) -> float:
     fn()
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = time.process_time()
         fn()
-        times.append(time.perf_counter() - start)
+        times.append(time.process_time() - start)
     return statistics.median(times) * 1e3
 
 
@@ -109,7 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if min(args.tokens) < 1 or args.repeats < 1:
         parser.error("--tokens and --repeats must be positive")
     torch.manual_seed(0)
-    print(f"device: cpu, {torch.get_num_threads()} intra-op threads; timings are medians of {args.repeats}")
+    threads = torch.get_num_threads()
+    print(f"device: cpu, {threads} intra-op threads; CPU-time medians of {args.repeats}")
     bench_cpu_fused_moe(args.tokens, args.repeats)
     return 0
 

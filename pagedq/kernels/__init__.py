@@ -2,7 +2,8 @@
 
 Every public function here has a plain-PyTorch reference in `kernels.reference` with the same signature and a
 Triton implementation in `kernels.triton_ops`. `bind(device)` picks the backend once (Triton on CUDA; on CPU
-"cpu": the reference with its paged attention replaced by `kernels.cpu_attention`, index_select + torch's SDPA;
+"cpu": the reference with its paged attention replaced by `kernels.cpu_attention`, index_select + torch's SDPA,
+and fused_moe by `kernels.cpu_moe`, grouped by expert;
 `PAGEDQ_KERNELS=triton|cpu|reference` forces one, and with `TRITON_INTERPRET=1` the Triton path runs on CPU
 through Triton's interpreter) and returns a `KernelSet`: the engine binds one when it builds the
 model, so the environment is read once, not per call. A kernel missing from the Triton backend raises at bind
@@ -21,7 +22,6 @@ import torch
 from pagedq.kernels import cpu_attention, cpu_moe, reference
 
 _BACKENDS = ("triton", "cpu", "reference")
-CPU_ATTENTION_NAMES = ("paged_decode_attention", "paged_prefill_attention")  # what "cpu" takes from cpu_attention
 KERNEL_NAMES = (
     "store_kv_cache",
     "paged_decode_attention",
@@ -30,10 +30,18 @@ KERNEL_NAMES = (
     "head_rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "gelu_tanh_and_mul",
     "copy_blocks",
     "gumbel_argmax",
     "fused_moe",
 )
+# What the "cpu" backend takes from a CPU path of its own instead of the reference: the paged attention
+# (index_select + SDPA, or the native kernel) and the MoE grouped by expert (the reference masks per expert).
+CPU_PATHS = {
+    "paged_decode_attention": cpu_attention,
+    "paged_prefill_attention": cpu_attention,
+    "fused_moe": cpu_moe,
+}
 
 
 def selected_backend(device: torch.device) -> str:
@@ -58,6 +66,7 @@ class KernelSet:
     head_rms_norm: Callable
     rotary_embedding: Callable
     silu_and_mul: Callable
+    gelu_tanh_and_mul: Callable
     copy_blocks: Callable
     gumbel_argmax: Callable
     fused_moe: Callable
@@ -69,11 +78,8 @@ def bind(device: torch.device | str) -> KernelSet:
     if backend == "cpu" and torch.device(device).type != "cpu":
         raise ValueError(f"PAGEDQ_KERNELS=cpu runs on CPU tensors only, not on {device}: use triton or reference")
     if backend in ("reference", "cpu"):
-        fast = cpu_attention if backend == "cpu" else reference
-        impls = {name: getattr(fast if name in CPU_ATTENTION_NAMES else reference, name) for name in KERNEL_NAMES}
-        if backend == "cpu":
-            impls["fused_moe"] = cpu_moe.fused_moe  # grouped by expert; the reference masks per expert
-        return KernelSet(backend, **impls)
+        paths = CPU_PATHS if backend == "cpu" else {}
+        return KernelSet(backend, **{name: getattr(paths.get(name, reference), name) for name in KERNEL_NAMES})
     from pagedq.kernels import triton_ops  # imported lazily: Triton reads TRITON_INTERPRET when kernels are defined
 
     impls = {name: getattr(triton_ops, name, None) for name in KERNEL_NAMES}
@@ -105,6 +111,7 @@ rms_norm = _dispatch("rms_norm")
 head_rms_norm = _dispatch("head_rms_norm")
 rotary_embedding = _dispatch("rotary_embedding")
 silu_and_mul = _dispatch("silu_and_mul")
+gelu_tanh_and_mul = _dispatch("gelu_tanh_and_mul")
 copy_blocks = _dispatch("copy_blocks")
 gumbel_argmax = _dispatch("gumbel_argmax")
 fused_moe = _dispatch("fused_moe")

@@ -44,12 +44,30 @@ def fused_moe(
         if count == 0:
             continue
         rows = slice(start, start + count)
-        bias13 = None if w13_bias is None else w13_bias[expert]
-        bias2 = None if w2_bias is None else w2_bias[expert]
-        gate_up = torch.nn.functional.linear(grouped[rows], w13[expert], bias13)
-        expert_out[rows] = torch.nn.functional.linear(moe_activation(gate_up, activation), w2[expert], bias2)
+        gate_up = _linear(grouped[rows], w13[expert], None if w13_bias is None else w13_bias[expert])
+        _linear(_activate(gate_up, activation), w2[expert], None if w2_bias is None else w2_bias[expert],
+                out=expert_out[rows])  # fmt: skip
         start += count
-    weights = topk_weights.reshape(-1)[order].float()
+    weighted = expert_out.float()  # expert_out itself when fp32: it is ours to scale in place
+    weighted.mul_(topk_weights.reshape(-1)[order].float()[:, None])
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    out.index_add_(0, tokens, expert_out.float() * weights[:, None])
+    out.index_add_(0, tokens, weighted)
     return out.to(hidden.dtype)
+
+
+def _linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ weight.T (+ bias), written into `out` when given: F.linear's product, without the copy into place."""
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
+
+
+def _activate(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """`reference.moe_activation`; silu in place in gate_up's gate half (the same two roundings, no new buffers)."""
+    if activation != "silu":
+        return moe_activation(gate_up, activation)
+    half = gate_up.shape[-1] // 2
+    gate = torch.nn.functional.silu(gate_up[:, :half], inplace=True)
+    return gate.mul_(gate_up[:, half:])

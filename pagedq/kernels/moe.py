@@ -18,8 +18,9 @@ case, N + min(E, N) * (BLOCK_M - 1) rows; programs whose block holds no group re
 Kernel 1, gate/up: a program computes BLOCK_M pairs x BLOCK_N intermediate columns of its expert with two fp32
 accumulators (gate and up columns), applies the activation and stores act [N, I] at the pairs' rows. Kernel 2,
 down: act @ w2[e].T + bias for BLOCK_M pairs x BLOCK_N hidden columns, times the pair's routing weight, stored
-at the pair's row of [N, H]; the K rows of a token are then summed (fp32 accumulation, torch). Both round the
-projections to the input dtype before the activation and the weighting, where the reference rounds them.
+in hidden's dtype at the pair's row of [N, H]; the K rows of a token are then summed (fp32 accumulation, torch;
+no atomics, so the result is deterministic). Both kernels round to the input dtype where the reference rounds
+(the projections, silu, each elementwise step of swiglu_oai).
 """
 
 from __future__ import annotations
@@ -235,7 +236,8 @@ def _check_inputs(hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, ac
             continue
         if tuple(bias.shape) != shape:
             raise ValueError(f"{fn}: {name} must be {shape}, got {tuple(bias.shape)}")
-        check_float_dtype(fn, name, bias)
+        if bias.dtype != hidden.dtype:
+            raise ValueError(f"{fn}: {name} dtype {bias.dtype} must match hidden's {hidden.dtype}")
         check_last_dim_contiguous(fn, name, bias)
     tensors = {"hidden": hidden, "w13": w13, "w2": w2, "topk_weights": topk_weights, "topk_ids": topk_ids}
     present_biases = {name: bias for name, (bias, _) in biases.items() if bias is not None}

@@ -2,15 +2,17 @@
 
 Shapes and strides
     rms_norm:      x, residual [T, H] (rows may be strided, last dim contiguous), weight [H]
-                   -> normed [T, H] in promote(weight, x) dtype, new_residual [T, H] in x dtype (both contiguous)
+                   -> normed [T, H] in promote(weight, x) dtype (x's with unit_offset), new_residual [T, H] in x
+                   dtype (both contiguous)
     head_rms_norm: x [T, Hh, D] (any token/head strides, last dim contiguous), weight [D]
-                   -> [T, Hh, D] in promote(weight, x) dtype, contiguous
+                   -> [T, Hh, D] in promote(weight, x) dtype (x's with unit_offset), contiguous
 
 Math (transformers' numerics, which the reference spells out):
     s = x + residual, rounded to x's dtype     (that rounded sum is also the new residual)
     normed = (s * rsqrt(mean(s^2) + eps)) in fp32, rounded to x's dtype, then * weight in the output dtype.
 The intermediate rounding to x's dtype is deliberate: skipping it would be more accurate but would not match
-the model the weights were trained with.
+the model the weights were trained with. With unit_offset (Gemma) the model was trained without it:
+    normed = (s * rsqrt(mean(s^2) + eps)) * (1 + weight), all in fp32, rounded to x's dtype once.
 
 One program per row (per token for head_rms_norm, all heads of the token at once): a row is at most a few
 thousand elements, so the whole row sits in registers and is read once.
@@ -35,7 +37,7 @@ from pagedq.kernels.triton_common import (
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, new_residual_ptr,
     stride_x_row, stride_residual_row, eps,
-    HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_H)
@@ -47,9 +49,12 @@ def _rms_norm_kernel(
         tl.store(new_residual_ptr + row * HIDDEN + cols, x, mask=mask)
     x = x.to(tl.float32)
     variance = tl.sum(x * x, axis=0) / HIDDEN
-    normed = (x * tl.math.rsqrt(variance + eps)).to(x_ptr.dtype.element_ty)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    out = weight.to(tl.float32) * normed.to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:
+        out = (x * tl.math.rsqrt(variance + eps)) * (1.0 + weight)
+    else:
+        normed = (x * tl.math.rsqrt(variance + eps)).to(x_ptr.dtype.element_ty)
+        out = weight * normed.to(tl.float32)
     tl.store(out_ptr + row * HIDDEN + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -57,6 +62,7 @@ def _rms_norm_kernel(
 def _head_rms_norm_kernel(
     x_ptr, weight_ptr, out_ptr, stride_x_token, stride_x_head, eps,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0)
     heads = tl.arange(0, HEADS_PAD)
@@ -66,16 +72,20 @@ def _head_rms_norm_kernel(
     x_offsets = token * stride_x_token + heads[:, None] * stride_x_head + dims[None, :]
     x = tl.load(x_ptr + x_offsets, mask=mask, other=0.0).to(tl.float32)
     variance = tl.sum(x * x, axis=1) / HEAD_DIM
-    normed = (x * tl.math.rsqrt(variance + eps)[:, None]).to(x_ptr.dtype.element_ty)
-    weight = tl.load(weight_ptr + dims, mask=dim_mask, other=0.0)
-    out = weight.to(tl.float32)[None, :] * normed.to(tl.float32)
+    weight = tl.load(weight_ptr + dims, mask=dim_mask, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:
+        out = (x * tl.math.rsqrt(variance + eps)[:, None]) * (1.0 + weight)[None, :]
+    else:
+        normed = (x * tl.math.rsqrt(variance + eps)[:, None]).to(x_ptr.dtype.element_ty)
+        out = weight[None, :] * normed.to(tl.float32)
     out_offsets = token * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM + dims[None, :]
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _row_num_warps(row_elements: int) -> int:
-    """Enough warps that each thread holds ~8-16 elements of the row (vectorised 16-byte loads)."""
-    return min(16, max(1, row_elements // 256))
+    """Enough warps that each thread holds ~8-16 elements of the row (vectorised 16-byte loads); a power of two, as
+    Triton requires, whatever the row (hidden 3584: Qwen2-7B, Gemma 2 9B)."""
+    return min(16, max(1, padded_pow2(row_elements) // 256))
 
 
 def _check_weight(fn: str, weight: torch.Tensor, size: int, x: torch.Tensor) -> None:
@@ -87,9 +97,15 @@ def _check_weight(fn: str, weight: torch.Tensor, size: int, x: torch.Tensor) -> 
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    *,
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused residual add + RMSNorm. x, residual [T, H]; weight [H] -> (normed, new_residual)."""
+    """Fused residual add + RMSNorm. x, residual [T, H]; weight [H] -> (normed, new_residual). unit_offset: Gemma's
+    (1 + weight) norm."""
     fn = "rms_norm"
     check_ndim(fn, "x", x, 2, "[T, H]")
     check_float_dtype(fn, "x", x)
@@ -105,21 +121,22 @@ def rms_norm(
             )
         check_last_dim_contiguous(fn, "residual", residual)
         check_same_device(fn, x=x, residual=residual)
-    out = torch.empty((num_rows, hidden), dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    out_dtype = x.dtype if unit_offset else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty((num_rows, hidden), dtype=out_dtype, device=x.device)
     new_residual = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x
     if num_rows == 0:
         return out, new_residual
     _rms_norm_kernel[(num_rows,)](
         x, residual if residual is not None else x, weight, out, new_residual,
         x.stride(0), residual.stride(0) if residual is not None else 0, eps,
-        HIDDEN=hidden, BLOCK_H=padded_pow2(hidden), HAS_RESIDUAL=residual is not None,
+        HIDDEN=hidden, BLOCK_H=padded_pow2(hidden), HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset,
         num_warps=_row_num_warps(hidden),
     )  # fmt: skip
     return out, new_residual
 
 
-def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of x [T, Hh, D] with weight [D]."""
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim of x [T, Hh, D] with weight [D]; unit_offset: Gemma 3's (1 + weight) norm."""
     fn = "head_rms_norm"
     check_ndim(fn, "x", x, 3, "[T, Hh, D]")
     check_float_dtype(fn, "x", x)
@@ -127,13 +144,14 @@ def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     num_tokens, num_heads, head_dim = x.shape
     _check_weight(fn, weight, head_dim, x)
     weight = weight.contiguous()
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    out_dtype = x.dtype if unit_offset else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     if num_tokens == 0 or num_heads == 0:
         return out
     heads_pad, head_dim_pad = padded_pow2(num_heads), padded_pow2(head_dim)
     _head_rms_norm_kernel[(num_tokens,)](
         x, weight, out, x.stride(0), x.stride(1), eps,
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEADS_PAD=heads_pad, HEAD_DIM_PAD=head_dim_pad,
-        num_warps=_row_num_warps(heads_pad * head_dim_pad),
+        UNIT_OFFSET=unit_offset, num_warps=_row_num_warps(heads_pad * head_dim_pad),
     )  # fmt: skip
     return out

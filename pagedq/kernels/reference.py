@@ -159,24 +159,41 @@ def paged_prefill_attention(
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    *,
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused residual add + RMSNorm, with transformers' numerics (variance in fp32, cast, then weight).
 
     Returns (normed, new_residual) where new_residual = x + residual (or x when residual is None).
-    x, residual [T, H]; weight [H].
+    x, residual [T, H]; weight [H]. unit_offset: Gemma's norm, see `_unit_offset_norm`.
     """
     if residual is not None:
         x = x + residual
+    if unit_offset:
+        return _unit_offset_norm(x, weight, eps), x
     variance = x.float().pow(2).mean(-1, keepdim=True)
     normed = (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
     return weight * normed, x
 
 
-def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of [T, H, D] (Qwen3's per-head q/k norm)."""
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim of [T, H, D] (Qwen3's per-head q/k norm; Gemma 3's with unit_offset)."""
+    if unit_offset:
+        return _unit_offset_norm(x, weight, eps)
     variance = x.float().pow(2).mean(-1, keepdim=True)
     return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def _unit_offset_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm (transformers' Gemma2RMSNorm/Gemma3RMSNorm): the checkpoint stores weight - 1, and the
+    normalised row is scaled by (1 + weight) in fp32 and rounded to x's dtype once."""
+    row = x.float()
+    normed = row * torch.rsqrt(row.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.float())).to(x.dtype)
 
 
 def rotary_embedding(
@@ -201,6 +218,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] packed (gate | up) -> silu(gate) * up, [T, I]."""
     half = gate_up.shape[-1] // 2
     return torch.nn.functional.silu(gate_up[..., :half]) * gate_up[..., half:]
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] packed (gate | up) -> gelu(gate, approximate="tanh") * up, [T, I] (GeGLU: transformers'
+    gelu_pytorch_tanh)."""
+    half = gate_up.shape[-1] // 2
+    return torch.nn.functional.gelu(gate_up[..., :half], approximate="tanh") * gate_up[..., half:]
 
 
 def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:

@@ -44,7 +44,7 @@ def dot_fp32_acc(a, b, acc, UPCAST: tl.constexpr):
 def needs_bf16_rounding_by_hand(kernel, dtype: torch.dtype) -> bool:
     """Whether fp32 -> `dtype` casts must round to nearest even by hand (`round_to`).
 
-    Triton's interpreter truncates fp32 -> bf16 (3.6 through 3.9) where the GPU and torch round to nearest even;
+    Triton's interpreter (3.7 here) truncates fp32 -> bf16 where the GPU and torch round to nearest even;
     a kernel that rounds several intermediates as its torch reference does would drift a few ulps low there.
     On a GPU this is always False and the plain cast rounds.
     """

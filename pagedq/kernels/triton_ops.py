@@ -6,7 +6,7 @@ only after deciding on TRITON_INTERPRET: Triton fixes compiled-vs-interpreted wh
 
 from __future__ import annotations
 
-from pagedq.kernels.activation import silu_and_mul
+from pagedq.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from pagedq.kernels.block_copy import copy_blocks
 from pagedq.kernels.decode_attention import paged_decode_attention
 from pagedq.kernels.kv_cache import store_kv_cache
@@ -19,6 +19,7 @@ from pagedq.kernels.sampling import gumbel_argmax
 __all__ = [
     "copy_blocks",
     "fused_moe",
+    "gelu_tanh_and_mul",
     "gumbel_argmax",
     "head_rms_norm",
     "paged_decode_attention",

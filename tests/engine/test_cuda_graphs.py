@@ -46,7 +46,7 @@ def _padded_runner(llm: LLM, first_width_tokens: int = 512) -> DecodeGraphRunner
     return graphs
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])  # qwen3_moe: padding rows through the experts
 def test_padded_decode_matches_transformers(checkpoint_factory, arch):
     folder = checkpoint_factory(arch)
     rng = random.Random(4)

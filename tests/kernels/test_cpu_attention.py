@@ -148,12 +148,13 @@ def test_decode_plan_drops_the_mask_when_every_slot_is_valid():
     assert_close(cpu_attention.planned_decode(query, k_cache, v_cache, plan, 0.125), expected)
 
 
-def test_cpu_backend_takes_only_attention_from_cpu_attention(monkeypatch):
+def test_cpu_backend_takes_its_cpu_paths_and_the_reference_for_the_rest(monkeypatch):
     monkeypatch.delenv("PAGEDQ_KERNELS", raising=False)
     bound = kernels.bind("cpu")
     assert bound.backend == "cpu"
+    assert kernels.CPU_PATHS["paged_decode_attention"] is cpu_attention
     for name in kernels.KERNEL_NAMES:
-        source = cpu_attention if name in kernels.CPU_ATTENTION_NAMES else reference
+        source = kernels.CPU_PATHS.get(name, reference)
         assert getattr(bound, name) is getattr(source, name), name
     monkeypatch.setenv("PAGEDQ_KERNELS", "reference")  # the oracle stays one switch away
     assert kernels.bind("cpu").paged_decode_attention is reference.paged_decode_attention

@@ -66,6 +66,15 @@ def test_alignment_groups_every_pair_under_its_expert(device, block_m):
     assert blocks == expected_blocks + [-1] * (len(blocks) - len(expected_blocks))
 
 
+def test_alignment_never_reads_the_routing_back_to_the_host():
+    """On meta tensors any .item()/.tolist() raises: the alignment's shapes depend on T, K and E only, so a decode
+    step stays capturable in a CUDA graph."""
+    sorted_pair_ids, block_experts = moe.align_pairs_by_expert(
+        torch.empty(64, 8, dtype=torch.int32, device="meta"), 128, 16
+    )
+    assert sorted_pair_ids.shape == (64 * 8 + 128 * 15,) and block_experts.shape == ((64 * 8 + 128 * 15) // 16,)
+
+
 @pytest.mark.parametrize(
     "change,message",
     [
@@ -75,6 +84,7 @@ def test_alignment_groups_every_pair_under_its_expert(device, block_m):
         (lambda a: a.update(topk_ids=a["topk_ids"].float()), "topk_ids must be int32 or int64"),
         (lambda a: a.update(topk_weights=a["topk_weights"][:, :1]), "topk_ids and topk_weights must both be"),
         (lambda a: a.update(w13_bias=torch.zeros(4, 3)), "w13_bias must be"),
+        (lambda a: a.update(w13_bias=torch.zeros(4, 96, dtype=torch.float16)), "w13_bias dtype"),
         (lambda a: a.update(hidden=a["hidden"].t().contiguous().t()), "hidden must have a contiguous last dim"),
     ],
 )

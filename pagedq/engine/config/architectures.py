@@ -13,6 +13,11 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
+    # Gemma 2 and Gemma 3 (text): their own module tree (four (1 + weight) norms per layer, scaled embeddings)
+    "Gemma2ForCausalLM": ("pagedq.engine.models.gemma", "GemmaForCausalLM"),
+    "Gemma3ForCausalLM": ("pagedq.engine.models.gemma", "GemmaForCausalLM"),
+    # Phi-3: the Llama tree, its checkpoint already holding qkv_proj and gate_up_proj packed as ours
+    "Phi3ForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
     # mixture of experts: the same tree, whose sparse layers take the expert block for their MLP (ModelConfig.moe)
     "MixtralForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
     "Qwen2MoeForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
@@ -20,8 +25,6 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     # gpt-oss: the same tree; its expert block's options (router, biases, clamped SwiGLU) are ModelConfig.moe's, its
     # attention's (sliding/full layers, sinks, o_proj bias) ModelConfig's
     "GptOssForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
-    # Phi-3: the Llama tree, its checkpoint already holding qkv_proj and gate_up_proj packed as ours
-    "Phi3ForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
 }
 
 

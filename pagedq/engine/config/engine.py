@@ -14,6 +14,9 @@ from pagedq.engine.options import EngineOptions
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", "longrope", "dynamic")
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"  # transformers' layer_types values
+# The gated MLP's activation (config.json's hidden_act; transformers' Gemma classes read hidden_activation) by
+# architecture; the rest take silu.
+GATED_ACTIVATIONS = {"Gemma2ForCausalLM": "gelu_pytorch_tanh", "Gemma3ForCausalLM": "gelu_pytorch_tanh"}
 # None: per device, ASYNC_SCHEDULING_BY_DEVICE; the tests set it for every engine (PAGEDQ_TEST_SCHEDULING,
 # tests/conftest.py).
 DEFAULT_ASYNC_SCHEDULING: bool | None = None
@@ -115,17 +118,22 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 2048
     eos_token_ids: tuple[int, ...] = ()
-    # the expert facts of a mixture-of-experts architecture (pagedq/engine/layers/moe.py); None for a dense one
-    moe: MoeConfig | None = None
     # LongRoPE's original_max_position_embeddings: a sequence whose prompt + max_tokens fits it reads the short
     # factors (pagedq/engine/layers/rotary.py); None for every other RoPE type
     rope_short_until: int | None = None
+    # the expert facts of a mixture-of-experts architecture (pagedq/engine/layers/moe.py); None for a dense one
+    moe: MoeConfig | None = None
     # Attention variants (wt-attn). layer_types: per layer "full_attention" | "sliding_attention"; a sliding layer's
     # query sees the sliding_window keys up to and including its own (pagedq/kernels/reference.py window_start).
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
     attn_logit_softcapping: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap)
     attention_sinks: bool = False  # gpt-oss: a learned per-head logit in every softmax's denominator
+    # Gemma 2 / Gemma 3 (pagedq/engine/models/gemma.py)
+    hidden_act: str = "silu"  # the gated MLP's activation: silu or gelu_pytorch_tanh
+    query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 when set, else head_dim ** -0.5
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap) when set
+    rms_norm_unit_offset: bool = False  # RMSNorm weights are stored minus 1: norms scale by (1 + weight)
 
     def layer_window(self, layer_idx: int) -> int:
         """Layer layer_idx's sliding window for the attention kernels: 0 (full attention) unless it slides."""
@@ -150,9 +158,13 @@ class ModelConfig:
         architecture = (getattr(hf, "architectures", None) or ["?"])[0]
         check_supported(architecture)
         check_checkpoint_options(hf)
+        hidden_act = _hidden_act(architecture, hf)
         num_heads = hf.num_attention_heads
         rope = rope_parameters_of(hf)
         layer_types, sliding_window, softcap = _attention_variants(hf)
+        gemma = _gemma_fields(architecture, hf)  # checked before any weight loads, as the options above
+        if architecture == "Gemma3ForCausalLM":
+            softcap = None  # transformers' Gemma 3 attention applies none, whatever its config says
         return cls(
             architecture=architecture,
             hf_config=hf,
@@ -167,17 +179,19 @@ class ModelConfig:
             qkv_bias=architecture == "Qwen2ForCausalLM"
             or bool(getattr(hf, "attention_bias", False))
             or (architecture == "Qwen2MoeForCausalLM" and bool(getattr(hf, "qkv_bias", True))),
-            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
             o_proj_bias=bool(getattr(hf, "attention_bias", False)),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             max_position_embeddings=_rope_max_len(hf),
             eos_token_ids=_eos_token_ids(folder, hf),
-            moe=MoeConfig.from_hf(architecture, hf),
             rope_short_until=rope["original_max_position_embeddings"] if rope.get("rope_type") == "longrope" else None,
             layer_types=layer_types,
             sliding_window=sliding_window,
             attn_logit_softcapping=softcap,
             attention_sinks=hf.model_type == "gpt_oss",
+            hidden_act=hidden_act,
+            **gemma,
+            moe=MoeConfig.from_hf(architecture, hf),
         )
 
 
@@ -258,7 +272,6 @@ class MoeConfig:
 
 
 # ---- what a checkpoint may ask for (one error naming the option, before any weight loads) ------------------------
-SUPPORTED_HIDDEN_ACTS = ("silu",)
 
 
 def rope_parameters_of(hf: object, layer_type: str | None = None) -> dict[str, Any]:
@@ -282,21 +295,23 @@ def check_checkpoint_options(hf: object) -> None:
                 else ""
             )
         )
-    rope = rope_parameters_of(hf)
-    # one dict, or one per layer type (Gemma 3: sliding_attention / full_attention, each its own base)
-    per_layer_type = bool(rope) and all(isinstance(entry, dict) for entry in rope.values())
-    for entry in rope.values() if per_layer_type else [rope]:
-        rope_type = entry.get("rope_type", "default")
+    for rope in _rope_parameter_sets(hf):
+        rope_type = rope.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-        partial = entry.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
+        partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0))
         if partial is not None and partial != 1.0:
             raise ValueError(f"unsupported partial_rotary_factor {partial!r}: pagedq rotates the whole head (1.0 only)")
-    hidden_act = getattr(hf, "hidden_act", "silu")
-    if hidden_act not in SUPPORTED_HIDDEN_ACTS:
-        raise ValueError(f"unsupported hidden_act {hidden_act!r}; supported: {', '.join(SUPPORTED_HIDDEN_ACTS)}")
+    _hidden_act((getattr(hf, "architectures", None) or ["?"])[0], hf)
     if getattr(hf, "mlp_bias", False):
         raise ValueError("unsupported mlp_bias true: pagedq's MLP projections have no bias")
+
+
+def _rope_parameter_sets(hf: object) -> list[dict[str, Any]]:
+    """Each RoPE table's settings: one per layer type where rope_parameters holds one dict per layer type (Gemma 3),
+    else the model's single one."""
+    per_layer_type = [kind for kind in (FULL_ATTENTION, SLIDING_ATTENTION) if kind in rope_parameters_of(hf)]
+    return [rope_parameters_of(hf, kind) for kind in per_layer_type] or [rope_parameters_of(hf)]
 
 
 def _rope_max_len(hf) -> int:
@@ -327,7 +342,7 @@ def _attention_variants(hf) -> tuple[tuple[str, ...], int | None, float | None]:
     has them (transformers 5 derives them for Qwen2 from use_sliding_window and max_window_layers, and Gemma 2/3 and
     gpt-oss write them), else every layer sliding when sliding_window is set (Mistral), else full."""
     window = getattr(hf, "sliding_window", None)
-    if window == 0 and not isinstance(window, bool):  # transformers' Qwen2-MoE config: 0 when use_sliding_window is off
+    if window == 0 and not isinstance(window, bool):  # transformers' Qwen2-MoE config writes 0 for "no window"
         window = None
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise ValueError(f"sliding_window must be a positive integer, 0 or null, got {window!r}")
@@ -346,6 +361,37 @@ def _attention_variants(hf) -> tuple[tuple[str, ...], int | None, float | None]:
     if softcap is not None and not (isinstance(softcap, (int, float)) and 0 < softcap < float("inf")):
         raise ValueError(f"attn_logit_softcapping must be a positive number or null, got {softcap!r}")
     return kinds, window if SLIDING_ATTENTION in kinds else None, None if softcap is None else float(softcap)
+
+
+def _hidden_act(architecture: str, hf) -> str:
+    """The gated MLP's activation, from the field transformers' class for `architecture` reads; ValueError if we do
+    not serve it (transformers' Gemma classes read hidden_activation, and ignore the hidden_act a Gemma config.json
+    also carries)."""
+    expected = GATED_ACTIVATIONS.get(architecture, "silu")
+    name = "hidden_activation" if architecture in GATED_ACTIVATIONS else "hidden_act"
+    act = getattr(hf, name, None) or expected
+    if act != expected:
+        raise ValueError(f"unsupported {name} {act!r}; supported: {expected} (for {architecture})")
+    return act
+
+
+def _gemma_fields(architecture: str, hf) -> dict[str, Any]:
+    """The ModelConfig fields of a Gemma config (none for other families), checked."""
+    if architecture not in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        return {}
+    if getattr(hf, "use_bidirectional_attention", None):
+        raise ValueError(f"{architecture} with use_bidirectional_attention (an embedding model) is not supported")
+    fields = {"query_pre_attn_scalar": hf.query_pre_attn_scalar, "final_logit_softcapping": hf.final_logit_softcapping}
+    for name, value in fields.items():
+        required = name == "query_pre_attn_scalar"
+        if (value is not None or required) and not (isinstance(value, (int, float)) and 0 < value <= 1e6):
+            raise ValueError(
+                f"{architecture}: {name} must be a number in (0, 1e6]{'' if required else ' or null'}, got {value!r}"
+            )
+    return {
+        "rms_norm_unit_offset": True,
+        **{name: None if value is None else float(value) for name, value in fields.items()},
+    }
 
 
 def _eos_token_ids(folder: Path, hf) -> tuple[int, ...]:

@@ -12,7 +12,7 @@ from torch import nn
 from pagedq.engine.config.engine import ModelConfig
 from pagedq.engine.layers.linear import Linear, PackedLinear
 from pagedq.engine.layers.metadata import AttentionMetadata
-from pagedq.engine.layers.norm import RMSNorm
+from pagedq.engine.layers.norm import GemmaRMSNorm, RMSNorm
 from pagedq.kernels import KernelSet, cpu_attention
 
 
@@ -120,13 +120,13 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.qkv_proj = PackedLinear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], config.qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.qk_norm = config.qk_norm
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops)
+            self.q_norm = _head_norm(config, ops)
+            self.k_norm = _head_norm(config, ops)
         # gpt-oss: a learned logit per query head in the softmax's denominator (checkpoint: ...self_attn.sinks)
         self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if config.attention_sinks else None
 
@@ -145,8 +145,7 @@ class Attention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         ops = self.ops
         if self.qk_norm:
-            q = ops.head_rms_norm(q, self.q_norm.weight, self.q_norm.eps)
-            k = ops.head_rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+            q, k = self.q_norm.per_head(q), self.k_norm.per_head(k)
         q, k = ops.rotary_embedding(q, k, positions, cos_sin_cache)
         k_cache, v_cache = kv_cache
         ops.store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -155,3 +154,10 @@ class Attention(nn.Module):
             ops, q, k_cache, v_cache, meta, self.scale, window=self.window, softcap=self.softcap, sinks=sinks
         )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+def _head_norm(config: ModelConfig, ops: KernelSet) -> RMSNorm:
+    """A per-head q/k norm: Qwen3's, or Gemma 3's (1 + weight) one."""
+    if config.rms_norm_unit_offset:
+        return GemmaRMSNorm(config.head_dim, config.rms_norm_eps, ops)
+    return RMSNorm(config.head_dim, config.rms_norm_eps, ops)

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3; and with expert blocks Mixtral, Qwen2-MoE,
-Qwen3-MoE) over a flattened token batch and a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3; and with expert blocks Mixtral, Qwen2-MoE, Qwen3-MoE)
+over a flattened token batch and a paged KV cache.
 
 No padding anywhere: the batch is [T] tokens from many requests; attention finds each token's request
 through `AttentionMetadata`. Q/K/V and gate/up are packed into one matmul each. The numerics follow

@@ -2,7 +2,7 @@
 
 Weights come from *.safetensors (preferred) or pytorch_model*.bin. The checkpoint's separate q/k/v and
 gate/up projections are copied into our packed matrices; a checkpoint that packs them already (Phi-3's qkv_proj and
-gate_up_proj, in our order) is copied whole, and a MoE checkpoint's per-expert matrices go into the stacked expert
+gate_up_proj, in our order) is copied whole; a MoE checkpoint's per-expert matrices go into the stacked expert
 tensors (pagedq/engine/layers/moe.py). A folder holding only config.json gets random
 weights (for benchmarks of a model shape without its weights).
 """
@@ -21,6 +21,7 @@ from pagedq import kernels
 from pagedq.engine.config.engine import ModelConfig
 from pagedq.engine.layers import PackedLinear
 from pagedq.engine.layers.moe import Experts
+from pagedq.engine.layers.norm import GemmaRMSNorm
 from pagedq.engine.models.registry import model_class
 
 if TYPE_CHECKING:
@@ -71,9 +72,11 @@ def load_model(folder: str | Path, config: ModelConfig, dtype: torch.dtype, devi
         _load_weights(model, _iter_checkpoint(files))
     else:
         _init_random(model, seed=0)
-    rope_table = model.cos_sin_cache
+    # RoPE tables stay fp32, as in transformers (Gemma 3 has two: cos_sin_cache and local_cos_sin_cache)
+    rope_tables = {name: table for name, table in model.named_buffers() if name.endswith("cos_sin_cache")}
     model.to(dtype=dtype)
-    model.cos_sin_cache = rope_table  # RoPE tables stay fp32, as in transformers
+    for name, table in rope_tables.items():
+        setattr(model, name, table)
     return model.eval()
 
 
@@ -205,12 +208,14 @@ def _check_complete(model: LlamaForCausalLM, loaded: set[str]) -> None:
 
 
 def _init_random(model: nn.Module, seed: int) -> None:
-    """Random weights for a config-only folder: normal(0, 0.02) like transformers, norms at 1."""
+    """Random weights for a config-only folder: normal(0, 0.02) like transformers, norms at identity (weight 1, or
+    0 where the norm scales by 1 + weight)."""
+    modules = dict(model.named_modules())
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                param.fill_(1.0)
+                param.fill_(0.0 if isinstance(modules[name.rpartition(".")[0]], GemmaRMSNorm) else 1.0)
             elif name.endswith(".bias"):
                 param.zero_()
             else:
