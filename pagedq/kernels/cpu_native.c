@@ -126,19 +126,20 @@ typedef struct {
 
 /* One tile of n <= TILE tokens from token `start`, K/V rows `stride` floats apart: per row, the scores of the
    tokens it sees, one max and rescale, P.V. A row that sees none of the tile is left as it is. */
-static inline void attend_tile(State *st, const float *k, const float *v, ptrdiff_t stride, int start, int n,
-                               int d_size) {
+static inline __attribute__((always_inline)) void attend_tile(State *st, const float *k, const float *v,
+                                                              ptrdiff_t stride, int start, int n, int d_size,
+                                                              int variant) {
     float p[TILE] __attribute__((aligned(32)));
     for (int r = 0; r < st->rows; r++) {
         const int seen = st->limit[r] - start < n ? st->limit[r] - start : n;
-        const int skip = st->first[r] > start ? st->first[r] - start : 0; /* before the row's window */
+        const int skip = variant && st->first[r] > start ? st->first[r] - start : 0; /* before the row's window */
         if (seen <= skip) continue;
         const float *q = st->q + (ptrdiff_t)r * d_size;
         float block_max = -INFINITY;
         for (int t = 0; t < skip; t++) p[t] = -INFINITY;
         for (int t = skip; t < seen; t++) {
             float score = dot(q, k + t * stride, d_size) * st->scale;
-            if (st->softcap != 0.0f) score = st->softcap * tanhf(score / st->softcap);
+            if (variant && st->softcap != 0.0f) score = st->softcap * tanhf(score / st->softcap);
             p[t] = score;
             block_max = score > block_max ? score : block_max;
         }
@@ -207,7 +208,8 @@ static inline void prefetch_tile(const Args *a, int seq, int head, int start, in
 /* Walk sequence seq's context [from, len) for KV head `head`, TILE tokens at a time (a tile never crosses a
    block). */
 static inline __attribute__((always_inline)) int walk_context(const Args *a, State *st, int seq, int head, int from,
-                                                              int len, float *kbuf, float *vbuf, int d_size) {
+                                                              int len, float *kbuf, float *vbuf, int d_size,
+                                                              int variant) {
     const int bs = a->block_size;
     const ptrdiff_t row = (ptrdiff_t)a->num_kv_heads * d_size;
     for (int start = from, tile; start < len; start += tile) {
@@ -220,9 +222,9 @@ static inline __attribute__((always_inline)) int walk_context(const Args *a, Sta
         if (a->bf16) {
             widen_rows((const uint16_t *)a->k + base, row, tile, d_size, kbuf);
             widen_rows((const uint16_t *)a->v + base, row, tile, d_size, vbuf);
-            attend_tile(st, kbuf, vbuf, d_size, start, tile, d_size);
+            attend_tile(st, kbuf, vbuf, d_size, start, tile, d_size, variant);
         } else {
-            attend_tile(st, (const float *)a->k + base, (const float *)a->v + base, row, start, tile, d_size);
+            attend_tile(st, (const float *)a->k + base, (const float *)a->v + base, row, start, tile, d_size, variant);
         }
     }
     return 0;
@@ -231,7 +233,8 @@ static inline __attribute__((always_inline)) int walk_context(const Args *a, Sta
 /* Task (seq, head): seq's queries (decode: query row seq alone; a chunk: rows q_starts[seq] + [0, q_lens[seq]))
    with the head's query heads, d_size = a->head_dim (a constant from the fast paths' callers). Returns 1 if a
    block index within the context is out of range (nothing is read from it), 3 if memory ran out. */
-static inline __attribute__((always_inline)) int run_task(const Args *a, int seq, int head, int d_size) {
+static inline __attribute__((always_inline)) int run_task(const Args *a, int seq, int head, int d_size,
+                                                          int variant) {
     const int groups = a->num_q_heads / a->num_kv_heads;
     const int first = a->q_starts ? a->q_starts[seq] : seq, queries = a->q_starts ? a->q_lens[seq] : 1;
     const int rows = queries * groups, wide = a->bf16 ? TILE * d_size : 0;
@@ -255,7 +258,7 @@ static inline __attribute__((always_inline)) int run_task(const Args *a, int seq
     }
     memset(acc, 0, sizeof(float) * (size_t)rows * d_size);
     State st = {q, acc, m, l, seen_from, limit, rows, a->scale, a->softcap};
-    const int status = walk_context(a, &st, seq, head, from, len, kbuf, kbuf + wide, d_size);
+    const int status = walk_context(a, &st, seq, head, from, len, kbuf, kbuf + wide, d_size, variant);
     for (int r = 0; status == 0 && r < rows; r++) {
         const int i = r / groups, g = r % groups;
         const ptrdiff_t off = (first + i) * a->out_seq + (ptrdiff_t)(head * groups + g) * a->out_head;
@@ -272,10 +275,12 @@ static inline __attribute__((always_inline)) int run_task(const Args *a, int seq
 }
 
 static int run_task_any(const Args *a, int seq, int head) {
+    /* a soft-cap or a window compiles its own loops: the plain ones stay as they were */
+    const int variant = a->softcap != 0.0f || a->window > 0;
     switch (a->head_dim) { /* constant head dims: the loops over D unroll and stay in registers */
-    case 64: return run_task(a, seq, head, 64);
-    case 128: return run_task(a, seq, head, 128);
-    default: return run_task(a, seq, head, a->head_dim);
+    case 64: return variant ? run_task(a, seq, head, 64, 1) : run_task(a, seq, head, 64, 0);
+    case 128: return variant ? run_task(a, seq, head, 128, 1) : run_task(a, seq, head, 128, 0);
+    default: return run_task(a, seq, head, a->head_dim, 1);
     }
 }
 

@@ -5,7 +5,9 @@ outputs far longer than it, greedy token-exact against transformers in fp32 thro
 
 from __future__ import annotations
 
+import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -163,4 +165,39 @@ def test_given_back_blocks_and_the_prefix_cache(sliding_checkpoint):
     forked = llm.generate([prompts[1]], SamplingParams(max_tokens=12, n=3, temperature=0.0, ignore_eos=True))[0]
     expected, _ = hf_greedy(hf, prompts[1], 12)
     assert [sample.token_ids for sample in forked.outputs] == [expected] * 3
+    assert llm.stats()["num_free_blocks"] == blocks
+
+
+@pytest.mark.parametrize(
+    "patch,message",
+    [
+        ({"sliding_window": 0}, "sliding_window must be a positive integer or null, got 0"),
+        ({"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types must name 'full_attention' or"),
+    ],
+)
+def test_bad_window_settings_are_refused_before_any_weight(tmp_path, patch, message):
+    config = _config("mistral")
+    config.architectures = ["MistralForCausalLM"]
+    config.save_pretrained(tmp_path)  # a config alone: the error comes before any weight would load
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **patch}))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ModelConfig.from_pretrained(tmp_path)
+
+
+def test_speculative_verify_rows_past_the_window(sliding_checkpoint):
+    """ngram speculation on a sliding model: verify rows (short chunks past the window, the native kernel's) and
+    the lookahead slots that rejected drafts trim, on a pool where blocks before the window go back. Token-exact."""
+    hf = _hf(sliding_checkpoint)
+    pattern = _prompts(seed=8, lengths=(7,))[0]
+    prompts = [pattern * 9, pattern[2:] * 6 + pattern[:3]]  # prompt lookup finds drafts in the repeats
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    blocks = 16 if ModelConfig.from_pretrained(sliding_checkpoint).every_layer_slides else 40
+    llm = LLM(sliding_checkpoint, block_size=8, num_kv_blocks=blocks, max_num_batched_tokens=16,
+              speculative_config=json.dumps(config))  # fmt: skip
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    assert llm.stats()["num_verify_rows"] > 0
+    for prompt, output in zip(prompts, outputs, strict=True):
+        expected, logits = hf_greedy(hf, prompt, 30)
+        assert assert_greedy_parity(output.outputs[0].token_ids, expected, logits) == 0
     assert llm.stats()["num_free_blocks"] == blocks

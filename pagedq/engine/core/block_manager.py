@@ -161,6 +161,8 @@ class BlockManager:
         shared = self._shared_write_block(table, num_computed, num_tokens)
         grow = num_blocks - len(table)
         if max(num_blocks - max(len(table), first_held), 0) + (shared is not None) > self.num_free_blocks:
+            if request_id not in self._block_tables:
+                self._first_held.pop(request_id, None)  # no table was made: nothing of it to remember
             return None
         self._block_tables[request_id] = table
         copies = []
