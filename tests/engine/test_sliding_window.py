@@ -171,7 +171,8 @@ def test_given_back_blocks_and_the_prefix_cache(sliding_checkpoint):
 @pytest.mark.parametrize(
     "patch,message",
     [
-        ({"sliding_window": 0}, "sliding_window must be a positive integer or null, got 0"),
+        # 0 is transformers' own "no window" (Qwen2MoeConfig writes it), so -1 is the bad value
+        ({"sliding_window": -1}, "sliding_window must be a positive integer, 0 or null, got -1"),
         ({"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types must name 'full_attention' or"),
     ],
 )
