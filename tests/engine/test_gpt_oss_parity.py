@@ -176,3 +176,70 @@ def test_bf16_is_as_close_to_fp32_as_transformers_bf16(gpt_oss, hf):
             ours.append(abs(output.prompt_logprobs[j][token] - fp32[j - 1, token].item()))
             theirs.append(abs(bf16[j - 1, token].item() - fp32[j - 1, token].item()))
     assert sum(ours) / len(ours) <= 1.25 * sum(theirs) / len(theirs), (max(ours), max(theirs))
+
+
+# openai/gpt-oss-20b's config.json as the hub has it (rope_scaling in the pre-5 spelling, no swiglu_alpha), without
+# its quantization_config unless a test adds it back
+HUB_20B_CONFIG = {
+    "architectures": ["GptOssForCausalLM"],
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "eos_token_id": 200002,
+    "experts_per_token": 4,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2880,
+    "initial_context_length": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072,
+    "model_type": "gpt_oss",
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 8,
+    "num_local_experts": 32,
+    "output_router_logits": False,
+    "pad_token_id": 199999,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "rope_type": "yarn",
+        "truncate": False,
+    },
+    "rope_theta": 150000,
+    "router_aux_loss_coef": 0.9,
+    "sliding_window": 128,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+    "vocab_size": 201088,
+}
+
+
+def test_the_hub_config_of_gpt_oss_20b(tmp_path):
+    """The released config reads as gpt-oss-20b is (no weights needed), its YaRN table equals transformers'
+    GptOssRotaryEmbedding's, and with its MXFP4 quantization_config it is refused naming the method."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    from pagedq.engine.layers.rotary import rope_cos_sin_cache
+
+    (tmp_path / "config.json").write_text(json.dumps(HUB_20B_CONFIG))
+    config = ModelConfig.from_pretrained(tmp_path)
+    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (24, 64, 8, 64)
+    assert config.max_position_embeddings == 131072 and config.sliding_window == 128 and config.attention_sinks
+    assert config.moe is not None and (config.moe.num_experts, config.moe.num_experts_per_tok) == (32, 4)
+    assert config.moe.moe_intermediate_size == 2880 and config.moe.sparse_layers == tuple(range(24))
+    table = rope_cos_sin_cache(config)
+    positions = torch.tensor([[0, 1, 127, 4095, 4096, 65536, 131071]])
+    cos, sin = GptOssRotaryEmbedding(config.hf_config)(torch.zeros(1, dtype=torch.float32), positions)
+    torch.testing.assert_close(table[positions[0]], torch.cat((cos[0], sin[0]), dim=-1))
+
+    quantized = {**HUB_20B_CONFIG, "quantization_config": {"modules_to_not_convert": [], "quant_method": "mxfp4"}}
+    (tmp_path / "config.json").write_text(json.dumps(quantized))
+    with pytest.raises(ValueError, match=r"quant_method 'mxfp4'.*dequantize"):
+        ModelConfig.from_pretrained(tmp_path)
