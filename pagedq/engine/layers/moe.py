@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedq.engine.config.engine import ModelConfig, MoeConfig
+from pagedq.engine.config.engine import ModelConfig
+from pagedq.engine.config.moe import MoeConfig
 from pagedq.engine.layers.linear import Linear
 from pagedq.engine.layers.mlp import MLP
 from pagedq.kernels import KernelSet
