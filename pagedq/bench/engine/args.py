@@ -102,7 +102,8 @@ MOE_WORKLOADS: dict[str, MoeWorkloadSpec] = {
         "num_prompts": 64,
     },
     # gpt-oss on a GPU (wt-gptoss): gpt-oss-20b's attention (64 heads of 64, 8 KV heads, sinks, window 128 on every
-    # other layer, YaRN) and routing (32 experts, top-4, biases, clamped SwiGLU), at a fraction of its width and depth
+    # other layer as GptOssConfig alternates them, YaRN) and routing (32 experts, top-4, biases, clamped SwiGLU), at a
+    # fraction of its width and depth
     "GPTOSS-M": {
         "model_type": "gpt_oss",
         "shape": dict(
@@ -111,7 +112,6 @@ MOE_WORKLOADS: dict[str, MoeWorkloadSpec] = {
             num_local_experts=32,
             num_experts_per_tok=4,
             num_hidden_layers=8,
-            layer_types=["sliding_attention", "full_attention"] * 4,
             sliding_window=128,
             num_attention_heads=64,
             num_key_value_heads=8,
