@@ -7,6 +7,7 @@ hit; the interleaved gate/up checkpoint layout; and the checkpoints refused befo
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -147,7 +148,7 @@ def test_mxfp4_and_other_swiglu_settings_are_refused_before_weights_load(gpt_oss
             LLM(folder)
 
 
-def test_a_missing_sink_or_expert_bias_is_named(gpt_oss, tmp_path):
+def test_a_missing_or_misshapen_gpt_oss_tensor_is_named(gpt_oss, tmp_path):
     tensors = load_file(gpt_oss / "model.safetensors")
     for missing in ("model.layers.2.self_attn.sinks", "model.layers.1.mlp.experts.down_proj_bias"):
         folder = tmp_path / missing
@@ -156,6 +157,16 @@ def test_a_missing_sink_or_expert_bias_is_named(gpt_oss, tmp_path):
         save_file({k: v for k, v in tensors.items() if k != missing}, folder / "model.safetensors")
         stem = missing.rpartition(".")[0].replace(".", r"\.")
         with pytest.raises(ValueError, match=rf"checkpoint is missing \d+ tensors.*{stem}"):
+            LLM(folder)
+    for name, tensor in (
+        ("model.layers.0.mlp.experts.gate_up_proj", tensors["model.layers.0.mlp.experts.gate_up_proj"][:7]),
+        ("model.layers.0.mlp.experts.down_proj_bias", tensors["model.layers.0.mlp.experts.down_proj_bias"][0]),
+    ):
+        folder = tmp_path / f"bad-{name}"
+        folder.mkdir()
+        (folder / "config.json").write_bytes((gpt_oss / "config.json").read_bytes())
+        save_file({**tensors, name: tensor.contiguous()}, folder / "model.safetensors")
+        with pytest.raises(ValueError, match=rf"checkpoint tensor {re.escape(name)} has shape"):
             LLM(folder)
 
 

@@ -152,7 +152,7 @@ def _load_experts(
         param = getattr(module, param_name)
         if param is None:
             raise ValueError(f"checkpoint tensor {checkpoint_name} has no place in the model")
-        if interleaved:
+        if interleaved and tensor.dim() == param.dim():  # else the shape check below names it
             tensor = _from_interleaved_layout(which, tensor)
         if tensor.shape != param.shape:
             raise ValueError(
