@@ -141,6 +141,8 @@ def _tiny_config(architecture: str):
     moe = _tiny_moe_config(architecture, common)
     if moe is not None:
         return moe
+    if architecture == "gpt_oss":
+        return _tiny_gpt_oss_config(common)
     raise ValueError(architecture)
 
 
@@ -169,6 +171,34 @@ def _tiny_moe_config(architecture: str, common: dict):
     return None
 
 
+def _tiny_gpt_oss_config(common: dict):
+    """gpt-oss (wt-gptoss): 4 layers alternating sliding (window 12) and full attention, with sinks and q/k/v/o
+    biases; 8 experts top-2 with biases and the clamped SwiGLU; YaRN shaped as the released config's, scaled down
+    (original 128 positions, factor 4)."""
+    import transformers
+
+    rope = {
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 4.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 128,
+    }
+    return transformers.GptOssConfig(
+        **{**common, "num_hidden_layers": 4, "intermediate_size": 32},
+        head_dim=16,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        sliding_window=12,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters=rope,
+        attention_bias=True,
+        tie_word_embeddings=False,
+    )
+
+
 _MODEL_CLASSES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -187,6 +217,16 @@ MOE_MODEL_CLASSES = {
 }
 MOE_ARCHITECTURES = tuple(MOE_MODEL_CLASSES)
 _MODEL_CLASSES.update(MOE_MODEL_CLASSES)
+_MODEL_CLASSES["gpt_oss"] = "GptOssForCausalLM"  # tests/engine/test_gpt_oss_parity.py
+
+
+def _randomize_gpt_oss_biases(model) -> None:
+    """transformers initialises gpt-oss's biases at zero; random ones make the checkpoint test them (and the
+    experts' gate_up bias is large enough that the SwiGLU's clamps at +-7 take effect)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 3.0 if name.endswith("gate_up_proj_bias") else 0.2)
 
 
 def build_checkpoint(folder: Path, architecture: str, seed: int = 0) -> Path:
@@ -196,6 +236,8 @@ def build_checkpoint(folder: Path, architecture: str, seed: int = 0) -> Path:
     model = getattr(transformers, _MODEL_CLASSES[architecture])(_tiny_config(architecture))
     if architecture in GEMMA_CONFIGS:
         randomize_norms(model)
+    if architecture == "gpt_oss":
+        _randomize_gpt_oss_biases(model)
     model.save_pretrained(folder)
     build_tokenizer(folder)
     return folder

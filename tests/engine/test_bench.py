@@ -116,3 +116,17 @@ def test_moe_workloads_are_qwen3_moe_shapes_and_the_bench_runs_a_moe_checkpoint(
     )
     assert result["hf_batch_size"] == 4 and result["ratio"] > 0
     assert result["step_parts_skipped"] == "not split for mixture-of-experts layers yet"
+
+
+def test_the_gpt_oss_workload_is_a_gpt_oss_shape_and_the_bench_runs_gpt_oss(checkpoint_factory, capsys):
+    from pagedq.bench.engine.throughput import _workload_folder
+    from pagedq.engine.config.engine import ModelConfig
+
+    config = ModelConfig.from_pretrained(_workload_folder("GPTOSS-M"))
+    assert config.architecture == "GptOssForCausalLM" and config.attention_sinks and config.sliding_window == 128
+    assert config.moe is not None and (config.moe.num_experts, config.moe.num_experts_per_tok) == (32, 4)
+    assert config.hf_config.rope_parameters["rope_type"] == "yarn"
+    args = ["throughput", "--model", str(checkpoint_factory("gpt_oss")), "--num-prompts", "4", "--input-len", "8:24"]
+    assert main([*args, "--output-len", "4:8", "--baseline", "hf", "--hf-batch-size", "4", "--max-num-seqs", "4"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["engine_generated_tokens"] == result["output_tokens"] and result["ratio"] > 0

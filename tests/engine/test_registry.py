@@ -37,6 +37,7 @@ def test_the_registry_serves_every_supported_architecture():
         "MixtralForCausalLM",
         "Qwen2MoeForCausalLM",
         "Qwen3MoeForCausalLM",
+        "GptOssForCausalLM",
     }
     assert all(
         registry.model_class(name) is LlamaForCausalLM for name in set(registry.supported_architectures()) - gemmas

@@ -101,6 +101,27 @@ MOE_WORKLOADS: dict[str, MoeWorkloadSpec] = {
         ),
         "num_prompts": 64,
     },
+    # gpt-oss on a GPU (wt-gptoss): gpt-oss-20b's attention (64 heads of 64, 8 KV heads, sinks, window 128 on every
+    # other layer as GptOssConfig alternates them, YaRN) and routing (32 experts, top-4, biases, clamped SwiGLU), at a
+    # fraction of its width and depth
+    "GPTOSS-M": {
+        "model_type": "gpt_oss",
+        "shape": dict(
+            hidden_size=1024,
+            intermediate_size=512,
+            num_local_experts=32,
+            num_experts_per_tok=4,
+            num_hidden_layers=8,
+            sliding_window=128,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=64,
+            vocab_size=32000,
+            max_position_embeddings=131072,
+            tie_word_embeddings=False,
+        ),
+        "num_prompts": 64,
+    },
 }
 
 
@@ -124,8 +145,8 @@ def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workload",
         choices=[*sorted(WORKLOADS), *sorted(MOE_WORKLOADS), GROUNDED],
-        help="reference workload of shared/anchors, a mixture-of-experts shape (MOE-S: CPU, MOE-M: GPU), or "
-        "grounded: documents from Python's reference docs with rewrite / quote / extract instructions, in the "
+        help="reference workload of shared/anchors, a mixture-of-experts shape (MOE-S: CPU, MOE-M and GPTOSS-M: "
+        "GPU), or grounded: documents from Python's reference docs with rewrite / quote / extract instructions, in the "
         "model's chat template (default model: the demo model), run at each --batch-sizes",
     )
     parser.add_argument(

@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> dict:
     elif args.model:
         model_dir, num_prompts = args.model, args.num_prompts or 64
     else:
-        raise SystemExit("pagedq bench throughput: give --model DIR or --workload W1|W8|MOE-S|MOE-M")
+        raise SystemExit("pagedq bench throughput: give --model DIR or --workload W1|W8|MOE-S|MOE-M|GPTOSS-M")
     from pagedq.engine.config.engine import ModelConfig
 
     vocab = ModelConfig.from_pretrained(model_dir).vocab_size

@@ -22,6 +22,9 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
     "Qwen2MoeForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
     "Qwen3MoeForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
+    # gpt-oss: the same tree; its expert block's options (router, biases, clamped SwiGLU) are ModelConfig.moe's, its
+    # attention's (sliding/full layers, sinks, o_proj bias) ModelConfig's
+    "GptOssForCausalLM": ("pagedq.engine.models.llama", "LlamaForCausalLM"),
 }
 
 

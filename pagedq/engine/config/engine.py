@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from pagedq.engine.config.architectures import check_supported
+from pagedq.engine.config.moe import MoeConfig
 from pagedq.engine.options import EngineOptions
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", "longrope", "dynamic")
@@ -135,6 +136,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     qkv_bias: bool = False
     qk_norm: bool = False
+    o_proj_bias: bool = False  # config.attention_bias: a bias on o_proj as on q/k/v (gpt-oss; Llama when set)
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 2048
     eos_token_ids: tuple[int, ...] = ()
@@ -200,6 +202,7 @@ class ModelConfig:
             or bool(getattr(hf, "attention_bias", False))
             or (architecture == "Qwen2MoeForCausalLM" and bool(getattr(hf, "qkv_bias", True))),
             qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
+            o_proj_bias=bool(getattr(hf, "attention_bias", False)),
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             max_position_embeddings=_rope_max_len(hf),
             eos_token_ids=_eos_token_ids(folder, hf),
@@ -212,61 +215,6 @@ class ModelConfig:
             **gemma,
             moe=MoeConfig.from_hf(architecture, hf),
         )
-
-
-@dataclass(frozen=True)
-class MoeConfig:
-    """A mixture-of-experts model's expert facts, named as transformers' configs name them."""
-
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int  # each routed expert's SwiGLU width
-    norm_topk_prob: bool  # renormalise the top-k probabilities to sum to 1
-    sparse_layers: tuple[int, ...]  # the layers whose MLP is the expert block; the others are dense
-    shared_expert_intermediate_size: int = 0  # 0: no shared expert
-    # transformers' Qwen routers cast the top-k weights to the model dtype before the experts use them; Mixtral's
-    # keep them in fp32
-    weights_in_model_dtype: bool = True
-
-    @classmethod
-    def from_hf(cls, architecture: str, hf) -> MoeConfig | None:
-        """None for a dense architecture; ValueError naming the field for a routing we do not serve."""
-        if architecture == "MixtralForCausalLM":
-            moe = cls(
-                num_experts=hf.num_local_experts,
-                num_experts_per_tok=hf.num_experts_per_tok,
-                moe_intermediate_size=hf.intermediate_size,
-                norm_topk_prob=True,
-                sparse_layers=tuple(range(hf.num_hidden_layers)),
-                weights_in_model_dtype=False,
-            )
-        elif architecture in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM"):
-            step, dense = hf.decoder_sparse_step, set(hf.mlp_only_layers or ())
-            if not isinstance(step, int) or step < 1:
-                raise ValueError(f"decoder_sparse_step must be a positive integer, got {step!r}")
-            moe = cls(
-                num_experts=hf.num_experts,
-                num_experts_per_tok=hf.num_experts_per_tok,
-                moe_intermediate_size=hf.moe_intermediate_size,
-                norm_topk_prob=bool(hf.norm_topk_prob),
-                sparse_layers=tuple(
-                    i
-                    for i in range(hf.num_hidden_layers)
-                    if i not in dense and hf.num_experts > 0 and (i + 1) % step == 0
-                ),
-                shared_expert_intermediate_size=getattr(hf, "shared_expert_intermediate_size", 0) or 0,
-            )
-        else:
-            return None
-        if not isinstance(moe.num_experts, int) or moe.num_experts < 0:
-            raise ValueError(f"num_experts must be a non-negative integer, got {moe.num_experts!r}")
-        if moe.sparse_layers and not 1 <= moe.num_experts_per_tok <= moe.num_experts:
-            raise ValueError(
-                f"num_experts_per_tok must be in 1..num_experts ({moe.num_experts}), got {moe.num_experts_per_tok!r}"
-            )
-        if moe.sparse_layers and moe.moe_intermediate_size < 1:
-            raise ValueError(f"moe_intermediate_size must be a positive integer, got {moe.moe_intermediate_size!r}")
-        return moe
 
 
 # ---- what a checkpoint may ask for (one error naming the option, before any weight loads) ------------------------
@@ -287,6 +235,11 @@ def check_checkpoint_options(hf: object) -> None:
         raise ValueError(
             f"unsupported quantization_config (quant_method {method!r}): pagedq serves unquantized weights only "
             "(float32, float16 or bfloat16 checkpoints)"
+            + (
+                "; dequantize it first (transformers: Mxfp4Config(dequantize=True), then save_pretrained)"
+                if method == "mxfp4"
+                else ""
+            )
         )
     for rope in _rope_parameter_sets(hf):
         rope_type = rope.get("rope_type", "default")
@@ -327,7 +280,7 @@ def _attention_variants(hf) -> tuple[tuple[str, ...], int | None, float | None]:
     if window == 0 and not isinstance(window, bool):  # transformers' Qwen2-MoE config writes 0 for "no window"
         window = None
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-        raise ValueError(f"sliding_window must be a positive integer or null, got {window!r}")
+        raise ValueError(f"sliding_window must be a positive integer, 0 or null, got {window!r}")
     kinds = getattr(hf, "layer_types", None)
     if kinds is None:
         kinds = [SLIDING_ATTENTION if window else FULL_ATTENTION] * hf.num_hidden_layers

@@ -122,7 +122,7 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
         self.qkv_proj = PackedLinear(config.hidden_size, [self.q_size, self.kv_size, self.kv_size], config.qkv_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.qk_norm = config.qk_norm
         if self.qk_norm:
             self.q_norm = _head_norm(config, ops)

@@ -47,11 +47,19 @@ _EXPERT_PROJECTIONS = {
     "w3": "up",
     "w2": "down",
 }
-# Every expert at once, as transformers 5 holds them in memory: gate_up_proj [E, 2I, H] (gate rows first), down_proj.
-_STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
-_STACKED_TARGETS = {"gate_up_proj": ("w13", ("gate", "up")), "down_proj": ("w2", ("down",))}
-# Mixtral's checkpoint calls the expert block block_sparse_moe; ours is mlp, as the Qwen MoE checkpoints call it.
-_RENAMED = ((".block_sparse_moe.", ".mlp."),)
+# Every expert at once, as transformers 5 holds them in memory: gate_up_proj [E, 2I, H] (gate rows first), down_proj;
+# gpt-oss's checkpoints (MoeConfig.interleaved_gate_up): gate_up_proj [E, H, 2I] with gate and up columns
+# interleaved, down_proj [E, I, H], and their biases.
+_STACKED_EXPERTS = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj|gate_up_proj_bias|down_proj_bias)$")
+_STACKED_TARGETS = {
+    "gate_up_proj": ("w13", ("gate", "up")),
+    "down_proj": ("w2", ("down",)),
+    "gate_up_proj_bias": ("w13_bias", ("gate_bias", "up_bias")),
+    "down_proj_bias": ("w2_bias", ("down_bias",)),
+}
+# Mixtral's checkpoint calls the expert block block_sparse_moe, ours is mlp as the Qwen MoE checkpoints call it;
+# gpt-oss's calls its router mlp.router, ours is mlp.gate.
+_RENAMED = ((".block_sparse_moe.", ".mlp."), (".mlp.router.", ".mlp.gate."))
 
 
 def load_model(folder: str | Path, config: ModelConfig, dtype: torch.dtype, device: str) -> LlamaForCausalLM:
@@ -99,7 +107,8 @@ def _load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Te
         name = _our_name(checkpoint_name)
         expert = _EXPERT_NAME.match(name) or _STACKED_EXPERTS.match(name)
         if expert:
-            loaded |= _load_experts(modules.get(expert.group(1)), expert, checkpoint_name, tensor)
+            interleaved = model.config.moe is not None and model.config.moe.interleaved_gate_up
+            loaded |= _load_experts(modules.get(expert.group(1)), expert, checkpoint_name, tensor, interleaved)
             continue
         packed = _PACKED_NAME.match(name)
         if packed:
@@ -132,7 +141,7 @@ def _our_name(checkpoint_name: str) -> str:
 
 
 def _load_experts(
-    module: nn.Module | None, match: re.Match[str], checkpoint_name: str, tensor: torch.Tensor
+    module: nn.Module | None, match: re.Match[str], checkpoint_name: str, tensor: torch.Tensor, interleaved: bool
 ) -> set[str]:
     """Copy one expert's projection, or every expert's stacked tensor, into `module`; the names it loaded."""
     if not isinstance(module, Experts):
@@ -141,6 +150,10 @@ def _load_experts(
     if match.re is _STACKED_EXPERTS:
         param_name, projections = _STACKED_TARGETS[which]
         param = getattr(module, param_name)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {checkpoint_name} has no place in the model")
+        if interleaved and tensor.dim() == param.dim():  # else the shape check below names it
+            tensor = _from_interleaved_layout(which, tensor)
         if tensor.shape != param.shape:
             raise ValueError(
                 f"checkpoint tensor {checkpoint_name} has shape {tuple(tensor.shape)}, "
@@ -156,6 +169,18 @@ def _load_experts(
     return {f"{prefix}.{expert}.{projection}"}
 
 
+def _from_interleaved_layout(which: str, tensor: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's stacked expert tensor in our layout: gate_up_proj [E, H, 2I] (column 2j gate j, 2j + 1 up j) ->
+    [E, 2I, H] gate rows then up rows; its bias [E, 2I] likewise; down_proj [E, I, H] -> [E, H, I]."""
+    if which == "down_proj_bias":
+        return tensor
+    if which == "down_proj":
+        return tensor.transpose(1, 2)
+    if which == "gate_up_proj":
+        tensor = tensor.transpose(1, 2)  # [E, 2I, H], rows interleaved
+    return torch.cat((tensor[:, 0::2], tensor[:, 1::2]), dim=1)
+
+
 def _check_complete(model: LlamaForCausalLM, loaded: set[str]) -> None:
     missing = []
     for module_name, module in model.named_modules():
@@ -163,10 +188,12 @@ def _check_complete(model: LlamaForCausalLM, loaded: set[str]) -> None:
             missing += [
                 f"{module_name}.{e}.{p}"
                 for e in range(module.num_experts)
-                for p in Experts.PROJECTIONS
+                for p in module.projections
                 if f"{module_name}.{e}.{p}" not in loaded
             ]
             continue
+        if getattr(module, "sinks", None) is not None and f"{module_name}.sinks" not in loaded:
+            missing.append(f"{module_name}.sinks")
         for kind in ("weight", "bias"):
             if getattr(module, kind, None) is None or not isinstance(getattr(module, kind), torch.nn.Parameter):
                 continue
