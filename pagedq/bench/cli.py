@@ -11,7 +11,7 @@ from pagedq.engine.cli import StrictArgumentParser, package_version, run_command
 
 
 def register_benches(commands: argparse._SubParsersAction) -> argparse._SubParsersAction:
-    """Add the `bench` group with `throughput|host|ngram|structured|kernels`; returns it, for the queue's benches."""
+    """Add the `bench` group (throughput, host, ngram, structured, kernels, lora); returns it for the queue's."""
     bench_parser = commands.add_parser("bench", help="benchmarks against baselines measured in the same run")
     benches = bench_parser.add_subparsers(dest="bench", required=True)
     add_engine_benches(benches)
@@ -44,6 +44,9 @@ def add_engine_benches(benches: argparse._SubParsersAction) -> None:
     )
     kernels_bench.add_argument("kernel_args", nargs="*", help="the kernel benchmark's flags, as it reads them")
     kernels_bench.set_defaults(func=_bench_kernels)
+    lora = benches.add_parser("lora", help="LoRA adapters mixed in one batch vs the base model and transformers + PEFT")
+    _add_lora_arguments(lora)
+    lora.set_defaults(func=_bench_lora)
 
 
 def build_parser(prog: str = "python -m pagedq.bench") -> argparse.ArgumentParser:
@@ -88,6 +91,18 @@ def _bench_structured(args: argparse.Namespace) -> int:
     from pagedq.bench.engine import structured as bench_structured
 
     return bench_structured.main(args)
+
+
+def _add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    from pagedq.bench.engine.lora import add_arguments  # torch is imported by its functions only
+
+    add_arguments(parser)
+
+
+def _bench_lora(args: argparse.Namespace) -> int:
+    from pagedq.bench.engine import lora as bench_lora
+
+    return bench_lora.main(args)
 
 
 def _bench_kernels(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ segment, and empty segments return at once.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,11 @@ class LoRAIndex:
     @property
     def num_tokens(self) -> int:
         return self.token_slots.shape[0]
+
+    @functools.cached_property
+    def padded_segments(self) -> PaddedSegments:
+        """The CPU path's batched layout of the segments, computed at the first layer's call of the step."""
+        return PaddedSegments.of(self.host_segments, self.token_order)
 
     @property
     def num_slots(self) -> int:
@@ -120,6 +126,45 @@ class LoRAIndex:
             getattr(self, name).copy_(getattr(other, name), non_blocking=True)
 
 
+@dataclass(frozen=True)
+class PaddedSegments:
+    """The segments of the slots present as a [G, L] grid of token rows (G slots, L the longest segment), so the
+    CPU path runs one batched matmul over every slot instead of a matmul per slot.
+
+    slots [G]: the slots present, ascending. rows [G, L]: each segment's tokens, padded with its first token.
+    real [V]: the positions in the flattened grid holding a real (not padding) row, in segment order.
+    tokens [V]: the tokens at those positions (token_order's adapter part). waste: padding rows / real rows.
+    """
+
+    slots: torch.Tensor
+    rows: torch.Tensor
+    real: torch.Tensor
+    tokens: torch.Tensor
+    waste: float
+
+    @classmethod
+    def of(cls, segments: tuple[tuple[int, int, int], ...], token_order: torch.Tensor) -> PaddedSegments:
+        longest = max((length for _, _, length in segments), default=0)
+        order = token_order.long()
+        within = torch.arange(longest, device=order.device)
+        starts = torch.tensor([start for _, start, _ in segments], dtype=torch.long, device=order.device)
+        lengths = torch.tensor([length for _, _, length in segments], dtype=torch.long, device=order.device)
+        is_real = within[None, :] < lengths[:, None]
+        rows = order[starts[:, None] + torch.where(is_real, within[None, :], 0)]
+        num_real = int(lengths.sum())
+        return cls(
+            slots=torch.tensor([slot for slot, _, _ in segments], dtype=torch.long, device=order.device),
+            rows=rows,
+            real=is_real.flatten().nonzero().flatten(),
+            tokens=rows[is_real],
+            waste=(len(segments) * longest - num_real) / max(num_real, 1),
+        )
+
+
+# Past this much padding (padding rows per real row) the CPU path loops over the slots instead of padding them.
+MAX_PADDING_WASTE = 0.5
+
+
 def check_lora_shapes(
     fn: str, activations: torch.Tensor, weights: torch.Tensor, index: LoRAIndex, in_dim: int, weights_layout: str
 ) -> None:
@@ -176,10 +221,20 @@ def lora_expand(
 
 
 def grouped_lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, index: LoRAIndex) -> torch.Tensor:
-    """CPU path of `lora_shrink`: one matmul per slot present, over that slot's rows."""
+    """CPU path of `lora_shrink`: one batched matmul over the slots' segments padded to the longest (decode), or
+    one matmul per slot where padding would cost more than the loop (segments of unequal lengths)."""
     check_lora_shapes("lora_shrink", x, lora_a, index, x.shape[-1], "[S, N, R, in]")
-    num_slices, rank = lora_a.shape[1], lora_a.shape[2]
+    num_slots, num_slices, rank, in_dim = lora_a.shape
     buf = torch.zeros((num_slices, x.shape[0], rank), dtype=torch.float32, device=x.device)
+    if not index.has_adapter:
+        return buf
+    if len(index.host_segments) > 1 and index.padded_segments.waste <= MAX_PADDING_WASTE:
+        grid = index.padded_segments
+        weights = lora_a if len(grid.slots) == num_slots else lora_a[grid.slots]  # every slot present: no copy
+        rows = x[grid.rows].float()  # [G, L, in]
+        product = torch.bmm(rows, weights.reshape(len(grid.slots), num_slices * rank, in_dim).float().transpose(1, 2))
+        buf[:, grid.tokens] = product.reshape(-1, num_slices, rank)[grid.real].transpose(0, 1)
+        return buf
     order = index.token_order.long()
     for slot, start, length in index.host_segments:
         rows = order[start : start + length]
@@ -192,13 +247,30 @@ def grouped_lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, index: LoRAIndex)
 def grouped_lora_expand(
     y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, index: LoRAIndex, out_sizes: tuple[int, ...]
 ) -> None:
-    """CPU path of `lora_expand`: per slot present and slice, one matmul over that slot's rows."""
+    """CPU path of `lora_expand`: batched over the padded segments as `grouped_lora_shrink`, else per slot."""
     check_lora_expand_shapes("lora_expand", y, buf, lora_b, index, out_sizes)
+    if not index.has_adapter:
+        return
+    if len(index.host_segments) > 1 and index.padded_segments.waste <= MAX_PADDING_WASTE:
+        grid = index.padded_segments
+        weights = lora_b if len(grid.slots) == lora_b.shape[0] else lora_b[grid.slots]  # [G, N, max_out, R]
+        shrunk = buf[:, grid.rows]  # [N, G, L, R]
+        deltas = [
+            torch.bmm(shrunk[n], weights[:, n, :size].float().transpose(1, 2)) for n, size in enumerate(out_sizes)
+        ]  # [G, L, out_n] each
+        delta = (deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1)).reshape(-1, y.shape[1])[grid.real]
+        _add_rows(y, grid.tokens, delta)
+        return
     order = index.token_order.long()
     for slot, start, length in index.host_segments:
         rows = order[start : start + length]
-        offset = 0
-        for n, size in enumerate(out_sizes):
-            delta = buf[n, rows].float() @ lora_b[slot, n, :size].float().T
-            y[rows, offset : offset + size] = (y[rows, offset : offset + size].float() + delta).to(y.dtype)
-            offset += size
+        delta = torch.cat([buf[n, rows] @ lora_b[slot, n, :size].float().T for n, size in enumerate(out_sizes)], -1)
+        _add_rows(y, rows, delta)
+
+
+def _add_rows(y: torch.Tensor, rows: torch.Tensor, delta: torch.Tensor) -> None:
+    """y[rows] += delta (fp32), added in fp32 and rounded once to y's dtype."""
+    if y.dtype == torch.float32:
+        y.index_add_(0, rows, delta)
+    else:
+        y[rows] = (y[rows].float() + delta).to(y.dtype)

@@ -15,6 +15,7 @@ CASES = {
     "single_token": ([0], 1, (16,), (24,)),
     "single_base_token": ([-1], 2, (16, 16), (16, 8)),
     "every_slot_one_token": ([3, 2, 1, 0], 4, (4, 8, 16, 2), (32,)),
+    "decode_segments_padded": ([1, 0, -1, 1, 0, 1, -1], 3, (16, 8, 4), (24, 8, 8)),
 }
 RANK = 16
 IN_DIM = 48

@@ -67,6 +67,15 @@ def test_shrink_and_expand_match_a_per_token_loop(name, dtype, impl):
     assert torch.equal(y[base], case.y[base])  # base-model rows are untouched, bit for bit
 
 
+def test_padded_segments_layout():
+    """The CPU path's batched layout: slots 0 and 1 (2 and 3 tokens), slot 0's row padded with its first token."""
+    index = LoRAIndex.build(torch.tensor([1, 0, -1, 1, 0, 1, -1], dtype=torch.int32), 3)
+    grid = index.padded_segments
+    assert grid.slots.tolist() == [0, 1] and grid.rows.tolist() == [[1, 4, 1], [0, 3, 5]]
+    assert grid.real.tolist() == [0, 1, 3, 4, 5] and grid.tokens.tolist() == [1, 4, 0, 3, 5]
+    assert grid.waste == pytest.approx(1 / 5) and grid.waste <= lora.MAX_PADDING_WASTE  # so the case runs batched
+
+
 def test_cpu_backend_binds_the_grouped_path():
     kernels = bind("cpu")
     assert kernels.lora_shrink is lora.grouped_lora_shrink and kernels.lora_expand is lora.grouped_lora_expand
