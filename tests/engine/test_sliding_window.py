@@ -171,7 +171,7 @@ def test_given_back_blocks_and_the_prefix_cache(sliding_checkpoint):
 @pytest.mark.parametrize(
     "patch,message",
     [
-        ({"sliding_window": -4}, "sliding_window must be a positive integer or null, got -4"),
+        ({"sliding_window": -4}, "sliding_window must be a positive integer, 0 or null, got -4"),
         ({"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types must name 'full_attention' or"),
     ],
 )

@@ -29,11 +29,14 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedq.bench.engine.args import _positive, _range
-from pagedq.bench.engine.workload import Workload, draw_workload, left_padded
 from pagedq.engine.options import add_engine_arguments, engine_kwargs_from
+
+if TYPE_CHECKING:  # the workload module imports torch: `pagedq --help` and the gateway image must not
+    from pagedq.bench.engine.workload import Workload
+
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The bench's own flags, and the engine knobs it sets itself from them (enable_lora, the slots and the rank).
@@ -195,6 +198,8 @@ def run_peft(
         if not rows:
             continue
         model.set_adapter(adapter.name)
+        from pagedq.bench.engine.workload import left_padded
+
         ids, mask = left_padded([workload.prompts[i] for i in rows])
         longest = max(workload.output_lens[i] for i in rows)
         with torch.inference_mode():
@@ -245,8 +250,10 @@ def compare(
 
 
 def run(args: argparse.Namespace) -> dict:
+
     import torch
 
+    from pagedq.bench.engine.workload import draw_workload
     from pagedq.engine.config.engine import ModelConfig
     from pagedq.engine.demo_model import demo_model_path
 
