@@ -286,7 +286,7 @@ def bench_copy_and_sampling(device, copy_gbps: float, num_layers: int = 32, num_
 
 
 def bench_lora(device, copy_gbps: float, **shapes) -> None:
-    """The batched LoRA kernels (`bench.kernels_lora`'s cases), each next to the slot-grouped torch path."""
+    """The batched LoRA kernels (`bench.kernels_lora`'s cases), each next to a torch path (`torch_speedup`)."""
     for case in lora_bench_cases(device, DTYPE, **shapes):
         ms = _time_ms(case.triton)
         metrics = _bandwidth_metrics(case.num_bytes, ms, copy_gbps)

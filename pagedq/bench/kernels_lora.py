@@ -1,6 +1,7 @@
 """The batched LoRA kernels' cases of `pagedq bench kernels` (CUDA, which times them): lora_shrink and lora_expand
-next to the slot-grouped torch path they replace, with their compulsory bytes (inputs read once, outputs written
-once)."""
+next to the torch reference (a gather of each token's weights), and lora_add, the two kernels as the layer calls
+them, next to the slot-grouped torch path (the CPU backend's); each with its compulsory bytes (inputs read once,
+outputs written once)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def lora_expand_bytes(num_tokens: int, out_sizes: Sequence[int], rank: int, acti
 
 @dataclass(frozen=True)
 class LoRABenchCase:
-    """One timed call: the Triton kernel, the torch path it replaces on the same inputs, its compulsory bytes."""
+    """One timed call: the Triton kernel, a torch path on the same inputs, its compulsory bytes."""
 
     kernel: str
     shape: str
@@ -44,12 +45,13 @@ DEFAULT_CASES = ((64, 16), (64, 64), (4096, 16))  # (tokens, rank): decode at tw
 def lora_bench_cases(device: torch.device, dtype: torch.dtype = torch.bfloat16, hidden: int = 4096,
                      kv_out: int = 1024, num_slots: int = 8,
                      cases: Sequence[tuple[int, int]] = DEFAULT_CASES) -> list[LoRABenchCase]:  # fmt: skip
-    """lora_shrink and lora_expand on a qkv_proj (N = 3, GQA out sizes), per (tokens, rank), the tokens spread
-    round-robin over `num_slots` adapters."""
+    """lora_shrink, lora_expand and lora_add on a qkv_proj (N = 3, GQA out sizes), per (tokens, rank), the tokens
+    spread round-robin over `num_slots` adapters."""
     from pagedq.kernels import triton_ops
 
     out_sizes = (hidden, kv_out, kv_out)
     elem = torch.empty((), dtype=dtype).element_size()
+    outs = "+".join(map(str, out_sizes))
     timed: list[LoRABenchCase] = []
     for tokens, rank in cases:
         index = lora.LoRAIndex.build(torch.arange(tokens, dtype=torch.int32) % num_slots, num_slots, device)
@@ -62,11 +64,16 @@ def lora_bench_cases(device: torch.device, dtype: torch.dtype = torch.bfloat16, 
         timed += [
             LoRABenchCase("lora_shrink", f"T={tokens} in={hidden} N=3 R={rank} S={num_slots}",
                           partial(triton_ops.lora_shrink, x, lora_a, index),
-                          partial(lora.grouped_lora_shrink, x, lora_a, index),
+                          partial(lora.lora_shrink, x, lora_a, index),
                           lora_shrink_bytes(tokens, hidden, 3, rank, active, elem)),
-            LoRABenchCase("lora_expand", f"T={tokens} out={'+'.join(map(str, out_sizes))} R={rank} S={num_slots}",
+            LoRABenchCase("lora_expand", f"T={tokens} out={outs} R={rank} S={num_slots}",
                           partial(triton_ops.lora_expand, y, buf, lora_b, index, out_sizes),
-                          partial(lora.grouped_lora_expand, y, buf, lora_b, index, out_sizes),
+                          partial(lora.lora_expand, y, buf, lora_b, index, out_sizes),
                           lora_expand_bytes(tokens, out_sizes, rank, active, elem)),
+            LoRABenchCase("lora_add", f"T={tokens} in={hidden} out={outs} R={rank} S={num_slots}",
+                          partial(triton_ops.lora_add, y, x, lora_a, lora_b, index, out_sizes),
+                          partial(lora.grouped_lora_add, y, x, lora_a, lora_b, index, out_sizes),
+                          lora_shrink_bytes(tokens, hidden, 3, rank, active, elem)
+                          + lora_expand_bytes(tokens, out_sizes, rank, active, elem)),
         ]  # fmt: skip
     return timed

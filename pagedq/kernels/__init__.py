@@ -36,6 +36,7 @@ KERNEL_NAMES = (
     # LoRA (issue 36)
     "lora_shrink",
     "lora_expand",
+    "lora_add",
     "fused_moe",
 )
 # What the "cpu" backend takes from a CPU path of its own instead of the reference: the paged attention
@@ -45,8 +46,7 @@ CPU_PATHS: dict[str, Callable] = {
     "paged_decode_attention": cpu_attention.paged_decode_attention,
     "paged_prefill_attention": cpu_attention.paged_prefill_attention,
     "fused_moe": cpu_moe.fused_moe,
-    "lora_shrink": lora.grouped_lora_shrink,
-    "lora_expand": lora.grouped_lora_expand,
+    "lora_add": lora.grouped_lora_add,
 }
 
 
@@ -77,6 +77,7 @@ class KernelSet:
     gumbel_argmax: Callable
     lora_shrink: Callable
     lora_expand: Callable
+    lora_add: Callable
     fused_moe: Callable
 
 
@@ -124,6 +125,7 @@ copy_blocks = _dispatch("copy_blocks")
 gumbel_argmax = _dispatch("gumbel_argmax")
 lora_shrink = _dispatch("lora_shrink")
 lora_expand = _dispatch("lora_expand")
+lora_add = _dispatch("lora_add")
 fused_moe = _dispatch("fused_moe")
 
 __all__ = ["KERNEL_NAMES", "KernelSet", "bind", "selected_backend", *KERNEL_NAMES]

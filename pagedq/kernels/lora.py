@@ -10,7 +10,11 @@ per slice. Two kernels apply them around the base matmul `y = x @ W.T`:
         y[t, off_n : off_n + out_n] += buf[n, t] @ lora_b[slot_t, n, :out_n].T for adapter tokens, in place
 
 Both accumulate in fp32; expand adds in fp32 and rounds once to y's dtype. The scaling (lora_alpha / r, or
-/ sqrt(r) for rsLoRA) is the caller's to fold into lora_b.
+/ sqrt(r) for rsLoRA) is the caller's to fold into lora_b. The adapted layer calls their composition,
+
+    lora_add(y, x, lora_a, lora_b, index, out_sizes) -> None:  lora_expand(y, lora_shrink(x, lora_a), lora_b)
+
+which the CPU path computes in one pass (`grouped_lora_add`) and the Triton backend as the two kernels.
 
 `LoRAIndex` is built once per step from the tokens' slots and used by every layer: the tokens sorted by slot
 (stable), so each slot's tokens form one contiguous segment of `token_order`, and each slot's segment start and
@@ -22,7 +26,10 @@ segment, and empty segments return at once.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -55,9 +62,9 @@ class LoRAIndex:
         return self.token_slots.shape[0]
 
     @functools.cached_property
-    def padded_segments(self) -> PaddedSegments:
-        """The CPU path's batched layout of the segments, computed at the first layer's call of the step."""
-        return PaddedSegments.of(self.host_segments, self.token_order)
+    def slot_rows(self) -> SlotRows:
+        """The CPU path's layout of the step's adapter tokens, computed at the first layer's call of the step."""
+        return SlotRows.of(self)
 
     @property
     def num_slots(self) -> int:
@@ -127,42 +134,85 @@ class LoRAIndex:
 
 
 @dataclass(frozen=True)
-class PaddedSegments:
-    """The segments of the slots present as a [G, L] grid of token rows (G slots, L the longest segment), so the
-    CPU path runs one batched matmul over every slot instead of a matmul per slot.
+class SlotRows:
+    """The CPU path's layout of a step's adapter tokens: a matrix of rows grouped by slot, and the maps both ways.
 
-    slots [G]: the slots present, ascending. rows [G, L]: each segment's tokens, padded with its first token.
-    real [V]: the positions in the flattened grid holding a real (not padding) row, in segment order.
-    tokens [V]: the tokens at those positions (token_order's adapter part). waste: padding rows / real rows.
+    Each layer gathers its adapter tokens' activations into these rows once (`index_select`) and computes every
+    slot's part into its own rows. A decode-sized result goes back by a gather per token, reading `row_of_token`
+    with one extra zero row for base-model tokens, and one dense add: on the CPU, advanced indexing, `index_add_`
+    and accumulating `index_put_` cost far more than the gather at these sizes, more than the LoRA matmuls. A
+    prefill-sized one is added in place at its tokens (`index_add_` of `real_rows` into `real_tokens`), which
+    moves the result once where the gather and the add move it twice.
+
+    Batched (`grid` set, G slots by L rows): each present slot's segment padded with its first token to the
+    longest, so one batched matmul covers every slot (decode, where segments have similar lengths). Otherwise
+    the slots' segments back to back, one matmul per slot (prefill, where padding would cost more than the loop).
+
+    token_of_row [rows]: the token each row holds. row_of_token [T]: each token's row, `rows` for base tokens.
+    real_rows [V]: the rows that are not padding (None: all are); real_tokens [V]: their tokens.
+    segments: (slot, first row, length) of each slot present, ascending. grid: (G, L) when batched, else None.
+    grid_slots [G]: the slots present; every_slot: whether they are all S slots (0 .. S-1), so the stacked
+    weights serve as they are. waste: padding rows / real rows of the batched layout.
     """
 
-    slots: torch.Tensor
-    rows: torch.Tensor
-    real: torch.Tensor
-    tokens: torch.Tensor
+    token_of_row: torch.Tensor
+    row_of_token: torch.Tensor
+    real_rows: torch.Tensor | None
+    real_tokens: torch.Tensor
+    segments: tuple[tuple[int, int, int], ...]
+    grid: tuple[int, int] | None
+    grid_slots: torch.Tensor
+    every_slot: bool
     waste: float
 
+    @property
+    def num_rows(self) -> int:
+        return self.token_of_row.shape[0]
+
     @classmethod
-    def of(cls, segments: tuple[tuple[int, int, int], ...], token_order: torch.Tensor) -> PaddedSegments:
+    def of(cls, index: LoRAIndex) -> SlotRows:
+        segments = index.host_segments
+        order = index.token_order.long()
+        num_tokens = order.shape[0]
+        num_base = num_tokens - sum(length for _, _, length in segments)
         longest = max((length for _, _, length in segments), default=0)
-        order = token_order.long()
-        within = torch.arange(longest, device=order.device)
-        starts = torch.tensor([start for _, start, _ in segments], dtype=torch.long, device=order.device)
-        lengths = torch.tensor([length for _, _, length in segments], dtype=torch.long, device=order.device)
-        is_real = within[None, :] < lengths[:, None]
-        rows = order[starts[:, None] + torch.where(is_real, within[None, :], 0)]
-        num_real = int(lengths.sum())
+        num_real = num_tokens - num_base
+        waste = (len(segments) * longest - num_real) / max(num_real, 1)
+        slots = torch.tensor([slot for slot, _, _ in segments], dtype=torch.long, device=order.device)
+        if len(segments) > 1 and waste <= MAX_PADDING_WASTE:
+            within = torch.arange(longest, device=order.device)
+            starts = torch.tensor([start for _, start, _ in segments], dtype=torch.long, device=order.device)
+            lengths = torch.tensor([length for _, _, length in segments], dtype=torch.long, device=order.device)
+            is_real = within[None, :] < lengths[:, None]  # [G, L]
+            token_of_row = order[starts[:, None] + torch.where(is_real, within[None, :], 0)].flatten()
+            row_of_token = torch.full((num_tokens,), token_of_row.shape[0], dtype=torch.long, device=order.device)
+            real = is_real.flatten().nonzero().flatten()
+            row_of_token[token_of_row[real]] = real
+            real_rows: torch.Tensor | None = real
+            grid: tuple[int, int] | None = (len(segments), longest)
+        else:
+            token_of_row = order[num_base:]
+            row_of_token = torch.full((num_tokens,), num_real, dtype=torch.long, device=order.device)
+            row_of_token[token_of_row] = torch.arange(num_real, device=order.device)
+            real_rows, grid = None, None
         return cls(
-            slots=torch.tensor([slot for slot, _, _ in segments], dtype=torch.long, device=order.device),
-            rows=rows,
-            real=is_real.flatten().nonzero().flatten(),
-            tokens=rows[is_real],
-            waste=(len(segments) * longest - num_real) / max(num_real, 1),
+            token_of_row=token_of_row,
+            row_of_token=row_of_token,
+            real_rows=real_rows if real_rows is None or real_rows.shape[0] < token_of_row.shape[0] else None,
+            real_tokens=token_of_row if real_rows is None else token_of_row[real_rows],
+            segments=tuple((slot, start - num_base, length) for slot, start, length in segments),
+            grid=grid,
+            grid_slots=slots,
+            every_slot=len(segments) == index.num_slots,
+            waste=waste,
         )
 
 
 # Past this much padding (padding rows per real row) the CPU path loops over the slots instead of padding them.
 MAX_PADDING_WASTE = 0.5
+# A CPU call moving up to this many elements is decode-sized: it runs on one thread (_small_work_on_one_thread)
+# and gathers its result back (SlotRows); a larger one runs on all threads and adds its result in place.
+SMALL_CALL_ELEMENTS = 1 << 18
 
 
 def check_lora_shapes(
@@ -220,57 +270,118 @@ def lora_expand(
         offset += size
 
 
-def grouped_lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, index: LoRAIndex) -> torch.Tensor:
-    """CPU path of `lora_shrink`: one batched matmul over the slots' segments padded to the longest (decode), or
-    one matmul per slot where padding would cost more than the loop (segments of unequal lengths)."""
-    check_lora_shapes("lora_shrink", x, lora_a, index, x.shape[-1], "[S, N, R, in]")
-    num_slots, num_slices, rank, in_dim = lora_a.shape
-    buf = torch.zeros((num_slices, x.shape[0], rank), dtype=torch.float32, device=x.device)
-    if not index.has_adapter:
-        return buf
-    if len(index.host_segments) > 1 and index.padded_segments.waste <= MAX_PADDING_WASTE:
-        grid = index.padded_segments
-        weights = lora_a if len(grid.slots) == num_slots else lora_a[grid.slots]  # every slot present: no copy
-        rows = x[grid.rows].float()  # [G, L, in]
-        product = torch.bmm(rows, weights.reshape(len(grid.slots), num_slices * rank, in_dim).float().transpose(1, 2))
-        buf[:, grid.tokens] = product.reshape(-1, num_slices, rank)[grid.real].transpose(0, 1)
-        return buf
-    order = index.token_order.long()
-    for slot, start, length in index.host_segments:
-        rows = order[start : start + length]
-        weights = lora_a[slot].reshape(num_slices * rank, -1)
-        product = x[rows].float() @ weights.float().T  # [rows, N * R]
-        buf[:, rows] = product.view(length, num_slices, rank).transpose(0, 1)
-    return buf
-
-
-def grouped_lora_expand(
-    y: torch.Tensor, buf: torch.Tensor, lora_b: torch.Tensor, index: LoRAIndex, out_sizes: tuple[int, ...]
+def lora_add(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    index: LoRAIndex,
+    out_sizes: tuple[int, ...],
 ) -> None:
-    """CPU path of `lora_expand`: batched over the padded segments as `grouped_lora_shrink`, else per slot."""
-    check_lora_expand_shapes("lora_expand", y, buf, lora_b, index, out_sizes)
+    """Reference: y += each adapter token's LoRA product, `lora_expand(y, lora_shrink(x, lora_a), lora_b)`."""
+    lora_expand(y, lora_shrink(x, lora_a, index), lora_b, index, out_sizes)
+
+
+def check_lora_add_shapes(
+    fn: str, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, index: LoRAIndex,
+    out_sizes: tuple[int, ...],
+) -> None:  # fmt: skip
+    check_lora_shapes(fn, x, lora_a, index, x.shape[-1], "[S, N, R, in]")
+    if lora_b.shape[:2] != lora_a.shape[:2]:
+        raise ValueError(f"{fn}: lora_b {tuple(lora_b.shape)} must have lora_a's [S, N] {tuple(lora_a.shape[:2])}")
+    check_lora_shapes(fn, y, lora_b, index, lora_a.shape[2], "[S, N, max_out, R]")
+    if len(out_sizes) != lora_b.shape[1] or any(n < 0 or n > lora_b.shape[2] for n in out_sizes):
+        raise ValueError(f"{fn}: out_sizes {out_sizes} must give {lora_b.shape[1]} sizes, each <= {lora_b.shape[2]}")
+    if y.dim() != 2 or y.shape[1] != sum(out_sizes):
+        raise ValueError(f"{fn}: y must be [T, {sum(out_sizes)}] (the sum of out_sizes), got {tuple(y.shape)}")
+
+
+def grouped_lora_add(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    index: LoRAIndex,
+    out_sizes: tuple[int, ...],
+) -> None:
+    """CPU path of `lora_add`, laid out by `SlotRows`: one batched matmul over every slot, or one per slot, for
+    the shrink and for each slice's expand; the shrunk rows stay in the layout between the two."""
+    check_lora_add_shapes("lora_add", y, x, lora_a, lora_b, index, out_sizes)
     if not index.has_adapter:
         return
-    if len(index.host_segments) > 1 and index.padded_segments.waste <= MAX_PADDING_WASTE:
-        grid = index.padded_segments
-        weights = lora_b if len(grid.slots) == lora_b.shape[0] else lora_b[grid.slots]  # [G, N, max_out, R]
-        shrunk = buf[:, grid.rows]  # [N, G, L, R]
-        deltas = [
-            torch.bmm(shrunk[n], weights[:, n, :size].float().transpose(1, 2)) for n, size in enumerate(out_sizes)
-        ]  # [G, L, out_n] each
-        delta = (deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1)).reshape(-1, y.shape[1])[grid.real]
-        _add_rows(y, grid.tokens, delta)
-        return
-    order = index.token_order.long()
-    for slot, start, length in index.host_segments:
-        rows = order[start : start + length]
-        delta = torch.cat([buf[n, rows] @ lora_b[slot, n, :size].float().T for n, size in enumerate(out_sizes)], -1)
-        _add_rows(y, rows, delta)
+    _, num_slices, rank, in_dim = lora_a.shape
+    layout = index.slot_rows
+    offsets = [0, *itertools.accumulate(out_sizes)]
+    num_elements = layout.num_rows * (in_dim + y.shape[1])
+    gather_back = num_elements <= SMALL_CALL_ELEMENTS  # decode-sized (see SlotRows)
+    with _small_work_on_one_thread(num_elements, y.device):
+        rows = x.index_select(0, layout.token_of_row).float()
+        delta = torch.empty((layout.num_rows + gather_back, y.shape[1]), dtype=torch.float32, device=y.device)
+        if layout.grid is not None:
+            groups, length = layout.grid
+            a = _slots_of(lora_a, layout).reshape(groups, num_slices * rank, in_dim).float()
+            b = _slots_of(lora_b, layout)  # [G, N, max_out, R]
+            shrunk = torch.bmm(rows.view(groups, length, in_dim), a.transpose(1, 2))  # [G, L, N * R]
+            delta_by_group = delta[: layout.num_rows].view(groups, length, -1)
+            for n, size in enumerate(out_sizes):
+                _product_into(delta_by_group, offsets[n], shrunk[:, :, n * rank : (n + 1) * rank], b[:, n, :size])
+        else:
+            for slot, first, length in layout.segments:
+                shrunk = rows[first : first + length] @ lora_a[slot].reshape(num_slices * rank, in_dim).float().T
+                for n, size in enumerate(out_sizes):
+                    part = shrunk[:, n * rank : (n + 1) * rank]
+                    _product_into(delta[first : first + length], offsets[n], part, lora_b[slot, n, :size])
+        if gather_back:
+            delta[-1].zero_()  # the row base-model tokens read
+            _add_at(y, None, delta.index_select(0, layout.row_of_token))
+        else:
+            real = delta if layout.real_rows is None else delta.index_select(0, layout.real_rows)
+            _add_at(y, layout.real_tokens, real)
 
 
-def _add_rows(y: torch.Tensor, rows: torch.Tensor, delta: torch.Tensor) -> None:
-    """y[rows] += delta (fp32), added in fp32 and rounded once to y's dtype."""
-    if y.dtype == torch.float32:
-        y.index_add_(0, rows, delta)
+def _product_into(out: torch.Tensor, offset: int, shrunk: torch.Tensor, weights: torch.Tensor) -> None:
+    """out[..., offset : offset + out_n] = shrunk [.., R] @ weights [out_n, R].T (batched or not), in fp32.
+
+    Straight into `out` when the columns are all of it: torch's matmuls write a strided `out=` through a slow
+    per-matrix loop, so a slice of a packed output is computed apart and copied in."""
+    size = weights.shape[-2]
+    product = torch.bmm if shrunk.dim() == 3 else torch.mm
+    if offset == 0 and size == out.shape[-1]:
+        product(shrunk, weights.float().transpose(-1, -2), out=out)
     else:
-        y[rows] = (y[rows].float() + delta).to(y.dtype)
+        out[..., offset : offset + size].copy_(product(shrunk, weights.float().transpose(-1, -2)))
+
+
+def _add_at(y: torch.Tensor, tokens: torch.Tensor | None, delta: torch.Tensor) -> None:
+    """y[tokens] += delta (every row of y when tokens is None), added in fp32 and rounded once to y's dtype."""
+    if tokens is None:
+        if y.dtype == torch.float32:
+            y.add_(delta)
+        else:
+            y.copy_(y.float().add_(delta))
+    elif y.dtype == torch.float32:
+        y.index_add_(0, tokens, delta)
+    else:
+        y.index_copy_(0, tokens, y.index_select(0, tokens).float().add_(delta).to(y.dtype))
+
+
+def _slots_of(weights: torch.Tensor, layout: SlotRows) -> torch.Tensor:
+    """The stacked weights of the batched layout's slots: the stack itself when every slot is present (no copy)."""
+    return weights if layout.every_slot else weights.index_select(0, layout.grid_slots)
+
+
+@contextlib.contextmanager
+def _small_work_on_one_thread(num_elements: int, device: torch.device) -> Iterator[None]:
+    """Run a decode-sized call's ops on the calling thread: each op that torch parallelises wakes the other
+    intra-op threads, and under passive waiting (`OMP_WAIT_POLICY=PASSIVE`, which a CPU worker sharing its cores
+    needs) that wake-up costs more than these small ops gain from a second thread. Measured in
+    docs/benchmarks-log.md (LoRA adapters)."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1 or num_elements > SMALL_CALL_ELEMENTS:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -180,3 +180,15 @@ def lora_expand(
         RANK=rank, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_R=block_r,
         COL_TILES=col_tiles, UPCAST_DOT=needs_dot_upcast(_lora_expand_kernel, lora_b.dtype), num_warps=4,
     )  # fmt: skip
+
+
+def lora_add(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    index: LoRAIndex,
+    out_sizes: tuple[int, ...],
+) -> None:
+    """y += each adapter token's LoRA product: the shrink kernel, then the expand kernel on its fp32 buffer."""
+    lora_expand(y, lora_shrink(x, lora_a, index), lora_b, index, out_sizes)

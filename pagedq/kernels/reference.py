@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedq.kernels.lora import lora_add as lora_add
 from pagedq.kernels.lora import lora_expand as lora_expand  # the LoRA references live beside their index
 from pagedq.kernels.lora import lora_shrink as lora_shrink
 

@@ -10,7 +10,7 @@ from pagedq.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from pagedq.kernels.block_copy import copy_blocks
 from pagedq.kernels.decode_attention import paged_decode_attention
 from pagedq.kernels.kv_cache import store_kv_cache
-from pagedq.kernels.lora_segments import lora_expand, lora_shrink
+from pagedq.kernels.lora_segments import lora_add, lora_expand, lora_shrink
 from pagedq.kernels.moe import fused_moe
 from pagedq.kernels.norm import head_rms_norm, rms_norm
 from pagedq.kernels.prefill_attention import paged_prefill_attention
@@ -23,6 +23,7 @@ __all__ = [
     "gelu_tanh_and_mul",
     "gumbel_argmax",
     "head_rms_norm",
+    "lora_add",
     "lora_expand",
     "lora_shrink",
     "paged_decode_attention",

@@ -48,18 +48,16 @@ def test_static_index_is_refilled_in_place():
         static.copy_from(LoRAIndex.build(torch.zeros(5, dtype=torch.int32), 3))
 
 
-@pytest.mark.parametrize("impl", ["reference", "cpu"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", list(CASES))
-def test_shrink_and_expand_match_a_per_token_loop(name, dtype, impl):
+def test_shrink_and_expand_match_a_per_token_loop(name, dtype):
     case = make_case(name, dtype)
-    kernels = bind("cpu") if impl == "cpu" else lora
     index = LoRAIndex.build(case.slots, case.num_slots)
-    buf = kernels.lora_shrink(case.x, case.lora_a, index)
+    buf = lora.lora_shrink(case.x, case.lora_a, index)
     assert buf.dtype == torch.float32 and buf.shape == (len(case.out_sizes), len(case.slots), case.lora_a.shape[2])
     torch.testing.assert_close(buf.double(), loop_shrink(case), atol=1e-5, rtol=1e-5)
     y = case.y.clone()
-    kernels.lora_expand(y, buf, case.lora_b, index, case.out_sizes)
+    lora.lora_expand(y, buf, case.lora_b, index, case.out_sizes)
     assert y.dtype == dtype
     atol, rtol = TOLERANCES[dtype]
     torch.testing.assert_close(y.double(), loop_expand(case, buf), atol=atol, rtol=rtol)
@@ -67,23 +65,66 @@ def test_shrink_and_expand_match_a_per_token_loop(name, dtype, impl):
     assert torch.equal(y[base], case.y[base])  # base-model rows are untouched, bit for bit
 
 
-def test_padded_segments_layout():
-    """The CPU path's batched layout: slots 0 and 1 (2 and 3 tokens), slot 0's row padded with its first token."""
+@pytest.mark.parametrize("impl", ["reference", "cpu", "cpu_large"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", list(CASES))
+def test_lora_add_matches_a_per_token_loop(name, dtype, impl, monkeypatch):
+    """lora_add, the layer's call, against shrink-then-expand by the loop: the reference and the CPU path, in both
+    of its layouts (the decode cases batch the slots, the unequal ones loop over them) and both ways back (a
+    decode-sized call gathers its result back; "cpu_large" lowers the size bound so every call adds in place)."""
+    if impl == "cpu_large":
+        monkeypatch.setattr(lora, "SMALL_CALL_ELEMENTS", 0)
+    case = make_case(name, dtype)
+    index = LoRAIndex.build(case.slots, case.num_slots)
+    y = case.y.clone()
+    (lora if impl == "reference" else bind("cpu")).lora_add(y, case.x, case.lora_a, case.lora_b, index, case.out_sizes)
+    assert y.dtype == dtype
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(y.double(), loop_expand(case, loop_shrink(case)), atol=atol, rtol=rtol)
+    base = case.slots < 0
+    assert torch.equal(y[base], case.y[base])  # base-model rows are untouched, bit for bit
+
+
+def test_slot_rows_batched_layout():
+    """Decode-like segments: slots 0 and 1 (2 and 3 tokens) in a [2, 3] grid, slot 0's row padded with its first
+    token; base-model tokens read the zero row past the grid."""
     index = LoRAIndex.build(torch.tensor([1, 0, -1, 1, 0, 1, -1], dtype=torch.int32), 3)
-    grid = index.padded_segments
-    assert grid.slots.tolist() == [0, 1] and grid.rows.tolist() == [[1, 4, 1], [0, 3, 5]]
-    assert grid.real.tolist() == [0, 1, 3, 4, 5] and grid.tokens.tolist() == [1, 4, 0, 3, 5]
-    assert grid.waste == pytest.approx(1 / 5) and grid.waste <= lora.MAX_PADDING_WASTE  # so the case runs batched
+    layout = index.slot_rows
+    assert layout.grid == (2, 3) and layout.grid_slots.tolist() == [0, 1] and not layout.every_slot
+    assert layout.token_of_row.tolist() == [1, 4, 1, 0, 3, 5]
+    assert layout.row_of_token.tolist() == [3, 0, 6, 4, 1, 5, 6]
+    assert layout.waste == pytest.approx(1 / 5) and layout.waste <= lora.MAX_PADDING_WASTE
+
+
+def test_slot_rows_per_slot_layout():
+    """Unequal segments (padding would exceed MAX_PADDING_WASTE): the segments back to back, one matmul each."""
+    index = LoRAIndex.build(torch.tensor([2, -1, 0, 2, 2, 2, 2, 2], dtype=torch.int32), 3)
+    layout = index.slot_rows
+    assert layout.grid is None and layout.waste > lora.MAX_PADDING_WASTE
+    assert layout.segments == ((0, 0, 1), (2, 1, 6))
+    assert layout.token_of_row.tolist() == [2, 0, 3, 4, 5, 6, 7]
+    assert layout.row_of_token.tolist() == [1, 7, 0, 2, 3, 4, 5, 6]
 
 
 def test_cpu_backend_binds_the_grouped_path():
-    kernels = bind("cpu")
-    assert kernels.lora_shrink is lora.grouped_lora_shrink and kernels.lora_expand is lora.grouped_lora_expand
+    assert bind("cpu").lora_add is lora.grouped_lora_add
 
 
-def test_expand_rejects_out_sizes_that_do_not_fill_y():
+@pytest.mark.parametrize("add", [lora.lora_add, lora.grouped_lora_add], ids=["reference", "cpu"])
+def test_lora_add_rejects_out_sizes_that_do_not_fill_y(add):
     case = make_case("mixed_qkv_gqa", torch.float32)
     index = LoRAIndex.build(case.slots, case.num_slots)
-    buf = lora.lora_shrink(case.x, case.lora_a, index)
     with pytest.raises(ValueError, match=r"y must be \[T, 40\]"):
-        lora.grouped_lora_expand(case.y, buf, case.lora_b, index, (24, 8, 8))
+        add(case.y, case.x, case.lora_a, case.lora_b, index, (24, 8, 8))
+
+
+def test_one_thread_for_small_calls_restores_the_thread_count():
+    """A decode-sized call runs on one intra-op thread and gives the caller's count back, even when it raises."""
+    before = torch.get_num_threads()
+    case = make_case("decode_every_slot", torch.float32)
+    index = LoRAIndex.build(case.slots, case.num_slots)
+    lora.grouped_lora_add(case.y.clone(), case.x, case.lora_a, case.lora_b, index, case.out_sizes)
+    assert torch.get_num_threads() == before
+    with pytest.raises(ValueError):
+        lora.grouped_lora_add(case.y, case.x, case.lora_a, case.lora_b, index, (1,) * len(case.out_sizes))
+    assert torch.get_num_threads() == before

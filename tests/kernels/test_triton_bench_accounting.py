@@ -106,6 +106,6 @@ def test_bench_glue_runs_on_tiny_shapes(device, monkeypatch, capsys):
     bench.bench_elementwise(device, 100.0, tokens=2, hidden=64, intermediate=64)
     bench.bench_lora(device, 100.0, hidden=32, kv_out=16, num_slots=2, cases=((3, 16),))
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("JSON ")]
-    assert len(lines) == 2 + 1 + 5 + 2
+    assert len(lines) == 2 + 1 + 5 + 3  # LoRA: shrink, expand, their composition
     decode_vs_sdpa = json.loads(lines[1][5:])
     assert decode_vs_sdpa["max_abs_diff"] < 2e-2  # bf16 paged decode agrees with SDPA on gathered K/V

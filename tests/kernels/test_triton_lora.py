@@ -1,4 +1,5 @@
-"""Triton lora_shrink / lora_expand against the torch reference (`kernels.lora`), per dtype, under the interpreter."""
+"""Triton lora_shrink / lora_expand and lora_add, their composition, against the torch reference (`kernels.lora`),
+per dtype, under the interpreter."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ def test_shrink_and_expand_match_the_reference(ops, device, name, dtype):
     assert y.dtype == dtype
     torch.testing.assert_close(y, expected, atol=atol, rtol=rtol)
     assert torch.equal(y[base], case.y[base])
+    added = case.y.clone()
+    ops.lora_add(added, case.x, case.lora_a, case.lora_b, index, case.out_sizes)  # the layer's call: both kernels
+    torch.testing.assert_close(added, expected, atol=atol, rtol=rtol)
 
 
 def test_prefill_segments_span_several_row_tiles(ops, device):

@@ -1,7 +1,7 @@
 """Adapter slots on the device: each adapted linear of the model holds `max_loras` adapters stacked and
 pre-allocated at `max_lora_rank`, and adds the step's adapters to its output with the shrink / expand kernels.
 
-    y = base(x);  buf = lora_shrink(x, lora_a, index);  lora_expand(y, buf, lora_b, index, out_sizes)
+    y = base(x);  lora_add(y, x, lora_a, lora_b, index, out_sizes)   (lora_expand of lora_shrink)
 
 A packed linear holds one slice per projection it packs (qkv_proj: q, k, v; gate_up_proj: gate, up). An adapter
 of rank r < max_lora_rank fills the first r rows of A and columns of B, the rest stays zero; a projection the
@@ -65,8 +65,7 @@ class LoRALinear(nn.Module):
         index = self.slots.step_index
         if index is None:
             return y
-        buffer = self.ops.lora_shrink(x, self.lora_a, index)
-        self.ops.lora_expand(y, buffer, self.lora_b, index, self.out_sizes)
+        self.ops.lora_add(y, x, self.lora_a, self.lora_b, index, self.out_sizes)
         return y
 
     def set_slot(self, slot: int, layer: int, adapter: LoRAAdapter | None) -> None:
