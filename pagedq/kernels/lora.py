@@ -151,8 +151,9 @@ class SlotRows:
     token_of_row [rows]: the token each row holds. row_of_token [T]: each token's row, `rows` for base tokens.
     real_rows [V]: the rows that are not padding (None: all are); real_tokens [V]: their tokens.
     segments: (slot, first row, length) of each slot present, ascending. grid: (G, L) when batched, else None.
-    grid_slots [G]: the slots present; every_slot: whether they are all S slots (0 .. S-1), so the stacked
-    weights serve as they are. waste: padding rows / real rows of the batched layout.
+    grid_slots [G]: the slots present; slot_span: (first, last + 1) when they are consecutive (slots are handed
+    out from 0, so they mostly are), so a slice of the stacked weights serves them without a copy.
+    waste: padding rows / real rows of the batched layout.
     """
 
     token_of_row: torch.Tensor
@@ -162,7 +163,7 @@ class SlotRows:
     segments: tuple[tuple[int, int, int], ...]
     grid: tuple[int, int] | None
     grid_slots: torch.Tensor
-    every_slot: bool
+    slot_span: tuple[int, int] | None
     waste: float
 
     @property
@@ -203,9 +204,13 @@ class SlotRows:
             segments=tuple((slot, start - num_base, length) for slot, start, length in segments),
             grid=grid,
             grid_slots=slots,
-            every_slot=len(segments) == index.num_slots,
+            slot_span=(segments[0][0], segments[-1][0] + 1) if _consecutive(segments) else None,
             waste=waste,
         )
+
+
+def _consecutive(segments: tuple[tuple[int, int, int], ...]) -> bool:
+    return bool(segments) and segments[-1][0] - segments[0][0] == len(segments) - 1
 
 
 # Past this much padding (padding rows per real row) the CPU path loops over the slots instead of padding them.
@@ -366,8 +371,10 @@ def _add_at(y: torch.Tensor, tokens: torch.Tensor | None, delta: torch.Tensor) -
 
 
 def _slots_of(weights: torch.Tensor, layout: SlotRows) -> torch.Tensor:
-    """The stacked weights of the batched layout's slots: the stack itself when every slot is present (no copy)."""
-    return weights if layout.every_slot else weights.index_select(0, layout.grid_slots)
+    """The stacked weights of the batched layout's slots: a slice of the stack when they are consecutive (no copy)."""
+    if layout.slot_span is not None:
+        return weights[layout.slot_span[0] : layout.slot_span[1]]
+    return weights.index_select(0, layout.grid_slots)
 
 
 @contextlib.contextmanager

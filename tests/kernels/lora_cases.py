@@ -16,10 +16,11 @@ CASES = {
     "single_base_token": ([-1], 2, (16, 16), (16, 8)),
     "every_slot_one_token": ([3, 2, 1, 0], 4, (4, 8, 16, 2), (32,)),
     "decode_segments_padded": ([1, 0, -1, 1, 0, 1, -1], 3, (16, 8, 4), (24, 8, 8)),
-    # the CPU path's layouts (kernels.lora.SlotRows): every slot in a full grid; a grid read by base tokens too;
-    # long unequal runs of one slot each, looped over
+    # the CPU path's layouts (kernels.lora.SlotRows): every slot in a full grid; a grid read by base tokens too; a
+    # grid of slots that are not consecutive (their weights gathered); long unequal runs of one slot, looped over
     "decode_every_slot": ([i % 4 for i in range(12)], 4, (16, 8, 4, 12), (24, 8, 8)),
     "decode_with_base_tokens": ([2, -1, 0, 1, 2, -1, 1, 0], 3, (8, 16, 4), (32,)),
+    "decode_slot_gap": ([3, 0, 3, -1, 0], 4, (16, 8, 4, 12), (24, 8, 8)),
     "prefill_runs": ([1] * 9 + [-1] * 4 + [0] * 2 + [1] * 5, 2, (16, 8), (24, 24)),
 }
 RANK = 16

@@ -90,7 +90,7 @@ def test_slot_rows_batched_layout():
     token; base-model tokens read the zero row past the grid."""
     index = LoRAIndex.build(torch.tensor([1, 0, -1, 1, 0, 1, -1], dtype=torch.int32), 3)
     layout = index.slot_rows
-    assert layout.grid == (2, 3) and layout.grid_slots.tolist() == [0, 1] and not layout.every_slot
+    assert layout.grid == (2, 3) and layout.grid_slots.tolist() == [0, 1] and layout.slot_span == (0, 2)
     assert layout.token_of_row.tolist() == [1, 4, 1, 0, 3, 5]
     assert layout.row_of_token.tolist() == [3, 0, 6, 4, 1, 5, 6]
     assert layout.waste == pytest.approx(1 / 5) and layout.waste <= lora.MAX_PADDING_WASTE
