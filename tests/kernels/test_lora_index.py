@@ -118,13 +118,24 @@ def test_lora_add_rejects_out_sizes_that_do_not_fill_y(add):
         add(case.y, case.x, case.lora_a, case.lora_b, index, (24, 8, 8))
 
 
-def test_one_thread_for_small_calls_restores_the_thread_count():
-    """A decode-sized call runs on one intra-op thread and gives the caller's count back, even when it raises."""
-    before = torch.get_num_threads()
+def test_small_calls_run_on_one_thread_and_restore_the_count(monkeypatch):
+    """A decode-sized call drops to one intra-op thread and gives the caller's count back, even when it raises; a
+    prefill-sized one keeps every thread."""
     case = make_case("decode_every_slot", torch.float32)
     index = LoRAIndex.build(case.slots, case.num_slots)
-    lora.grouped_lora_add(case.y.clone(), case.x, case.lora_a, case.lora_b, index, case.out_sizes)
-    assert torch.get_num_threads() == before
-    with pytest.raises(ValueError):
-        lora.grouped_lora_add(case.y, case.x, case.lora_a, case.lora_b, index, (1,) * len(case.out_sizes))
-    assert torch.get_num_threads() == before
+    before, set_threads, counts = torch.get_num_threads(), torch.set_num_threads, []
+    set_threads(2)
+    try:
+        monkeypatch.setattr(torch, "set_num_threads", lambda n: (counts.append(n), set_threads(n))[1])
+        lora.grouped_lora_add(case.y.clone(), case.x, case.lora_a, case.lora_b, index, case.out_sizes)
+        assert counts == [1, 2] and torch.get_num_threads() == 2
+        with monkeypatch.context() as patch:
+            patch.setattr(torch, "bmm", lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("bmm failed")))
+            with pytest.raises(RuntimeError, match="bmm failed"):
+                lora.grouped_lora_add(case.y.clone(), case.x, case.lora_a, case.lora_b, index, case.out_sizes)
+        assert counts == [1, 2, 1, 2] and torch.get_num_threads() == 2
+        monkeypatch.setattr(lora, "SMALL_CALL_ELEMENTS", 0)
+        lora.grouped_lora_add(case.y.clone(), case.x, case.lora_a, case.lora_b, index, case.out_sizes)
+        assert counts == [1, 2, 1, 2]
+    finally:
+        set_threads(before)
