@@ -67,6 +67,9 @@ def test_metrics_endpoint_matches_reality(redis_url, r):
                     m[("pagedq_running_requests", ())] == 1
                     and m[("pagedq_queue_depth", DEFAULT)] == 4
                     and m[("pagedq_held_jobs", ())] == 4
+                    # the queue's gauges come from one Redis round trip and the worker's from its own snapshot,
+                    # taken at different moments: wait until the delivery shows in both
+                    and m[("pagedq_pending_jobs", DEFAULT)] == 4
                 )
                 else None
             )
