@@ -242,8 +242,13 @@ def check_lora_expand_shapes(
     num_slices = lora_b.shape[1]
     if buf.dim() != 3 or buf.shape[0] != num_slices or buf.shape[1] != index.num_tokens:
         raise ValueError(f"{fn}: buf must be [N={num_slices}, T={index.num_tokens}, R], got {tuple(buf.shape)}")
-    if len(out_sizes) != num_slices or any(n < 0 or n > lora_b.shape[2] for n in out_sizes):
-        raise ValueError(f"{fn}: out_sizes {out_sizes} must give {num_slices} sizes, each <= {lora_b.shape[2]}")
+    _check_out_sizes(fn, y, lora_b, out_sizes)
+
+
+def _check_out_sizes(fn: str, y: torch.Tensor, lora_b: torch.Tensor, out_sizes: tuple[int, ...]) -> None:
+    """One size per slice of lora_b, each within its rows, and y exactly as wide as their sum."""
+    if len(out_sizes) != lora_b.shape[1] or any(n < 0 or n > lora_b.shape[2] for n in out_sizes):
+        raise ValueError(f"{fn}: out_sizes {out_sizes} must give {lora_b.shape[1]} sizes, each <= {lora_b.shape[2]}")
     if y.dim() != 2 or y.shape[1] != sum(out_sizes):
         raise ValueError(f"{fn}: y must be [T, {sum(out_sizes)}] (the sum of out_sizes), got {tuple(y.shape)}")
 
@@ -295,10 +300,7 @@ def check_lora_add_shapes(
     if lora_b.shape[:2] != lora_a.shape[:2]:
         raise ValueError(f"{fn}: lora_b {tuple(lora_b.shape)} must have lora_a's [S, N] {tuple(lora_a.shape[:2])}")
     check_lora_shapes(fn, y, lora_b, index, lora_a.shape[2], "[S, N, max_out, R]")
-    if len(out_sizes) != lora_b.shape[1] or any(n < 0 or n > lora_b.shape[2] for n in out_sizes):
-        raise ValueError(f"{fn}: out_sizes {out_sizes} must give {lora_b.shape[1]} sizes, each <= {lora_b.shape[2]}")
-    if y.dim() != 2 or y.shape[1] != sum(out_sizes):
-        raise ValueError(f"{fn}: y must be [T, {sum(out_sizes)}] (the sum of out_sizes), got {tuple(y.shape)}")
+    _check_out_sizes(fn, y, lora_b, out_sizes)
 
 
 def grouped_lora_add(
