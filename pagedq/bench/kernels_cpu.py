@@ -4,7 +4,8 @@ gather: the target the paged path is held to; called both with enable_gqa and wi
 folded into query rows, as the paged path does, and the faster of the two is the target) and the reference
 (kernels.reference, the oracle). Decode reports both of its paths: the native kernel reading the blocks in place
 (kernels.cpu_native; `native_ms`, null where it is unavailable) and the index_select + SDPA fallback
-(`gather_sdpa_ms`); `ms` is the path kernels.cpu_attention takes here (`native_path` says which).
+(`gather_sdpa_ms`); `ms` is the path kernels.cpu_attention takes here (`native_path` says which). Then one
+decoder layer's LoRA calls at decode and at prefill (bench.kernels_lora.bench_cpu_lora).
 
 Timings are medians over --repeats calls, after one warm-up call. The K/V pool is one layer's; each sequence's
 blocks are scattered over it as a busy server leaves them.
@@ -20,6 +21,7 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional as F
 
+from pagedq.bench.kernels_lora import bench_cpu_lora
 from pagedq.kernels import cpu_attention, cpu_native, reference
 from pagedq.kernels.cpu_allocator import tune_cpu_allocator
 
@@ -140,4 +142,5 @@ def main_cpu(args: argparse.Namespace, report: Callable[..., None]) -> int:
     for context_len in args.context_lens:
         bench_cpu_decode(args, context_len, report)
     bench_cpu_prefill(args, report)
+    bench_cpu_lora(args, _median_ms, report)
     return 0

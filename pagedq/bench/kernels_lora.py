@@ -1,11 +1,20 @@
-"""The batched LoRA kernels' cases of `pagedq bench kernels` (CUDA, which times them): lora_shrink and lora_expand
-next to the torch reference (a gather of each token's weights), and lora_add, the two kernels as the layer calls
-them, next to the slot-grouped torch path (the CPU backend's); each with its compulsory bytes (inputs read once,
-outputs written once)."""
+"""The batched LoRA kernels' cases of `pagedq bench kernels`.
+
+CUDA (`lora_bench_cases`, which the CUDA bench times): lora_shrink and lora_expand next to the torch reference (a
+gather of each token's weights), and lora_add, the two kernels as the layer calls them, next to the slot-grouped
+torch path (the CPU backend's); each with its compulsory bytes (inputs read once, outputs written once).
+
+CPU (`bench_cpu_lora`): one decoder layer's LoRA calls (qkv_proj, o_proj, gate_up_proj, down_proj) by the CPU
+path as it dispatches, by its native kernel and by its torch ops, next to the reference.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import argparse
+import contextlib
+import itertools
+import os
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -77,3 +86,97 @@ def lora_bench_cases(device: torch.device, dtype: torch.dtype = torch.bfloat16, 
                           + lora_expand_bytes(tokens, out_sizes, rank, active, elem)),
         ]  # fmt: skip
     return timed
+
+
+CPU_LORA_SLOTS, CPU_LORA_RANK = 8, 16
+# Weights of this many layers, used in turn: a model's LoRA weights outgrow the caches, so each layer's come from
+# memory, as they do in the engine.
+CPU_LORA_LAYERS = 30
+
+
+Linear = tuple[int, tuple[int, ...]]  # a LoRA'd projection: its input width and its output slices' widths
+LayerWeights = list[tuple[torch.Tensor, torch.Tensor]]  # each projection's stacked (lora_a, lora_b)
+
+
+def bench_cpu_lora(args: argparse.Namespace, timer: Callable[[Callable[[], object], int], float],
+                   report: Callable[..., None]) -> None:  # fmt: skip
+    """A decoder layer's four LoRA calls at decode (--batch tokens) and at prefill (the --prefill-lens prompts),
+    the tokens spread over 8 adapters of rank 16 (a prompt's tokens all on one), the projections' sizes from
+    --heads and --head-dim (SmolLM2-135M's by default; the MLP 8/3 of the hidden size). `ms` is the path
+    `grouped_lora_add` takes; `native_ms` its native kernel (null where it does not run), `torch_ops_ms` its
+    torch ops (PAGEDQ_CPU_NATIVE=0); `reference_ms` the reference."""
+    num_q_heads, num_kv_heads = args.heads
+    hidden, kv_out = num_q_heads * args.head_dim, num_kv_heads * args.head_dim
+    ffn = 8 * hidden // 3
+    dtype = getattr(torch, args.dtype)
+    linears: list[Linear] = [(hidden, (hidden, kv_out, kv_out)), (hidden, (hidden,)), (hidden, (ffn, ffn)),
+                             (ffn, (hidden,))]  # fmt: skip
+    layers = [
+        [(torch.randn(CPU_LORA_SLOTS, len(outs), CPU_LORA_RANK, in_dim).div(in_dim**0.5).to(dtype),
+          torch.randn(CPU_LORA_SLOTS, len(outs), max(outs), CPU_LORA_RANK).div(CPU_LORA_RANK**0.5).to(dtype))
+         for in_dim, outs in linears]
+        for _ in range(CPU_LORA_LAYERS)
+    ]  # fmt: skip
+    steps = {
+        "decode": torch.arange(args.batch, dtype=torch.int32) % CPU_LORA_SLOTS,
+        "prefill": torch.cat(
+            [torch.full((n,), i % CPU_LORA_SLOTS, dtype=torch.int32) for i, n in enumerate(args.prefill_lens)]
+        ),
+    }
+    sizes = ", ".join(f"{in_dim}/{'+'.join(map(str, outs))}" for in_dim, outs in linears)
+    for step, token_slots in steps.items():
+        tokens = token_slots.shape[0]
+        shape = f"{step} T={tokens} S={CPU_LORA_SLOTS} R={CPU_LORA_RANK} in/out {sizes} {args.dtype}"
+        report("cpu lora_add layer", shape, **_time_lora_step(args, timer, token_slots, linears, layers, dtype))
+
+
+def _time_lora_step(args: argparse.Namespace, timer: Callable[[Callable[[], object], int], float],
+                    token_slots: torch.Tensor, linears: list[Linear], layers: list[LayerWeights],
+                    dtype: torch.dtype) -> dict[str, float | None]:  # fmt: skip
+    index = lora.LoRAIndex.build(token_slots, CPU_LORA_SLOTS)
+    tokens = token_slots.shape[0]
+    xs = [torch.randn(tokens, in_dim).to(dtype) for in_dim, _ in linears]
+    ys = [torch.randn(tokens, sum(outs)).to(dtype) for _, outs in linears]
+    turn = itertools.cycle(layers)
+
+    def layer(add: Callable[..., None]) -> None:
+        for (_, outs), x, y, (lora_a, lora_b) in zip(linears, xs, ys, next(turn), strict=True):
+            add(y, x, lora_a, lora_b, index, outs)
+
+    with _native(True):
+        native = lora._runs_native(ys[0], xs[0], *layers[0][0], index)
+        path_ms = timer(partial(layer, lora.grouped_lora_add), args.repeats)
+    with _native(False):
+        torch_ops_ms = timer(partial(layer, lora.grouped_lora_add), args.repeats)
+    reference_ms = timer(partial(layer, lora.lora_add), args.repeats)
+    native_ms = path_ms if native else None
+    max_diff = _max_diff(layers[0], linears, xs, ys, index)
+    return {"ms": path_ms, "native_ms": native_ms, "torch_ops_ms": torch_ops_ms,
+            "native_over_torch_ops": None if native_ms is None else native_ms / torch_ops_ms,
+            "reference_ms": reference_ms, "max_abs_diff_vs_reference": max_diff}  # fmt: skip
+
+
+def _max_diff(weights: LayerWeights, linears: list[Linear],
+              xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor], index: lora.LoRAIndex) -> float:  # fmt: skip
+    """The CPU path's largest difference from the reference over one layer's four calls."""
+    worst = 0.0
+    for (_, outs), x, y, (lora_a, lora_b) in zip(linears, xs, ys, weights, strict=True):
+        path, expected = y.clone(), y.clone()
+        lora.grouped_lora_add(path, x, lora_a, lora_b, index, outs)
+        lora.lora_add(expected, x, lora_a, lora_b, index, outs)
+        worst = max(worst, (path.float() - expected.float()).abs().max().item())
+    return worst
+
+
+@contextlib.contextmanager
+def _native(on: bool) -> Iterator[None]:
+    """PAGEDQ_CPU_NATIVE as given, for the block (the native kernels read it on every call)."""
+    before = os.environ.get("PAGEDQ_CPU_NATIVE")
+    os.environ["PAGEDQ_CPU_NATIVE"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["PAGEDQ_CPU_NATIVE"]
+        else:
+            os.environ["PAGEDQ_CPU_NATIVE"] = before

@@ -1,5 +1,6 @@
-/* Paged attention for the CPU, reading the KV blocks in place (pagedq/kernels/cpu_native.py builds and loads it): decode,
-   and short causal query chunks (speculative verify rows, <= 17 queries after a cached prefix).
+/* The CPU's native kernels (pagedq/kernels/cpu_native.py builds and loads them): paged attention reading the KV
+   blocks in place, for decode and short causal query chunks (speculative verify rows, <= 17 queries after a cached
+   prefix); and, in its own section at the end, the batched LoRA add for steps of a few tokens per adapter.
 
    Same math as kernels.reference.paged_decode_attention (and paged_prefill_attention for the chunks): one query
    per sequence over its context_len cached tokens (a chunk's query i sees context_len - q_len + i + 1 of them),
@@ -307,6 +308,164 @@ int pagedq_paged_attention(const void *query, int64_t q_seq, int64_t q_head, con
 #pragma omp parallel for schedule(dynamic) num_threads(num_threads)
     for (int64_t task = 0; task < tasks; task++) {
         const int status = run_task_any(&a, (int)(task / num_kv_heads), (int)(task % num_kv_heads));
+        if (status) {
+#pragma omp atomic write
+            failed = status;
+        }
+    }
+    return failed;
+}
+
+/* ---- Batched LoRA add (kernels.lora's lora_add; kernels.lora.grouped_lora_add calls it at decode size) ----
+
+   y[t, off_n : off_n + out_n] += (x[t] @ lora_a[s, n].T) @ lora_b[s, n, :out_n].T for each token t of each
+   adapter slot s and each slice n (off_n: the sum of the slices before n); base-model tokens are not touched.
+   The same math as kernels.lora.lora_add: the product in fp32, added to y in fp32 and rounded once to y's dtype
+   (bf16: to nearest even). Layout: x [T, in] and y [T, sum(out_sizes)] with row strides x_row, y_row (elements,
+   rows contiguous); lora_a [S, N, R, in] and lora_b [S, N, max_out, R] contiguous; slot s's tokens are
+   token_order[slot_starts[s] + i] for i < slot_lengths[s].
+
+   One task per (slot, slice, group of LORA_TOKENS of the slot's tokens), so a slot's weights are read from memory
+   once per group of its tokens; tasks write disjoint parts of y (other tokens or other columns). At decode a slot has
+   a few tokens, so each weight row gets little arithmetic and the tasks stream memory the hardware prefetcher has
+   not seen: the loops prefetch a few rows ahead. The expand takes 8 outputs at a time (their dot products over R
+   summed across lanes together, sums8) where R is a multiple of 8, one at a time otherwise. */
+
+#define LORA_TOKENS 8
+#define LORA_MAX_RANK 1024
+#define LORA_MAX_SLOTS 4096
+#define LORA_PREFETCH_ROWS 2   /* A rows ahead of the shrink */
+#define LORA_PREFETCH_OUTS 32  /* B rows ahead of the expand */
+
+/* out[j] = the sum of v[j]'s lanes, for 8 vectors at once: a transpose folded into the adds. */
+static inline v8sf sums8(const v8sf v[8]) {
+    const v8si even = {0, 8, 2, 10, 4, 12, 6, 14}, odd = {1, 9, 3, 11, 5, 13, 7, 15};
+    const v8si low2 = {0, 1, 8, 9, 4, 5, 12, 13}, high2 = {2, 3, 10, 11, 6, 7, 14, 15};
+    const v8si low4 = {0, 1, 2, 3, 8, 9, 10, 11}, high4 = {4, 5, 6, 7, 12, 13, 14, 15};
+    v8sf pairs[4], quads[2];
+    for (int i = 0; i < 4; i++)
+        pairs[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], even) + __builtin_shuffle(v[2 * i], v[2 * i + 1], odd);
+    for (int i = 0; i < 2; i++)
+        quads[i] = __builtin_shuffle(pairs[2 * i], pairs[2 * i + 1], low2) +
+                   __builtin_shuffle(pairs[2 * i], pairs[2 * i + 1], high2);
+    /* quads[0]: the partial sums of v[0..3] over lanes 0-3, then over lanes 4-7; quads[1]: the same of v[4..7] */
+    return __builtin_shuffle(quads[0], quads[1], low4) + __builtin_shuffle(quads[0], quads[1], high4);
+}
+
+typedef struct {
+    void *y;
+    const void *x, *a, *b;
+    int64_t y_row, x_row;
+    int num_slices, rank, in_dim, max_out, bf16;
+    const int32_t *out_sizes, *token_order, *slot_starts, *slot_lengths;
+    int offsets[4];
+} LoraArgs;
+
+/* n values from element `at` of an fp32 or bf16 array, as fp32: in place for fp32, widened into scratch for bf16. */
+static inline const float *as_f32(const void *base, int64_t at, int n, int bf16, float *scratch) {
+    if (!bf16) return (const float *)base + at;
+    widen_rows((const uint16_t *)base + at, 0, 1, n, scratch);
+    return scratch;
+}
+
+static inline void prefetch_bytes(const void *base, int64_t at, int64_t n, int bf16) {
+    const char *p = (const char *)base + at * (bf16 ? 2 : 4);
+    for (int64_t i = 0; i < n * (bf16 ? 2 : 4); i += 64) __builtin_prefetch(p + i, 0, 3);
+}
+
+/* y[at : at + n] += delta[0 : n], in fp32, rounded once for bf16. */
+static inline void add_delta(void *y, int64_t at, const float *delta, int n, int bf16) {
+    if (bf16) {
+        uint16_t *dst = (uint16_t *)y + at;
+        for (int j = 0; j < n; j++) dst[j] = f32_to_bf16(bf16_to_f32(dst[j]) + delta[j]);
+    } else {
+        float *dst = (float *)y + at;
+        for (int j = 0; j < n; j++) dst[j] += delta[j];
+    }
+}
+
+/* One task: slice `slice` of slot `slot`'s tokens first .. first + LORA_TOKENS - 1 (fewer at the segment's end). */
+static int lora_task(const LoraArgs *g, int slot, int slice, int first) {
+    const int rank = g->rank, in_dim = g->in_dim, out = g->out_sizes[slice], bf16 = g->bf16;
+    const int left = g->slot_lengths[slot] - first, m = left < LORA_TOKENS ? left : LORA_TOKENS;
+    const int64_t a_sn = ((int64_t)slot * g->num_slices + slice) * rank * in_dim; /* element offsets */
+    const int64_t b_sn = ((int64_t)slot * g->num_slices + slice) * g->max_out * rank;
+    const int32_t *tokens = g->token_order + g->slot_starts[slot] + first;
+    /* bf16 only: the group's x rows, one A row and 8 B rows widened to fp32 */
+    float *scratch = bf16 ? malloc(sizeof(float) * ((size_t)(LORA_TOKENS + 1) * in_dim + 8 * (size_t)rank)) : NULL;
+    if (bf16 && scratch == NULL) return 3;
+    float *a_row = bf16 ? scratch + LORA_TOKENS * in_dim : NULL, *b_rows = bf16 ? a_row + in_dim : NULL;
+    float h[LORA_TOKENS * rank], delta[8];
+    const float *x_rows[LORA_TOKENS];
+    int64_t y_at[LORA_TOKENS];
+    for (int t = 0; t < m; t++) {
+        x_rows[t] = as_f32(g->x, tokens[t] * g->x_row, in_dim, bf16, bf16 ? scratch + t * in_dim : NULL);
+        y_at[t] = tokens[t] * g->y_row + g->offsets[slice];
+    }
+    for (int r = 0; r < rank; r++) { /* shrink: h[t] = x[t] @ A.T */
+        if (r + LORA_PREFETCH_ROWS < rank)
+            prefetch_bytes(g->a, a_sn + (int64_t)(r + LORA_PREFETCH_ROWS) * in_dim, in_dim, bf16);
+        const float *a = as_f32(g->a, a_sn + (int64_t)r * in_dim, in_dim, bf16, a_row);
+        for (int t = 0; t < m; t++) h[t * rank + r] = dot(x_rows[t], a, in_dim);
+    }
+    int o = 0; /* expand: y[t, o] += h[t] @ B[o] */
+    for (; rank % 8 == 0 && o + 8 <= out; o += 8) {
+        if (o + LORA_PREFETCH_OUTS + 8 <= out)
+            prefetch_bytes(g->b, b_sn + (int64_t)(o + LORA_PREFETCH_OUTS) * rank, 8 * rank, bf16);
+        const float *b = as_f32(g->b, b_sn + (int64_t)o * rank, 8 * rank, bf16, b_rows);
+        for (int t = 0; t < m; t++) {
+            v8sf acc[8];
+            for (int j = 0; j < 8; j++) acc[j] = splat(0.0f);
+            for (int r = 0; r < rank; r += 8) {
+                const v8sf hv = load8(h + t * rank + r);
+                for (int j = 0; j < 8; j++) acc[j] += hv * load8(b + j * rank + r);
+            }
+            store8(delta, sums8(acc));
+            add_delta(g->y, y_at[t] + o, delta, 8, bf16);
+        }
+    }
+    for (; o < out; o++) {
+        const float *b = as_f32(g->b, b_sn + (int64_t)o * rank, rank, bf16, b_rows);
+        for (int t = 0; t < m; t++) {
+            delta[0] = dot(h + t * rank, b, rank);
+            add_delta(g->y, y_at[t] + o, delta, 1, bf16);
+        }
+    }
+    free(scratch);
+    return 0;
+}
+
+/* The batched LoRA add above over num_slots slots and num_slices (<= 3) slices, fp32 or bf16 throughout. Returns
+   0; 2 if the shapes are inconsistent, 3 if memory ran out. */
+int pagedq_lora_add(void *y, int64_t y_row, const void *x, int64_t x_row, const void *lora_a, const void *lora_b,
+                    int num_slots, int num_slices, int rank, int in_dim, int max_out, const int32_t *out_sizes,
+                    const int32_t *token_order, const int32_t *slot_starts, const int32_t *slot_lengths, int bf16,
+                    int num_threads) {
+    if (num_slices < 1 || num_slices > 3 || rank < 1 || rank > LORA_MAX_RANK || in_dim < 1 || num_slots < 0 ||
+        num_slots > LORA_MAX_SLOTS)
+        return 2;
+    LoraArgs g = {y, x, lora_a, lora_b, y_row, x_row, num_slices, rank, in_dim, max_out, bf16,
+                  out_sizes, token_order, slot_starts, slot_lengths, {0}};
+    for (int n = 0; n < num_slices; n++) {
+        if (out_sizes[n] < 0 || out_sizes[n] > max_out) return 2;
+        g.offsets[n + 1] = g.offsets[n] + out_sizes[n];
+    }
+    /* tasks: (slot, slice, group of LORA_TOKENS tokens), a slot's groups of one slice in a row, so the threads
+       taking consecutive tasks share its weights in cache (prefill); slot s's tasks start at task_starts[s] */
+    int64_t task_starts[num_slots + 1];
+    task_starts[0] = 0;
+    for (int s = 0; s < num_slots; s++) {
+        if (slot_lengths[s] < 0) return 2;
+        const int64_t groups = (slot_lengths[s] + LORA_TOKENS - 1) / LORA_TOKENS;
+        task_starts[s + 1] = task_starts[s] + num_slices * groups;
+    }
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic) num_threads(num_threads)
+    for (int64_t task = 0; task < task_starts[num_slots]; task++) {
+        int slot = 0;
+        while (task_starts[slot + 1] <= task) slot++;
+        const int64_t groups = (task_starts[slot + 1] - task_starts[slot]) / num_slices, at = task - task_starts[slot];
+        const int status = lora_task(&g, slot, (int)(at / groups), (int)(at % groups) * LORA_TOKENS);
         if (status) {
 #pragma omp atomic write
             failed = status;

@@ -1,5 +1,5 @@
-"""The CPU decode attention kernel that reads the paged KV blocks in place (cpu_native.c beside this file), built
-on first use.
+"""The native CPU kernels (cpu_native.c beside this file), built on first use: the paged attention that reads the
+KV blocks in place, and the batched LoRA add (kernels.lora's decode-sized calls).
 
 Why: the index_select + SDPA path (kernels.cpu_attention) copies every block a step reads once more before SDPA
 reads it, which made it ~3x slower than SDPA over contiguous K/V of the same shape; this kernel reads each K/V
@@ -105,6 +105,9 @@ def _load() -> ctypes.CDLL:
     i64, i32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     fn.argtypes = [ptr, i64, i64, ptr, ptr, i64, i32, i32, i32, i32, i32, ptr, i32, ptr, ptr, ptr, ctypes.c_float]
     fn.argtypes += [ptr, i64, i64, i32, i32, i32, ctypes.c_float, ptr]
+    fn.restype = i32
+    fn = library.pagedq_lora_add
+    fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i32, i32, i32, i32, i32, ptr, ptr, ptr, ptr, i32, i32]
     fn.restype = i32
     return library
 
@@ -300,3 +303,50 @@ def _call(
         raise MemoryError("native CPU attention could not allocate a task's state")
     if status:
         raise ValueError(f"native CPU attention rejected the shapes (status {status})")
+
+
+LORA_MAX_RANK = 1024  # cpu_native.c's bound on R (its per-task shrink buffer lives on the stack)
+
+
+def lora_supports(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor) -> bool:
+    """Whether these tensors suit the native LoRA add: CPU, fp32 or bf16 throughout, x's and y's rows contiguous,
+    the stacked weights contiguous, R <= LORA_MAX_RANK (shape checks only: call available() for the kernel)."""
+    tensors = (y, x, lora_a, lora_b)
+    if x.dtype not in (torch.float32, torch.bfloat16) or any(t.dtype != x.dtype for t in tensors):
+        return False
+    if any(t.device.type != "cpu" for t in tensors) or not (lora_a.is_contiguous() and lora_b.is_contiguous()):
+        return False
+    return y.dim() == 2 and x.dim() == 2 and y.stride(1) == 1 and x.stride(1) == 1 and lora_a.shape[2] <= LORA_MAX_RANK
+
+
+def lora_add(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_order: torch.Tensor,
+    slot_starts: torch.Tensor,
+    slot_lengths: torch.Tensor,
+    out_sizes: tuple[int, ...],
+    num_threads: int | None = None,
+) -> None:
+    """kernels.lora.lora_add in one native call, y updated in place: x [T, in], y [T, sum(out_sizes)], lora_a
+    [S, N, R, in], lora_b [S, N, max_out, R], and a LoRAIndex's token_order [T], slot_starts [S] and slot_lengths
+    [S] (contiguous int32; slot s's tokens are token_order[start : start + length]). The caller checked the
+    shapes (kernels.lora.check_lora_add_shapes), available() and lora_supports()."""
+    assert _library is not None, "call available() first"
+    index = (token_order, slot_starts, slot_lengths)
+    if any(t.dtype != torch.int32 or not t.is_contiguous() for t in index):
+        raise ValueError("token_order, slot_starts and slot_lengths must be contiguous int32")
+    num_slots, num_slices, rank, in_dim = lora_a.shape
+    sizes = (ctypes.c_int * len(out_sizes))(*out_sizes)
+    status = _library.pagedq_lora_add(
+        y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0), lora_a.data_ptr(), lora_b.data_ptr(),
+        num_slots, num_slices, rank, in_dim, lora_b.shape[2], sizes, token_order.data_ptr(),
+        slot_starts.data_ptr(), slot_lengths.data_ptr(), x.dtype == torch.bfloat16,
+        num_threads or torch.get_num_threads(),
+    )  # fmt: skip
+    if status == 3:
+        raise MemoryError("native LoRA add could not allocate a task's buffers")
+    if status:
+        raise ValueError(f"native LoRA add rejected the shapes (status {status})")

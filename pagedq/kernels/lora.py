@@ -14,7 +14,8 @@ Both accumulate in fp32; expand adds in fp32 and rounds once to y's dtype. The s
 
     lora_add(y, x, lora_a, lora_b, index, out_sizes) -> None:  lora_expand(y, lora_shrink(x, lora_a), lora_b)
 
-which the CPU path computes in one pass (`grouped_lora_add`) and the Triton backend as the two kernels.
+which the CPU path computes in one pass (`grouped_lora_add`: the native kernel of kernels.cpu_native at decode,
+torch ops grouped by slot otherwise) and the Triton backend as the two kernels.
 
 `LoRAIndex` is built once per step from the tokens' slots and used by every layer: the tokens sorted by slot
 (stable), so each slot's tokens form one contiguous segment of `token_order`, and each slot's segment start and
@@ -33,6 +34,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+from pagedq.kernels import cpu_native
 
 MAX_SLICES = 3  # qkv_proj; the Triton launchers pass the slice sizes as scalars
 
@@ -218,6 +221,8 @@ MAX_PADDING_WASTE = 0.5
 # A CPU call moving up to this many elements is decode-sized: it runs on one thread (_small_work_on_one_thread)
 # and gathers its result back (SlotRows); a larger one runs on all threads and adds its result in place.
 SMALL_CALL_ELEMENTS = 1 << 18
+# A call whose slots have at most this many tokens each runs natively where it can (_runs_native).
+NATIVE_MAX_SLOT_TOKENS = 16
 
 
 def check_lora_shapes(
@@ -311,10 +316,14 @@ def grouped_lora_add(
     index: LoRAIndex,
     out_sizes: tuple[int, ...],
 ) -> None:
-    """CPU path of `lora_add`, laid out by `SlotRows`: one batched matmul over every slot, or one per slot, for
-    the shrink and for each slice's expand; the shrunk rows stay in the layout between the two."""
+    """CPU path of `lora_add`. With few tokens per slot (decode) one call of the native kernel where it builds
+    (kernels.cpu_native.lora_add). Otherwise torch ops laid out by `SlotRows`: one batched matmul over every slot,
+    or one per slot, for the shrink and for each slice's expand; the shrunk rows stay in the layout between the two."""
     check_lora_add_shapes("lora_add", y, x, lora_a, lora_b, index, out_sizes)
     if not index.has_adapter:
+        return
+    if _runs_native(y, x, lora_a, lora_b, index):
+        cpu_native.lora_add(y, x, lora_a, lora_b, index.token_order, index.slot_starts, index.slot_lengths, out_sizes)
         return
     _, num_slices, rank, in_dim = lora_a.shape
     layout = index.slot_rows
@@ -344,6 +353,17 @@ def grouped_lora_add(
         else:
             real = delta if layout.real_rows is None else delta.index_select(0, layout.real_rows)
             _add_at(y, layout.real_tokens, real)
+
+
+def _runs_native(
+    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, index: LoRAIndex
+) -> bool:
+    """Whether a call goes to the native kernel (kernels.cpu_native.lora_add): few tokens per slot, and tensors it
+    takes. It reads a slot's weights once per 8 of the slot's tokens, so with many tokens per slot (prefill) the
+    batched matmuls below, which block for cache, do better at higher ranks (docs/kernels.md)."""
+    if index.max_segment_length > NATIVE_MAX_SLOT_TOKENS:
+        return False
+    return cpu_native.lora_supports(y, x, lora_a, lora_b) and cpu_native.available()
 
 
 def _product_into(out: torch.Tensor, offset: int, shrunk: torch.Tensor, weights: torch.Tensor) -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from lora_cases import CASES, TOLERANCES, loop_expand, loop_shrink, make_case
 
-from pagedq.kernels import bind, lora
+from pagedq.kernels import bind, cpu_native, lora
 from pagedq.kernels.lora import LoRAIndex
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -65,13 +65,20 @@ def test_shrink_and_expand_match_a_per_token_loop(name, dtype):
     assert torch.equal(y[base], case.y[base])  # base-model rows are untouched, bit for bit
 
 
-@pytest.mark.parametrize("impl", ["reference", "cpu", "cpu_large"])
+@pytest.mark.parametrize("impl", ["reference", "native", "cpu", "cpu_large"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", list(CASES))
 def test_lora_add_matches_a_per_token_loop(name, dtype, impl, monkeypatch):
-    """lora_add, the layer's call, against shrink-then-expand by the loop: the reference and the CPU path, in both
-    of its layouts (the decode cases batch the slots, the unequal ones loop over them) and both ways back (a
+    """lora_add, the layer's call, against shrink-then-expand by the loop: the reference; the CPU path by its native
+    kernel (fp32 and bf16; fp16 falls back to the torch ops); and the CPU path's torch ops (PAGEDQ_CPU_NATIVE=0) in
+    both of their layouts (the decode cases batch the slots, the unequal ones loop over them) and both ways back (a
     decode-sized call gathers its result back; "cpu_large" lowers the size bound so every call adds in place)."""
+    native_calls = _count_native_calls(monkeypatch)
+    if impl == "native":
+        monkeypatch.delenv("PAGEDQ_CPU_NATIVE", raising=False)
+        assert cpu_native.available(), cpu_native.failure()  # this machine has a compiler: the kernel must build
+    else:
+        monkeypatch.setenv("PAGEDQ_CPU_NATIVE", "0")
     if impl == "cpu_large":
         monkeypatch.setattr(lora, "SMALL_CALL_ELEMENTS", 0)
     case = make_case(name, dtype)
@@ -83,6 +90,85 @@ def test_lora_add_matches_a_per_token_loop(name, dtype, impl, monkeypatch):
     torch.testing.assert_close(y.double(), loop_expand(case, loop_shrink(case)), atol=atol, rtol=rtol)
     base = case.slots < 0
     assert torch.equal(y[base], case.y[base])  # base-model rows are untouched, bit for bit
+    takes_native = impl == "native" and dtype != torch.float16 and index.has_adapter
+    assert native_calls == ([1] if takes_native else [])
+
+
+def _count_native_calls(monkeypatch) -> list[int]:
+    """Calls of the native LoRA kernel from here on, one entry each."""
+    calls: list[int] = []
+    kernel = cpu_native.lora_add
+    monkeypatch.setattr(cpu_native, "lora_add", lambda *args, **kwargs: (calls.append(1), kernel(*args, **kwargs))[1])
+    return calls
+
+
+# Shapes the test cases above keep regular: a rank that is not a multiple of 8 (the expand's one-output loop), odd
+# widths (the dot products' tails), slots of more than 8 tokens (two token groups), a slot whose weights are padded
+# past its tokens' rank, and slots that are not consecutive.
+NATIVE_SHAPES = {
+    "rank_12_odd_widths": (12, 37, (20, 5, 13), [0, 1, -1, 1, 0, 3] * 3),
+    "rank_16_long_slot": (16, 64, (40, 24), [2] * 19 + [-1, 0]),
+    "rank_8_one_output": (8, 9, (1,), [1, -1, 1]),
+    "rank_24_wide": (24, 200, (72,), list(range(4)) * 5),
+}
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(NATIVE_SHAPES))
+def test_native_lora_add_irregular_shapes(name, dtype, num_threads, monkeypatch):
+    """The native kernel, called directly (past the dispatch's tokens-per-slot bound), against the reference; each
+    output element is one task's, so the thread count does not change a bit."""
+    monkeypatch.delenv("PAGEDQ_CPU_NATIVE", raising=False)
+    assert cpu_native.available(), cpu_native.failure()
+    rank, in_dim, out_sizes, slot_list = NATIVE_SHAPES[name]
+    gen = torch.Generator().manual_seed(rank * in_dim)
+    num_slots, num_slices = 4, len(out_sizes)
+    lora_a = (torch.randn(num_slots, num_slices, rank, in_dim, generator=gen) / in_dim**0.5).to(dtype)
+    lora_b = (torch.randn(num_slots, num_slices, max(out_sizes) + 3, rank, generator=gen) / rank**0.5).to(dtype)
+    x = torch.randn(len(slot_list), in_dim + 5, generator=gen).to(dtype)[:, 2 : 2 + in_dim]  # strided rows
+    y = torch.randn(len(slot_list), sum(out_sizes), generator=gen).to(dtype)
+    index = LoRAIndex.build(torch.tensor(slot_list, dtype=torch.int32), num_slots)
+    expected = y.clone()
+    lora.lora_add(expected, x, lora_a, lora_b, index, out_sizes)
+    out = y.clone()
+    cpu_native.lora_add(out, x, lora_a, lora_b, index.token_order, index.slot_starts, index.slot_lengths, out_sizes,
+                        num_threads)  # fmt: skip
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.double(), expected.double(), atol=atol, rtol=rtol)
+    base = index.token_slots < 0
+    assert torch.equal(out[base], y[base])
+    again = y.clone()
+    cpu_native.lora_add(again, x, lora_a, lora_b, index.token_order, index.slot_starts, index.slot_lengths, out_sizes,
+                        3 - num_threads)  # fmt: skip
+    assert torch.equal(again, out)
+
+
+def test_native_lora_add_takes_few_tokens_per_slot(monkeypatch):
+    """The dispatch: slots of at most NATIVE_MAX_SLOT_TOKENS tokens run natively, a longer one by the torch ops;
+    PAGEDQ_CPU_NATIVE=0 and tensors the kernel does not take (fp16, a transposed weight stack) keep the torch ops."""
+    monkeypatch.delenv("PAGEDQ_CPU_NATIVE", raising=False)
+    calls = _count_native_calls(monkeypatch)
+    limit = lora.NATIVE_MAX_SLOT_TOKENS
+    case = make_case("one_slot_gate_up", torch.float32)
+
+    def add(num_tokens: int, dtype: torch.dtype = torch.float32, lora_b: torch.Tensor | None = None) -> None:
+        x, y = torch.randn(num_tokens, case.x.shape[1], dtype=dtype), torch.randn(num_tokens, 48, dtype=dtype)
+        index = LoRAIndex.build(torch.ones(num_tokens, dtype=torch.int32), 2)
+        b = (case.lora_b if lora_b is None else lora_b).to(dtype)
+        expected = y.clone()
+        lora.lora_add(expected, x, case.lora_a.to(dtype), b, index, (24, 24))
+        lora.grouped_lora_add(y, x, case.lora_a.to(dtype), b, index, (24, 24))
+        torch.testing.assert_close(y.double(), expected.double(), atol=2e-3, rtol=2e-3)
+
+    add(limit)
+    assert calls == [1]
+    add(limit + 1)
+    add(limit, torch.float16)
+    add(limit, lora_b=case.lora_b.transpose(0, 1).contiguous().transpose(0, 1))
+    monkeypatch.setenv("PAGEDQ_CPU_NATIVE", "0")
+    add(limit)
+    assert calls == [1]
 
 
 def test_slot_rows_batched_layout():
@@ -121,6 +207,7 @@ def test_lora_add_rejects_out_sizes_that_do_not_fill_y(add):
 def test_small_calls_run_on_one_thread_and_restore_the_count(monkeypatch):
     """A decode-sized call drops to one intra-op thread and gives the caller's count back, even when it raises; a
     prefill-sized one keeps every thread."""
+    monkeypatch.setenv("PAGEDQ_CPU_NATIVE", "0")  # the torch ops' rule
     case = make_case("decode_every_slot", torch.float32)
     index = LoRAIndex.build(case.slots, case.num_slots)
     before, set_threads, counts = torch.get_num_threads(), torch.set_num_threads, []

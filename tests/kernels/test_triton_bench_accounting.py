@@ -83,8 +83,14 @@ def test_cpu_bench_honours_its_flags(capsys):
         "S=3 ctx=20 Hq=4 Hkv=2 D=16 bfloat16",
         "S=3 ctx=33 Hq=4 Hkv=2 D=16 bfloat16",
         "S=2 q=7.. Hq=4 Hkv=2 D=16 bfloat16",
+        "decode T=3 S=8 R=16 in/out 64/64+32+32, 64/64, 64/170+170, 170/64 bfloat16",
+        "prefill T=12 S=8 R=16 in/out 64/64+32+32, 64/64, 64/170+170, 170/64 bfloat16",
     ]
     assert all(r["max_abs_diff_vs_reference"] < 2e-2 for r in records[:2])
+    lora_records = records[3:]
+    # a few tokens per adapter: the native kernel's case, timed next to the torch ops it replaces
+    assert all(r["native_ms"] == pytest.approx(r["ms"], abs=1e-5) and r["torch_ops_ms"] > 0 for r in lora_records)
+    assert all(r["max_abs_diff_vs_reference"] < 2e-2 for r in lora_records)
 
 
 @pytest.mark.parametrize(
