@@ -143,6 +143,7 @@ def _time_lora_step(args: argparse.Namespace, timer: Callable[[Callable[[], obje
         for (_, outs), x, y, (lora_a, lora_b) in zip(linears, xs, ys, next(turn), strict=True):
             add(y, x, lora_a, lora_b, index, outs)
 
+    max_diff = _max_diff(layers[0], linears, xs, ys, index)  # before the timed calls add to ys
     with _native(True):
         native = lora._runs_native(ys[0], xs[0], *layers[0][0], index)
         path_ms = timer(partial(layer, lora.grouped_lora_add), args.repeats)
@@ -150,7 +151,6 @@ def _time_lora_step(args: argparse.Namespace, timer: Callable[[Callable[[], obje
         torch_ops_ms = timer(partial(layer, lora.grouped_lora_add), args.repeats)
     reference_ms = timer(partial(layer, lora.lora_add), args.repeats)
     native_ms = path_ms if native else None
-    max_diff = _max_diff(layers[0], linears, xs, ys, index)
     return {"ms": path_ms, "native_ms": native_ms, "torch_ops_ms": torch_ops_ms,
             "native_over_torch_ops": None if native_ms is None else native_ms / torch_ops_ms,
             "reference_ms": reference_ms, "max_abs_diff_vs_reference": max_diff}  # fmt: skip
