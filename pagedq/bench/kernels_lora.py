@@ -145,7 +145,7 @@ def _time_lora_step(args: argparse.Namespace, timer: Callable[[Callable[[], obje
 
     max_diff = _max_diff(layers[0], linears, xs, ys, index)  # before the timed calls add to ys
     with _native(True):
-        native = lora._runs_native(ys[0], xs[0], *layers[0][0], index)
+        native = lora.runs_native(ys[0], xs[0], *layers[0][0], index)
         path_ms = timer(partial(layer, lora.grouped_lora_add), args.repeats)
     with _native(False):
         torch_ops_ms = timer(partial(layer, lora.grouped_lora_add), args.repeats)

@@ -221,7 +221,7 @@ MAX_PADDING_WASTE = 0.5
 # A CPU call moving up to this many elements is decode-sized: it runs on one thread (_small_work_on_one_thread)
 # and gathers its result back (SlotRows); a larger one runs on all threads and adds its result in place.
 SMALL_CALL_ELEMENTS = 1 << 18
-# A call whose slots have at most this many tokens each runs natively where it can (_runs_native).
+# A call whose slots have at most this many tokens each runs natively where it can (runs_native).
 NATIVE_MAX_SLOT_TOKENS = 16
 
 
@@ -322,7 +322,7 @@ def grouped_lora_add(
     check_lora_add_shapes("lora_add", y, x, lora_a, lora_b, index, out_sizes)
     if not index.has_adapter:
         return
-    if _runs_native(y, x, lora_a, lora_b, index):
+    if runs_native(y, x, lora_a, lora_b, index):
         cpu_native.lora_add(y, x, lora_a, lora_b, index.token_order, index.slot_starts, index.slot_lengths, out_sizes)
         return
     _, num_slices, rank, in_dim = lora_a.shape
@@ -355,9 +355,7 @@ def grouped_lora_add(
             _add_at(y, layout.real_tokens, real)
 
 
-def _runs_native(
-    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, index: LoRAIndex
-) -> bool:
+def runs_native(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, index: LoRAIndex) -> bool:
     """Whether a call goes to the native kernel (kernels.cpu_native.lora_add): few tokens per slot, and tensors it
     takes. It reads a slot's weights once per 8 of the slot's tokens, so with many tokens per slot (prefill) the
     batched matmuls below, which block for cache, do better at higher ranks (docs/kernels.md)."""
