@@ -20,7 +20,7 @@ from functools import partial
 
 import torch
 
-from pagedq.kernels import lora
+from pagedq.kernels import cpu_lora, lora
 
 
 def lora_shrink_bytes(num_tokens: int, in_dim: int, num_slices: int, rank: int, active_slots: int,
@@ -81,7 +81,7 @@ def lora_bench_cases(device: torch.device, dtype: torch.dtype = torch.bfloat16, 
                           lora_expand_bytes(tokens, out_sizes, rank, active, elem)),
             LoRABenchCase("lora_add", f"T={tokens} in={hidden} out={outs} R={rank} S={num_slots}",
                           partial(triton_ops.lora_add, y, x, lora_a, lora_b, index, out_sizes),
-                          partial(lora.grouped_lora_add, y, x, lora_a, lora_b, index, out_sizes),
+                          partial(cpu_lora.grouped_lora_add, y, x, lora_a, lora_b, index, out_sizes),
                           lora_shrink_bytes(tokens, hidden, 3, rank, active, elem)
                           + lora_expand_bytes(tokens, out_sizes, rank, active, elem)),
         ]  # fmt: skip
@@ -145,10 +145,10 @@ def _time_lora_step(args: argparse.Namespace, timer: Callable[[Callable[[], obje
 
     max_diff = _max_diff(layers[0], linears, xs, ys, index)  # before the timed calls add to ys
     with _native(True):
-        native = lora.runs_native(ys[0], xs[0], *layers[0][0], index)
-        path_ms = timer(partial(layer, lora.grouped_lora_add), args.repeats)
+        native = cpu_lora.runs_native(ys[0], xs[0], *layers[0][0], index)
+        path_ms = timer(partial(layer, cpu_lora.grouped_lora_add), args.repeats)
     with _native(False):
-        torch_ops_ms = timer(partial(layer, lora.grouped_lora_add), args.repeats)
+        torch_ops_ms = timer(partial(layer, cpu_lora.grouped_lora_add), args.repeats)
     reference_ms = timer(partial(layer, lora.lora_add), args.repeats)
     native_ms = path_ms if native else None
     return {"ms": path_ms, "native_ms": native_ms, "torch_ops_ms": torch_ops_ms,
@@ -162,7 +162,7 @@ def _max_diff(weights: LayerWeights, linears: list[Linear],
     worst = 0.0
     for (_, outs), x, y, (lora_a, lora_b) in zip(linears, xs, ys, weights, strict=True):
         path, expected = y.clone(), y.clone()
-        lora.grouped_lora_add(path, x, lora_a, lora_b, index, outs)
+        cpu_lora.grouped_lora_add(path, x, lora_a, lora_b, index, outs)
         lora.lora_add(expected, x, lora_a, lora_b, index, outs)
         worst = max(worst, (path.float() - expected.float()).abs().max().item())
     return worst

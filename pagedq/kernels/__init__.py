@@ -3,7 +3,7 @@
 Every public function here has a plain-PyTorch reference in `kernels.reference` with the same signature and a
 Triton implementation in `kernels.triton_ops`. `bind(device)` picks the backend once (Triton on CUDA; on CPU
 "cpu": the reference with its paged attention replaced by `kernels.cpu_attention`, index_select + torch's SDPA,
-and fused_moe by `kernels.cpu_moe`, grouped by expert;
+fused_moe by `kernels.cpu_moe`, grouped by expert, and lora_add by `kernels.cpu_lora`, grouped by slot;
 `PAGEDQ_KERNELS=triton|cpu|reference` forces one, and with `TRITON_INTERPRET=1` the Triton path runs on CPU
 through Triton's interpreter) and returns a `KernelSet`: the engine binds one when it builds the
 model, so the environment is read once, not per call. A kernel missing from the Triton backend raises at bind
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedq.kernels import cpu_attention, cpu_moe, lora, reference
+from pagedq.kernels import cpu_attention, cpu_lora, cpu_moe, reference
 
 _BACKENDS = ("triton", "cpu", "reference")
 KERNEL_NAMES = (
@@ -46,7 +46,7 @@ CPU_PATHS: dict[str, Callable] = {
     "paged_decode_attention": cpu_attention.paged_decode_attention,
     "paged_prefill_attention": cpu_attention.paged_prefill_attention,
     "fused_moe": cpu_moe.fused_moe,
-    "lora_add": lora.grouped_lora_add,
+    "lora_add": cpu_lora.grouped_lora_add,
 }
 
 

@@ -1,5 +1,5 @@
 """The native CPU kernels (cpu_native.c beside this file), built on first use: the paged attention that reads the
-KV blocks in place, and the batched LoRA add (kernels.lora's decode-sized calls).
+KV blocks in place, and the batched LoRA add (kernels.cpu_lora's decode-sized calls).
 
 Why: the index_select + SDPA path (kernels.cpu_attention) copies every block a step reads once more before SDPA
 reads it, which made it ~3x slower than SDPA over contiguous K/V of the same shape; this kernel reads each K/V

@@ -6,7 +6,7 @@ import pytest
 import torch
 from lora_cases import CASES, TOLERANCES, loop_expand, loop_shrink, make_case
 
-from pagedq.kernels import bind, cpu_native, lora
+from pagedq.kernels import bind, cpu_lora, cpu_native, lora
 from pagedq.kernels.lora import LoRAIndex
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -80,7 +80,7 @@ def test_lora_add_matches_a_per_token_loop(name, dtype, impl, monkeypatch):
     else:
         monkeypatch.setenv("PAGEDQ_CPU_NATIVE", "0")
     if impl == "cpu_large":
-        monkeypatch.setattr(lora, "SMALL_CALL_ELEMENTS", 0)
+        monkeypatch.setattr(cpu_lora, "SMALL_CALL_ELEMENTS", 0)
     case = make_case(name, dtype)
     index = LoRAIndex.build(case.slots, case.num_slots)
     y = case.y.clone()
@@ -149,7 +149,7 @@ def test_native_lora_add_takes_few_tokens_per_slot(monkeypatch):
     PAGEDQ_CPU_NATIVE=0 and tensors the kernel does not take (fp16, a transposed weight stack) keep the torch ops."""
     monkeypatch.delenv("PAGEDQ_CPU_NATIVE", raising=False)
     calls = _count_native_calls(monkeypatch)
-    limit = lora.NATIVE_MAX_SLOT_TOKENS
+    limit = cpu_lora.NATIVE_MAX_SLOT_TOKENS
     case = make_case("one_slot_gate_up", torch.float32)
 
     def add(num_tokens: int, dtype: torch.dtype = torch.float32, lora_b: torch.Tensor | None = None) -> None:
@@ -158,7 +158,7 @@ def test_native_lora_add_takes_few_tokens_per_slot(monkeypatch):
         b = (case.lora_b if lora_b is None else lora_b).to(dtype)
         expected = y.clone()
         lora.lora_add(expected, x, case.lora_a.to(dtype), b, index, (24, 24))
-        lora.grouped_lora_add(y, x, case.lora_a.to(dtype), b, index, (24, 24))
+        cpu_lora.grouped_lora_add(y, x, case.lora_a.to(dtype), b, index, (24, 24))
         torch.testing.assert_close(y.double(), expected.double(), atol=2e-3, rtol=2e-3)
 
     add(limit)
@@ -193,10 +193,10 @@ def test_slot_rows_per_slot_layout():
 
 
 def test_cpu_backend_binds_the_grouped_path():
-    assert bind("cpu").lora_add is lora.grouped_lora_add
+    assert bind("cpu").lora_add is cpu_lora.grouped_lora_add
 
 
-@pytest.mark.parametrize("add", [lora.lora_add, lora.grouped_lora_add], ids=["reference", "cpu"])
+@pytest.mark.parametrize("add", [lora.lora_add, cpu_lora.grouped_lora_add], ids=["reference", "cpu"])
 def test_lora_add_rejects_out_sizes_that_do_not_fill_y(add):
     case = make_case("mixed_qkv_gqa", torch.float32)
     index = LoRAIndex.build(case.slots, case.num_slots)
@@ -214,15 +214,15 @@ def test_small_calls_run_on_one_thread_and_restore_the_count(monkeypatch):
     set_threads(2)
     try:
         monkeypatch.setattr(torch, "set_num_threads", lambda n: (counts.append(n), set_threads(n))[1])
-        lora.grouped_lora_add(case.y.clone(), case.x, case.lora_a, case.lora_b, index, case.out_sizes)
+        cpu_lora.grouped_lora_add(case.y.clone(), case.x, case.lora_a, case.lora_b, index, case.out_sizes)
         assert counts == [1, 2] and torch.get_num_threads() == 2
         with monkeypatch.context() as patch:
             patch.setattr(torch, "bmm", lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("bmm failed")))
             with pytest.raises(RuntimeError, match="bmm failed"):
-                lora.grouped_lora_add(case.y.clone(), case.x, case.lora_a, case.lora_b, index, case.out_sizes)
+                cpu_lora.grouped_lora_add(case.y.clone(), case.x, case.lora_a, case.lora_b, index, case.out_sizes)
         assert counts == [1, 2, 1, 2] and torch.get_num_threads() == 2
-        monkeypatch.setattr(lora, "SMALL_CALL_ELEMENTS", 0)
-        lora.grouped_lora_add(case.y.clone(), case.x, case.lora_a, case.lora_b, index, case.out_sizes)
+        monkeypatch.setattr(cpu_lora, "SMALL_CALL_ELEMENTS", 0)
+        cpu_lora.grouped_lora_add(case.y.clone(), case.x, case.lora_a, case.lora_b, index, case.out_sizes)
         assert counts == [1, 2, 1, 2]
     finally:
         set_threads(before)
