@@ -11,16 +11,14 @@ path as it dispatches, by its native kernel and by its torch ops, next to the re
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
-import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
-from pagedq.kernels import cpu_lora, lora
+from pagedq.kernels import cpu_lora, cpu_native, lora
 
 
 def lora_shrink_bytes(num_tokens: int, in_dim: int, num_slices: int, rank: int, active_slots: int,
@@ -103,8 +101,8 @@ def bench_cpu_lora(args: argparse.Namespace, timer: Callable[[Callable[[], objec
     """A decoder layer's four LoRA calls at decode (--batch tokens) and at prefill (the --prefill-lens prompts),
     the tokens spread over 8 adapters of rank 16 (a prompt's tokens all on one), the projections' sizes from
     --heads and --head-dim (SmolLM2-135M's by default; the MLP 8/3 of the hidden size). `ms` is the path
-    `grouped_lora_add` takes; `native_ms` its native kernel (null where it does not run), `torch_ops_ms` its
-    torch ops (PAGEDQ_CPU_NATIVE=0); `reference_ms` the reference."""
+    `grouped_lora_add` takes; `native_ms` its native kernel (null where it does not take it), `torch_ops_ms` its
+    torch ops (`torch_ops_lora_add`); `reference_ms` the reference."""
     num_q_heads, num_kv_heads = args.heads
     hidden, kv_out = num_q_heads * args.head_dim, num_kv_heads * args.head_dim
     ffn = 8 * hidden // 3
@@ -143,14 +141,16 @@ def _time_lora_step(args: argparse.Namespace, timer: Callable[[Callable[[], obje
         for (_, outs), x, y, (lora_a, lora_b) in zip(linears, xs, ys, next(turn), strict=True):
             add(y, x, lora_a, lora_b, index, outs)
 
+    def native_add(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                   index: lora.LoRAIndex, out_sizes: tuple[int, ...]) -> None:  # fmt: skip
+        cpu_native.lora_add(y, x, lora_a, lora_b, index.token_order, index.slot_starts, index.slot_lengths, out_sizes)
+
     max_diff = _max_diff(layers[0], linears, xs, ys, index)  # before the timed calls add to ys
-    with _native(True):
-        native = cpu_lora.runs_native(ys[0], xs[0], *layers[0][0], index)
-        path_ms = timer(partial(layer, cpu_lora.grouped_lora_add), args.repeats)
-    with _native(False):
-        torch_ops_ms = timer(partial(layer, cpu_lora.grouped_lora_add), args.repeats)
+    path_ms = timer(partial(layer, cpu_lora.grouped_lora_add), args.repeats)
+    native = cpu_lora.runs_native(ys[0], xs[0], *layers[0][0], index)
+    native_ms = timer(partial(layer, native_add), args.repeats) if native else None
+    torch_ops_ms = timer(partial(layer, cpu_lora.torch_ops_lora_add), args.repeats)
     reference_ms = timer(partial(layer, lora.lora_add), args.repeats)
-    native_ms = path_ms if native else None
     return {"ms": path_ms, "native_ms": native_ms, "torch_ops_ms": torch_ops_ms,
             "native_over_torch_ops": None if native_ms is None else native_ms / torch_ops_ms,
             "reference_ms": reference_ms, "max_abs_diff_vs_reference": max_diff}  # fmt: skip
@@ -166,17 +166,3 @@ def _max_diff(weights: LayerWeights, linears: list[Linear],
         lora.lora_add(expected, x, lora_a, lora_b, index, outs)
         worst = max(worst, (path.float() - expected.float()).abs().max().item())
     return worst
-
-
-@contextlib.contextmanager
-def _native(on: bool) -> Iterator[None]:
-    """PAGEDQ_CPU_NATIVE as given, for the block (the native kernels read it on every call)."""
-    before = os.environ.get("PAGEDQ_CPU_NATIVE")
-    os.environ["PAGEDQ_CPU_NATIVE"] = "1" if on else "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["PAGEDQ_CPU_NATIVE"]
-        else:
-            os.environ["PAGEDQ_CPU_NATIVE"] = before

@@ -31,15 +31,28 @@ def grouped_lora_add(
     index: LoRAIndex,
     out_sizes: tuple[int, ...],
 ) -> None:
-    """CPU path of `lora_add`. With few tokens per slot (decode) one call of the native kernel where it builds
-    (kernels.cpu_native.lora_add). Otherwise torch ops laid out by `SlotRows`: one batched matmul over every slot,
-    or one per slot, for the shrink and for each slice's expand; the shrunk rows stay in the layout between the two."""
+    """CPU path of `lora_add`: with few tokens per slot (decode) one call of the native kernel where it builds
+    (kernels.cpu_native.lora_add), otherwise `torch_ops_lora_add`."""
     check_lora_add_shapes("lora_add", y, x, lora_a, lora_b, index, out_sizes)
     if not index.has_adapter:
         return
     if runs_native(y, x, lora_a, lora_b, index):
         cpu_native.lora_add(y, x, lora_a, lora_b, index.token_order, index.slot_starts, index.slot_lengths, out_sizes)
-        return
+    else:
+        torch_ops_lora_add(y, x, lora_a, lora_b, index, out_sizes)
+
+
+def torch_ops_lora_add(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    index: LoRAIndex,
+    out_sizes: tuple[int, ...],
+) -> None:
+    """`lora_add` by torch ops laid out by `SlotRows`: one batched matmul over every slot, or one per slot, for the
+    shrink and for each slice's expand; the shrunk rows stay in the layout between the two. The caller checked the
+    shapes (grouped_lora_add)."""
     _, num_slices, rank, in_dim = lora_a.shape
     layout = index.slot_rows
     offsets = [0, *itertools.accumulate(out_sizes)]
